@@ -1,0 +1,45 @@
+# Quick start: `make demo` (install + run the CPU main job) and `make test` (install + run the non-GPU tests).
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+VLLM_VENV ?= .venv-vllm
+
+export OMP_NUM_THREADS ?= 1
+export TORCHDYNAMO_DISABLE ?= 1
+export WANDB_MODE ?= offline
+export RAY_AUTH_MODE ?= disabled
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test test-fast vllm-env bench clean-venv
+
+$(STAMP): setup.py requirements.txt constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/main.sh
+
+test: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu" -q
+
+test-fast: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not vllm" -q
+
+$(VLLM_VENV)/.installed: requirements_vllm.txt constraints.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -r requirements_vllm.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+clean-venv:
+	rm -rf $(VENV) $(VLLM_VENV)

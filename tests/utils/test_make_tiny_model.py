@@ -1,0 +1,37 @@
+"""The tiny model builder: deterministic, loadable with transformers, head_dim usable by vLLM on CPU."""
+import hashlib
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from utils.make_tiny_model import build_tiny_model
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_same_seed_gives_identical_files(tmp_path):
+    a = build_tiny_model(tmp_path / "a", seed=3)
+    b = build_tiny_model(tmp_path / "b", seed=3)
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert _digest(a / name) == _digest(b / name)
+    c = build_tiny_model(tmp_path / "c", seed=4)
+    assert _digest(a / "model.safetensors") != _digest(c / "model.safetensors")
+
+
+def test_loads_with_transformers_and_chats(tiny_model_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    config = model.config
+    assert config.hidden_size // config.num_attention_heads >= 32
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<pad>"
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello, who is calling?"}], add_generation_prompt=True, return_dict=False
+    )
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), len(tokenizer))

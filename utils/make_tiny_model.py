@@ -1,0 +1,157 @@
+"""Build the tiny local model used by the tests and the CPU demo.
+
+A byte-level BPE tokenizer is trained locally (on the project's own scenario text and behaviour library when
+they exist, plus a built-in corpus) and saved with a ChatML chat template; a Qwen2-architecture causal LM with
+random weights (head_dim 32, the smallest size vLLM's CPU attention accepts) is initialised from a seed. Both
+are written with `save_pretrained`, so `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(dir)` load them.
+Nothing is downloaded.
+
+    python utils/make_tiny_model.py --out outputs/tiny_model [--seed 0] [--vocab-size 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCENARIO_GLOBS = ("verl/trainer/config/format_prompt/*.yaml", "assets/*.jsonl")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_WORDS = (
+    "hello thanks yes no maybe okay sure call phone app merchant restaurant manager owner trial credit free "
+    "advertising platform button menu screen tap open claim message confirm step first second next done "
+    "cost price charge money budget click customers orders week month year today tomorrow busy later "
+    "who are you why how what when where please sorry understand help question answer trust believe "
+    "refund order delivery account password device setting support ticket wait minute repeat again"
+).split()
+_TAGS = ("response", "stage", "status", "user_reply", "user_status", "cooperation", "emotion", "trust")
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the tiny model; the defaults are what tests and the demo use."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    max_position_embeddings: int = 4096
+
+
+def builtin_corpus(seed: int, n_lines: int = 600) -> list[str]:
+    """Return a deterministic corpus of varied short lines (words, digits, tags, chat markers)."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        tag = rng.choice(_TAGS)
+        lines.append(f"<{tag}>{' '.join(words).capitalize()}, {rng.randint(0, 999)}.</{tag}>")
+        lines.append(f"Step {i % 7}: {' '.join(reversed(words))}? {rng.choice('abcdefghij') * rng.randint(1, 4)}")
+    return lines
+
+
+def scenario_corpus(root: Path = REPO_ROOT) -> list[str]:
+    """Return the lines of the project's scenario YAMLs and behaviour library, in a stable order."""
+    lines: list[str] = []
+    for pattern in SCENARIO_GLOBS:
+        for path in sorted(root.glob(pattern)):
+            lines.extend(line for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    return lines
+
+
+def build_tokenizer(corpus: list[str], vocab_size: int):
+    """Train a byte-level BPE tokenizer on `corpus` and wrap it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>", bos_token=None, unk_token=None
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a tokenizer and a random-weight Qwen2 causal LM to `out_dir`, deterministically from `seed`.
+
+    Returns the directory. An existing build with the same seed, spec and corpus is reused as is.
+    """
+    import hashlib
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    corpus = scenario_corpus() + builtin_corpus(seed)
+    fingerprint = hashlib.sha256(
+        json.dumps({"seed": seed, "spec": asdict(spec), "corpus": corpus}).encode()
+    ).hexdigest()
+    stamp = out / "tiny_model_fingerprint.txt"
+    if stamp.exists() and stamp.read_text().strip() == fingerprint:
+        return out
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(corpus, spec.vocab_size)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    previous_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Qwen2ForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(previous_state)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    stamp.write_text(fingerprint + "\n")
+    logger.info("tiny model (%d params, vocab %d) written to %s", model.num_parameters(), len(tokenizer), out)
+    return out
+
+
+def main() -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="outputs/tiny_model", help="output directory")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the weights and the built-in corpus")
+    parser.add_argument("--vocab-size", type=int, default=TinyModelSpec.vocab_size, help="BPE vocabulary size")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    path = build_tiny_model(args.out, seed=args.seed, spec=TinyModelSpec(vocab_size=args.vocab_size))
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
