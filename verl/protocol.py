@@ -1,0 +1,528 @@
+"""DataProto: the batch container passed between the trainer (driver) and the workers.
+
+A `DataProto` has three parts, with veRL's names and semantics:
+
+- `batch`: a `tensordict.TensorDict` whose tensors share the leading (row) dimension;
+- `non_tensor_batch`: a dict of `np.ndarray` (object dtype allowed), one entry per row, same length as `batch`;
+- `meta_info`: a dict of batch-wide values (`temperature`, `do_sample`, `metrics`, ...).
+
+Per-row data (uids, profiles, messages, outcomes) belongs in `batch` or `non_tensor_batch`, never in
+`meta_info`: every row operation (select, reorder, repeat, chunk, concat) moves the first two together and
+only copies `meta_info` along unchanged, so per-row lists kept there silently fall out of step with the rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torch.utils.data import DataLoader
+
+__all__ = [
+    "DataProto", "DataProtoItem", "collate_fn", "pad_dataproto_to_divisor", "union_tensor_dict", "unpad_dataproto",
+]
+
+IndexLike = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def _values_equal(a: Any, b: Any) -> bool:
+    """Return True when two values (scalars, arrays, tensors, containers) hold equal contents; NaN equals NaN."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            return False
+        if torch.equal(a, b):
+            return True
+        return bool(a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
+            return False
+        if a.dtype == object or b.dtype == object:
+            return all(_values_equal(x, y) for x, y in zip(a.ravel(), b.ravel()))
+        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _merge_meta_info(target: dict, source: Mapping, where: str) -> dict:
+    """Copy `source` into `target`; a key present in both must hold equal values."""
+    for key, value in source.items():
+        if key in target and not _values_equal(target[key], value):
+            raise ValueError(f"{where}: meta_info key {key!r} conflicts: {target[key]!r} != {value!r}")
+        target[key] = value
+    return target
+
+
+def _to_row_array(values: Any, key: str) -> np.ndarray:
+    """Return `values` as a per-row ndarray; lists/tuples become 1-D object arrays (one element per row)."""
+    if isinstance(values, np.ndarray):
+        return values
+    if isinstance(values, (list, tuple)):
+        array = np.empty(len(values), dtype=object)
+        for i, value in enumerate(values):
+            array[i] = value
+        return array
+    raise TypeError(f"non_tensor_batch[{key!r}] must be an np.ndarray (or a list), got {type(values).__name__}")
+
+
+def _as_index_array(idxs: IndexLike, length: int) -> np.ndarray:
+    """Turn a list, ndarray, tensor (int or bool mask) into an int64 index array validated against `length`."""
+    if isinstance(idxs, torch.Tensor):
+        idxs = idxs.detach().cpu().numpy()
+    array = np.asarray(idxs)
+    if array.ndim != 1:
+        raise IndexError(f"row indices must be 1-D, got shape {array.shape}")
+    if array.dtype == bool:
+        if array.shape[0] != length:
+            raise IndexError(f"boolean mask has length {array.shape[0]}, but the batch has {length} rows")
+        return np.flatnonzero(array)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise IndexError(f"row indices must be integers or a boolean mask, got dtype {array.dtype}")
+    if array.min() < -length or array.max() >= length:
+        raise IndexError(f"row index out of range for a batch of {length} rows: min {array.min()}, max {array.max()}")
+    return np.where(array < 0, array + length, array).astype(np.int64)
+
+
+def _rows_to_index(rows: list[int]) -> np.ndarray:
+    """DataLoader collate function of make_iterator: a list of row numbers -> an int64 index array."""
+    return np.asarray(rows, dtype=np.int64)
+
+
+def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
+    """Add the keys of `tensor_dict2` to `tensor_dict1` in place and return it; shared keys must hold equal tensors."""
+    if tensor_dict1.batch_size != tensor_dict2.batch_size:
+        raise ValueError(
+            "union_tensor_dict: batch sizes differ: "
+            f"{tuple(tensor_dict1.batch_size)} vs {tuple(tensor_dict2.batch_size)}"
+        )
+    for key in tensor_dict2.keys():
+        if key in tensor_dict1.keys() and not _values_equal(tensor_dict1[key], tensor_dict2[key]):
+            raise ValueError(f"union_tensor_dict: key {key!r} is in both batches with different values")
+        tensor_dict1[key] = tensor_dict2[key]
+    return tensor_dict1
+
+
+@dataclass(eq=False)
+class DataProtoItem:
+    """One row of a DataProto: `batch` is a TensorDict without batch dims, `non_tensor_batch` holds the row's values."""
+
+    batch: TensorDict | None = None
+    non_tensor_batch: dict[str, Any] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False, repr=False)
+class DataProto:
+    """A batch of rows: tensors (`batch`), per-row numpy arrays (`non_tensor_batch`) and batch-wide `meta_info`.
+
+    Equality is identity (comparing tensors/arrays has no single truth value); `repr` is a one-line summary.
+    """
+
+    batch: TensorDict | None = None
+    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.non_tensor_batch = {} if self.non_tensor_batch is None else dict(self.non_tensor_batch)
+        self.meta_info = {} if self.meta_info is None else self.meta_info
+        self.check_consistency()
+
+    def check_consistency(self) -> None:
+        """Raise unless `batch` is a TensorDict with batch dims and each non-tensor an ndarray of the batch length."""
+        length = None
+        if self.batch is not None:
+            if not isinstance(self.batch, TensorDict):
+                raise TypeError(f"DataProto.batch must be a TensorDict or None, got {type(self.batch).__name__}")
+            if len(self.batch.batch_size) == 0:
+                raise ValueError("DataProto.batch must have at least one batch dimension (the rows)")
+            if self.non_tensor_batch and len(self.batch.batch_size) != 1:
+                raise ValueError(
+                    "DataProto with non_tensor_batch needs exactly 1 batch dim, "
+                    f"batch has {tuple(self.batch.batch_size)}"
+                )
+            length = self.batch.batch_size[0]
+        if not isinstance(self.meta_info, dict):
+            raise TypeError(f"DataProto.meta_info must be a dict, got {type(self.meta_info).__name__}")
+        for key, value in self.non_tensor_batch.items():
+            if not isinstance(value, np.ndarray):
+                raise TypeError(f"non_tensor_batch[{key!r}] must be an np.ndarray, got {type(value).__name__}")
+            if value.ndim == 0:
+                raise ValueError(f"non_tensor_batch[{key!r}] is a 0-d array; it needs one entry per row")
+            if length is None:
+                length = value.shape[0]
+            elif value.shape[0] != length:
+                raise ValueError(
+                    f"non_tensor_batch[{key!r}] has length {value.shape[0]}, but the batch size is {length}"
+                )
+
+    @classmethod
+    def from_single_dict(cls, data: Mapping[str, Any], meta_info: dict | None = None) -> DataProto:
+        """Build from one dict, sorting values into tensors (-> batch) and ndarrays (-> non_tensor_batch)."""
+        tensors, non_tensors = {}, {}
+        for key, value in data.items():
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value
+            elif isinstance(value, np.ndarray):
+                non_tensors[key] = value
+            else:
+                raise TypeError(f"from_single_dict: key {key!r} has unsupported type {type(value).__name__}")
+        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+
+    @classmethod
+    def from_dict(
+        cls,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        non_tensors: Mapping[str, Any] | None = None,
+        meta_info: dict | None = None,
+        num_batch_dims: int = 1,
+    ) -> DataProto:
+        """Build from tensors sharing their first `num_batch_dims` dims, per-row arrays and meta_info.
+
+        A list or tuple in `non_tensors` becomes a 1-D object array with one element per row.
+        """
+        if num_batch_dims < 1:
+            raise ValueError(f"num_batch_dims must be >= 1, got {num_batch_dims}")
+        tensors = dict(tensors or {})
+        non_tensors = {key: _to_row_array(value, key) for key, value in (non_tensors or {}).items()}
+        batch = None
+        if tensors:
+            batch_size, first_key = None, None
+            for key, tensor in tensors.items():
+                if not isinstance(tensor, torch.Tensor):
+                    raise TypeError(f"from_dict: tensors[{key!r}] is a {type(tensor).__name__}, not a torch.Tensor")
+                shape = tuple(tensor.shape[:num_batch_dims])
+                if len(shape) < num_batch_dims:
+                    raise ValueError(
+                        f"from_dict: tensors[{key!r}] has {tensor.dim()} dims < num_batch_dims={num_batch_dims}"
+                    )
+                if batch_size is None:
+                    batch_size, first_key = shape, key
+                elif shape != batch_size:
+                    raise ValueError(
+                        f"from_dict: tensors[{key!r}] has batch shape {shape}, "
+                        f"but tensors[{first_key!r}] has {batch_size}"
+                    )
+            batch = TensorDict(tensors, batch_size=batch_size)
+        return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(meta_info or {}))
+
+    def __len__(self) -> int:
+        if self.batch is not None:
+            return self.batch.batch_size[0]
+        if self.non_tensor_batch:
+            return next(iter(self.non_tensor_batch.values())).shape[0]
+        return 0
+
+    def __repr__(self) -> str:
+        batch_keys = [] if self.batch is None else list(self.batch.keys())
+        return (
+            f"DataProto(rows={len(self)}, batch={batch_keys}, non_tensor_batch={list(self.non_tensor_batch)}, "
+            f"meta_info={list(self.meta_info)})"
+        )
+
+    def _has_rows(self) -> bool:
+        """True when this DataProto carries row data (a tensor batch or non-tensor arrays), even zero rows."""
+        return self.batch is not None or bool(self.non_tensor_batch)
+
+    def __getitem__(self, item: int | slice | IndexLike) -> DataProtoItem | DataProto:
+        """An int gives a DataProtoItem, a slice gives `slice()`, a list/ndarray/tensor gives `select_idxs()`."""
+        if isinstance(item, slice):
+            return self.slice(item.start, item.stop, item.step)
+        if isinstance(item, (int, np.integer)) or (isinstance(item, torch.Tensor) and item.dim() == 0):
+            index = int(item)
+            length = len(self)
+            if not -length <= index < length:
+                raise IndexError(f"row {index} out of range for a batch of {length} rows")
+            return DataProtoItem(
+                batch=None if self.batch is None else self.batch[index],
+                non_tensor_batch={key: value[index] for key, value in self.non_tensor_batch.items()},
+                meta_info=self.meta_info,
+            )
+        if isinstance(item, (list, tuple, np.ndarray, torch.Tensor)):
+            return self.select_idxs(item)
+        raise TypeError(f"DataProto indices must be int, slice, list, ndarray or tensor, got {type(item).__name__}")
+
+    def get_data_info(self) -> str:
+        """Return a readable summary: row count, each tensor's shape/dtype, each non-tensor's dtype, meta_info keys."""
+        lines = [f"DataProto with {len(self)} rows"]
+        if self.batch is not None:
+            lines += [f"  batch[{k!r}]: {tuple(v.shape)} {v.dtype}" for k, v in self.batch.items()]
+        lines += [f"  non_tensor_batch[{k!r}]: {v.shape} {v.dtype}" for k, v in self.non_tensor_batch.items()]
+        lines.append(f"  meta_info keys: {sorted(self.meta_info)}")
+        return "\n".join(lines)
+
+    def to(self, device: str | torch.device) -> DataProto:
+        """Move the tensors to `device` (in place) and return self."""
+        if self.batch is not None:
+            self.batch = self.batch.to(device)
+        return self
+
+    def select(
+        self,
+        batch_keys: Sequence[str] | None = None,
+        non_tensor_batch_keys: Sequence[str] | None = None,
+        meta_info_keys: Sequence[str] | None = None,
+        deepcopy: bool = False,
+    ) -> DataProto:
+        """Return a DataProto with only the given keys of each part (None keeps all of that part)."""
+        batch = None if self.batch is None else self.batch.copy()
+        if batch_keys is not None:
+            available = [] if self.batch is None else list(self.batch.keys())
+            missing = [key for key in batch_keys if key not in available]
+            if missing:
+                raise KeyError(f"select: batch keys {missing} not found; available: {available}")
+            batch = None if self.batch is None else self.batch.select(*batch_keys)
+        non_tensor_batch = self._pick(self.non_tensor_batch, non_tensor_batch_keys, "non_tensor_batch")
+        meta_info = self._pick(self.meta_info, meta_info_keys, "meta_info")
+        if deepcopy:
+            batch = None if batch is None else batch.clone()
+            non_tensor_batch, meta_info = copy.deepcopy(non_tensor_batch), copy.deepcopy(meta_info)
+        return type(self)(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
+
+    @staticmethod
+    def _pick(source: dict, keys: Sequence[str] | None, part: str) -> dict:
+        """Return the sub-dict of `source` with `keys` (all when None); a missing key raises KeyError naming it."""
+        if keys is None:
+            return dict(source)
+        missing = [key for key in keys if key not in source]
+        if missing:
+            raise KeyError(f"{part} keys {missing} not found; available: {list(source)}")
+        return {key: source[key] for key in keys}
+
+    def pop(
+        self,
+        batch_keys: Sequence[str] | None = None,
+        non_tensor_batch_keys: Sequence[str] | None = None,
+        meta_info_keys: Sequence[str] | None = None,
+    ) -> DataProto:
+        """Remove the given keys from self and return them as a new DataProto (None pops nothing from that part)."""
+        picked = self.select(batch_keys or [], non_tensor_batch_keys or [], meta_info_keys or [])
+        for key in batch_keys or []:
+            self.batch.pop(key)
+        for key in non_tensor_batch_keys or []:
+            self.non_tensor_batch.pop(key)
+        for key in meta_info_keys or []:
+            self.meta_info.pop(key)
+        return picked
+
+    def rename(
+        self, old_keys: str | Sequence[str] | None = None, new_keys: str | Sequence[str] | None = None
+    ) -> DataProto:
+        """Rename batch keys in place (`old_keys[i]` -> `new_keys[i]`) and return self."""
+        old_keys = [old_keys] if isinstance(old_keys, str) else list(old_keys or [])
+        new_keys = [new_keys] if isinstance(new_keys, str) else list(new_keys or [])
+        if len(old_keys) != len(new_keys):
+            raise ValueError(f"rename: {len(old_keys)} old keys but {len(new_keys)} new keys")
+        available = [] if self.batch is None else list(self.batch.keys())
+        for old, new in zip(old_keys, new_keys):
+            if old not in available:
+                raise KeyError(f"rename: batch key {old!r} not found; available: {available}")
+            self.batch.rename_key_(old, new)
+        return self
+
+    def union(self, other: DataProto) -> DataProto:
+        """Merge `other` into self (in place) and return self; keys present in both must hold equal values."""
+        if self._has_rows() and other._has_rows() and len(self) != len(other):
+            raise ValueError(f"union: batch sizes differ: {len(self)} vs {len(other)}")
+        if other.batch is not None:
+            self.batch = other.batch.copy() if self.batch is None else union_tensor_dict(self.batch, other.batch)
+        for key, value in other.non_tensor_batch.items():
+            if key in self.non_tensor_batch and not _values_equal(self.non_tensor_batch[key], value):
+                raise ValueError(f"union: non_tensor_batch key {key!r} is in both batches with different values")
+            self.non_tensor_batch[key] = value
+        _merge_meta_info(self.meta_info, other.meta_info, "union")
+        self.check_consistency()
+        return self
+
+    def select_idxs(self, idxs: IndexLike) -> DataProto:
+        """Return the rows at `idxs` (ints, negative allowed, or a boolean mask of the batch length), in that order."""
+        index = _as_index_array(idxs, len(self))
+        batch = None if self.batch is None else self.batch[torch.from_numpy(index)]
+        non_tensor_batch = {key: value[index] for key, value in self.non_tensor_batch.items()}
+        return type(self)(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=dict(self.meta_info))
+
+    def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> DataProto:
+        """Return rows `start:end:step` (Python slice semantics; tensors are views)."""
+        rows = slice(start, end, step)
+        batch = None if self.batch is None else self.batch[rows]
+        non_tensor_batch = {key: value[rows] for key, value in self.non_tensor_batch.items()}
+        return type(self)(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=dict(self.meta_info))
+
+    def reorder(self, indices: IndexLike) -> None:
+        """Permute the rows in place (tensors and non-tensors alike); `indices` must be a permutation of range(len)."""
+        index = _as_index_array(indices, len(self))
+        if not np.array_equal(np.sort(index), np.arange(len(self))):
+            raise ValueError(
+                f"reorder: indices must be a permutation of range({len(self)}); got {len(index)} indices, "
+                f"{len(np.unique(index))} distinct"
+            )
+        if self.batch is not None:
+            self.batch = self.batch[torch.from_numpy(index)]
+        self.non_tensor_batch = {key: value[index] for key, value in self.non_tensor_batch.items()}
+
+    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
+        """Repeat every row `repeat_times` times: interleaved (a a b b) or tiled (a b a b)."""
+        if repeat_times < 1:
+            raise ValueError(f"repeat: repeat_times must be >= 1, got {repeat_times}")
+        rows = np.arange(len(self))
+        index = np.repeat(rows, repeat_times) if interleave else np.tile(rows, repeat_times)
+        return self.select_idxs(index)
+
+    def chunk(self, chunks: int) -> list[DataProto]:
+        """Split into `chunks` equal consecutive parts; the batch size must be divisible by `chunks`."""
+        if chunks < 1:
+            raise ValueError(f"chunk: chunks must be >= 1, got {chunks}")
+        if len(self) % chunks != 0:
+            raise ValueError(
+                f"chunk: batch size {len(self)} is not divisible by chunks={chunks} "
+                "(pad first with pad_dataproto_to_divisor)"
+            )
+        size = len(self) // chunks
+        return [self.slice(i * size, (i + 1) * size) for i in range(chunks)]
+
+    def split(self, split_size: int) -> list[DataProto]:
+        """Split into consecutive parts of `split_size` rows (the last part may be smaller)."""
+        if split_size < 1:
+            raise ValueError(f"split: split_size must be >= 1, got {split_size}")
+        return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
+
+    @staticmethod
+    def concat(data: Sequence[DataProto]) -> DataProto:
+        """Concatenate along rows (all parts need the same keys); merge meta_info, gathering `metrics` into lists.
+
+        A meta_info key other than `metrics` must hold equal values in every part. `metrics` may be a dict or a
+        list of dicts per part; the result maps each name to the list of all values (list values are extended).
+        """
+        if not data:
+            raise ValueError("concat: needs at least one DataProto")
+        has_batch = [d.batch is not None for d in data]
+        if any(has_batch) and not all(has_batch):
+            raise ValueError("concat: some parts have a tensor batch and some do not")
+        batch_keys = set(data[0].batch.keys()) if all(has_batch) else set()
+        keys = set(data[0].non_tensor_batch)
+        for i, d in enumerate(data):
+            if d.batch is not None and set(d.batch.keys()) != batch_keys:
+                raise ValueError(
+                    f"concat: part {i} has batch keys {sorted(d.batch.keys())}, part 0 has {sorted(batch_keys)}"
+                )
+            if set(d.non_tensor_batch) != keys:
+                raise ValueError(
+                    f"concat: part {i} has non_tensor_batch keys {sorted(d.non_tensor_batch)}, "
+                    f"part 0 has {sorted(keys)}"
+                )
+        batch = torch.cat([d.batch for d in data], dim=0) if all(has_batch) else None
+        non_tensor_batch = {key: np.concatenate([d.non_tensor_batch[key] for d in data], axis=0) for key in keys}
+        meta_info: dict[str, Any] = {}
+        gathered: dict[str, list] = {}
+        for d in data:
+            for key, value in d.meta_info.items():
+                if key == "metrics":
+                    for metrics in value if isinstance(value, list) else [value or {}]:
+                        for name, metric in metrics.items():
+                            gathered.setdefault(name, []).extend(metric if isinstance(metric, list) else [metric])
+                else:
+                    _merge_meta_info(meta_info, {key: value}, "concat")
+        if gathered:
+            meta_info["metrics"] = gathered
+        return type(data[0])(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
+
+    def make_iterator(
+        self, mini_batch_size: int, epochs: int, seed: int | None = None, dataloader_kwargs: dict | None = None
+    ) -> Iterator[DataProto]:
+        """Yield mini-batches of `mini_batch_size` rows for `epochs` passes.
+
+        `dataloader_kwargs` go to the torch DataLoader over the row numbers (e.g. `{"shuffle": True}`); `seed`
+        seeds its generator, so the shuffled order is reproducible. Each mini-batch carries a copy of meta_info.
+        """
+        if mini_batch_size < 1 or len(self) % mini_batch_size != 0:
+            raise ValueError(
+                f"make_iterator: batch size {len(self)} is not divisible by mini_batch_size={mini_batch_size}"
+            )
+        generator = None
+        if seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        loader = DataLoader(
+            range(len(self)),
+            batch_size=mini_batch_size,
+            collate_fn=_rows_to_index,
+            generator=generator,
+            **(dataloader_kwargs or {}),
+        )
+
+        def iterate() -> Iterator[DataProto]:
+            for _ in range(epochs):
+                for index in loader:
+                    yield self.select_idxs(index)
+
+        return iterate()
+
+    def save_to_disk(self, filepath: str) -> None:
+        """Pickle this DataProto to `filepath`."""
+        with open(filepath, "wb") as f:
+            pickle.dump(self, f)
+
+    @staticmethod
+    def load_from_disk(filepath: str) -> DataProto:
+        """Load a DataProto written by `save_to_disk` (pickle: only load files you trust)."""
+        with open(filepath, "rb") as f:
+            data = pickle.load(f)
+        if not isinstance(data, DataProto):
+            raise TypeError(f"{filepath} does not hold a DataProto but a {type(data).__name__}")
+        return data
+
+
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """Pad `data` to a multiple of `size_divisor` rows by repeating its leading rows; return (padded, pad_size)."""
+    if size_divisor < 1:
+        raise ValueError(f"pad_dataproto_to_divisor: size_divisor must be >= 1, got {size_divisor}")
+    length = len(data)
+    pad_size = (size_divisor - length % size_divisor) % size_divisor
+    if pad_size == 0:
+        return data, 0
+    if length == 0:
+        raise ValueError("pad_dataproto_to_divisor: cannot pad an empty DataProto")
+    return data.select_idxs(np.arange(length + pad_size) % length), pad_size
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """Drop the last `pad_size` rows added by `pad_dataproto_to_divisor`."""
+    if not 0 <= pad_size <= len(data):
+        raise ValueError(f"unpad_dataproto: pad_size {pad_size} is outside [0, {len(data)}]")
+    return data if pad_size == 0 else data.slice(0, len(data) - pad_size)
+
+
+def collate_fn(items: Sequence[DataProtoItem | Mapping[str, Any]]) -> DataProto:
+    """Stack rows (dicts or DataProtoItems) into a DataProto: tensors are stacked, other values kept per row."""
+    if not items:
+        raise ValueError("collate_fn: needs at least one row")
+    tensors: dict[str, list[torch.Tensor]] = {}
+    non_tensors: dict[str, list[Any]] = {}
+    for i, item in enumerate(items):
+        if isinstance(item, DataProtoItem):
+            item = {**({} if item.batch is None else dict(item.batch.items())), **item.non_tensor_batch}
+        if not isinstance(item, Mapping):
+            raise TypeError(f"collate_fn: row {i} is a {type(item).__name__}, expected a dict or DataProtoItem")
+        for key, value in item.items():
+            (tensors if isinstance(value, torch.Tensor) else non_tensors).setdefault(key, []).append(value)
+    for key, values in {**tensors, **non_tensors}.items():
+        if len(values) != len(items):
+            raise ValueError(f"collate_fn: key {key!r} is present in {len(values)} of {len(items)} rows")
+    stacked = {key: torch.stack(values) for key, values in tensors.items()}
+    return DataProto.from_dict(tensors=stacked, non_tensors=non_tensors)

@@ -1,0 +1,1 @@
+"""Utilities of the RL engine (tensor maths, device selection, tracking, checkpoints, datasets)."""

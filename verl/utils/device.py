@@ -1,0 +1,32 @@
+"""Device selection: one place that decides between CUDA and CPU for workers, tensors and torch.distributed."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+
+def is_cuda_available() -> bool:
+    """True when a CUDA device can be used by this process."""
+    return torch.cuda.is_available()
+
+
+def get_device_name() -> str:
+    """The torch device type to place models and tensors on: "cuda" when available, else "cpu"."""
+    return "cuda" if is_cuda_available() else "cpu"
+
+
+def get_dist_backend() -> str:
+    """The torch.distributed backend matching `get_device_name()`: "nccl" on CUDA, "gloo" on CPU."""
+    return "nccl" if is_cuda_available() else "gloo"
+
+
+def get_torch_device() -> ModuleType:
+    """The torch device module for `get_device_name()`: `torch.cuda` or `torch.cpu` (which lacks e.g. manual_seed)."""
+    return torch.cuda if is_cuda_available() else torch.cpu
+
+
+def get_device_id() -> int:
+    """Index of the current device: `torch.cuda.current_device()` on CUDA, 0 on CPU."""
+    return torch.cuda.current_device() if is_cuda_available() else 0
