@@ -1,0 +1,595 @@
+"""PPO / GRPO maths: advantage estimators, policy/value/entropy losses, KL estimators, KL controllers.
+
+Names, parameter orders and semantics follow veRL's ``verl.trainer.ppo.core_algos`` so that code and configs
+written for veRL carry over. All tensors are (batch, response_length) unless stated; ``response_mask`` is 1 on
+tokens that carry loss (the policy's own tokens) and 0 on padding and on user/observation tokens.
+
+Loss aggregation (:func:`agg_loss`) takes the global counts of the mini-batch (``dp_size``,
+``batch_num_tokens``, ``global_batch_size``) so that summing the micro-batch losses on each rank and averaging
+the gradients over the data-parallel ranks (what FSDP does) gives the loss of the unsplit mini-batch, whatever
+the DP world size and micro-batch split. Callers then backpropagate each micro-batch loss as is, with no extra
+gradient-accumulation scaling.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import torch
+
+import verl.utils.torch_functional as verl_F
+
+logger = logging.getLogger(__name__)
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+# --------------------------------------------------------------------------------------------------- registries
+
+
+class AdvantageEstimator(str, Enum):
+    """Names of the built-in advantage estimators (the values of ``algorithm.adv_estimator``)."""
+
+    GAE = "gae"
+    GRPO = "grpo"
+    RLOO = "rloo"
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
+    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
+    REMAX = "remax"
+
+
+ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+POLICY_LOSS_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
+
+
+def _registry_name(name_or_enum: str | Enum) -> str:
+    """The registry key of a name or enum member."""
+    return name_or_enum.value if isinstance(name_or_enum, Enum) else str(name_or_enum)
+
+
+def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable[[Callable], Callable]:
+    """Decorator registering an advantage estimator under ``name_or_enum``.
+
+    Registering a different function under a taken name raises ValueError.
+    """
+    name = _registry_name(name_or_enum)
+
+    def decorator(fn: Callable) -> Callable:
+        existing = ADV_ESTIMATOR_REGISTRY.get(name)
+        if existing is not None and existing is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered to {existing.__qualname__}")
+        ADV_ESTIMATOR_REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_adv_estimator_fn(name_or_enum: str | AdvantageEstimator) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Return the advantage estimator registered as ``name_or_enum``; ValueError listing the known names if none."""
+    name = _registry_name(name_or_enum)
+    if name not in ADV_ESTIMATOR_REGISTRY:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADV_ESTIMATOR_REGISTRY)}")
+    return ADV_ESTIMATOR_REGISTRY[name]
+
+
+def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
+    """Decorator registering a policy loss function under ``name`` (the value of ``policy_loss.loss_mode``)."""
+
+    def decorator(fn: Callable) -> Callable:
+        existing = POLICY_LOSS_REGISTRY.get(name)
+        if existing is not None and existing is not fn:
+            raise ValueError(f"policy loss {name!r} is already registered to {existing.__qualname__}")
+        POLICY_LOSS_REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """Return the policy loss registered as ``name``; ValueError listing the known names if none."""
+    if name not in POLICY_LOSS_REGISTRY:
+        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSS_REGISTRY)}")
+    return POLICY_LOSS_REGISTRY[name]
+
+
+# ------------------------------------------------------------------------------------------------ input checks
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    """Raise ValueError naming the arguments when the given (bs, T) tensors do not share one 2-D shape."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    first = next(iter(shapes.values()))
+    if len(first) != 2 or any(shape != first for shape in shapes.values()):
+        raise ValueError(f"expected tensors of one (batch, response_length) shape, got {shapes}")
+
+
+def _group_rows(index: Sequence[Hashable] | np.ndarray | torch.Tensor, batch_size: int) -> dict[Hashable, list[int]]:
+    """Map each group id in ``index`` (one per row) to the list of its row numbers, in row order."""
+    if isinstance(index, torch.Tensor):  # 0-d tensors hash by identity: group by their values instead
+        index = index.tolist()
+    if len(index) != batch_size:
+        raise ValueError(f"index has {len(index)} entries but the batch has {batch_size} rows")
+    groups: dict[Hashable, list[int]] = defaultdict(list)
+    for row, group_id in enumerate(index):
+        groups[group_id].append(row)
+    return groups
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    """Read ``key`` from a mapping (dict, DictConfig) or an attribute object (None: nothing), else ``default``."""
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def _first_set(*candidates: Any) -> Any:
+    """The first candidate that is not None."""
+    return next(c for c in candidates if c is not None)
+
+
+# ----------------------------------------------------------------------------------------- advantage estimators
+
+
+@register_adv_est(AdvantageEstimator.GAE)
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the response, skipping masked (user/observation) tokens.
+
+    Scans right to left. At a masked position the running next-value and GAE accumulator are carried through
+    unchanged, so the last agent token of one turn bootstraps from the first agent token of the next turn
+    (rewards at masked positions are ignored). Returns ``(advantages, returns)`` with returns = raw advantages
+    + values and advantages whitened over the masked tokens of the batch.
+    """
+    _check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    with torch.no_grad():
+        mask = response_mask.to(values.dtype)
+        next_value = torch.zeros_like(values[:, 0])
+        last_gae = torch.zeros_like(values[:, 0])
+        reversed_advantages = []
+        for t in reversed(range(values.shape[1])):
+            delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+            gae_here = delta + gamma * lam * last_gae
+            next_value = mask[:, t] * values[:, t] + (1 - mask[:, t]) * next_value
+            last_gae = mask[:, t] * gae_here + (1 - mask[:, t]) * last_gae
+            reversed_advantages.append(last_gae)
+        advantages = torch.stack(reversed_advantages[::-1], dim=1)
+        returns = advantages + values
+        advantages = verl_F.masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+@register_adv_est(AdvantageEstimator.GRPO)
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable] | np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage: each row's score (sum of its rewards) relative to its group (rows sharing ``index``).
+
+    (score - group mean) / (group std + epsilon) with the unbiased std, or score - group mean when
+    ``norm_adv_by_std_in_grpo`` is False (Dr.GRPO). A group of one row uses mean 0 and std 1. The scalar is
+    broadcast over the row's loss-carrying tokens. Returns ``(advantages, advantages)``.
+    """
+    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)
+        advantages = torch.empty_like(scores)
+        for rows in _group_rows(index, scores.shape[0]).values():
+            group = scores[rows]
+            if len(rows) == 1:
+                mean, std = torch.zeros_like(group[0]), torch.ones_like(group[0])
+            else:
+                mean, std = group.mean(), group.std(unbiased=True)
+            centred = group - mean
+            advantages[rows] = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
+        advantages = advantages.unsqueeze(-1) * response_mask.to(advantages.dtype)
+    return advantages, advantages
+
+
+@register_adv_est(AdvantageEstimator.RLOO)
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable] | np.ndarray,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO outcome advantage: a row's score minus the mean score of the other rows of its group.
+
+    Computed as (score - group mean) * n / (n - 1) for a group of n > 1 rows; a group of one keeps its raw
+    score. Broadcast over the loss-carrying tokens. Returns ``(advantages, advantages)``.
+    """
+    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)
+        advantages = scores.clone()
+        for rows in _group_rows(index, scores.shape[0]).values():
+            n = len(rows)
+            if n > 1:
+                group = scores[rows]
+                advantages[rows] = (group - group.mean()) * n / (n - 1)
+        advantages = advantages.unsqueeze(-1) * response_mask.to(advantages.dtype)
+    return advantages, advantages
+
+
+@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS)
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float | None = None,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ advantage: discounted return-to-go, whitened over the batch's loss-carrying tokens.
+
+    Scanning right to left, the running return is multiplied by the mask after each position, so it restarts
+    at every masked token (padding, user turns). ``gamma`` falls back to ``config.gamma`` (veRL passes the
+    algorithm config). Returns ``(masked_whiten(returns) * mask, returns)``.
+    """
+    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    if gamma is None:
+        gamma = _cfg_get(config, "gamma")
+        if gamma is None:
+            raise ValueError("compute_reinforce_plus_plus_outcome_advantage needs gamma (or config.gamma)")
+    with torch.no_grad():
+        mask = response_mask.to(token_level_rewards.dtype)
+        returns = torch.zeros_like(token_level_rewards)
+        running = torch.zeros_like(token_level_rewards[:, 0])
+        for t in reversed(range(token_level_rewards.shape[1])):
+            running = token_level_rewards[:, t] + gamma * running
+            returns[:, t] = running
+            running = running * mask[:, t]
+        advantages = verl_F.masked_whiten(returns, mask) * mask
+    return advantages, returns
+
+
+@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE)
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable] | np.ndarray,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline: score minus its group's mean (0 for a group of one), broadcast over
+    the loss-carrying tokens, then whitened over the batch. Returns ``(advantages, advantages)``."""
+    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    with torch.no_grad():
+        mask = response_mask.to(token_level_rewards.dtype)
+        scores = token_level_rewards.sum(dim=-1)
+        centred = scores.clone()
+        for rows in _group_rows(index, scores.shape[0]).values():
+            if len(rows) > 1:
+                centred[rows] = scores[rows] - scores[rows].mean()
+        advantages = centred.unsqueeze(-1) * mask
+        advantages = verl_F.masked_whiten(advantages, mask) * mask
+    return advantages, advantages
+
+
+@register_adv_est(AdvantageEstimator.REMAX)
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax advantage: masked return-to-go minus the per-row baseline (the greedy rollout's reward,
+    ``reward_baselines`` of shape (bs,)) on loss-carrying tokens. Returns ``(advantages, returns)``."""
+    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    if tuple(reward_baselines.shape) != (token_level_rewards.shape[0],):
+        raise ValueError(
+            f"reward_baselines must have shape ({token_level_rewards.shape[0]},), got {tuple(reward_baselines.shape)}"
+        )
+    with torch.no_grad():
+        mask = response_mask.to(token_level_rewards.dtype)
+        returns = (token_level_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+        advantages = returns - reward_baselines.unsqueeze(-1) * mask
+    return advantages, returns
+
+
+def compute_rewards(
+    token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_ratio: float
+) -> torch.Tensor:
+    """Token-level rewards with an in-reward KL penalty: scores - kl_ratio * (old_log_prob - ref_log_prob)."""
+    return token_level_scores - (old_log_prob - ref_log_prob) * kl_ratio
+
+
+# --------------------------------------------------------------------------------------------------- KL penalty
+
+
+def kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference (value only; see :func:`kl_penalty`).
+
+    ``kl``/``k1``: lp - ref. ``abs``: |lp - ref|. ``mse``/``k2``: (lp - ref)^2 / 2. ``low_var_kl``/``k3``:
+    exp(ref - lp) - (ref - lp) - 1 with ref - lp clamped to [-20, 20] and the result to [-10, 10]. A trailing
+    ``+`` is accepted and ignored here.
+    """
+    name = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+    if name in ("kl", "k1"):
+        return logprob - ref_logprob
+    if name == "abs":
+        return (logprob - ref_logprob).abs()
+    if name in ("mse", "k2"):
+        return 0.5 * (logprob - ref_logprob).square()
+    if name in ("low_var_kl", "k3"):
+        log_ratio = torch.clamp(ref_logprob - logprob, min=-20.0, max=20.0)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
+    if name == "full":
+        raise NotImplementedError("kl_penalty 'full' needs the full vocabulary distributions and is not supported")
+    raise ValueError(f"unknown kl_penalty {kl_penalty!r}; expected one of {list(_KL_ESTIMATORS)}, optionally with '+'")
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """Per-token KL estimate (see :func:`kl_penalty_forward`); a ``+`` suffix (e.g. ``k3+``) keeps the named
+    estimator's value but backpropagates the gradient of k2, whose expected gradient is the true KL gradient."""
+    forward = kl_penalty_forward(logprob, ref_logprob, kl_penalty)
+    if not kl_penalty.endswith("+"):
+        return forward
+    k2 = 0.5 * (logprob - ref_logprob).square()
+    return k2 - k2.detach() + forward.detach()
+
+
+# ------------------------------------------------------------------------------------------------- aggregation
+
+
+def _nonzero(count: torch.Tensor | float | int, like: torch.Tensor) -> torch.Tensor:
+    """``count`` as a tensor of ``like``'s dtype, with 0 replaced by 1 (the numerator is then 0 too)."""
+    count = torch.as_tensor(count, dtype=like.dtype, device=like.device)
+    return torch.where(count == 0, torch.ones_like(count), count)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: int | torch.Tensor | None = None,
+    global_batch_size: int | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Aggregate a (bs, T) loss matrix into a scalar.
+
+    - ``token-mean``: sum(loss * mask) / batch_num_tokens * dp_size (batch_num_tokens: the mini-batch's mask
+      sum over all ranks; default the local mask sum).
+    - ``seq-mean-token-sum``: each row's token sum, summed over non-empty rows, / global_batch_size * dp_size
+      (global_batch_size: the mini-batch's non-empty rows over all ranks; default the local count).
+    - ``seq-mean-token-mean``: as above with each row's token mean.
+    - ``seq-mean-token-sum-norm`` (Dr.GRPO): sum(loss * mask) / loss_scale_factor * dp_size (default
+      T = loss_mask.shape[-1]; pass a constant for a length-independent scale). veRL omits ``* dp_size``
+      here; with it this mode, like the others, is invariant to the DP split (identical for dp_size=1).
+
+    With the global counts, the micro-batch losses of each rank summed, then averaged over ranks, equal the
+    loss of the whole mini-batch. Empty denominators count as 1 (their numerators are 0).
+    """
+    if tuple(loss_mat.shape) != tuple(loss_mask.shape) or loss_mat.dim() != 2:
+        raise ValueError(
+            f"loss_mat {tuple(loss_mat.shape)} and loss_mask {tuple(loss_mask.shape)} must share one 2-D shape"
+        )
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    mask = loss_mask.to(loss_mat.dtype)
+    if loss_agg_mode == "token-mean":
+        num_tokens = mask.sum() if batch_num_tokens is None else batch_num_tokens
+        return (loss_mat * mask).sum() / _nonzero(num_tokens, loss_mat) * dp_size
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        row_tokens = mask.sum(dim=-1)
+        row_losses = (loss_mat * mask).sum(dim=-1)
+        if loss_agg_mode == "seq-mean-token-mean":
+            row_losses = row_losses / _nonzero(row_tokens, loss_mat)
+        non_empty = (row_tokens > 0).to(loss_mat.dtype)
+        num_rows = non_empty.sum() if global_batch_size is None else global_batch_size
+        return (row_losses * non_empty).sum() / _nonzero(num_rows, loss_mat) * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        return (loss_mat * mask).sum() / scale * dp_size
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {list(LOSS_AGG_MODES)}")
+
+
+# ------------------------------------------------------------------------------------------------------ losses
+
+
+def _clipped_pg_losses(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token dual-clip PPO losses and the (clipfrac, ppo_kl, clipfrac_lower) masked means."""
+    _check_same_shape(
+        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask
+    )
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1.0, got {clip_ratio_c}")
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    ppo_losses = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    negative_adv = advantages < 0
+    pg_losses = torch.where(negative_adv, torch.minimum(ppo_losses, dual_bound), ppo_losses)
+    with torch.no_grad():
+        clipfrac = verl_F.masked_mean((clipped > unclipped).to(mask.dtype), mask)
+        ppo_kl = verl_F.masked_mean(-log_ratio, mask)
+        clipfrac_lower = verl_F.masked_mean(((ppo_losses > dual_bound) & negative_adv).to(mask.dtype), mask)
+    return pg_losses, clipfrac, ppo_kl, clipfrac_lower
+
+
+@register_policy_loss("vanilla")
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    config: Any = None,
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped PPO policy loss with asymmetric clip and dual clip.
+
+    ratio = exp(clamp(log_prob - old_log_prob, -20, 20)); per token max(-A*ratio, -A*clip(ratio, 1-low,
+    1+high)), and for A < 0 additionally min(that, -A*clip_ratio_c) (dual clip, clip_ratio_c > 1). Optional
+    ``rollout_is_weights`` multiply the per-token losses. ``agg_kwargs`` (dp_size, batch_num_tokens,
+    global_batch_size, loss_scale_factor) go to :func:`agg_loss`. Clip settings left None come from ``config``
+    (an actor config with clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c, as veRL passes it),
+    else default to 0.2 / 0.2 / 3.0. Returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl",
+    "actor/pg_clipfrac_lower"})``.
+    """
+    base = _first_set(_cfg_get(config, "clip_ratio"), 0.2)
+    clip_ratio_low = _first_set(clip_ratio_low, _cfg_get(config, "clip_ratio_low"), base)
+    clip_ratio_high = _first_set(clip_ratio_high, _cfg_get(config, "clip_ratio_high"), base)
+    clip_ratio_c = _first_set(clip_ratio_c, _cfg_get(config, "clip_ratio_c"), 3.0)
+    pg_losses, clipfrac, ppo_kl, clipfrac_lower = _clipped_pg_losses(
+        old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    )
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    metrics = {
+        "actor/pg_clipfrac": clipfrac.item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+    }
+    return pg_loss, metrics
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Deprecated veRL entry point with the maths of :func:`compute_policy_loss_vanilla`.
+
+    ``cliprange_low``/``cliprange_high`` default to ``cliprange``. Returns ``(pg_loss, pg_clipfrac, ppo_kl,
+    pg_clipfrac_lower)`` as tensors.
+    """
+    warnings.warn(
+        "compute_policy_loss is deprecated; use compute_policy_loss_vanilla", DeprecationWarning, stacklevel=2
+    )
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    if low is None or high is None:
+        raise ValueError("compute_policy_loss needs cliprange, or both cliprange_low and cliprange_high")
+    pg_losses, clipfrac, ppo_kl, clipfrac_lower = _clipped_pg_losses(
+        old_log_prob, log_prob, advantages, response_mask, low, high, clip_ratio_c
+    )
+    return agg_loss(pg_losses, response_mask, loss_agg_mode), clipfrac, ppo_kl, clipfrac_lower
+
+
+def compute_entropy_loss(
+    logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", **agg_kwargs: Any
+) -> torch.Tensor:
+    """Aggregated categorical entropy of ``logits`` (bs, T, vocab) over the loss-carrying tokens."""
+    token_entropy = verl_F.entropy_from_logits(logits)
+    return agg_loss(token_entropy, response_mask, loss_agg_mode, **agg_kwargs)
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)).
+
+    Returns ``(vf_loss, vf_clipfrac)``; vf_clipfrac is the masked fraction of tokens where the clipped term is
+    larger. ``agg_kwargs`` go to :func:`agg_loss`.
+    """
+    _check_same_shape(vpreds=vpreds, returns=returns, values=values, response_mask=response_mask)
+    vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+    losses_unclipped = (vpreds - returns).square()
+    losses_clipped = (vpred_clipped - returns).square()
+    token_losses = torch.maximum(losses_unclipped, losses_clipped)
+    vf_loss = 0.5 * agg_loss(token_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        mask = response_mask.to(vpreds.dtype)
+        vf_clipfrac = verl_F.masked_mean((losses_clipped > losses_unclipped).to(mask.dtype), mask)
+    return vf_loss, vf_clipfrac
+
+
+# ------------------------------------------------------------------------------------------------ KL controllers
+
+
+class FixedKLController:
+    """A constant KL coefficient (``.value``); ``update`` does nothing."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Keep the coefficient unchanged."""
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019): steers the measured KL towards ``target_kl``.
+
+    Each update multiplies ``.value`` by 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float) -> None:
+        if target_kl <= 0:
+            raise ValueError(f"AdaptiveKLController target_kl must be > 0, got {target_kl}")
+        if horizon <= 0:
+            raise ValueError(f"AdaptiveKLController horizon must be > 0, got {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Move the coefficient after ``n_steps`` samples (veRL passes the batch size) with mean KL ``current_kl``."""
+        proportional_error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+        logger.debug("adaptive KL coefficient -> %.6g (kl %.6g, target %.6g)", self.value, current_kl, self.target)
+
+
+def get_kl_controller(kl_ctrl_config: Any) -> FixedKLController | AdaptiveKLController:
+    """Build the controller described by ``algorithm.kl_ctrl`` (keys: type fixed|adaptive, kl_coef, and for
+    adaptive target_kl and horizon)."""
+    ctrl_type = _cfg_get(kl_ctrl_config, "type")
+    kl_coef = _cfg_get(kl_ctrl_config, "kl_coef")
+    if kl_coef is None:
+        raise ValueError("algorithm.kl_ctrl.kl_coef is required")
+    if ctrl_type == "fixed":
+        return FixedKLController(kl_coef=kl_coef)
+    if ctrl_type == "adaptive":
+        target_kl, horizon = _cfg_get(kl_ctrl_config, "target_kl"), _cfg_get(kl_ctrl_config, "horizon")
+        if target_kl is None or horizon is None:
+            raise ValueError("algorithm.kl_ctrl.type=adaptive needs target_kl and horizon")
+        return AdaptiveKLController(init_kl_coef=kl_coef, target_kl=target_kl, horizon=horizon)
+    raise ValueError(f"unknown algorithm.kl_ctrl.type {ctrl_type!r}; expected 'fixed' or 'adaptive'")
