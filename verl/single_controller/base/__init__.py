@@ -1,0 +1,7 @@
+"""Backend-independent single-controller parts: the `Worker` base class, `WorkerGroup` and `@register`."""
+
+from verl.single_controller.base.decorator import Dispatch, Execute, register
+from verl.single_controller.base.worker import Worker
+from verl.single_controller.base.worker_group import PendingResult, WorkerGroup, WorkerGroupError
+
+__all__ = ["Dispatch", "Execute", "PendingResult", "Worker", "WorkerGroup", "WorkerGroupError", "register"]

@@ -1,0 +1,293 @@
+"""`@register`: how a worker-group call is split over the ranks, where it runs and how the results are gathered.
+
+A worker method decorated with `@register(dispatch_mode, execute_mode, blocking)` becomes a method of the
+worker group with the same name. Calling it on the group
+
+1. *dispatches*: the dispatch function of `dispatch_mode` turns the caller's arguments into one
+   `(args, kwargs)` call per rank (a `DispatchPlan`);
+2. *executes*: the group runs the calls remotely, on every rank (`Execute.ALL`) or on rank 0 only
+   (`Execute.RANK_ZERO`, or `Dispatch.RANK_ZERO`);
+3. *collects*: the collect function of `dispatch_mode` turns the per-rank results into the caller's result.
+
+The dispatch and collect functions are pure functions of the world size and the arguments, so they are tested
+without any worker.
+
+Dispatch modes (veRL names and semantics):
+
+| mode | each rank receives | the caller gets |
+|---|---|---|
+| `RANK_ZERO` | rank 0 alone runs, with the arguments as given | rank 0's result |
+| `ONE_TO_ALL` | the same arguments | a list of the results, in rank order |
+| `ALL_TO_ALL` | item `r` of every argument (each a list of `world_size` items) | a list of the results |
+| `DP_COMPUTE` | as `ALL_TO_ALL` (the data-parallel spelling) | a list of the results |
+| `DP_COMPUTE_PROTO` | chunk `r` of every `DataProto` argument, padded first to a multiple of the world size; other arguments as given | one `DataProto`: the chunks' results concatenated, padding rows removed |
+| `DP_COMPUTE_METRIC` | chunk `r` of every `DataProto` argument (no padding: the batch must divide evenly); other arguments as given | a list of the results |
+
+Padding repeats the batch's leading rows, so with `DP_COMPUTE_PROTO` a batch that does not divide by the world
+size gets a few rows computed twice; that is harmless for inference (the duplicates are dropped), but an update
+would train on them twice, so trainers should pass batches that divide by the data-parallel size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, TypeVar
+
+from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+
+__all__ = [
+    "REGISTER_ATTR",
+    "Dispatch",
+    "DispatchPlan",
+    "Execute",
+    "RegisterSpec",
+    "collect_all",
+    "collect_dp_compute_proto",
+    "collect_rank_zero",
+    "dispatch_all_to_all",
+    "dispatch_dp_compute",
+    "dispatch_dp_compute_metric",
+    "dispatch_dp_compute_proto",
+    "dispatch_one_to_all",
+    "dispatch_rank_zero",
+    "get_dispatch_fns",
+    "get_register_spec",
+    "register",
+]
+
+REGISTER_ATTR = "_verl_register_spec"
+"""Name of the attribute `register` sets on a worker method."""
+
+Call = tuple[tuple, dict]
+F = TypeVar("F", bound=Callable[..., Any])
+DispatchFn = Callable[[int, tuple, dict], "DispatchPlan"]
+CollectFn = Callable[[Sequence[Any], "DispatchPlan"], Any]
+
+
+class Dispatch(Enum):
+    """How a worker-group call is split over the ranks and how the results are gathered (see the module docstring)."""
+
+    RANK_ZERO = "rank_zero"
+    ONE_TO_ALL = "one_to_all"
+    ALL_TO_ALL = "all_to_all"
+    DP_COMPUTE = "dp_compute"
+    DP_COMPUTE_PROTO = "dp_compute_proto"
+    DP_COMPUTE_METRIC = "dp_compute_metric"
+
+
+class Execute(Enum):
+    """Which ranks run a worker-group call: all of them, or rank 0 only (whose result is returned as is)."""
+
+    ALL = "all"
+    RANK_ZERO = "rank_zero"
+
+
+@dataclass(frozen=True)
+class RegisterSpec:
+    """What `register` attached to a worker method: its dispatch mode, execute mode and blocking flag."""
+
+    dispatch_mode: Dispatch
+    execute_mode: Execute
+    blocking: bool
+
+    @property
+    def rank_zero_only(self) -> bool:
+        """True when only rank 0 runs the method (`Dispatch.RANK_ZERO` or `Execute.RANK_ZERO`)."""
+        return self.dispatch_mode is Dispatch.RANK_ZERO or self.execute_mode is Execute.RANK_ZERO
+
+
+def register(
+    dispatch_mode: Dispatch = Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.ALL, blocking: bool = True
+) -> Callable[[F], F]:
+    """Mark a worker method for binding onto its worker group with the given dispatch/execute modes.
+
+    The method itself is returned unchanged (it still runs as written inside the worker); only a `RegisterSpec`
+    is attached to it. With `blocking=False` the group method returns a `PendingResult` whose `get()` waits.
+    """
+    if not isinstance(dispatch_mode, Dispatch):
+        raise TypeError(f"register: dispatch_mode must be a Dispatch member, got {dispatch_mode!r}")
+    if not isinstance(execute_mode, Execute):
+        raise TypeError(f"register: execute_mode must be an Execute member, got {execute_mode!r}")
+    if not isinstance(blocking, bool):
+        raise TypeError(f"register: blocking must be a bool, got {blocking!r}")
+    spec = RegisterSpec(dispatch_mode=dispatch_mode, execute_mode=execute_mode, blocking=blocking)
+
+    def decorator(func: F) -> F:
+        if not callable(func):
+            raise TypeError(f"register: can only decorate a function, got {func!r}")
+        setattr(func, REGISTER_ATTR, spec)
+        return func
+
+    return decorator
+
+
+def get_register_spec(method: Any) -> RegisterSpec | None:
+    """Return the `RegisterSpec` attached by `register` to `method`, or None if it was not registered."""
+    spec = getattr(method, REGISTER_ATTR, None)
+    return spec if isinstance(spec, RegisterSpec) else None
+
+
+@dataclass
+class DispatchPlan:
+    """The per-rank calls produced by a dispatch function, plus what its collect function needs.
+
+    `calls[r]` is the `(args, kwargs)` for rank `r`; `pad_size` is the number of padding rows appended to the
+    batch by `DP_COMPUTE_PROTO` and `padded_rows` the batch size after padding (both 0 for other modes).
+    """
+
+    calls: list[Call]
+    pad_size: int = 0
+    padded_rows: int = 0
+
+
+def _check_world_size(world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"dispatch: world_size must be a positive int, got {world_size!r}")
+
+
+def dispatch_rank_zero(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
+    """`Dispatch.RANK_ZERO`: a single call, for rank 0, with the arguments as given."""
+    _check_world_size(world_size)
+    return DispatchPlan(calls=[(tuple(args), dict(kwargs))])
+
+
+def dispatch_one_to_all(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
+    """`Dispatch.ONE_TO_ALL`: every rank receives the same arguments."""
+    _check_world_size(world_size)
+    return DispatchPlan(calls=[(tuple(args), dict(kwargs)) for _ in range(world_size)])
+
+
+def _split_lists(mode: str, world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
+    """Give rank `r` item `r` of every argument; each argument must be a list/tuple of `world_size` items."""
+    _check_world_size(world_size)
+    named: list[tuple[str, Any]] = [(f"positional argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    for where, value in named:
+        if not isinstance(value, (list, tuple)) or len(value) != world_size:
+            got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else repr(type(value))
+            raise ValueError(
+                f"{mode}: {where} must be a list of world_size={world_size} items (one per rank), got {got}"
+            )
+    return DispatchPlan(
+        calls=[(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world_size)]
+    )
+
+
+def dispatch_all_to_all(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
+    """`Dispatch.ALL_TO_ALL`: rank `r` receives item `r` of every argument (each a list of `world_size` items)."""
+    return _split_lists("ALL_TO_ALL", world_size, args, kwargs)
+
+
+def dispatch_dp_compute(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
+    """`Dispatch.DP_COMPUTE`: rank `r` receives item `r` of every argument (each a list of `world_size` items)."""
+    return _split_lists("DP_COMPUTE", world_size, args, kwargs)
+
+
+def _chunk_protos(mode: str, world_size: int, args: tuple, kwargs: dict, pad: bool) -> DispatchPlan:
+    """Chunk every DataProto argument over the ranks (padding first if `pad`); other arguments go to all ranks."""
+    _check_world_size(world_size)
+    named: list[tuple[str, Any]] = [(f"positional argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    protos = [(where, value) for where, value in named if isinstance(value, DataProto)]
+    if not protos:
+        raise TypeError(f"{mode}: expects at least one DataProto argument, got types {[type(v).__name__ for _, v in named]}")
+    first_where, first = protos[0]
+    for where, value in protos[1:]:
+        if len(value) != len(first):
+            raise ValueError(
+                f"{mode}: all DataProto arguments need the same batch size; {first_where} has {len(first)} rows, "
+                f"{where} has {len(value)}"
+            )
+    if len(first) == 0:
+        raise ValueError(f"{mode}: {first_where} is an empty DataProto; there is nothing to split over the ranks")
+
+    pad_size = 0
+    padded_rows = len(first)
+    chunks: dict[str, list[DataProto]] = {}
+    for where, value in protos:
+        if pad:
+            value, pad_size = pad_dataproto_to_divisor(value, world_size)
+            padded_rows = len(value)
+        elif len(value) % world_size != 0:
+            raise ValueError(
+                f"{mode}: {where} has {len(value)} rows, not divisible by world_size={world_size} "
+                "(this mode does not pad, so that metrics are not skewed by repeated rows)"
+            )
+        chunks[where] = value.chunk(world_size)
+
+    def pick(where: str, value: Any, rank: int) -> Any:
+        return chunks[where][rank] if where in chunks else value
+
+    n_args = len(args)
+    calls = []
+    for rank in range(world_size):
+        rank_args = tuple(pick(where, value, rank) for where, value in named[:n_args])
+        rank_kwargs = {key: pick(where, value, rank) for key, (where, value) in zip(kwargs, named[n_args:])}
+        calls.append((rank_args, rank_kwargs))
+    return DispatchPlan(calls=calls, pad_size=pad_size, padded_rows=padded_rows)
+
+
+def dispatch_dp_compute_proto(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
+    """`Dispatch.DP_COMPUTE_PROTO`: pad each DataProto argument to a multiple of the world size, give rank `r` chunk `r`."""
+    return _chunk_protos("DP_COMPUTE_PROTO", world_size, args, kwargs, pad=True)
+
+
+def dispatch_dp_compute_metric(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
+    """`Dispatch.DP_COMPUTE_METRIC`: give rank `r` chunk `r` of each DataProto argument (sizes must divide evenly)."""
+    return _chunk_protos("DP_COMPUTE_METRIC", world_size, args, kwargs, pad=False)
+
+
+def collect_all(outputs: Sequence[Any], plan: DispatchPlan) -> list[Any]:
+    """Return the per-rank results as a list in rank order."""
+    return list(outputs)
+
+
+def collect_rank_zero(outputs: Sequence[Any], plan: DispatchPlan) -> Any:
+    """Return rank 0's result."""
+    if not outputs:
+        raise ValueError("collect_rank_zero: no result to collect (rank 0 did not run)")
+    return outputs[0]
+
+
+def collect_dp_compute_proto(outputs: Sequence[Any], plan: DispatchPlan) -> DataProto:
+    """Concatenate the per-rank DataProto results in rank order and drop the padding rows added at dispatch.
+
+    A result with row data must hold one row per (padded) input row whenever padding was added, since otherwise
+    the padding rows cannot be located; results holding only `meta_info` (e.g. update metrics) are merged as is.
+    """
+    for rank, output in enumerate(outputs):
+        if not isinstance(output, DataProto):
+            raise TypeError(
+                f"DP_COMPUTE_PROTO: rank {rank} returned a {type(output).__name__}; a method with this dispatch mode "
+                "must return a DataProto"
+            )
+    merged = DataProto.concat(list(outputs))
+    has_rows = merged.batch is not None or bool(merged.non_tensor_batch)
+    if plan.pad_size == 0 or not has_rows:
+        return merged
+    if len(merged) != plan.padded_rows:
+        raise ValueError(
+            f"DP_COMPUTE_PROTO: the workers returned {len(merged)} rows for {plan.padded_rows} input rows (of which "
+            f"{plan.pad_size} are padding); with padding each input row must give exactly one output row. "
+            "Pass a batch whose size divides by the world size."
+        )
+    return unpad_dataproto(merged, plan.pad_size)
+
+
+_DISPATCH_FNS: dict[Dispatch, tuple[DispatchFn, CollectFn]] = {
+    Dispatch.RANK_ZERO: (dispatch_rank_zero, collect_rank_zero),
+    Dispatch.ONE_TO_ALL: (dispatch_one_to_all, collect_all),
+    Dispatch.ALL_TO_ALL: (dispatch_all_to_all, collect_all),
+    Dispatch.DP_COMPUTE: (dispatch_dp_compute, collect_all),
+    Dispatch.DP_COMPUTE_PROTO: (dispatch_dp_compute_proto, collect_dp_compute_proto),
+    Dispatch.DP_COMPUTE_METRIC: (dispatch_dp_compute_metric, collect_all),
+}
+
+
+def get_dispatch_fns(mode: Dispatch) -> tuple[DispatchFn, CollectFn]:
+    """Return the `(dispatch_fn, collect_fn)` pair of a dispatch mode."""
+    if mode not in _DISPATCH_FNS:
+        raise ValueError(f"unknown dispatch mode {mode!r}; known: {[m.name for m in _DISPATCH_FNS]}")
+    return _DISPATCH_FNS[mode]
