@@ -1,0 +1,43 @@
+"""Mini-batch iteration and loss-normalisation counts shared by the actor and the critic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from verl.protocol import DataProto
+from verl.workers.batching import check_divisible, global_loss_info, iter_mini_batches, response_logits, select_batch
+
+
+def test_global_loss_info_without_distributed_counts_tokens_and_non_empty_rows():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert global_loss_info(mask) == {"dp_size": 1, "batch_num_tokens": 3.0, "global_batch_size": 2.0}
+
+
+def test_iter_mini_batches_epochs_and_shuffle():
+    batch = TensorDict({"x": torch.arange(6)}, batch_size=[6])
+    plain = [mb["x"].tolist() for mb in iter_mini_batches(batch, 2, epochs=2, shuffle=False)]
+    assert plain == [[0, 1], [2, 3], [4, 5]] * 2
+    torch.manual_seed(0)
+    shuffled = [mb["x"] for mb in iter_mini_batches(batch, 3, epochs=2, shuffle=True)]
+    assert len(shuffled) == 4
+    assert sorted(torch.cat(shuffled[:2]).tolist()) == list(range(6))
+    assert sorted(torch.cat(shuffled[2:]).tolist()) == list(range(6))
+
+
+def test_response_logits_shift_and_temperature():
+    logits = torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3)
+    out = response_logits(logits, response_length=2, temperature=2.0)
+    assert torch.equal(out, logits[:, 2:4] / 2.0)
+    with pytest.raises(ValueError, match="temperature"):
+        response_logits(logits, 2, 0.0)
+
+
+def test_select_batch_and_divisibility_errors_name_the_problem():
+    data = DataProto.from_dict(tensors={"a": torch.zeros(4, 2)})
+    assert list(select_batch(data, ["a"], "here").keys()) == ["a"]
+    with pytest.raises(KeyError, match=r"here: batch is missing \['b'\]"):
+        select_batch(data, ["a", "b"], "here")
+    with pytest.raises(ValueError, match="not divisible by k=3"):
+        check_divisible(4, 3, "k", "here")

@@ -1,0 +1,85 @@
+"""HFRollout on the tiny model (plain module, one process): shapes, masks, greedy and seeded determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from ppo_batch_helpers import PROMPT_LEN, make_prompts
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from verl.workers.rollout.hf_rollout import HFRollout, response_mask_from_eos
+
+RESPONSE_LEN = 7
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_model_path) -> HFRollout:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    config = OmegaConf.create(
+        {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "response_length": RESPONSE_LEN,
+         "micro_batch_size_per_gpu": 3}
+    )  # fmt: skip
+    return HFRollout(model, config)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    return AutoTokenizer.from_pretrained(tiny_model_path, padding_side="left")
+
+
+def _prompts(tokenizer, n: int = 5, **meta):
+    data = make_prompts(n, len(tokenizer), seed=11)
+    data.meta_info.update({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, **meta})
+    return data
+
+
+def test_response_mask_from_eos():
+    responses = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 3, 3, 3]])
+    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    assert torch.equal(response_mask_from_eos(responses, 2), expected)
+    assert torch.equal(response_mask_from_eos(responses, [8, 2])[1], torch.tensor([1, 1, 1, 1]))
+
+
+def test_generate_shapes_and_masks(rollout, tokenizer):
+    prompts = _prompts(tokenizer)
+    out = rollout.generate_sequences(prompts).batch
+    assert out["prompts"].shape == (5, PROMPT_LEN) and out["responses"].shape == (5, RESPONSE_LEN)
+    full_shape = (5, PROMPT_LEN + RESPONSE_LEN)
+    assert out["input_ids"].shape == out["attention_mask"].shape == out["position_ids"].shape == full_shape
+    assert torch.equal(out["prompts"], prompts.batch["input_ids"])
+    assert torch.equal(out["input_ids"], torch.cat([out["prompts"], out["responses"]], dim=1))
+    assert torch.equal(out["attention_mask"][:, PROMPT_LEN:], out["response_mask"])
+    assert torch.equal(out["attention_mask"][:, :PROMPT_LEN], prompts.batch["attention_mask"])
+    last = prompts.batch["position_ids"][:, -1:]
+    assert torch.equal(out["position_ids"][:, PROMPT_LEN:], last + torch.arange(1, RESPONSE_LEN + 1))
+
+
+def test_greedy_is_deterministic_and_sampling_follows_the_seed(rollout, tokenizer):
+    greedy = [rollout.generate_sequences(_prompts(tokenizer, do_sample=False)).batch["responses"] for _ in range(2)]
+    assert torch.equal(greedy[0], greedy[1])
+    sampled = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        sampled.append(rollout.generate_sequences(_prompts(tokenizer)).batch["responses"])
+    assert torch.equal(sampled[0], sampled[1])
+    assert not torch.equal(sampled[0], greedy[0])
+
+
+def test_eos_ends_the_response_and_pads_after_it(rollout, tokenizer):
+    greedy = rollout.generate_sequences(_prompts(tokenizer, do_sample=False)).batch["responses"]
+    stop = int(greedy[0, 1])  # row 0 must stop after its second token when this token is the EOS
+    out = rollout.generate_sequences(_prompts(tokenizer, do_sample=False, eos_token_id=stop)).batch
+    mask = out["response_mask"][0]
+    first = int((out["responses"][0] == stop).nonzero()[0])
+    assert first <= 1
+    assert mask[: first + 1].eq(1).all() and mask[first + 1 :].eq(0).all()
+    assert out["responses"][0, first + 1 :].eq(tokenizer.pad_token_id).all()
+    assert torch.equal(response_mask_from_eos(out["responses"], stop), out["response_mask"])
+
+
+def test_bad_settings_are_rejected(rollout, tokenizer):
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        rollout.generate_sequences(_prompts(tokenizer, temperature=0.0))
+    with pytest.raises(ValueError, match="response_length"):
+        rollout.generate_sequences(_prompts(tokenizer, response_length=0))

@@ -1,0 +1,260 @@
+"""FSDP helpers: wrapping, gradient clipping, generation, full-state-dict HF export and exact resume state.
+
+Two strategies: ``fsdp2`` (``fully_shard``, the default) and ``fsdp`` (FSDP1 ``FullyShardedDataParallel``).
+Everything also works on CPU with gloo (ENVIRONMENT.md §3): no pinned memory or CPU offload, FSDP1 gets
+``device_id=cpu`` and ``sync_module_states=False`` (every rank loads the same weights instead), and the full
+state dict is only offloaded to CPU on CUDA (offloading on CPU crashes FSDP1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_STRATEGIES = ("fsdp2", "fsdp")
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+SHARDED_STATE_DIR = "sharded_state"
+
+
+def check_strategy(strategy: str, where: str) -> None:
+    """Raise a clear error unless ``strategy`` (read from config key ``where``) is a supported FSDP strategy."""
+    if strategy not in SUPPORTED_STRATEGIES:
+        raise ValueError(f"{where}={strategy!r} is not supported; expected one of {list(SUPPORTED_STRATEGIES)}")
+
+
+def resolve_param_dtype(name: str | None, device_type: str) -> torch.dtype:
+    """Map ``fsdp_config.param_dtype`` to a dtype: ``auto`` is bf16 on CUDA and fp32 elsewhere."""
+    if name is None or name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"fsdp_config.param_dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def create_device_mesh(device_type: str) -> DeviceMesh:
+    """A 1-D data-parallel mesh named ``fsdp`` over all ranks of the default process group."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call Worker.init_distributed() before wrapping")
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+
+
+def transformer_layer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks: submodules whose class is listed in HF ``_no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"cannot find transformer layers to shard in {type(model).__name__}: "
+            f"its _no_split_modules is {sorted(names)}"
+        )
+    return layers
+
+
+def apply_fsdp2(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reshard_after_forward: bool = True,
+) -> torch.nn.Module:
+    """Shard ``model`` in place with FSDP2: each transformer layer, then the root (tied embeddings stay together).
+
+    Parameters are kept in fp32 (the optimizer's master copy); forward/backward run in ``param_dtype`` and
+    gradients are reduced in fp32. ``fully_shard`` moves the shards to the mesh's device.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    for layer in transformer_layer_modules(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def apply_fsdp1(
+    model: torch.nn.Module, device_type: str, param_dtype: torch.dtype, reshard_after_forward: bool = True
+) -> FSDP:
+    """Wrap ``model`` with FSDP1: one FSDP unit per transformer layer plus the root, ``use_orig_params=True``.
+
+    ``reshard_after_forward`` picks FULL_SHARD (True) or SHARD_GRAD_OP (False). Parameters stay fp32; compute
+    runs in ``param_dtype`` with fp32 gradient reduction and buffers. Every unit casts its inputs, since
+    generation (see :func:`generation_model`) bypasses the root unit's forward, which otherwise does it.
+    """
+    layer_classes = {type(layer) for layer in transformer_layer_modules(model)}
+    device_id = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, torch.cuda.current_device())
+    return FSDP(
+        model,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes),
+        mixed_precision=MixedPrecision(
+            param_dtype=param_dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32, cast_forward_inputs=True
+        ),
+        sharding_strategy=ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
+        device_id=device_id,
+        sync_module_states=False,
+        use_orig_params=True,
+    )
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside an FSDP1 wrapper (FSDP2 models are their own HF model)."""
+    return model.module if isinstance(model, FSDP) else model
+
+
+@contextlib.contextmanager
+def generation_model(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Yield the module whose ``generate`` to call on a sharded model.
+
+    FSDP2 hooks unshard every forward, so the model itself is returned. FSDP1 only unshards in its own
+    ``forward``, while HF ``generate`` calls the inner model: the root unit's parameters (embeddings, final
+    norm, head) are gathered for the duration, the per-layer units still gather in their forward.
+    """
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model, recurse=False, writeback=False):
+            yield model.module
+    else:
+        yield model
+
+
+def build_fsdp_model(
+    auto_cls: type,
+    model_path: str,
+    mesh: DeviceMesh,
+    fsdp_config: Any,
+    seed: int,
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+    strategy: str = "fsdp2",
+) -> torch.nn.Module:
+    """Load ``auto_cls.from_pretrained(model_path)`` in fp32 and shard it with ``strategy`` (fsdp2 | fsdp).
+
+    ``torch.manual_seed(seed)`` runs first, so weights the checkpoint lacks (e.g. a new value head) are
+    initialised identically on every rank, which FSDP requires (each rank keeps its slice of its own copy).
+    ``fsdp_config`` supplies ``param_dtype`` (auto | fp32 | bf16) and ``reshard_after_forward``;
+    ``config_overrides`` are set on the HF config before the model is built (e.g. ``num_labels``).
+    """
+    check_strategy(strategy, "strategy")
+    if not os.path.isdir(model_path):
+        raise FileNotFoundError(f"model.path={model_path!r} is not a local directory (nothing is downloaded)")
+    hf_config = AutoConfig.from_pretrained(model_path)
+    for key, value in (config_overrides or {}).items():
+        setattr(hf_config, key, value)
+    torch.manual_seed(seed)
+    model = auto_cls.from_pretrained(
+        model_path, config=hf_config, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    param_dtype = resolve_param_dtype(fsdp_config.get("param_dtype", "auto"), mesh.device_type)
+    reshard = bool(fsdp_config.get("reshard_after_forward", True))
+    logger.info("%s-wrapping %s from %s (param_dtype=%s)", strategy, type(model).__name__, model_path, param_dtype)
+    if strategy == "fsdp":
+        return apply_fsdp1(model, mesh.device_type, param_dtype, reshard_after_forward=reshard)
+    return apply_fsdp2(model, mesh, param_dtype, reshard_after_forward=reshard)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:
+    """Clip the gradients' global L2 norm to ``max_norm`` (None or <= 0: no clipping) and return the norm.
+
+    FSDP1 reduces the norm over its shards in ``model.clip_grad_norm_``; with FSDP2 the norm is a DTensor
+    reduced over the mesh, made a plain number with ``.full_tensor()``. A non-finite norm is returned as is
+    (the caller then skips the step).
+    """
+    limit = float(max_norm) if max_norm is not None and max_norm > 0 else float("inf")
+    if isinstance(model, FSDP):
+        return float(model.clip_grad_norm_(limit))
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm=limit, error_if_nonfinite=False)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    return float(total)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Gather the unsharded state dict on every rank (a collective: all ranks must call it).
+
+    On CUDA it is offloaded to CPU; on CPU offloading is skipped (it would crash FSDP1, ENVIRONMENT.md §3).
+    """
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    options = StateDictOptions(full_state_dict=True, cpu_offload=on_cuda)
+    return get_model_state_dict(model, options=options)
+
+
+def save_hf_pretrained(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Write ``state_dict`` as an HF ``save_pretrained`` directory (safetensors + config) at ``path``.
+
+    A skeleton of the model's own class is built on the meta device, so nothing is allocated and the exported
+    ``config.json`` names the HF class, not the FSDP wrapper subclass.
+    """
+    model = unwrap_model(model)
+    hf_cls = _hf_class(model)
+    with torch.device("meta"):
+        skeleton = hf_cls._from_config(model.config)
+    skeleton.save_pretrained(str(path), state_dict=state_dict, safe_serialization=True)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(str(path))
+
+
+def _hf_class(model: torch.nn.Module) -> type:
+    """The HF model class of ``model``, looking through FSDP2's dynamically created ``FSDP<Class>`` subclass."""
+    cls = type(model)
+    for base in cls.__mro__:
+        if base.__name__ == cls.__name__.removeprefix("FSDP") and hasattr(base, "_from_config"):
+            return base
+    raise TypeError(f"{cls.__name__} is not a transformers PreTrainedModel")
+
+
+def save_sharded_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike
+) -> None:
+    """Save the sharded model (and optimizer) state with torch.distributed.checkpoint under ``path/sharded_state``.
+
+    A collective: every rank writes its own shards, which :func:`load_sharded_state` restores exactly.
+    """
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=str(Path(path) / SHARDED_STATE_DIR))
+
+
+def load_sharded_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike
+) -> None:
+    """Restore what :func:`save_sharded_state` wrote at ``path`` into ``model`` (and ``optimizer``)."""
+    ckpt_dir = Path(path) / SHARDED_STATE_DIR
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"no sharded model/optimizer state at {ckpt_dir} (written by save_checkpoint)")
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=str(ckpt_dir))
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])

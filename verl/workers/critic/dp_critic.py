@@ -1,0 +1,125 @@
+"""DataParallelPPOCritic: token values and the clipped value-function update of a (possibly FSDP-sharded) model."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from omegaconf import DictConfig
+from tensordict import TensorDict
+
+from verl.protocol import DataProto
+from verl.trainer.ppo import core_algos
+from verl.utils.fsdp_utils import clip_grad_norm
+from verl.utils.torch_functional import masked_mean
+from verl.workers.batching import append_metrics, check_divisible, global_loss_info, iter_mini_batches, select_batch
+
+logger = logging.getLogger(__name__)
+
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+UPDATE_KEYS = MODEL_INPUT_KEYS + ("values", "returns")
+
+
+class DataParallelPPOCritic:
+    """PPO critic over one data-parallel shard of the batch (veRL's ``DataParallelPPOCritic``).
+
+    ``module`` maps tokens to one scalar per position (e.g. ``AutoModelForTokenClassification`` with
+    ``num_labels=1``). The value of response token t is read at the position preceding it, i.e. the value of
+    the state from which that token is generated. ``config`` is the ``critic`` block with
+    ``ppo_mini_batch_size`` already in rows per mini-batch on this rank.
+    """
+
+    def __init__(self, config: DictConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.config = config
+        self.critic_module = module
+        self.critic_optimizer = optimizer
+        self.loss_agg_mode = str(config.get("loss_agg_mode", "token-mean"))
+        if self.loss_agg_mode not in core_algos.LOSS_AGG_MODES:
+            raise ValueError(
+                f"critic.loss_agg_mode={self.loss_agg_mode!r}; expected one of {list(core_algos.LOSS_AGG_MODES)}"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the module's parameters (where inputs are moved)."""
+        return next(self.critic_module.parameters()).device
+
+    def _forward_micro_batch(self, micro: TensorDict) -> torch.Tensor:
+        """Values (bs, R) of the states preceding each response token, zeroed outside ``response_mask``."""
+        response_length = micro["responses"].size(-1)
+        output = self.critic_module(
+            input_ids=micro["input_ids"],
+            attention_mask=micro["attention_mask"],
+            position_ids=micro["position_ids"],
+            use_cache=False,
+        )
+        values = output.logits[:, -response_length - 1 : -1, 0].float()
+        return values * micro["response_mask"].to(values.dtype)
+
+    @torch.no_grad()
+    def compute_values(self, data: DataProto) -> torch.Tensor:
+        """Values (bs, R) for ``data``, micro-batched by ``meta_info['micro_batch_size']``, no grad."""
+        if "micro_batch_size" not in data.meta_info:
+            raise KeyError("compute_values: meta_info['micro_batch_size'] (rows per forward pass) is required")
+        batch = select_batch(data, MODEL_INPUT_KEYS, "compute_values")
+        was_training = self.critic_module.training
+        self.critic_module.eval()
+        try:
+            values = [
+                self._forward_micro_batch(micro.to(self.device)).cpu()
+                for micro in batch.split(int(data.meta_info["micro_batch_size"]))
+            ]
+        finally:
+            self.critic_module.train(was_training)
+        return torch.cat(values)
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip gradients to ``grad_clip`` and step, unless the norm is not finite; returns (norm, stepped)."""
+        grad_norm = clip_grad_norm(self.critic_module, self.config.get("grad_clip", None))
+        if not math.isfinite(grad_norm):
+            logger.warning("critic: grad norm is %s; skipping this optimizer step", grad_norm)
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            return grad_norm, False
+        self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        return grad_norm, True
+
+    def update_critic(self, data: DataProto) -> dict[str, list[float]]:
+        """Run ``ppo_epochs`` passes of the clipped value loss over ``data``; return the metrics as lists.
+
+        Needs ``values`` (the old values), ``returns`` and ``response_mask``. Mini-/micro-batching, global
+        normalisation and non-finite-gradient skipping work as in the actor. ``critic/vf_loss`` gets one value
+        per mini-batch (this rank's share; the mean over ranks is the mini-batch loss).
+        """
+        if self.critic_optimizer is None:
+            raise RuntimeError("update_critic: this critic was built without an optimizer")
+        cfg = self.config
+        batch = select_batch(data, UPDATE_KEYS, "update_critic")
+        mini_batch_size = int(cfg.ppo_mini_batch_size)
+        micro_batch_size = int(cfg.ppo_micro_batch_size_per_gpu)
+        check_divisible(batch.batch_size[0], mini_batch_size, "ppo_mini_batch_size (rows per rank)", "update_critic")
+        check_divisible(mini_batch_size, micro_batch_size, "ppo_micro_batch_size_per_gpu", "update_critic")
+        cliprange_value = float(cfg.get("cliprange_value", 0.5))
+        metrics: dict[str, list[float]] = {}
+        self.critic_module.train()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        epochs, shuffle = int(cfg.get("ppo_epochs", 1)), bool(cfg.get("shuffle", False))
+        for mini in iter_mini_batches(batch, mini_batch_size, epochs, shuffle):
+            mini = mini.to(self.device)
+            loss_info = global_loss_info(mini["response_mask"])
+            vf_loss_total = 0.0
+            for micro in mini.split(micro_batch_size):
+                vpreds = self._forward_micro_batch(micro)
+                vf_loss, vf_clipfrac = core_algos.compute_value_loss(
+                    vpreds, micro["returns"], micro["values"], micro["response_mask"],
+                    cliprange_value, loss_agg_mode=self.loss_agg_mode, **loss_info,
+                )  # fmt: skip
+                vf_loss.backward()
+                vf_loss_total += vf_loss.item()
+                vpred_mean = masked_mean(vpreds.detach(), micro["response_mask"])
+                append_metrics(metrics, {"critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": vpred_mean})
+            grad_norm, stepped = self._optimizer_step()
+            step_metrics = {"critic/vf_loss": vf_loss_total, "critic/grad_norm": grad_norm}
+            append_metrics(metrics, {**step_metrics, "critic/grad_norm_nonfinite": float(not stepped)})
+        return metrics

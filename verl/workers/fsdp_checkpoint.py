@@ -1,0 +1,114 @@
+"""Checkpoints of an FSDP-sharded model (FSDP2 or FSDP1): an HF export plus exact per-rank resume state.
+
+Layout of ``local_path`` (written by every rank together; the trainer makes the step directory atomic):
+
+- ``config.json``, ``model.safetensors``, tokenizer files: rank 0's HF ``save_pretrained`` export of the full
+  fp32 weights, loadable with ``AutoModelForCausalLM.from_pretrained`` (or the critic's class);
+- ``sharded_state/``: torch.distributed.checkpoint of the sharded model and optimizer state (exact restore);
+- ``extra_state_rank_{r}.pt``: rank r's LR-scheduler state and torch / numpy / python RNG states.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from verl.utils.fsdp_utils import full_state_dict, load_sharded_state, save_hf_pretrained, save_sharded_state
+
+logger = logging.getLogger(__name__)
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's RNG states as plain tensors/lists (loadable with ``torch.load(weights_only=True)``)."""
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [
+            np_name, torch.from_numpy(np_keys.astype(np.int64)), int(np_pos), int(np_has_gauss), float(np_cached)
+        ],
+        "python": [py_version, list(py_internal), py_gauss],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`_rng_state` captured."""
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class FSDPCheckpointManager:
+    """Saves and restores a sharded model with its optimizer, LR scheduler, RNG states and tokenizer."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+        tokenizer: Any | None = None,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.tokenizer = tokenizer
+
+    @staticmethod
+    def _rank() -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def save_checkpoint(self, local_path: str | os.PathLike) -> None:
+        """Write the HF export (rank 0), the sharded model/optimizer state and this rank's extra state.
+
+        A collective: every rank must call it with the same ``local_path``.
+        """
+        path = Path(local_path)
+        path.mkdir(parents=True, exist_ok=True)
+        state_dict = full_state_dict(self.model)
+        if self._rank() == 0:
+            save_hf_pretrained(self.model, state_dict, path)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(path))
+        del state_dict
+        save_sharded_state(self.model, self.optimizer, path)
+        extra = {"lr_scheduler": self.lr_scheduler.state_dict(), "rng": _rng_state()}
+        torch.save(extra, path / f"extra_state_rank_{self._rank()}.pt")
+        if dist.is_initialized():
+            dist.barrier()
+        logger.info("rank %d saved checkpoint to %s", self._rank(), path)
+
+    def load_checkpoint(self, local_path: str | os.PathLike) -> None:
+        """Restore model, optimizer, scheduler and this rank's RNG states from ``local_path`` (a collective)."""
+        path = Path(local_path)
+        extra_file = path / f"extra_state_rank_{self._rank()}.pt"
+        present = [extra_file.is_file()]
+        if dist.is_initialized():
+            present = [None] * dist.get_world_size()
+            dist.all_gather_object(present, extra_file.is_file())
+        if not all(present):
+            missing = [rank for rank, ok in enumerate(present) if not ok]
+            raise FileNotFoundError(
+                f"checkpoint {path} lacks extra_state_rank_<r>.pt for ranks {missing}: it is incomplete or was "
+                "saved with a different world size"
+            )
+        load_sharded_state(self.model, self.optimizer, path)
+        extra = torch.load(extra_file, map_location="cpu", weights_only=True)
+        self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        _set_rng_state(extra["rng"])
+        if dist.is_initialized():
+            dist.barrier()
+        logger.info("rank %d loaded checkpoint from %s", self._rank(), path)

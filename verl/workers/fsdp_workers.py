@@ -1,0 +1,289 @@
+"""FSDP workers run by the Ray worker group: the actor/rollout/reference worker and the critic worker.
+
+Each worker process joins the group's torch.distributed process group (gloo on CPU, nccl on CUDA) in
+``init_model``, loads the HF model with the same seed on every rank, shards it per decoder layer and then at
+the root, with FSDP2 (``strategy: fsdp2``, default) or FSDP1 (``strategy: fsdp``), and exposes the veRL worker
+methods listed in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+from verl.protocol import DataProto
+from verl.single_controller.base import Dispatch, Worker, register
+from verl.utils.device import get_device_name
+from verl.utils.fsdp_utils import build_fsdp_model, check_strategy, create_device_mesh
+from verl.utils.optim import build_lr_scheduler, build_optimizer
+from verl.workers.actor.dp_actor import DataParallelPPOActor
+from verl.workers.critic.dp_critic import DataParallelPPOCritic
+from verl.workers.fsdp_checkpoint import FSDPCheckpointManager
+from verl.workers.rollout.hf_rollout import HFRollout
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+DEFAULT_SEED = 42
+
+
+def _resolved_copy(config: DictConfig, where: str) -> DictConfig:
+    """A detached, fully resolved copy of ``config`` (interpolations into the parent config resolved now)."""
+    if not isinstance(config, DictConfig):
+        raise TypeError(f"{where} must be an OmegaConf DictConfig, got {type(config).__name__}")
+    return OmegaConf.create(OmegaConf.to_container(config, resolve=True))
+
+
+def _rows_per_rank(prompts: int, n: int, world_size: int, where: str) -> int:
+    """``prompts * n`` rows split over ``world_size`` ranks; raise unless it divides evenly."""
+    rows = int(prompts) * int(n)
+    if rows < 1 or rows % world_size != 0:
+        raise ValueError(
+            f"{where}={prompts} prompts x rollout.n={n} = {rows} rows must be >= 1 and divisible by the "
+            f"DP world size {world_size}"
+        )
+    return rows // world_size
+
+
+def _with_meta_defaults(data: DataProto, defaults: dict[str, Any]) -> DataProto:
+    """A shallow copy of ``data`` whose meta_info falls back to ``defaults`` (given meta_info wins)."""
+    meta = {**{k: v for k, v in defaults.items() if v is not None}, **data.meta_info}
+    return DataProto(batch=data.batch, non_tensor_batch=data.non_tensor_batch, meta_info=meta)
+
+
+def _load_tokenizer(model_cfg: DictConfig) -> Any:
+    """The left-padding tokenizer of ``model.tokenizer_path`` (default ``model.path``)."""
+    path = model_cfg.get("tokenizer_path", None) or model_cfg.path
+    return AutoTokenizer.from_pretrained(path, padding_side="left")
+
+
+class ActorRolloutRefWorker(Worker):
+    """Policy worker: PPO actor, HF rollout on the same sharded weights, and/or the frozen reference policy.
+
+    ``config`` is ``cfg.actor_rollout_ref``; ``role`` is one of ``actor``, ``rollout``, ``ref``,
+    ``actor_rollout``, ``actor_rollout_ref``.
+    """
+
+    def __init__(self, config: DictConfig, role: str):
+        super().__init__()
+        if role not in ROLES:
+            raise ValueError(f"ActorRolloutRefWorker role={role!r}; expected one of {list(ROLES)}")
+        self.config = _resolved_copy(config, "ActorRolloutRefWorker config (actor_rollout_ref)")
+        self.role = role
+        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_rollout_ref")
+        check_strategy(self.config.actor.get("strategy", "fsdp2"), "actor_rollout_ref.actor.strategy")
+        if self._is_rollout and self.config.rollout.get("name", "hf") != "hf":
+            raise ValueError(
+                f"actor_rollout_ref.rollout.name={self.config.rollout.name!r} is not supported by this worker; use hf"
+            )
+        self.tokenizer: Any = None
+        self.actor: DataParallelPPOActor | None = None
+        self.rollout: HFRollout | None = None
+        self.ref_policy: DataParallelPPOActor | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.checkpoint_manager: FSDPCheckpointManager | None = None
+
+    def _require(self, enabled: bool, method: str, needed: str) -> None:
+        """Raise naming ``method`` unless this worker's role includes ``needed`` and init_model has run."""
+        if not enabled:
+            raise RuntimeError(f"{method} needs a worker with the {needed} role; this one has role {self.role!r}")
+        if self.tokenizer is None:
+            raise RuntimeError(f"{method} called before init_model")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Join the process group, load and shard the model(s), build optimizer, scheduler and rollout."""
+        self.init_distributed()
+        mesh = create_device_mesh(get_device_name())
+        cfg = self.config
+        self.tokenizer = _load_tokenizer(cfg.model)
+        actor_cfg = copy.deepcopy(cfg.actor)
+        with open_dict(actor_cfg):
+            actor_cfg.ppo_mini_batch_size = _rows_per_rank(
+                cfg.actor.ppo_mini_batch_size, cfg.rollout.get("n", 1), self.world_size,
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+            )  # fmt: skip
+        seed = int(cfg.actor.get("seed", DEFAULT_SEED))
+        model_args = {
+            "model_path": cfg.model.path,
+            "mesh": mesh,
+            "fsdp_config": cfg.actor.get("fsdp_config", {}),
+            "seed": seed,
+            "attn_implementation": cfg.model.get("attn_implementation", "sdpa"),
+            "strategy": cfg.actor.get("strategy", "fsdp2"),
+        }
+        if self._is_actor or self._is_rollout:
+            gradient_checkpointing = self._is_actor and bool(cfg.model.get("enable_gradient_checkpointing", False))
+            module = build_fsdp_model(AutoModelForCausalLM, gradient_checkpointing=gradient_checkpointing, **model_args)
+            optimizer = None
+            if self._is_actor:
+                optimizer = build_optimizer(module.parameters(), cfg.actor.optim)
+                self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim)
+                self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer)
+            self.actor = DataParallelPPOActor(actor_cfg, module, optimizer)
+            if self._is_rollout:
+                self.rollout = HFRollout(module, cfg.rollout)
+        if self._is_ref:
+            ref_module = build_fsdp_model(AutoModelForCausalLM, **model_args)
+            ref_module.requires_grad_(False)
+            self.ref_policy = DataParallelPPOActor(actor_cfg, ref_module)
+        torch.manual_seed(seed + self.rank)
+        logger.info("rank %d: ActorRolloutRefWorker(%s) ready", self.rank, self.role)
+
+    def _log_prob_defaults(self, micro_batch_size: int | None) -> dict[str, Any]:
+        """meta_info defaults of a log-prob pass: rows per forward and the rollout temperature."""
+        micro = micro_batch_size or self.config.actor.ppo_micro_batch_size_per_gpu
+        return {"micro_batch_size": micro, "temperature": self.config.rollout.get("temperature", 1.0)}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Generate one response per prompt row (see :class:`HFRollout`); tokenizer EOS/pad by default."""
+        self._require(self._is_rollout, "generate_sequences", "rollout")
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        prompts = _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
+        return self.rollout.generate_sequences(prompts)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """Current-policy log-probs and entropies of ``responses``: ``old_log_probs``, ``entropys``."""
+        self._require(self._is_actor, "compute_log_prob", "actor")
+        start = time.perf_counter()
+        defaults = self._log_prob_defaults(self.config.rollout.get("log_prob_micro_batch_size_per_gpu"))
+        data = _with_meta_defaults(data, defaults)
+        log_probs, entropys = self.actor.compute_log_prob(data, calculate_entropy=True)
+        metrics = {"timing_s/worker_compute_log_prob": time.perf_counter() - start}
+        return DataProto.from_dict(
+            tensors={"old_log_probs": log_probs, "entropys": entropys}, meta_info={"metrics": metrics}
+        )
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """Reference-policy log-probs of ``responses``: ``ref_log_prob``."""
+        self._require(self._is_ref, "compute_ref_log_prob", "ref")
+        defaults = self._log_prob_defaults(self.config.ref.get("log_prob_micro_batch_size_per_gpu"))
+        data = _with_meta_defaults(data, defaults)
+        log_probs, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False)
+        return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """One PPO training step on this rank's rows; returns ``meta_info['metrics']`` (lists) incl. ``actor/lr``.
+
+        The learning-rate schedule advances once per call.
+        """
+        self._require(self._is_actor, "update_actor", "actor")
+        start = time.perf_counter()
+        data = _with_meta_defaults(data, {"temperature": self.config.rollout.get("temperature", 1.0)})
+        metrics = self.actor.update_policy(data)
+        metrics["actor/lr"] = [self.lr_scheduler.get_last_lr()[0]]
+        self.lr_scheduler.step()
+        metrics["timing_s/worker_update_actor"] = [time.perf_counter() - start]
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        """Write the actor's HF export and resume state into ``local_path`` (see :mod:`verl.workers.fsdp_checkpoint`).
+
+        ``global_step`` is logged; ``max_ckpt_to_keep`` is accepted for veRL compatibility, retention of step
+        directories being the trainer's job (``verl.utils.checkpoint``).
+        """
+        self._require(self._is_actor, "save_checkpoint", "actor")
+        logger.info("rank %d: saving actor checkpoint of step %d to %s", self.rank, global_step, local_path)
+        self.checkpoint_manager.save_checkpoint(local_path)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str) -> None:
+        """Restore the actor's weights, optimizer, LR schedule and RNG states from ``local_path``."""
+        self._require(self._is_actor, "load_checkpoint", "actor")
+        self.checkpoint_manager.load_checkpoint(local_path)
+
+
+class CriticWorker(Worker):
+    """Value-function worker: an FSDP-sharded ``AutoModelForTokenClassification(num_labels=1)``.
+
+    ``config`` is ``cfg.critic``; the model is loaded from ``critic.model.path`` (a causal-LM directory: its
+    backbone is reused and a scalar value head is initialised with the same seed on every rank).
+    """
+
+    def __init__(self, config: DictConfig):
+        super().__init__()
+        self.config = _resolved_copy(config, "CriticWorker config (critic)")
+        check_strategy(self.config.get("strategy", "fsdp2"), "critic.strategy")
+        self.tokenizer: Any = None
+        self.critic: DataParallelPPOCritic | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.checkpoint_manager: FSDPCheckpointManager | None = None
+
+    def _require_init(self, method: str) -> None:
+        """Raise naming ``method`` if init_model has not run."""
+        if self.critic is None:
+            raise RuntimeError(f"CriticWorker.{method} called before init_model")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Join the process group, load and shard the value model, build optimizer and scheduler."""
+        self.init_distributed()
+        cfg = self.config
+        mesh = create_device_mesh(get_device_name())
+        self.tokenizer = _load_tokenizer(cfg.model)
+        critic_cfg = copy.deepcopy(cfg)
+        with open_dict(critic_cfg):
+            critic_cfg.ppo_mini_batch_size = _rows_per_rank(
+                cfg.ppo_mini_batch_size, cfg.get("rollout_n", 1), self.world_size, "critic.ppo_mini_batch_size"
+            )
+        seed = int(cfg.get("seed", DEFAULT_SEED))
+        module = build_fsdp_model(
+            AutoModelForTokenClassification,
+            model_path=cfg.model.path,
+            mesh=mesh,
+            fsdp_config=cfg.get("fsdp_config", {}),
+            seed=seed,
+            attn_implementation=cfg.model.get("attn_implementation", "sdpa"),
+            gradient_checkpointing=bool(cfg.model.get("enable_gradient_checkpointing", False)),
+            config_overrides={"num_labels": 1, "classifier_dropout": 0.0},
+            strategy=cfg.get("strategy", "fsdp2"),
+        )
+        optimizer = build_optimizer(module.parameters(), cfg.optim)
+        self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
+        self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer)
+        self.critic = DataParallelPPOCritic(critic_cfg, module, optimizer)
+        torch.manual_seed(seed + self.rank)
+        logger.info("rank %d: CriticWorker ready", self.rank)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """Values (bs, R) of the states preceding each response token: ``values``."""
+        self._require_init("compute_values")
+        micro = self.config.get("forward_micro_batch_size_per_gpu", None) or self.config.ppo_micro_batch_size_per_gpu
+        values = self.critic.compute_values(_with_meta_defaults(data, {"micro_batch_size": micro}))
+        return DataProto.from_dict(tensors={"values": values})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        """One value-function training step; returns ``meta_info['metrics']`` (lists) incl. ``critic/lr``."""
+        self._require_init("update_critic")
+        metrics = self.critic.update_critic(data)
+        metrics["critic/lr"] = [self.lr_scheduler.get_last_lr()[0]]
+        self.lr_scheduler.step()
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        """Write the critic's HF export and resume state into ``local_path`` (``max_ckpt_to_keep``: see actor)."""
+        self._require_init("save_checkpoint")
+        logger.info("rank %d: saving critic checkpoint of step %d to %s", self.rank, global_step, local_path)
+        self.checkpoint_manager.save_checkpoint(local_path)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str) -> None:
+        """Restore the critic's weights, optimizer, LR schedule and RNG states from ``local_path``."""
+        self._require_init("load_checkpoint")
+        self.checkpoint_manager.load_checkpoint(local_path)

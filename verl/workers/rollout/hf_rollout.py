@@ -1,0 +1,125 @@
+"""HFRollout: single-turn generation with HF ``generate`` directly on the (FSDP1/FSDP2-sharded) actor model."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from tensordict import TensorDict
+from transformers import GenerationConfig
+
+from verl.protocol import DataProto
+from verl.utils.fsdp_utils import generation_model, unwrap_model
+from verl.workers.batching import select_batch
+
+logger = logging.getLogger(__name__)
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
+    """Mask (bs, R) that is 1 on every token up to and including the first EOS of each row, 0 after it."""
+    eos_list = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
+    eos_ids = torch.as_tensor(eos_list, device=responses.device)
+    is_eos = torch.isin(responses, eos_ids).long()
+    eos_before = torch.cumsum(is_eos, dim=-1) - is_eos
+    return (eos_before == 0).long()
+
+
+class HFRollout:
+    """Generate responses for left-padded prompts with ``module.generate`` (veRL's ``HFRollout``).
+
+    ``config`` is the ``actor_rollout_ref.rollout`` block: ``do_sample``, ``temperature``, ``top_p``, ``top_k``
+    (-1 = off), ``response_length`` and ``micro_batch_size_per_gpu`` (rows per ``generate`` call; null = all).
+    The prompt batch's ``meta_info`` overrides the sampling keys per call and must carry ``eos_token_id`` and
+    ``pad_token_id`` unless the model's generation config has them. Sampling draws from the global torch RNG,
+    so results are reproducible given the torch seed.
+    """
+
+    def __init__(self, module: torch.nn.Module, config: DictConfig):
+        self.module = module
+        self.config = config
+
+    def _setting(self, meta_info: dict[str, Any], key: str, default: Any) -> Any:
+        """``meta_info[key]`` if given, else ``config[key]``, else ``default``."""
+        if meta_info.get(key) is not None:
+            return meta_info[key]
+        value = self.config.get(key, None)
+        return default if value is None else value
+
+    def _generation_config(self, meta_info: dict[str, Any]) -> tuple[GenerationConfig, int, Any, int]:
+        """The HF generation config for a call, plus (response_length, eos_token_id, pad_token_id)."""
+        model_gen = getattr(unwrap_model(self.module), "generation_config", None)
+        response_length = int(self._setting(meta_info, "response_length", 0))
+        if response_length < 1:
+            raise ValueError(f"generate_sequences: response_length must be >= 1, got {response_length}")
+        eos = meta_info.get("eos_token_id", getattr(model_gen, "eos_token_id", None))
+        pad = meta_info.get("pad_token_id", getattr(model_gen, "pad_token_id", None))
+        if eos is None or pad is None:
+            raise ValueError(
+                "generate_sequences: meta_info needs eos_token_id and pad_token_id (the model defines none)"
+            )
+        do_sample = bool(self._setting(meta_info, "do_sample", True))
+        settings: dict[str, Any] = {"do_sample": do_sample, "num_beams": 1}
+        if do_sample:
+            top_k = int(self._setting(meta_info, "top_k", -1))
+            settings.update(
+                temperature=float(self._setting(meta_info, "temperature", 1.0)),
+                top_p=float(self._setting(meta_info, "top_p", 1.0)),
+                top_k=0 if top_k < 0 else top_k,
+            )
+            if not settings["temperature"] > 0:
+                raise ValueError(
+                    f"generate_sequences: temperature must be > 0 when sampling, got {settings['temperature']}"
+                )
+        gen_config = GenerationConfig(
+            max_new_tokens=response_length, eos_token_id=eos, pad_token_id=pad, use_cache=True, **settings
+        )
+        return gen_config, response_length, eos, int(pad)
+
+    @torch.no_grad()
+    def _generate_micro_batch(self, prompts: TensorDict, meta_info: dict[str, Any]) -> TensorDict:
+        """Generate for one micro-batch and build the generation-batch tensors."""
+        gen_config, response_length, eos, pad = self._generation_config(meta_info)
+        device = next(self.module.parameters()).device
+        input_ids = prompts["input_ids"].to(device)
+        prompt_mask = prompts["attention_mask"].to(device)
+        synced = dist.is_initialized() and dist.get_world_size() > 1
+        with generation_model(self.module) as model:
+            output = model.generate(
+                input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config, synced_gpus=synced
+            )
+        responses = output[:, input_ids.size(1) :]
+        if responses.size(1) < response_length:
+            pad_block = responses.new_full((responses.size(0), response_length - responses.size(1)), pad)
+            responses = torch.cat([responses, pad_block], dim=1)
+        response_mask = response_mask_from_eos(responses, eos)
+        responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad))
+        prompt_positions = prompts["position_ids"].to(device)
+        offsets = torch.arange(1, response_length + 1, device=device).unsqueeze(0)
+        response_positions = prompt_positions[:, -1:] + offsets
+        tensors = {
+            "prompts": input_ids,
+            "responses": responses,
+            "input_ids": torch.cat([input_ids, responses], dim=1),
+            "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1),
+            "position_ids": torch.cat([prompt_positions, response_positions], dim=1),
+            "response_mask": response_mask,
+        }
+        return TensorDict({k: v.cpu() for k, v in tensors.items()}, batch_size=[input_ids.size(0)])
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Generate one response per prompt row; returns ``prompts, responses, input_ids, attention_mask,
+        position_ids, response_mask`` with responses right-padded to exactly ``response_length``."""
+        batch = select_batch(prompts, PROMPT_KEYS, "generate_sequences")
+        micro_batch_size = int(self.config.get("micro_batch_size_per_gpu", None) or batch.batch_size[0])
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            parts = [self._generate_micro_batch(micro, prompts.meta_info) for micro in batch.split(micro_batch_size)]
+        finally:
+            self.module.train(was_training)
+        return DataProto(batch=torch.cat(parts, dim=0))
