@@ -1,0 +1,483 @@
+"""Fault-tolerant client for N OpenAI-compatible user-simulator instances.
+
+Every dialogue's turn is its own ``POST {url}/v1/chat/completions``. A batch is sent concurrently (asyncio +
+httpx on a private event-loop thread) and each request goes to the healthy instance with the fewest requests
+in flight, so a slow instance simply receives less work. A failed attempt (connection error, timeout, non-200,
+or a 200 whose body is not a chat completion) is retried after a backoff on another instance when one exists.
+An instance with ``down_after_failures`` consecutive failures is marked down and probed with ``GET /health``
+every ``probe_interval_s`` until it answers; the client never restarts or kills a server. A turn that cannot
+be answered within ``max_attempts`` attempts and the batch deadline comes back as a :class:`TurnFailure`,
+never as a made-up reply. Every wait is bounded: one attempt by ``timeout_s``, a batch by ``deadline_s``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_WINDOW = 10_000  # successful-request latencies kept per instance for the percentiles
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One dialogue's next user turn: the rendered chat messages and the decoding parameters."""
+
+    dialogue_id: str
+    messages: list[dict]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        where = f"ChatRequest(dialogue_id={self.dialogue_id!r})"
+        if not isinstance(self.messages, list) or not self.messages:
+            raise ValueError(f"{where}: messages must be a non-empty list of dicts")
+        for i, message in enumerate(self.messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"{where}: messages[{i}] must be a dict with a string 'role', got {message!r}")
+            if not isinstance(message.get("content"), str):
+                raise ValueError(f"{where}: messages[{i}]['content'] must be a string")
+        if self.temperature < 0:
+            raise ValueError(f"{where}: temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{where}: top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"{where}: max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    """A simulator's answer: its text, the instance (host:port) that served it, the answering request's latency
+    in seconds, and how many attempts the turn took (1 = no retry)."""
+
+    dialogue_id: str
+    text: str
+    instance: str
+    latency_s: float
+    attempts: int
+
+
+@dataclass(frozen=True)
+class TurnFailure:
+    """A turn no instance answered: why, after how many attempts, and each attempt's error."""
+
+    dialogue_id: str
+    reason: str
+    attempts: int
+    errors: list[str] = field(default_factory=list)
+
+
+class _AttemptError(Exception):
+    """One failed attempt; `kind` is timeout | connection | http | garbage | rejected | unavailable | deadline."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+@dataclass
+class _Instance:
+    """Routing state and counters of one simulator instance (touched only on the client's loop thread)."""
+
+    url: str
+    name: str
+    model: str | None
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    down: bool = False
+    requests: int = 0
+    successes: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    marked_down: int = 0
+    latencies: deque = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
+    model_lock: asyncio.Lock | None = None
+    probe_task: asyncio.Task | None = None
+
+
+def parse_urls(urls: str | list[str]) -> list[str]:
+    """Normalise a comma-separated string or a list of base URLs.
+
+    Blank entries (a trailing comma) are skipped; whitespace, trailing '/' and a '/v1' suffix are removed, so
+    `http://h:5000/v1/` and `http://h:5000` name the same instance. Raises ValueError on a malformed or
+    repeated URL, naming its position.
+    """
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    parsed: list[str] = []
+    for position, raw in enumerate(items):
+        if not isinstance(raw, str):
+            raise ValueError(f"user-simulator url #{position} must be a string, got {raw!r}")
+        if not raw.strip():
+            continue
+        url = raw.strip().rstrip("/")
+        if url.endswith("/v1"):
+            url = url[: -len("/v1")]
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"user-simulator url #{position} {raw!r} is not an http(s)://host:port URL")
+        if url in parsed:
+            raise ValueError(f"user-simulator url #{position} {raw!r} is listed twice")
+        parsed.append(url)
+    if not parsed:
+        raise ValueError("no user-simulator url given")
+    return parsed
+
+
+def _instance_name(url: str) -> str:
+    """The instance's label in replies and metrics: host:port, plus the path when the URL has one."""
+    parts = urlsplit(url)
+    return parts.netloc + parts.path
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated q-quantile (0 <= q <= 1) of a non-empty list."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _raise_for_status(response: httpx.Response) -> None:
+    """Raise `_AttemptError` for a non-200: 'http' (worth retrying elsewhere) for 5xx, 408 and 429, else
+    'rejected' (the request itself is wrong: bad model name, missing API key, too long)."""
+    if response.status_code == 200:
+        return
+    retryable = response.status_code >= 500 or response.status_code in (408, 429)
+    request = response.request
+    detail = f"{request.method} {request.url.path}: HTTP {response.status_code}: {response.text[:200]!r}"
+    raise _AttemptError("http" if retryable else "rejected", detail)
+
+
+def _completion_text(response: httpx.Response) -> str:
+    """The first choice's message content of a chat-completion response, or raise `_AttemptError('garbage')`."""
+    try:
+        body = response.json()
+        content = body["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise _AttemptError("garbage", f"200 with a body that is not a chat completion ({exc!r})") from None
+    if not isinstance(content, str):
+        raise _AttemptError("garbage", f"200 with non-string message content {content!r}")
+    return content
+
+
+class UserSimClient:
+    """Sends dialogue turns to N simulator instances with least-in-flight routing, retries and health probes."""
+
+    def __init__(
+        self,
+        urls: str | list[str],
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        max_attempts: int = 3,
+        deadline_s: float | None = None,
+        down_after_failures: int = 3,
+        probe_interval_s: float = 2.0,
+        backoff_s: float = 0.2,
+        max_in_flight: int = 256,
+    ) -> None:
+        for name, value in (("timeout_s", timeout_s), ("probe_interval_s", probe_interval_s)):
+            if value <= 0:
+                raise ValueError(f"UserSimClient: {name} must be > 0, got {value}")
+        for name, value in (("max_attempts", max_attempts), ("down_after_failures", down_after_failures),
+                            ("max_in_flight", max_in_flight)):
+            if value < 1:
+                raise ValueError(f"UserSimClient: {name} must be >= 1, got {value}")
+        if deadline_s is not None and deadline_s <= 0:
+            raise ValueError(f"UserSimClient: deadline_s must be > 0 or None, got {deadline_s}")
+        if backoff_s < 0:
+            raise ValueError(f"UserSimClient: backoff_s must be >= 0, got {backoff_s}")
+        self.timeout_s = float(timeout_s)
+        self.max_attempts = max_attempts
+        self.deadline_s = deadline_s
+        self.down_after_failures = down_after_failures
+        self.probe_interval_s = float(probe_interval_s)
+        self.backoff_s = float(backoff_s)
+        self.max_in_flight = max_in_flight
+        self._instances = [_Instance(url=u, name=_instance_name(u), model=model) for u in parse_urls(urls)]
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._stats_lock = threading.Lock()
+        self._turns = self._turn_failures = self._retries = self._failovers = 0
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="user-sim-client", daemon=True)
+        self._thread.start()
+        self._call(self._setup())
+
+    @property
+    def instances(self) -> list[str]:
+        """The instances' names (host:port), in the order given."""
+        return [inst.name for inst in self._instances]
+
+    def _call(self, coro):
+        """Run a coroutine on the client's loop thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _setup(self) -> None:
+        """Create the loop-bound objects: HTTP connection pool, concurrency cap, up/down condition."""
+        limits = httpx.Limits(max_connections=self.max_in_flight + 2 * len(self._instances),
+                              max_keepalive_connections=self.max_in_flight)
+        self._http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout_s), headers=self._headers)
+        self._slots = asyncio.Semaphore(self.max_in_flight)
+        self._up_changed = asyncio.Condition()
+        for inst in self._instances:
+            inst.model_lock = asyncio.Lock()
+
+    def complete_batch(self, requests: list[ChatRequest]) -> list[ChatReply | TurnFailure]:
+        """Complete every request concurrently; returns one ChatReply or TurnFailure per request, in order."""
+        if self._closed:
+            raise RuntimeError("UserSimClient.complete_batch called after close()")
+        for i, req in enumerate(requests):
+            if not isinstance(req, ChatRequest):
+                raise TypeError(f"complete_batch: requests[{i}] is {type(req).__name__}, expected ChatRequest")
+        if not requests:
+            return []
+        return self._call(self._complete_all(requests))
+
+    async def _complete_all(self, requests: list[ChatRequest]) -> list[ChatReply | TurnFailure]:
+        deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
+        results = await asyncio.gather(*(self._complete_one(req, deadline) for req in requests))
+        failed = sum(isinstance(r, TurnFailure) for r in results)
+        with self._stats_lock:
+            self._turns += len(results)
+            self._turn_failures += failed
+        if failed:
+            logger.warning("user simulator: %d of %d turns failed on every attempt", failed, len(results))
+        return list(results)
+
+    def _pick(self, tried: list[str]) -> _Instance | None:
+        """The up instance with the fewest requests in flight, preferring ones this turn has not tried yet."""
+        up = [inst for inst in self._instances if not inst.down]
+        fresh = [inst for inst in up if inst.name not in tried]
+        pool = fresh or up
+        if not pool:
+            return None
+        return min(pool, key=lambda inst: (inst.in_flight, inst.requests))
+
+    async def _wait_until_up(self, budget_s: float) -> bool:
+        """Wait up to `budget_s` for some instance to be up (a probe succeeding); True if one is."""
+        try:
+            async with asyncio.timeout(budget_s):
+                async with self._up_changed:
+                    await self._up_changed.wait_for(lambda: any(not i.down for i in self._instances))
+            return True
+        except TimeoutError:
+            return False
+
+    def _remaining(self, deadline: float | None) -> float | None:
+        """Seconds left before the batch deadline (None when there is no deadline)."""
+        return None if deadline is None else deadline - time.monotonic()
+
+    async def _complete_one(self, req: ChatRequest, deadline: float | None) -> ChatReply | TurnFailure:
+        """All attempts of one turn, each on the least-loaded up instance not yet tried when possible."""
+        errors: list[str] = []
+        tried: list[str] = []
+        attempts = 0
+        while attempts < self.max_attempts:
+            if attempts:
+                delay = self.backoff_s * 2 ** (attempts - 1) * random.uniform(0.5, 1.0)
+                remaining = self._remaining(deadline)
+                await asyncio.sleep(delay if remaining is None else max(0.0, min(delay, remaining)))
+            remaining = self._remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                return TurnFailure(req.dialogue_id, f"deadline of {self.deadline_s}s exceeded", attempts, errors)
+            attempts += 1
+            try:
+                if self._pick(tried) is None:
+                    wait_s = self.timeout_s if remaining is None else min(self.timeout_s, remaining)
+                    if not await self._wait_until_up(wait_s):
+                        raise _AttemptError("unavailable", f"no instance up within {wait_s:.2f}s")
+                inst, text, latency = await self._send(req, tried, deadline)
+            except _AttemptError as exc:
+                errors.append(f"attempt {attempts}: {exc}")
+                if exc.kind == "rejected":
+                    return TurnFailure(req.dialogue_id, f"request rejected: {exc}", attempts, errors)
+                continue
+            return ChatReply(req.dialogue_id, text, inst.name, latency, attempts)
+        return TurnFailure(req.dialogue_id, f"all {attempts} attempts failed", attempts, errors)
+
+    async def _send(self, req: ChatRequest, tried: list[str], deadline: float | None) -> tuple[_Instance, str, float]:
+        """One request: wait for an in-flight slot, route, send, validate, and update the instance's health."""
+        try:
+            async with asyncio.timeout_at(deadline):  # the loop's clock is time.monotonic()
+                await self._slots.acquire()
+        except TimeoutError:
+            raise _AttemptError("deadline", "deadline reached while queued for an in-flight slot") from None
+        try:
+            inst = self._pick(tried)
+            if inst is None:
+                raise _AttemptError("unavailable", "every instance went down while queued")
+            if tried:
+                with self._stats_lock:
+                    self._retries += 1
+                    self._failovers += tried[-1] != inst.name
+            tried.append(inst.name)
+            remaining = self._remaining(deadline)
+            budget = self.timeout_s if remaining is None else min(self.timeout_s, remaining)
+            with self._stats_lock:
+                inst.requests += 1
+            inst.in_flight += 1
+            sent = time.monotonic()
+            try:
+                async with asyncio.timeout(max(budget, 1e-3)):
+                    text = await self._post(inst, req)
+            except TimeoutError:
+                if budget < self.timeout_s:
+                    raise _AttemptError("deadline", f"{inst.name}: no answer before the deadline") from None
+                self._record_failure(inst, "timeout")
+                raise _AttemptError("timeout", f"{inst.name}: no answer within {budget:.2f}s") from None
+            except httpx.HTTPError as exc:
+                self._record_failure(inst, "connection")
+                raise _AttemptError("connection", f"{inst.name}: {type(exc).__name__}: {exc}") from None
+            except _AttemptError as exc:
+                if exc.kind != "rejected":
+                    self._record_failure(inst, exc.kind)
+                raise _AttemptError(exc.kind, f"{inst.name}: {exc}") from None
+            finally:
+                inst.in_flight -= 1
+        finally:
+            self._slots.release()
+        latency = time.monotonic() - sent
+        with self._stats_lock:
+            inst.successes += 1
+            inst.latencies.append(latency)
+        inst.consecutive_failures = 0
+        return inst, text, latency
+
+    async def _post(self, inst: _Instance, req: ChatRequest) -> str:
+        """POST the chat completion to one instance and return the reply text (raises on any failure)."""
+        if inst.model is None:
+            await self._discover_model(inst)
+        body = {"model": inst.model, "messages": req.messages, "n": 1, "temperature": req.temperature,
+                "top_p": req.top_p, "max_tokens": req.max_tokens}
+        if req.seed is not None:
+            body["seed"] = req.seed
+        response = await self._http.post(f"{inst.url}/v1/chat/completions", json=body)
+        _raise_for_status(response)
+        return _completion_text(response)
+
+    async def _discover_model(self, inst: _Instance) -> None:
+        """Ask `GET /v1/models` once for the instance's served model name."""
+        async with inst.model_lock:
+            if inst.model is not None:
+                return
+            response = await self._http.get(f"{inst.url}/v1/models")
+            _raise_for_status(response)
+            try:
+                model = response.json()["data"][0]["id"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                model = None
+            if not isinstance(model, str):
+                raise _AttemptError("garbage", "GET /v1/models answered 200 without a model id")
+            inst.model = model
+            logger.info("user simulator %s serves model %r", inst.name, model)
+
+    def _record_failure(self, inst: _Instance, kind: str) -> None:
+        """Count a failed attempt and mark the instance down after `down_after_failures` in a row."""
+        with self._stats_lock:
+            inst.failures[kind] = inst.failures.get(kind, 0) + 1
+        inst.consecutive_failures += 1
+        if not inst.down and inst.consecutive_failures >= self.down_after_failures:
+            inst.down = True
+            with self._stats_lock:
+                inst.marked_down += 1
+            logger.warning("user simulator %s marked down after %d consecutive failures (last: %s); "
+                           "probing /health every %.1fs", inst.name, inst.consecutive_failures, kind,
+                           self.probe_interval_s)
+            inst.probe_task = asyncio.get_running_loop().create_task(self._probe(inst))
+
+    async def _probe(self, inst: _Instance) -> None:
+        """Poll `GET /health` until it answers 200, then put the instance back on probation (one strike)."""
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                response = await self._http.get(f"{inst.url}/health",
+                                                timeout=min(self.timeout_s, max(self.probe_interval_s, 1.0)))
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 200:
+                break
+        inst.consecutive_failures = self.down_after_failures - 1
+        async with self._up_changed:
+            inst.down = False
+            self._up_changed.notify_all()
+        logger.info("user simulator %s answers /health again; back in rotation", inst.name)
+
+    def stats(self) -> dict[str, float]:
+        """Counters flattened for metrics: `user_sim/<host:port>/<name>` per instance plus `user_sim/<name>` totals.
+
+        Per instance: requests, successes, failures (and failures_timeout/_connection/_http/_garbage),
+        marked_down, down (0/1), in_flight, latency_p50_s, latency_p95_s. Totals: requests, turns,
+        turn_failures, retries, failovers (retries sent to a different instance), instances_down, latency_p50_s,
+        latency_p95_s. Latency keys appear once some request has succeeded.
+        """
+        out: dict[str, float] = {}
+        all_latencies: list[float] = []
+        with self._stats_lock:
+            for inst in self._instances:
+                prefix = f"user_sim/{inst.name}"
+                out[f"{prefix}/requests"] = float(inst.requests)
+                out[f"{prefix}/successes"] = float(inst.successes)
+                out[f"{prefix}/failures"] = float(sum(inst.failures.values()))
+                for kind in ("timeout", "connection", "http", "garbage"):
+                    out[f"{prefix}/failures_{kind}"] = float(inst.failures.get(kind, 0))
+                out[f"{prefix}/marked_down"] = float(inst.marked_down)
+                out[f"{prefix}/down"] = float(inst.down)
+                out[f"{prefix}/in_flight"] = float(inst.in_flight)
+                latencies = list(inst.latencies)
+                if latencies:
+                    out[f"{prefix}/latency_p50_s"] = _percentile(latencies, 0.5)
+                    out[f"{prefix}/latency_p95_s"] = _percentile(latencies, 0.95)
+                all_latencies.extend(latencies)
+            out["user_sim/requests"] = float(sum(inst.requests for inst in self._instances))
+            out["user_sim/turns"] = float(self._turns)
+            out["user_sim/turn_failures"] = float(self._turn_failures)
+            out["user_sim/retries"] = float(self._retries)
+            out["user_sim/failovers"] = float(self._failovers)
+            out["user_sim/instances_down"] = float(sum(inst.down for inst in self._instances))
+        if all_latencies:
+            out["user_sim/latency_p50_s"] = _percentile(all_latencies, 0.5)
+            out["user_sim/latency_p95_s"] = _percentile(all_latencies, 0.95)
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero the counters and latency windows (health state and in-flight counts are kept)."""
+        with self._stats_lock:
+            for inst in self._instances:
+                inst.requests = inst.successes = inst.marked_down = 0
+                inst.failures.clear()
+                inst.latencies.clear()
+            self._turns = self._turn_failures = self._retries = self._failovers = 0
+
+    def close(self) -> None:
+        """Stop the probes, close the connections and the loop thread (idempotent; servers are left running)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._call(self._shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        probes = [inst.probe_task for inst in self._instances if inst.probe_task and not inst.probe_task.done()]
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        await self._http.aclose()
+
+    def __enter__(self) -> UserSimClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
