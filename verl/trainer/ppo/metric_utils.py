@@ -1,0 +1,93 @@
+"""Per-step metrics of the PPO trainer: data statistics, phase timings, throughput, and reduction helpers.
+
+Names follow veRL: ``critic/score/mean`` (sequence scores), ``critic/rewards/mean`` (after KL shaping),
+``critic/advantages/*``, ``critic/returns/*``, ``critic/values/*``, ``response_length/{mean,max,min,clip_ratio}``,
+``prompt_length/*``, ``timing_s/<phase>``, ``perf/*``.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from verl.protocol import DataProto
+
+
+@contextmanager
+def timer(name: str, timing: dict[str, float]) -> Iterator[None]:
+    """Add the wall time of the ``with`` body (seconds) to ``timing[name]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+def reduce_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Mean of every metric (lists of per-micro-batch or per-rank values become their mean)."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, (list, tuple)):
+            values = [float(v.item() if isinstance(v, torch.Tensor) else v) for v in value]
+            if values:
+                out[key] = float(np.mean(values))
+        elif isinstance(value, torch.Tensor):
+            out[key] = float(value.float().mean().item())
+        else:
+            out[key] = float(value)
+    return out
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    if values.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
+            f"{prefix}/min": float(values.min())}
+
+
+def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]:
+    """Scores, rewards, advantages, returns, values and prompt/response lengths of a trained batch."""
+    response_mask = batch.batch["response_mask"].bool()
+    responses = batch.batch["responses"]
+    max_response_length = responses.shape[-1]
+    prompt_mask = batch.batch["attention_mask"][:, :-max_response_length].bool()
+    response_length = response_mask.sum(-1).float()
+    prompt_length = prompt_mask.sum(-1).float()
+    metrics = {}
+    metrics.update(_stats("critic/score", batch.batch["token_level_scores"].sum(-1)))
+    metrics.update(_stats("critic/rewards", batch.batch["token_level_rewards"].sum(-1)))
+    metrics.update(_stats("critic/advantages", torch.masked_select(batch.batch["advantages"], response_mask)))
+    metrics.update(_stats("critic/returns", torch.masked_select(batch.batch["returns"], response_mask)))
+    if use_critic and "values" in batch.batch.keys():
+        metrics.update(_stats("critic/values", torch.masked_select(batch.batch["values"], response_mask)))
+    metrics.update(_stats("response_length", response_length))
+    metrics["response_length/clip_ratio"] = float((response_length >= max_response_length).float().mean())
+    metrics.update(_stats("prompt_length", prompt_length))
+    return metrics
+
+
+def compute_timing_metrics(batch: DataProto, timing: Mapping[str, float]) -> dict[str, float]:
+    """``timing_s/<phase>`` plus ``timing_per_token_ms/<phase>`` (per response token for gen, per token else)."""
+    response_tokens = float(batch.batch["response_mask"].sum())
+    all_tokens = float(batch.batch["attention_mask"].sum())
+    metrics = {f"timing_s/{name}": value for name, value in timing.items()}
+    for name, value in timing.items():
+        tokens = response_tokens if name == "gen" else all_tokens
+        if tokens > 0 and name != "step":
+            metrics[f"timing_per_token_ms/{name}"] = 1000.0 * value / tokens
+    return metrics
+
+
+def compute_throughput_metrics(batch: DataProto, step_time: float, n_workers: int) -> dict[str, float]:
+    """Tokens processed per step (prompt + response), per second overall and per worker."""
+    total_tokens = float(batch.batch["attention_mask"].sum())
+    return {
+        "perf/total_num_tokens": total_tokens,
+        "perf/time_per_step": step_time,
+        "perf/tokens_per_s": total_tokens / step_time if step_time > 0 else 0.0,
+        "perf/throughput": total_tokens / (step_time * n_workers) if step_time > 0 else 0.0,
+    }

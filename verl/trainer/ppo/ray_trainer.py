@@ -1,0 +1,427 @@
+"""The PPO/GRPO driver: RayPPOTrainer.fit() and the driver-side maths of one step (veRL names).
+
+One training step: uid per prompt -> ``repeat(rollout.n, interleave=True)`` -> generation (worker group, or the
+``rollout_loop`` plug-in) -> ``response_mask`` -> balance rows across DP ranks (``DataProto.reorder`` moves
+every per-row field together) -> reward plug-in -> old log-probs -> reference log-probs -> values -> KL in
+reward -> advantages (driver) -> critic update -> actor update -> metrics; validation every ``test_freq`` and a
+checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import random
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from tqdm import tqdm
+
+from verl.protocol import DataProto
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.trainer.config_schema import PPOTrainerConfig, load_config
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.balance import balance_batch
+from verl.trainer.ppo.metric_utils import (
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+    reduce_metrics,
+    timer,
+)
+from verl.utils.checkpoint import (
+    STATE_FILE,
+    begin_checkpoint,
+    commit_checkpoint,
+    find_latest_checkpoint,
+    get_rng_state,
+    load_trainer_state,
+    remove_partial_checkpoints,
+    save_trainer_state,
+    set_rng_state,
+)
+from verl.utils.dataset import PromptLoader, create_dataset
+from verl.utils.torch_functional import masked_mean
+from verl.utils.tracking import Tracking
+
+logger = logging.getLogger(__name__)
+
+GEN_INPUT_KEYS = ["input_ids", "attention_mask", "position_ids"]
+
+
+class Role(str, Enum):
+    """Worker roles the trainer places on the resource pool."""
+
+    ActorRollout = "actor_rollout"
+    Critic = "critic"
+
+
+def import_dotted(path: str, key: str) -> Any:
+    """Import ``module.attr`` named by config key ``key``; errors name the key and what failed."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{key}={path!r} must be a dotted path module.name")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"{key}={path!r}: cannot import module {module_name!r}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise AttributeError(f"{key}={path!r}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def compute_response_mask(data: DataProto) -> torch.Tensor:
+    """The response part of ``attention_mask`` (1 on generated tokens up to and including EOS)."""
+    response_length = data.batch["responses"].shape[-1]
+    return data.batch["attention_mask"][:, -response_length:]
+
+
+def apply_kl_penalty(data: DataProto, kl_ctrl: Any, kl_penalty: str = "kl") -> tuple[DataProto, dict[str, float]]:
+    """``token_level_rewards = token_level_scores - beta * KL(old || ref) * mask``; updates the controller."""
+    mask = data.batch["response_mask"]
+    kld = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], kl_penalty) * mask
+    beta = kl_ctrl.value
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * kld
+    current_kl = float(masked_mean(kld, mask, axis=-1).mean())
+    kl_ctrl.update(current_kl=current_kl, n_steps=len(data))
+    return data, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+def compute_advantage(data: DataProto, adv_estimator: str, gamma: float = 1.0, lam: float = 1.0,
+                      num_repeat: int = 1, norm_adv_by_std_in_grpo: bool = True,
+                      config: Optional[Any] = None) -> DataProto:
+    """Add ``advantages`` and ``returns`` (bs, R) computed on the driver by the named estimator.
+
+    GAE uses ``values``; group estimators group rows by ``non_tensor_batch['uid']``; ReMax uses
+    ``reward_baselines``. ``num_repeat`` (rollout.n) is accepted for veRL compatibility.
+    """
+    if "response_mask" not in data.batch.keys():
+        data.batch["response_mask"] = compute_response_mask(data)
+    rewards, mask = data.batch["token_level_rewards"], data.batch["response_mask"]
+    if adv_estimator == "gae":
+        advantages, returns = core_algos.compute_gae_advantage_return(rewards, data.batch["values"], mask, gamma, lam)
+    elif adv_estimator == "grpo":
+        advantages, returns = core_algos.compute_grpo_outcome_advantage(
+            rewards, mask, index=data.non_tensor_batch["uid"], norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+    else:
+        fn = core_algos.get_adv_estimator_fn(adv_estimator)
+        kwargs: dict[str, Any] = {"token_level_rewards": rewards, "response_mask": mask,
+                                  "config": config if config is not None else {"gamma": gamma, "lam": lam}}
+        if "uid" in data.non_tensor_batch:
+            kwargs["index"] = data.non_tensor_batch["uid"]
+        if "reward_baselines" in data.batch.keys():
+            kwargs["reward_baselines"] = data.batch["reward_baselines"]
+        advantages, returns = fn(**kwargs)
+    data.batch["advantages"], data.batch["returns"] = advantages, returns
+    return data
+
+
+def _pop_metrics(out: DataProto) -> dict[str, Any]:
+    metrics = out.meta_info.pop("metrics", {}) or {}
+    out.meta_info.clear()
+    return metrics
+
+
+class RayPPOTrainer:
+    """Drives PPO/GRPO training of the worker groups on ``resource_pool`` (see the module docstring).
+
+    Args:
+        config: the job config (``ppo_trainer.yaml`` composed with overrides).
+        tokenizer: the left-padding tokenizer of the policy.
+        role_worker_mapping: worker classes for ``Role.ActorRollout`` and (GAE) ``Role.Critic``.
+        resource_pool: the pool both groups are colocated on (``max_colocate_count`` >= number of groups).
+        reward_fn / val_reward_fn: override ``reward.path`` (same signature).
+        train_dataset / val_dataset: override the datasets built from ``data.*``.
+    """
+
+    def __init__(self, config: DictConfig, tokenizer: Any, role_worker_mapping: Mapping[Role, type],
+                 resource_pool: RayResourcePool, reward_fn: Optional[Callable] = None,
+                 val_reward_fn: Optional[Callable] = None, train_dataset: Any = None, val_dataset: Any = None):
+        self.typed: PPOTrainerConfig = load_config(config)
+        self.config = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
+        self.tokenizer = tokenizer
+        self.role_worker_mapping = dict(role_worker_mapping)
+        self.resource_pool = resource_pool
+        self.use_critic = self.typed.need_critic
+        self.use_reference = self.typed.need_reference
+        if self.use_critic and Role.Critic not in self.role_worker_mapping:
+            raise ValueError("algorithm.adv_estimator=gae needs a Role.Critic worker class")
+        kwargs = dict(self.typed.reward.kwargs)
+        base_fn = reward_fn or import_dotted(self.typed.reward.path, "reward.path")
+        self.reward_fn = lambda data: base_fn(data, self.tokenizer, **kwargs)
+        val_fn = val_reward_fn or base_fn
+        self.val_reward_fn = lambda data: val_fn(data, self.tokenizer, **kwargs)
+        data_cfg = self.typed.data
+        if train_dataset is None:
+            train_dataset = create_dataset(data_cfg.train_files, tokenizer, data_cfg)
+        self.train_dataset = train_dataset
+        if val_dataset is None and data_cfg.val_files:
+            val_dataset = create_dataset(data_cfg.val_files, tokenizer, data_cfg)
+        self.val_dataset = val_dataset
+        self.train_loader = PromptLoader(self.train_dataset, data_cfg.train_batch_size, shuffle=data_cfg.shuffle,
+                                         seed=data_cfg.seed, drop_last=True)
+        self.total_training_steps = (self.typed.trainer.total_training_steps
+                                     or len(self.train_loader) * self.typed.trainer.total_epochs)
+        with open_dict(self.config):
+            for key in ("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path"):
+                value = OmegaConf.select(self.config, key)
+                if value:  # workers may run in another directory
+                    OmegaConf.update(self.config, key, str(Path(value).resolve()))
+            self.config.actor_rollout_ref.actor.optim.total_training_steps = self.total_training_steps
+            self.config.critic.optim.total_training_steps = self.total_training_steps
+        self.kl_ctrl = core_algos.get_kl_controller(dataclasses.asdict(self.typed.algorithm.kl_ctrl))
+        self.global_steps = 0
+        self.actor_rollout_wg: Optional[RayWorkerGroup] = None
+        self.critic_wg: Optional[RayWorkerGroup] = None
+        self.rollout_loop = None
+        self.val_rollout_loop = None
+        self.last_batch: Optional[DataProto] = None  # the last trained batch (inspection and tests)
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def init_workers(self) -> None:
+        """Start the actor/rollout(/ref) group and, for GAE, the critic group; build the rollout-loop plug-in."""
+        role = "actor_rollout_ref" if self.use_reference else "actor_rollout"
+        actor_cls = RayClassWithInitArgs(self.role_worker_mapping[Role.ActorRollout],
+                                         config=self.config.actor_rollout_ref, role=role)
+        self.actor_rollout_wg = RayWorkerGroup(self.resource_pool, actor_cls, name_prefix="actor_rollout")
+        if self.use_critic:
+            critic_cls = RayClassWithInitArgs(self.role_worker_mapping[Role.Critic], config=self.config.critic)
+            self.critic_wg = RayWorkerGroup(self.resource_pool, critic_cls, name_prefix="critic")
+            self.critic_wg.init_model()
+        self.actor_rollout_wg.init_model()
+        if self.typed.rollout_loop.path:
+            loop_cls = import_dotted(self.typed.rollout_loop.path, "rollout_loop.path")
+            loop_cfg = self.typed.rollout_loop.config
+            self.rollout_loop = loop_cls(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
+                                         config=loop_cfg, is_validation=False)
+            self.val_rollout_loop = loop_cls(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
+                                             config=loop_cfg, is_validation=True)
+
+    def shutdown(self) -> None:
+        """Stop the worker groups (idempotent)."""
+        for wg in (self.actor_rollout_wg, self.critic_wg):
+            if wg is not None:
+                wg.shutdown()
+        self.actor_rollout_wg = self.critic_wg = None
+
+    # ------------------------------------------------------------------------------------------- generation
+    def _generate(self, batch: DataProto, meta_info: dict[str, Any], validation: bool) -> DataProto:
+        """Generate for the rows of ``batch`` and merge the generation keys into it (in place); return it."""
+        loop = self.val_rollout_loop if validation else self.rollout_loop
+        tensors = batch.pop(batch_keys=GEN_INPUT_KEYS)
+        if loop is None:
+            gen_batch = DataProto(batch=tensors.batch, meta_info=dict(meta_info))
+            out = self.actor_rollout_wg.generate_sequences(gen_batch)
+        else:
+            gen_batch = DataProto(batch=tensors.batch, non_tensor_batch=dict(batch.non_tensor_batch),
+                                  meta_info=dict(meta_info))
+            out = loop.run_llm_loop(gen_batch)
+        if len(out) != len(batch):
+            raise ValueError(f"the rollout returned {len(out)} rows for {len(batch)} prompts")
+        _pop_metrics(out)
+        batch.union(DataProto(batch=out.batch))
+        batch.non_tensor_batch.update(out.non_tensor_batch)
+        if "response_mask" not in batch.batch.keys():
+            batch.batch["response_mask"] = compute_response_mask(batch)
+        return batch
+
+    def _add_uids(self, batch: DataProto, tag: str) -> None:
+        batch.non_tensor_batch["uid"] = np.array([f"{tag}_{i}" for i in range(len(batch))], dtype=object)
+
+    # --------------------------------------------------------------------------------------------- one step
+    def _compute_remax_baselines(self, batch: DataProto) -> None:
+        """ReMax: the reward of a greedy response per row, stored as ``reward_baselines``."""
+        greedy = DataProto(batch=batch.batch.clone(), non_tensor_batch=dict(batch.non_tensor_batch))
+        self._generate(greedy, {"do_sample": False}, validation=False)
+        scores, _ = self.reward_fn(greedy)
+        batch.batch["reward_baselines"] = scores.sum(dim=-1)
+
+    def train_step(self, batch: DataProto) -> dict[str, float]:
+        """Run one PPO step on a prompt batch (its rows are consumed); return the step's metrics."""
+        cfg, timing, metrics = self.typed, {}, {}
+        n = cfg.actor_rollout_ref.rollout.n
+        with timer("step", timing):
+            self._add_uids(batch, f"s{self.global_steps}")
+            batch = batch.repeat(repeat_times=n, interleave=True)
+            if cfg.algorithm.adv_estimator == "remax":
+                with timer("gen_max", timing):
+                    self._compute_remax_baselines(batch)
+            with timer("gen", timing):
+                self._generate(batch, {}, validation=False)
+            if cfg.trainer.balance_batch:
+                metrics.update(balance_batch(batch, self.actor_rollout_wg.world_size))
+            with timer("reward", timing):
+                scores, reward_metrics = self.reward_fn(batch)
+                batch.batch["token_level_scores"] = scores.to(torch.float32)
+                metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
+            with timer("old_log_prob", timing):
+                out = self.actor_rollout_wg.compute_log_prob(batch)
+                _pop_metrics(out)
+                entropys = out.batch.pop("entropys")
+                metrics["actor/entropy"] = float(masked_mean(entropys, batch.batch["response_mask"]))
+                batch.union(out)
+            if self.use_reference:
+                with timer("ref", timing):
+                    batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+            if self.use_critic:
+                with timer("values", timing):
+                    batch.union(self.critic_wg.compute_values(batch))
+            with timer("adv", timing):
+                if cfg.algorithm.use_kl_in_reward:
+                    batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
+                    metrics.update(kl_metrics)
+                else:
+                    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                compute_advantage(batch, cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
+                                  num_repeat=n, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+                                  config=cfg.algorithm)
+            if self.use_critic:
+                with timer("update_critic", timing):
+                    metrics.update(reduce_metrics(_pop_metrics(self.critic_wg.update_critic(batch))))
+            if self.global_steps > cfg.trainer.critic_warmup:
+                with timer("update_actor", timing):
+                    metrics.update(reduce_metrics(_pop_metrics(self.actor_rollout_wg.update_actor(batch))))
+        metrics.update(compute_data_metrics(batch, self.use_critic))
+        metrics.update(compute_timing_metrics(batch, timing))
+        metrics.update(compute_throughput_metrics(batch, timing["step"], self.actor_rollout_wg.world_size))
+        self.last_batch = batch
+        return metrics
+
+    # ------------------------------------------------------------------------------------------- validation
+    def validate(self) -> dict[str, float]:
+        """Generate for the whole validation set with ``rollout.val_kwargs`` and return ``val/*`` metrics."""
+        if self.val_dataset is None:
+            return {}
+        val_kwargs = self.typed.actor_rollout_ref.rollout.val_kwargs
+        meta = {"do_sample": val_kwargs.do_sample, "temperature": val_kwargs.temperature, "top_p": val_kwargs.top_p,
+                "top_k": val_kwargs.top_k, "validate": True}
+        loader = PromptLoader(self.val_dataset, self.typed.data.val_batch_size, shuffle=False, drop_last=False)
+        scores_by_source: dict[str, list[float]] = {}
+        reward_metrics: dict[str, list[float]] = {}
+        lengths = []
+        for i, batch in enumerate(loader):
+            self._add_uids(batch, f"val{self.global_steps}_{i}")
+            batch = batch.repeat(repeat_times=val_kwargs.n, interleave=True)
+            self._generate(batch, meta, validation=True)
+            scores, extra = self.val_reward_fn(batch)
+            sources = batch.non_tensor_batch.get("data_source", np.array(["unknown"] * len(batch), dtype=object))
+            for source, score in zip(sources, scores.sum(dim=-1).tolist()):
+                scores_by_source.setdefault(str(source), []).append(score)
+            for key, value in extra.items():
+                reward_metrics.setdefault(key, []).extend([value] * len(batch))
+            lengths.extend(batch.batch["response_mask"].sum(-1).tolist())
+        metrics = {f"val/test_score/{s}": float(np.mean(v)) for s, v in scores_by_source.items()}
+        metrics.update({f"val/reward/{k}": float(np.mean(v)) for k, v in reward_metrics.items()})
+        metrics["val/response_length/mean"] = float(np.mean(lengths))
+        return metrics
+
+    # ---------------------------------------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, float]:
+        """Train until ``total_training_steps``; resume, validate, checkpoint and log along the way.
+
+        Returns the metrics of the last step (with the final validation metrics, if any).
+        """
+        tcfg = self.typed.trainer
+        tracking = Tracking(tcfg.project_name, tcfg.experiment_name, default_backend=tcfg.logger,
+                            config=self.config, log_dir=tcfg.log_dir)
+        try:
+            seed = tcfg.seed
+            random.seed(seed)
+            np.random.seed(seed)
+            torch.manual_seed(seed)
+            self.load_checkpoint()
+            last_metrics: dict[str, float] = {}
+            if self.val_dataset is not None and tcfg.val_before_train and self.global_steps == 0:
+                val_metrics = self.validate()
+                tracking.log(val_metrics, step=0)
+                last_metrics.update(val_metrics)
+            if self.global_steps >= self.total_training_steps:
+                logger.info("already at step %d of %d: nothing to train", self.global_steps, self.total_training_steps)
+            progress = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="training steps")
+            while self.global_steps < self.total_training_steps:
+                for batch in self.train_loader:
+                    self.global_steps += 1
+                    last = self.global_steps >= self.total_training_steps
+                    metrics = self.train_step(batch)
+                    metrics["training/epoch"] = self.train_loader.epoch
+                    if self.val_dataset is not None and tcfg.test_freq > 0 and (
+                            last or self.global_steps % tcfg.test_freq == 0):
+                        metrics.update(self.validate())
+                    if tcfg.save_freq > 0 and (last or self.global_steps % tcfg.save_freq == 0):
+                        timing: dict[str, float] = {}
+                        with timer("save_checkpoint", timing):
+                            self.save_checkpoint()
+                        metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+                    tracking.log(metrics, step=self.global_steps)
+                    progress.update(1)
+                    last_metrics = metrics
+                    if last:
+                        break
+            progress.close()
+            return last_metrics
+        finally:
+            tracking.finish()
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_root(self) -> Path:
+        """``trainer.default_local_dir`` as an absolute path (workers may run in another directory)."""
+        return Path(self.typed.trainer.default_local_dir).resolve()
+
+    def save_checkpoint(self) -> Path:
+        """Write ``global_step_N`` atomically: worker states, then trainer_state.json, then the commit rename."""
+        root, step = self.checkpoint_root, self.global_steps
+        partial = begin_checkpoint(root, step)
+        self.actor_rollout_wg.save_checkpoint(str(partial / "actor"), global_step=step)
+        if self.critic_wg is not None:
+            self.critic_wg.save_checkpoint(str(partial / "critic"), global_step=step)
+        loop_state = None
+        if self.rollout_loop is not None and hasattr(self.rollout_loop, "state_dict"):
+            loop_state = self.rollout_loop.state_dict()
+        save_trainer_state(partial, {
+            "global_step": step,
+            "total_training_steps": self.total_training_steps,
+            "dataloader": self.train_loader.state_dict(),
+            "kl_ctrl_value": self.kl_ctrl.value,
+            "rng": get_rng_state(),
+            "rollout_loop": loop_state,
+        })
+        final = commit_checkpoint(root, step, self.typed.trainer.max_ckpt_to_keep)
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def load_checkpoint(self) -> Optional[Path]:
+        """Resume per ``trainer.resume_mode`` (auto | disable | resume_path); return the checkpoint used."""
+        tcfg = self.typed.trainer
+        if tcfg.resume_mode == "disable":
+            return None
+        remove_partial_checkpoints(self.checkpoint_root)
+        if tcfg.resume_mode == "auto":
+            path = find_latest_checkpoint(self.checkpoint_root)
+            if path is None:
+                logger.info("no checkpoint under %s: training from scratch", self.checkpoint_root)
+                return None
+        else:
+            path = Path(tcfg.resume_from_path)
+            if not (path / STATE_FILE).is_file():
+                raise FileNotFoundError(f"trainer.resume_from_path={str(path)!r} is not a complete checkpoint "
+                                        f"(no {STATE_FILE})")
+        state = load_trainer_state(path)
+        self.actor_rollout_wg.load_checkpoint(str(path / "actor"))
+        if self.critic_wg is not None:
+            if not (path / "critic").is_dir():
+                raise FileNotFoundError(f"{path} has no critic/ state, but algorithm.adv_estimator=gae needs one")
+            self.critic_wg.load_checkpoint(str(path / "critic"))
+        self.train_loader.load_state_dict(state["dataloader"])
+        self.kl_ctrl.value = float(state["kl_ctrl_value"])
+        set_rng_state(state["rng"])
+        if state.get("rollout_loop") is not None and hasattr(self.rollout_loop, "load_state_dict"):
+            self.rollout_loop.load_state_dict(state["rollout_loop"])
+        self.global_steps = int(state["global_step"])
+        logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.global_steps,
+                    self.train_loader.epoch, self.train_loader.batch_index)
+        return path

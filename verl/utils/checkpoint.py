@@ -1,0 +1,220 @@
+"""Atomic checkpoint directories, latest-step discovery, retention and the trainer's JSON state.
+
+Layout under a checkpoint root (``trainer.default_local_dir``)::
+
+    global_step_N/                      complete checkpoint (actor/, critic/, trainer_state.json)
+    global_step_N.partial/              being written; ignored on resume and removed by the next run
+    latest_checkpointed_iteration.txt   "N" of the newest complete checkpoint (veRL's tracker file)
+
+A checkpoint is written into ``global_step_N.partial`` (:func:`begin_checkpoint`), and
+:func:`commit_checkpoint` renames it to ``global_step_N`` once ``trainer_state.json`` is in it (the rename is
+the commit point), then rewrites the tracker file via write-temp + ``os.replace`` and applies retention. A run
+killed at any moment therefore leaves either the previous or the new checkpoint as the latest complete one.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.json"
+PARTIAL_SUFFIX = ".partial"
+_STEP_RE = re.compile(r"^global_step_(\d+)$")
+_PARTIAL_RE = re.compile(r"^global_step_(\d+)\.(partial|replaced)$")
+
+PathLike = Union[str, os.PathLike]
+
+
+def step_dir(root: PathLike, step: int) -> Path:
+    """``root/global_step_{step}``."""
+    return Path(root) / f"global_step_{int(step)}"
+
+
+def step_of(path: PathLike) -> int:
+    """The step N of a ``global_step_N`` directory; ValueError for any other name."""
+    match = _STEP_RE.match(Path(path).name)
+    if not match:
+        raise ValueError(f"{path} is not a global_step_N checkpoint directory")
+    return int(match.group(1))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old or the new content, never a torn file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def remove_partial_checkpoints(root: PathLike) -> list[Path]:
+    """Delete leftover ``global_step_N.partial`` / ``.replaced`` directories (from a killed run); return them."""
+    root = Path(root)
+    removed = []
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.is_dir() and _PARTIAL_RE.match(child.name):
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+    if removed:
+        logger.warning("removed %d incomplete checkpoint directories under %s", len(removed), root)
+    return removed
+
+
+def begin_checkpoint(root: PathLike, step: int) -> Path:
+    """Create an empty ``root/global_step_{step}.partial`` directory (replacing a stale one) and return it."""
+    partial = Path(root) / f"global_step_{int(step)}{PARTIAL_SUFFIX}"
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def list_checkpoints(root: PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` (``global_step_N`` holding trainer_state.json), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_RE.match(child.name)
+        if match and child.is_dir() and (child / STATE_FILE).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def find_latest_checkpoint(root: PathLike) -> Optional[Path]:
+    """The newest complete checkpoint directory under ``root``, or None; ``.partial`` directories are ignored."""
+    checkpoints = list_checkpoints(root)
+    if not checkpoints:
+        return None
+    step, path = checkpoints[-1]
+    tracker = Path(root) / TRACKER_FILE
+    if tracker.is_file() and tracker.read_text().strip() != str(step):
+        logger.warning("%s says %r but the newest complete checkpoint is step %d; using the latter",
+                       tracker, tracker.read_text().strip(), step)
+    return path
+
+
+def apply_retention(root: PathLike, max_ckpt_to_keep: Optional[int]) -> list[Path]:
+    """Delete all but the newest ``max_ckpt_to_keep`` complete checkpoints (None or <= 0 keeps all)."""
+    if not max_ckpt_to_keep or max_ckpt_to_keep <= 0:
+        return []
+    checkpoints = list_checkpoints(root)
+    doomed = [path for _, path in checkpoints[:-max_ckpt_to_keep]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info("retention: removed %s", path)
+    return doomed
+
+
+def commit_checkpoint(root: PathLike, step: int, max_ckpt_to_keep: Optional[int] = None) -> Path:
+    """Publish ``global_step_{step}.partial`` as ``global_step_{step}``, update the tracker, apply retention."""
+    root = Path(root)
+    partial = root / f"global_step_{int(step)}{PARTIAL_SUFFIX}"
+    if not (partial / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{partial} has no {STATE_FILE}: the checkpoint is incomplete")
+    final = step_dir(root, step)
+    replaced = None
+    if final.exists():
+        replaced = root / f"global_step_{int(step)}.replaced"
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        os.replace(final, replaced)
+    os.replace(partial, final)
+    _fsync_dir(root)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    latest = list_checkpoints(root)[-1][0]
+    atomic_write_text(root / TRACKER_FILE, f"{latest}\n")
+    apply_retention(root, max_ckpt_to_keep)
+    return final
+
+
+def _to_jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _to_jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, torch.Tensor):
+        return _to_jsonable(value.tolist())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"trainer state value of type {type(value).__name__} is not JSON-serialisable: {value!r:.100}")
+
+
+def save_trainer_state(directory: PathLike, state: dict[str, Any]) -> Path:
+    """Write ``state`` (numpy/torch values become lists/numbers) to ``directory/trainer_state.json``."""
+    path = Path(directory) / STATE_FILE
+    atomic_write_text(path, json.dumps(_to_jsonable(state), indent=1, sort_keys=True))
+    return path
+
+
+def load_trainer_state(directory: PathLike) -> dict[str, Any]:
+    """Read ``directory/trainer_state.json``."""
+    path = Path(directory) / STATE_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the trainer state {path}: {exc}") from exc
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Python, numpy and torch (CPU and CUDA) RNG states as JSON-serialisable data."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore RNG states captured by :func:`get_rng_state`."""
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_bytes_tensor(s) for s in state["cuda"]])
