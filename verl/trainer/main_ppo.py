@@ -26,7 +26,8 @@ import torch
 from omegaconf import DictConfig
 
 from verl.single_controller.ray import RayResourcePool
-from verl.trainer.config_schema import ConfigError, PPOTrainerConfig, load_config
+from verl.trainer.config_schema import ConfigError, PPOTrainerConfig
+from verl.trainer.config_validation import load_config
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
 from verl.utils.dataset import load_tokenizer
 

@@ -4,12 +4,15 @@ Layout under a checkpoint root (``trainer.default_local_dir``)::
 
     global_step_N/                      complete checkpoint (actor/, critic/, trainer_state.json)
     global_step_N.partial/              being written; ignored on resume and removed by the next run
-    latest_checkpointed_iteration.txt   "N" of the newest complete checkpoint (veRL's tracker file)
+    latest_checkpointed_iteration.txt   "N" of the checkpoint written last (veRL's tracker file)
 
 A checkpoint is written into ``global_step_N.partial`` (:func:`begin_checkpoint`), and
 :func:`commit_checkpoint` renames it to ``global_step_N`` once ``trainer_state.json`` is in it (the rename is
-the commit point), then rewrites the tracker file via write-temp + ``os.replace`` and applies retention. A run
-killed at any moment therefore leaves either the previous or the new checkpoint as the latest complete one.
+the commit point), then rewrites the tracker file via write-temp + ``os.replace`` and applies retention, which
+never removes the checkpoint just written. A run killed at any moment therefore leaves either the previous or
+the new checkpoint as the latest complete one. Re-saving an existing step first moves the old directory to
+``global_step_N.replaced``; a kill between the two renames is repaired by :func:`remove_partial_checkpoints`,
+which moves it back.
 """
 from __future__ import annotations
 
@@ -76,14 +79,26 @@ def atomic_write_text(path: PathLike, text: str) -> None:
 
 
 def remove_partial_checkpoints(root: PathLike) -> list[Path]:
-    """Delete leftover ``global_step_N.partial`` / ``.replaced`` directories (from a killed run); return them."""
+    """Clean up after a killed save; return the directories deleted.
+
+    ``global_step_N.partial`` directories are deleted. A ``global_step_N.replaced`` directory (the old copy of a
+    step being re-saved) is moved back to ``global_step_N`` when the kill came before the new copy was renamed
+    into place, and deleted otherwise.
+    """
     root = Path(root)
     removed = []
     if root.is_dir():
-        for child in root.iterdir():
-            if child.is_dir() and _PARTIAL_RE.match(child.name):
-                shutil.rmtree(child, ignore_errors=True)
-                removed.append(child)
+        for child in sorted(root.iterdir()):
+            match = _PARTIAL_RE.match(child.name)
+            if not (child.is_dir() and match):
+                continue
+            final = step_dir(root, int(match.group(1)))
+            if match.group(2) == "replaced" and not final.exists() and (child / STATE_FILE).is_file():
+                os.replace(child, final)
+                logger.warning("restored %s from %s (a re-save was interrupted)", final, child)
+                continue
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
     if removed:
         logger.warning("removed %d incomplete checkpoint directories under %s", len(removed), root)
     return removed
@@ -111,24 +126,44 @@ def list_checkpoints(root: PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _tracked_step(root: Path) -> Optional[int]:
+    tracker = root / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    return int(text) if text.isdigit() else None
+
+
 def find_latest_checkpoint(root: PathLike) -> Optional[Path]:
-    """The newest complete checkpoint directory under ``root``, or None; ``.partial`` directories are ignored."""
+    """The checkpoint to resume from under ``root``, or None; ``.partial`` directories are ignored.
+
+    That is the step named by the tracker file when it is a complete checkpoint (the one the last run wrote,
+    even if an older run left higher steps in the same directory), else the newest complete checkpoint (the
+    tracker is missing, or the run was killed between the commit rename and the tracker update).
+    """
+    root = Path(root)
     checkpoints = list_checkpoints(root)
     if not checkpoints:
         return None
+    tracked = _tracked_step(root)
+    for step, path in checkpoints:
+        if step == tracked:
+            return path
     step, path = checkpoints[-1]
-    tracker = Path(root) / TRACKER_FILE
-    if tracker.is_file() and tracker.read_text().strip() != str(step):
-        logger.warning("%s says %r but the newest complete checkpoint is step %d; using the latter",
-                       tracker, tracker.read_text().strip(), step)
+    if tracked is not None:
+        logger.warning("%s names step %d, which is not a complete checkpoint; using step %d",
+                       root / TRACKER_FILE, tracked, step)
     return path
 
 
-def apply_retention(root: PathLike, max_ckpt_to_keep: Optional[int]) -> list[Path]:
-    """Delete all but the newest ``max_ckpt_to_keep`` complete checkpoints (None or <= 0 keeps all)."""
+def apply_retention(root: PathLike, max_ckpt_to_keep: Optional[int], protect: Optional[int] = None) -> list[Path]:
+    """Delete all but ``max_ckpt_to_keep`` complete checkpoints (None or <= 0 keeps all); return the deleted.
+
+    Kept are step ``protect`` (the checkpoint just written, whatever its number) and the newest others.
+    """
     if not max_ckpt_to_keep or max_ckpt_to_keep <= 0:
         return []
-    checkpoints = list_checkpoints(root)
+    checkpoints = sorted(list_checkpoints(root), key=lambda item: (item[0] == protect, item[0]))
     doomed = [path for _, path in checkpoints[:-max_ckpt_to_keep]]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
@@ -153,9 +188,8 @@ def commit_checkpoint(root: PathLike, step: int, max_ckpt_to_keep: Optional[int]
     _fsync_dir(root)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
-    latest = list_checkpoints(root)[-1][0]
-    atomic_write_text(root / TRACKER_FILE, f"{latest}\n")
-    apply_retention(root, max_ckpt_to_keep)
+    atomic_write_text(root / TRACKER_FILE, f"{int(step)}\n")
+    apply_retention(root, max_ckpt_to_keep, protect=int(step))
     return final
 
 

@@ -1,4 +1,4 @@
-"""ppo_trainer.yaml vs config_schema.py: key-by-key agreement, comments, and clear validation errors."""
+"""ppo_trainer.yaml vs the config dataclasses: key-by-key agreement, comments, and clear validation errors."""
 import dataclasses
 import re
 from pathlib import Path
@@ -6,14 +6,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from verl.trainer.config_schema import (
-    CONFIG_DIR,
-    ConfigError,
-    PPOTrainerConfig,
-    build_config,
-    compose_config,
-    load_config,
-)
+from verl.trainer.config_schema import CONFIG_DIR, ConfigError, PPOTrainerConfig, compose_config
+from verl.trainer.config_validation import build_config, load_config
 
 YAML_PATH = CONFIG_DIR / "ppo_trainer.yaml"
 FREE_FORM = {"reward.kwargs", "rollout_loop.config"}

@@ -1,11 +1,14 @@
 """RayPPOTrainer: driver maths and balancing (fast), and real training runs on the tiny model (slow).
 
 Slow tests: (a) GRPO on the built-in task raises the mean reward; (c) after balancing across 2 FSDP ranks every
-row's reward, target and prompt still belong together; (b) a run killed with SIGKILL after a checkpoint and
-restarted continues at the next step and ends with the same weights and metrics as an uninterrupted run.
+row's reward, target and prompt still belong together; (b) a run killed with SIGKILL after a checkpoint (and a
+torn half-written next checkpoint) and restarted continues at the next step, across an epoch boundary, and ends
+with the same weights and metrics as an uninterrupted run; (d) GAE with critic warm-up, KL and validation.
 """
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +22,7 @@ import torch
 from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch, balanced_partitions
+from verl.trainer.ppo.metric_utils import format_console_line
 from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage, compute_response_mask
 
 REPO = Path(__file__).resolve().parents[3]
@@ -101,6 +105,19 @@ def test_apply_kl_penalty_subtracts_beta_times_kl_on_loss_tokens():
     assert torch.allclose(data.batch["token_level_rewards"], torch.tensor([[-0.05, 1.0, 0.0]]))
     assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.25)
     assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1)
+
+
+def test_console_line_is_compact_and_keeps_the_key_metrics():
+    metrics = {"critic/score/mean": 0.41234567, "actor/pg_loss": -0.0123, "actor/entropy": 3.2, "actor/lr": 0.01,
+               "actor/grad_norm": 1.5, "actor/pg_clipfrac": 0.25, "perf/tokens_per_s": 1234.5,
+               "timing_s/step": 2.0, "val/test_score/repeat_letter": 0.5, "prompt_length/max": 20.0,
+               **{f"timing_per_token_ms/phase{i}": 0.1 for i in range(20)}}
+    line = format_console_line(3, 20, metrics)
+    assert line.startswith("step 3/20 | score 0.4123 | pg_loss -0.0123")
+    for part in ("entropy 3.2", "lr 0.01", "grad_norm 1.5", "clipfrac 0.25", "tok/s 1234", "step_s 2",
+                 "val/repeat_letter 0.5"):
+        assert part in line
+    assert "timing_per_token_ms" not in line and "prompt_length" not in line and len(line) < 200
 
 
 # ----------------------------------------------------------------------------------------- slow: training
@@ -262,22 +279,25 @@ def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_matches_uninterrupted_run(tiny_model_path, task_data, tmp_path):
+def test_resume_after_sigkill_matches_uninterrupted_run(tiny_model_path, tmp_path):
+    from verl.tasks.repeat_letter import make_dataset
     from verl.utils.checkpoint import find_latest_checkpoint, step_of
 
     steps = 4
+    small = tmp_path / "small_data"  # 24 prompts = 3 batches per epoch: the resumed run crosses an epoch boundary
+    make_dataset(small, train_size=24, val_size=8, seed=1)
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
     common = ["trainer.save_freq=1", "trainer.resume_mode=auto", "trainer.max_ckpt_to_keep=3"]
-    reference = _launch(_overrides(tiny_model_path, task_data, ref_dir, steps, workers=1, extra=common),
+    reference = _launch(_overrides(tiny_model_path, small, ref_dir, steps, workers=1, extra=common),
                         tmp_path / "reference.log")
-    victim = _launch(_overrides(tiny_model_path, task_data, run_dir, steps, workers=1, extra=common),
+    victim = _launch(_overrides(tiny_model_path, small, run_dir, steps, workers=1, extra=common),
                      tmp_path / "victim.log")
     deadline = time.monotonic() + 240
-    try:
-        while not (run_dir / "ckpt" / "global_step_2").is_dir():
+    try:  # SIGKILL while the checkpoint of step 3 is being written
+        while not (run_dir / "ckpt" / "global_step_3.partial").is_dir():
             assert victim.poll() is None, f"run ended before its checkpoint:\n{(tmp_path / 'victim.log').read_text()[-3000:]}"
             assert time.monotonic() < deadline, "no checkpoint within 240 s"
-            time.sleep(0.05)
+            time.sleep(0.02)
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
     finally:
@@ -285,15 +305,23 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tiny_model_path, task_da
             os.killpg(victim.pid, signal.SIGKILL)
     _wait(reference, tmp_path / "reference.log", 240)
     resumed_from = step_of(find_latest_checkpoint(run_dir / "ckpt"))
-    assert 2 <= resumed_from < steps
+    assert resumed_from in (2, 3), "the kill came during the save of step 3 (or just after its commit rename)"
+    # what a kill during a save leaves: a half-written global_step_N.partial (torn weights and state), ignored
+    torn = run_dir / "ckpt" / f"global_step_{resumed_from + 1}.partial"
+    (torn / "actor").mkdir(parents=True, exist_ok=True)
+    (torn / "actor" / "model.safetensors").write_bytes(b"\x00torn")
+    (torn / "trainer_state.json").write_text('{"global_step": %d, "datal' % (resumed_from + 1))
 
-    restart = _overrides(tiny_model_path, task_data, run_dir, steps, workers=1, extra=common)
+    restart = _overrides(tiny_model_path, small, run_dir, steps, workers=1, extra=common)
     restart = [a for a in restart if not a.startswith("trainer.log_dir=")] + [f"trainer.log_dir={run_dir / 'logs2'}"]
     resumed = _launch(restart, tmp_path / "resumed.log")
     _wait(resumed, tmp_path / "resumed.log", 240)
 
     ref_metrics, new_metrics = _read_metrics(ref_dir / "logs"), _read_metrics(run_dir / "logs2")
     assert sorted(new_metrics) == list(range(resumed_from + 1, steps + 1)), "a step was repeated or skipped"
+    assert f"resumed from {run_dir / 'ckpt' / f'global_step_{resumed_from}'} at step {resumed_from}" in (
+        tmp_path / "resumed.log").read_text()
+    assert new_metrics[steps]["training/epoch"] == ref_metrics[steps]["training/epoch"] == 1
     for step in new_metrics:
         for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean",
                     "prompt_length/mean"):
@@ -312,7 +340,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tiny_model_path, task_da
 
 @pytest.mark.slow
 def test_gae_run_trains_critic_uses_reference_kl_validates_and_saves(tiny_model_path, task_data, tmp_path,
-                                                                     ray_cluster):
+                                                                     ray_cluster, caplog):
     from transformers import AutoModelForCausalLM
 
     from verl.trainer.config_schema import compose_config
@@ -324,10 +352,14 @@ def test_gae_run_trains_critic_uses_reference_kl_validates_and_saves(tiny_model_
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
         "actor_rollout_ref.actor.use_kl_loss=true", "trainer.critic_warmup=1", "trainer.total_training_steps=2",
-        "trainer.test_freq=2", "trainer.save_freq=2", "trainer.logger=[jsonl]", "trainer.device=cpu",
+        "trainer.test_freq=2", "trainer.save_freq=2", "trainer.logger=[jsonl,console]", "trainer.device=cpu",
         f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'logs'}",
     ]
-    last = run_ppo(compose_config(overrides))
+    with caplog.at_level(logging.INFO, logger="verl.trainer.console"):
+        last = run_ppo(compose_config(overrides))
+    lines = [r.getMessage() for r in caplog.records if r.name == "verl.trainer.console"]
+    assert [line.split(" |")[0] for line in lines] == ["step 0/2", "step 1/2", "step 2/2"], lines
+    assert " | vf_loss " in lines[1] and " | pg_loss " in lines[2] and "val/repeat_letter" in lines[2]
     metrics = _read_metrics(tmp_path / "logs")
     assert sorted(metrics) == [0, 1, 2]
     assert "val/test_score/repeat_letter" in metrics[0] and "val/test_score/repeat_letter" in last

@@ -110,3 +110,48 @@ def test_rng_state_round_trips_through_json(tmp_path):
     set_rng_state(load_trainer_state(tmp_path)["rng"])
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert expected[0] == got[0] and expected[1] == got[1] and torch.equal(expected[2], got[2])
+
+
+def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
+    for step in (8, 9, 10):  # an earlier run (e.g. resume_mode=disable reusing the directory) left higher steps
+        _save(tmp_path, step)
+    final = _save(tmp_path, 1, keep=2, payload="new run")
+    assert final.is_dir() and (final / "actor" / "weights.bin").read_text() == "new run"
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 10]
+    assert (tmp_path / TRACKER_FILE).read_text().strip() == "1"
+    assert find_latest_checkpoint(tmp_path) == final, "resume must continue the run that wrote last"
+
+
+def test_tracker_naming_a_missing_step_falls_back_to_newest_complete(tmp_path):
+    _save(tmp_path, 2)
+    _save(tmp_path, 3)
+    atomic_write_text(tmp_path / TRACKER_FILE, "7\n")  # e.g. killed between the rename of 7 and its contents
+    assert find_latest_checkpoint(tmp_path) == step_dir(tmp_path, 3)
+    atomic_write_text(tmp_path / TRACKER_FILE, "2\n")  # killed after committing 3 but before the tracker update
+    assert find_latest_checkpoint(tmp_path) == step_dir(tmp_path, 2)
+
+
+def test_kill_between_the_renames_of_a_resave_restores_the_old_copy(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2, payload="old")
+    partial = begin_checkpoint(tmp_path, 2)  # the re-save of step 2 is complete but not yet renamed ...
+    (partial / "actor").mkdir()
+    save_trainer_state(partial, {"global_step": 2})
+    step_dir(tmp_path, 2).rename(tmp_path / "global_step_2.replaced")  # ... and the old copy was moved aside
+    assert find_latest_checkpoint(tmp_path) == step_dir(tmp_path, 1)
+    assert remove_partial_checkpoints(tmp_path) == [partial]
+    assert (step_dir(tmp_path, 2) / "actor" / "weights.bin").read_text() == "old"
+    assert find_latest_checkpoint(tmp_path) == step_dir(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "global_step_2", TRACKER_FILE]
+
+
+def test_garbage_partial_of_a_killed_save_is_ignored_then_removed(tmp_path):
+    _save(tmp_path, 3)
+    partial = tmp_path / "global_step_4.partial"  # killed mid-save: torn files, even a torn state file
+    (partial / "actor").mkdir(parents=True)
+    (partial / "actor" / "model.safetensors").write_bytes(b"\x00garbage")
+    (partial / STATE_FILE).write_text('{"global_step": 4, "dataloa')
+    step_dir(tmp_path, 5).mkdir()  # a step directory without a state file is not a checkpoint either
+    assert find_latest_checkpoint(tmp_path) == step_dir(tmp_path, 3)
+    assert remove_partial_checkpoints(tmp_path) == [partial]
+    assert load_trainer_state(find_latest_checkpoint(tmp_path))["global_step"] == 3

@@ -2,10 +2,13 @@
 
 Names follow veRL: ``critic/score/mean`` (sequence scores), ``critic/rewards/mean`` (after KL shaping),
 ``critic/advantages/*``, ``critic/returns/*``, ``critic/values/*``, ``response_length/{mean,max,min,clip_ratio}``,
-``prompt_length/*``, ``timing_s/<phase>``, ``perf/*``.
+``prompt_length/*``, ``timing_s/<phase>``, ``perf/*``. :func:`format_console_line` is the compact per-step
+console summary (the full set goes to the other tracking backends).
 """
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
@@ -14,6 +17,17 @@ import numpy as np
 import torch
 
 from verl.protocol import DataProto
+
+console_logger = logging.getLogger("verl.trainer.console")
+
+# (metric, short label) of the console line, in order; absent metrics are skipped.
+CONSOLE_METRICS = (
+    ("critic/score/mean", "score"), ("critic/rewards/mean", "reward"), ("actor/pg_loss", "pg_loss"),
+    ("critic/vf_loss", "vf_loss"), ("actor/ppo_kl", "ppo_kl"), ("actor/kl_loss", "kl_loss"),
+    ("actor/reward_kl_penalty", "kl_rwd"), ("actor/entropy", "entropy"), ("actor/pg_clipfrac", "clipfrac"),
+    ("actor/grad_norm", "grad_norm"), ("actor/lr", "lr"), ("response_length/mean", "resp_len"),
+    ("perf/tokens_per_s", "tok/s"), ("timing_s/step", "step_s"),
+)
 
 
 @contextmanager
@@ -91,3 +105,25 @@ def compute_throughput_metrics(batch: DataProto, step_time: float, n_workers: in
         "perf/tokens_per_s": total_tokens / step_time if step_time > 0 else 0.0,
         "perf/throughput": total_tokens / (step_time * n_workers) if step_time > 0 else 0.0,
     }
+
+
+def _short(value: float) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def format_console_line(step: int, total_steps: int, metrics: Mapping[str, Any]) -> str:
+    """One compact line: ``step 3/20 | score 0.41 | ... | val/<source> 0.5`` with the key metrics present."""
+    parts = [f"step {step}/{total_steps}"]
+    parts += [f"{label} {_short(metrics[key])}" for key, label in CONSOLE_METRICS if key in metrics]
+    prefix = "val/test_score/"
+    parts += [f"val/{key[len(prefix):]} {_short(value)}" for key, value in metrics.items() if key.startswith(prefix)]
+    return " | ".join(parts)
+
+
+def setup_console_logger() -> logging.Logger:
+    """The console-line logger at INFO, with a stdout handler when logging is otherwise unconfigured."""
+    if console_logger.getEffectiveLevel() > logging.INFO:
+        console_logger.setLevel(logging.INFO)
+    if not console_logger.hasHandlers():
+        console_logger.addHandler(logging.StreamHandler(sys.stdout))
+    return console_logger

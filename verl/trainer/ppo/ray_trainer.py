@@ -23,26 +23,19 @@ from tqdm import tqdm
 
 from verl.protocol import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-from verl.trainer.config_schema import PPOTrainerConfig, load_config
+from verl.trainer.config_schema import PPOTrainerConfig
+from verl.trainer.config_validation import load_config
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch
+from verl.trainer.ppo.trainer_checkpoint import TrainerCheckpointMixin
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
+    format_console_line,
     reduce_metrics,
+    setup_console_logger,
     timer,
-)
-from verl.utils.checkpoint import (
-    STATE_FILE,
-    begin_checkpoint,
-    commit_checkpoint,
-    find_latest_checkpoint,
-    get_rng_state,
-    load_trainer_state,
-    remove_partial_checkpoints,
-    save_trainer_state,
-    set_rng_state,
 )
 from verl.utils.dataset import PromptLoader, create_dataset
 from verl.utils.torch_functional import masked_mean
@@ -126,7 +119,7 @@ def _pop_metrics(out: DataProto) -> dict[str, Any]:
     return metrics
 
 
-class RayPPOTrainer:
+class RayPPOTrainer(TrainerCheckpointMixin):
     """Drives PPO/GRPO training of the worker groups on ``resource_pool`` (see the module docstring).
 
     Args:
@@ -326,8 +319,15 @@ class RayPPOTrainer:
         Returns the metrics of the last step (with the final validation metrics, if any).
         """
         tcfg = self.typed.trainer
-        tracking = Tracking(tcfg.project_name, tcfg.experiment_name, default_backend=tcfg.logger,
+        backends = [name for name in tcfg.logger if name != "console"]  # console: the compact line of log()
+        tracking = Tracking(tcfg.project_name, tcfg.experiment_name, default_backend=backends,
                             config=self.config, log_dir=tcfg.log_dir)
+        console = setup_console_logger() if "console" in tcfg.logger else None
+
+        def log(metrics: dict[str, float], step: int) -> None:
+            tracking.log(metrics, step=step)
+            if console is not None:
+                console.info(format_console_line(step, self.total_training_steps, metrics))
         try:
             seed = tcfg.seed
             random.seed(seed)
@@ -337,7 +337,7 @@ class RayPPOTrainer:
             last_metrics: dict[str, float] = {}
             if self.val_dataset is not None and tcfg.val_before_train and self.global_steps == 0:
                 val_metrics = self.validate()
-                tracking.log(val_metrics, step=0)
+                log(val_metrics, step=0)
                 last_metrics.update(val_metrics)
             if self.global_steps >= self.total_training_steps:
                 logger.info("already at step %d of %d: nothing to train", self.global_steps, self.total_training_steps)
@@ -356,7 +356,7 @@ class RayPPOTrainer:
                         with timer("save_checkpoint", timing):
                             self.save_checkpoint()
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
-                    tracking.log(metrics, step=self.global_steps)
+                    log(metrics, step=self.global_steps)
                     progress.update(1)
                     last_metrics = metrics
                     if last:
@@ -365,63 +365,3 @@ class RayPPOTrainer:
             return last_metrics
         finally:
             tracking.finish()
-
-    # ------------------------------------------------------------------------------------------ checkpoints
-    @property
-    def checkpoint_root(self) -> Path:
-        """``trainer.default_local_dir`` as an absolute path (workers may run in another directory)."""
-        return Path(self.typed.trainer.default_local_dir).resolve()
-
-    def save_checkpoint(self) -> Path:
-        """Write ``global_step_N`` atomically: worker states, then trainer_state.json, then the commit rename."""
-        root, step = self.checkpoint_root, self.global_steps
-        partial = begin_checkpoint(root, step)
-        self.actor_rollout_wg.save_checkpoint(str(partial / "actor"), global_step=step)
-        if self.critic_wg is not None:
-            self.critic_wg.save_checkpoint(str(partial / "critic"), global_step=step)
-        loop_state = None
-        if self.rollout_loop is not None and hasattr(self.rollout_loop, "state_dict"):
-            loop_state = self.rollout_loop.state_dict()
-        save_trainer_state(partial, {
-            "global_step": step,
-            "total_training_steps": self.total_training_steps,
-            "dataloader": self.train_loader.state_dict(),
-            "kl_ctrl_value": self.kl_ctrl.value,
-            "rng": get_rng_state(),
-            "rollout_loop": loop_state,
-        })
-        final = commit_checkpoint(root, step, self.typed.trainer.max_ckpt_to_keep)
-        logger.info("saved checkpoint %s", final)
-        return final
-
-    def load_checkpoint(self) -> Optional[Path]:
-        """Resume per ``trainer.resume_mode`` (auto | disable | resume_path); return the checkpoint used."""
-        tcfg = self.typed.trainer
-        if tcfg.resume_mode == "disable":
-            return None
-        remove_partial_checkpoints(self.checkpoint_root)
-        if tcfg.resume_mode == "auto":
-            path = find_latest_checkpoint(self.checkpoint_root)
-            if path is None:
-                logger.info("no checkpoint under %s: training from scratch", self.checkpoint_root)
-                return None
-        else:
-            path = Path(tcfg.resume_from_path)
-            if not (path / STATE_FILE).is_file():
-                raise FileNotFoundError(f"trainer.resume_from_path={str(path)!r} is not a complete checkpoint "
-                                        f"(no {STATE_FILE})")
-        state = load_trainer_state(path)
-        self.actor_rollout_wg.load_checkpoint(str(path / "actor"))
-        if self.critic_wg is not None:
-            if not (path / "critic").is_dir():
-                raise FileNotFoundError(f"{path} has no critic/ state, but algorithm.adv_estimator=gae needs one")
-            self.critic_wg.load_checkpoint(str(path / "critic"))
-        self.train_loader.load_state_dict(state["dataloader"])
-        self.kl_ctrl.value = float(state["kl_ctrl_value"])
-        set_rng_state(state["rng"])
-        if state.get("rollout_loop") is not None and hasattr(self.rollout_loop, "load_state_dict"):
-            self.rollout_loop.load_state_dict(state["rollout_loop"])
-        self.global_steps = int(state["global_step"])
-        logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.global_steps,
-                    self.train_loader.epoch, self.train_loader.batch_index)
-        return path

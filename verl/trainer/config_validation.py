@@ -1,0 +1,252 @@
+"""Validation of the trainer config: ``ppo_trainer.yaml`` (composed) -> a checked :class:`PPOTrainerConfig`.
+
+``build_config`` turns a (Hydra / OmegaConf / plain) mapping into the dataclasses of
+:mod:`verl.trainer.config_schema`, failing on unknown keys with their full dotted name (and a close match) and on
+values of the wrong type; ``validate_config`` adds the cross-field rules (required paths, batch-size divisibility,
+enumerations); ``load_config`` does both. Every failure is a :class:`ConfigError` naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
+
+from verl.trainer.config_schema import GROUP_ESTIMATORS, KL_ESTIMATORS, LOGGERS, ConfigError, PPOTrainerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert containers/dataclasses; raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return _build_dataclass(tp, value, key)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key} must not be null")
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if value is None:
+        raise ConfigError(f"{key} must not be null (expected {_type_name(tp)})")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")
+
+
+def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else ""
+            raise ConfigError(f"{dotted} is not a config key{hint}")
+    kwargs = {}
+    for name in names:
+        if name in raw:
+            dotted = f"{prefix}.{name}" if prefix else name
+            kwargs[name] = _coerce(raw[name], hints[name], dotted)
+    return cls(**kwargs)
+
+
+def to_container(cfg: Any) -> dict[str, Any]:
+    """Return a plain, interpolation-resolved dict from a DictConfig or mapping."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    if isinstance(cfg, Mapping):
+        return OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True, throw_on_missing=True)
+    raise ConfigError(f"config must be a mapping, got {type(cfg).__name__}")
+
+
+def build_config(cfg: Any) -> PPOTrainerConfig:
+    """Type-check a job config (DictConfig or mapping) into a :class:`PPOTrainerConfig`; unknown keys fail."""
+    return _build_dataclass(PPOTrainerConfig, to_container(cfg), "")
+
+
+def _as_list(files: Optional[Union[str, list[str]]]) -> list[str]:
+    if files is None:
+        return []
+    return [files] if isinstance(files, str) else list(files)
+
+
+def _check_divisible(numerator: int, denominator: int, message: str) -> None:
+    if denominator <= 0 or numerator % denominator != 0:
+        raise ConfigError(message)
+
+
+def _check_batch_sizes(cfg: PPOTrainerConfig) -> None:
+    data, actor = cfg.data, cfg.actor_rollout_ref.actor
+    n, world = cfg.actor_rollout_ref.rollout.n, cfg.world_size
+    for key, value in [("data.train_batch_size", data.train_batch_size), ("actor_rollout_ref.rollout.n", n),
+                       ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
+                       ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
+                       ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs),
+                       ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                        cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu),
+                       ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                        cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu),
+                       ("actor_rollout_ref.rollout.micro_batch_size_per_gpu",
+                        cfg.actor_rollout_ref.rollout.micro_batch_size_per_gpu),
+                       ("actor_rollout_ref.rollout.val_kwargs.n", cfg.actor_rollout_ref.rollout.val_kwargs.n),
+                       ("trainer.nnodes", cfg.trainer.nnodes), ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node),
+                       ("data.max_prompt_length", data.max_prompt_length),
+                       ("data.max_response_length", data.max_response_length)]:
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    rows, mini_rows = data.train_batch_size * n, actor.ppo_mini_batch_size * n
+    _check_divisible(rows, mini_rows, (
+        f"data.train_batch_size * rollout.n ({data.train_batch_size}*{n}={rows}) must be divisible by "
+        f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n ({actor.ppo_mini_batch_size}*{n}={mini_rows})"))
+    _check_divisible(rows, world, (
+        f"data.train_batch_size * rollout.n ({data.train_batch_size}*{n}={rows}) must be divisible by the DP world "
+        f"size trainer.nnodes * trainer.n_gpus_per_node ({cfg.trainer.nnodes}*{cfg.trainer.n_gpus_per_node}={world})"))
+    _check_divisible(mini_rows, world, (
+        f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n ({mini_rows}) must be divisible by the DP world "
+        f"size ({world})"))
+    per_rank = mini_rows // world
+    _check_divisible(per_rank, actor.ppo_micro_batch_size_per_gpu, (
+        f"the actor mini-batch per rank ({mini_rows}/{world}={per_rank} rows) must be divisible by "
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu})"))
+    if cfg.need_critic:
+        critic = cfg.critic
+        if critic.rollout_n != n:
+            raise ConfigError(f"critic.rollout_n ({critic.rollout_n}) must equal actor_rollout_ref.rollout.n ({n})")
+        c_rows = critic.ppo_mini_batch_size * n
+        _check_divisible(rows, c_rows, (
+            f"data.train_batch_size * rollout.n ({rows}) must be divisible by critic.ppo_mini_batch_size * "
+            f"rollout.n ({critic.ppo_mini_batch_size}*{n}={c_rows})"))
+        _check_divisible(c_rows, world, f"critic.ppo_mini_batch_size * rollout.n ({c_rows}) must be divisible by "
+                                        f"the DP world size ({world})")
+        _check_divisible(c_rows // world, critic.ppo_micro_batch_size_per_gpu, (
+            f"the critic mini-batch per rank ({c_rows}/{world}={c_rows // world} rows) must be divisible by "
+            f"critic.ppo_micro_batch_size_per_gpu ({critic.ppo_micro_batch_size_per_gpu})"))
+
+
+def _check_paths(cfg: PPOTrainerConfig) -> None:
+    model = cfg.actor_rollout_ref.model
+    if not model.path:
+        raise ConfigError("actor_rollout_ref.model.path is required: set it to a local Hugging Face model directory "
+                          "(e.g. actor_rollout_ref.model.path=/path/to/model)")
+    if not Path(model.path).is_dir():
+        raise ConfigError(f"actor_rollout_ref.model.path={model.path!r} is not a directory")
+    if model.tokenizer_path and not Path(model.tokenizer_path).is_dir():
+        raise ConfigError(f"actor_rollout_ref.model.tokenizer_path={model.tokenizer_path!r} is not a directory")
+    if cfg.need_critic and (not cfg.critic.model.path or not Path(cfg.critic.model.path).is_dir()):
+        raise ConfigError(f"critic.model.path={cfg.critic.model.path!r} must be a local model directory "
+                          f"(algorithm.adv_estimator=gae trains a critic)")
+    train = _as_list(cfg.data.train_files)
+    if not train:
+        raise ConfigError("data.train_files is required: a parquet file or a list of them (the built-in task "
+                          "writes them with `python -m verl.tasks.repeat_letter --out_dir DIR`)")
+    for key, files in (("data.train_files", train), ("data.val_files", _as_list(cfg.data.val_files))):
+        for f in files:
+            if not Path(f).is_file():
+                raise ConfigError(f"{key}: {f!r} does not exist")
+
+
+def _check_choices(cfg: PPOTrainerConfig) -> None:
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+
+    algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    if algo.adv_estimator not in ADV_ESTIMATOR_REGISTRY:
+        raise ConfigError(f"algorithm.adv_estimator must be one of {sorted(ADV_ESTIMATOR_REGISTRY)}, "
+                          f"got {algo.adv_estimator!r}")
+    if algo.adv_estimator in GROUP_ESTIMATORS and cfg.actor_rollout_ref.rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator} compares responses within a prompt group: "
+                          f"set actor_rollout_ref.rollout.n >= 2 (got {cfg.actor_rollout_ref.rollout.n})")
+    for key, value in (("algorithm.kl_penalty", algo.kl_penalty), ("actor_rollout_ref.actor.kl_loss_type",
+                                                                   actor.kl_loss_type)):
+        if value.rstrip("+") not in KL_ESTIMATORS:
+            raise ConfigError(f"{key} must be one of {list(KL_ESTIMATORS)} (optionally with a '+' suffix), "
+                              f"got {value!r}")
+    for i, name in enumerate(cfg.trainer.logger):
+        if name not in LOGGERS:
+            raise ConfigError(f"trainer.logger[{i}] must be one of {list(LOGGERS)}, got {name!r}")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    if cfg.trainer.total_training_steps is not None and cfg.trainer.total_training_steps <= 0:
+        raise ConfigError(f"trainer.total_training_steps must be positive or null, got "
+                          f"{cfg.trainer.total_training_steps}")
+    if cfg.trainer.total_epochs <= 0:
+        raise ConfigError(f"trainer.total_epochs must be positive, got {cfg.trainer.total_epochs}")
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.prompt_length != cfg.data.max_prompt_length:
+        raise ConfigError(f"actor_rollout_ref.rollout.prompt_length ({rollout.prompt_length}) must equal "
+                          f"data.max_prompt_length ({cfg.data.max_prompt_length})")
+    if rollout.response_length != cfg.data.max_response_length:
+        raise ConfigError(f"actor_rollout_ref.rollout.response_length ({rollout.response_length}) must equal "
+                          f"data.max_response_length ({cfg.data.max_response_length})")
+    if "." not in cfg.reward.path:
+        raise ConfigError(f"reward.path must be a dotted path module.function, got {cfg.reward.path!r}")
+    if cfg.rollout_loop.path is not None and "." not in cfg.rollout_loop.path:
+        raise ConfigError(f"rollout_loop.path must be a dotted path module.Class, got {cfg.rollout_loop.path!r}")
+    if actor.use_kl_loss and algo.use_kl_in_reward:
+        logger.warning("both actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are on: "
+                       "the KL is penalised twice")
+
+
+def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
+    """Cross-field checks (required paths, divisibility by mini-batch and DP world size, enumerations)."""
+    if check_paths:
+        _check_paths(cfg)
+    _check_choices(cfg)
+    _check_batch_sizes(cfg)
+
+
+def load_config(cfg: Any, check_paths: bool = True) -> PPOTrainerConfig:
+    """``build_config`` followed by ``validate_config``; the one call the entry point and the trainer use."""
+    typed = build_config(cfg)
+    validate_config(typed, check_paths=check_paths)
+    return typed

@@ -1,0 +1,105 @@
+"""Checkpoint save / resume of :class:`verl.trainer.ppo.ray_trainer.RayPPOTrainer` (a mixin).
+
+``global_step_N`` holds ``actor/`` and ``critic/`` (written by the worker groups: HF export plus optimizer,
+scheduler and RNG state per rank) and ``trainer_state.json`` (step, dataloader position, KL coefficient, driver
+RNG, rollout-loop state). It is written into ``global_step_N.partial`` and committed by a rename
+(:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from verl.utils.checkpoint import (
+    STATE_FILE,
+    begin_checkpoint,
+    commit_checkpoint,
+    find_latest_checkpoint,
+    get_rng_state,
+    load_trainer_state,
+    remove_partial_checkpoints,
+    save_trainer_state,
+    set_rng_state,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerCheckpointMixin:
+    """``save_checkpoint`` / ``load_checkpoint`` for a trainer with ``typed``, ``global_steps``, ``train_loader``,
+    ``kl_ctrl``, ``total_training_steps``, ``actor_rollout_wg``, ``critic_wg`` and ``rollout_loop``."""
+
+    typed: Any
+    global_steps: int
+    total_training_steps: int
+    train_loader: Any
+    kl_ctrl: Any
+    actor_rollout_wg: Any
+    critic_wg: Any
+    rollout_loop: Any
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """``trainer.default_local_dir`` as an absolute path (workers may run in another directory)."""
+        return Path(self.typed.trainer.default_local_dir).resolve()
+
+    def save_checkpoint(self) -> Path:
+        """Write ``global_step_N`` atomically: worker states, then trainer_state.json, then the commit rename."""
+        root, step = self.checkpoint_root, self.global_steps
+        partial = begin_checkpoint(root, step)
+        self.actor_rollout_wg.save_checkpoint(str(partial / "actor"), global_step=step)
+        if self.critic_wg is not None:
+            self.critic_wg.save_checkpoint(str(partial / "critic"), global_step=step)
+        loop_state = None
+        if self.rollout_loop is not None and hasattr(self.rollout_loop, "state_dict"):
+            loop_state = self.rollout_loop.state_dict()
+        save_trainer_state(partial, {
+            "global_step": step,
+            "total_training_steps": self.total_training_steps,
+            "dataloader": self.train_loader.state_dict(),
+            "kl_ctrl_value": self.kl_ctrl.value,
+            "rng": get_rng_state(),
+            "rollout_loop": loop_state,
+        })
+        final = commit_checkpoint(root, step, self.typed.trainer.max_ckpt_to_keep)
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def _checkpoint_to_resume(self) -> Optional[Path]:
+        """The checkpoint ``trainer.resume_mode`` selects (None: start from scratch); leftovers are cleaned up."""
+        tcfg = self.typed.trainer
+        if tcfg.resume_mode == "disable":
+            return None
+        remove_partial_checkpoints(self.checkpoint_root)
+        if tcfg.resume_mode == "auto":
+            path = find_latest_checkpoint(self.checkpoint_root)
+            if path is None:
+                logger.info("no checkpoint under %s: training from scratch", self.checkpoint_root)
+            return path
+        path = Path(tcfg.resume_from_path).resolve()
+        if not (path / STATE_FILE).is_file():
+            raise FileNotFoundError(f"trainer.resume_from_path={str(path)!r} is not a complete checkpoint "
+                                    f"(no {STATE_FILE})")
+        return path
+
+    def load_checkpoint(self) -> Optional[Path]:
+        """Resume per ``trainer.resume_mode`` (auto | disable | resume_path); return the checkpoint used."""
+        path = self._checkpoint_to_resume()
+        if path is None:
+            return None
+        state = load_trainer_state(path)
+        self.actor_rollout_wg.load_checkpoint(str(path / "actor"))
+        if self.critic_wg is not None:
+            if not (path / "critic").is_dir():
+                raise FileNotFoundError(f"{path} has no critic/ state, but algorithm.adv_estimator=gae needs one")
+            self.critic_wg.load_checkpoint(str(path / "critic"))
+        self.train_loader.load_state_dict(state["dataloader"])
+        self.kl_ctrl.value = float(state["kl_ctrl_value"])
+        set_rng_state(state["rng"])
+        if state.get("rollout_loop") is not None and hasattr(self.rollout_loop, "load_state_dict"):
+            self.rollout_loop.load_state_dict(state["rollout_loop"])
+        self.global_steps = int(state["global_step"])
+        logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.global_steps,
+                    self.train_loader.epoch, self.train_loader.batch_index)
+        return path
