@@ -9,6 +9,9 @@ A `DataProto` has three parts, with veRL's names and semantics:
 Per-row data (uids, profiles, messages, outcomes) belongs in `batch` or `non_tensor_batch`, never in
 `meta_info`: every row operation (select, reorder, repeat, chunk, concat) moves the first two together and
 only copies `meta_info` along unchanged, so per-row lists kept there silently fall out of step with the rows.
+
+The DataProto-free helpers (value comparison, meta_info merging, index validation, `union_tensor_dict`) live in
+`verl.protocol_utils`; `union_tensor_dict` is re-exported here.
 """
 
 from __future__ import annotations
@@ -24,99 +27,21 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
+from verl.protocol_utils import (
+    IndexLike,
+    as_index_array,
+    merge_meta_info,
+    rows_to_index,
+    to_row_array,
+    union_tensor_dict,
+    values_equal,
+)
+
 __all__ = [
-    "DataProto", "DataProtoItem", "collate_fn", "pad_dataproto_to_divisor", "union_tensor_dict", "unpad_dataproto",
+    "DP_PAD_ROWS_KEY", "DataProto", "DataProtoItem", "collate_fn", "pad_dataproto_to_divisor", "union_tensor_dict",
+    "unpad_dataproto",
 ]
 
-IndexLike = Sequence[int] | np.ndarray | torch.Tensor
-
-
-def _values_equal(a: Any, b: Any) -> bool:
-    """Return True when two values (scalars, arrays, tensors, containers) hold equal contents; NaN equals NaN."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
-            return False
-        if torch.equal(a, b):
-            return True
-        return bool(a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
-            return False
-        if a.dtype == object or b.dtype == object:
-            return all(_values_equal(x, y) for x, y in zip(a.ravel(), b.ravel()))
-        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):
-        return False
-
-
-def _merge_meta_info(target: dict, source: Mapping, where: str) -> dict:
-    """Copy `source` into `target`; a key present in both must hold equal values."""
-    for key, value in source.items():
-        if key in target and not _values_equal(target[key], value):
-            raise ValueError(f"{where}: meta_info key {key!r} conflicts: {target[key]!r} != {value!r}")
-        target[key] = value
-    return target
-
-
-def _to_row_array(values: Any, key: str) -> np.ndarray:
-    """Return `values` as a per-row ndarray; lists/tuples become 1-D object arrays (one element per row)."""
-    if isinstance(values, np.ndarray):
-        return values
-    if isinstance(values, (list, tuple)):
-        array = np.empty(len(values), dtype=object)
-        for i, value in enumerate(values):
-            array[i] = value
-        return array
-    raise TypeError(f"non_tensor_batch[{key!r}] must be an np.ndarray (or a list), got {type(values).__name__}")
-
-
-def _as_index_array(idxs: IndexLike, length: int) -> np.ndarray:
-    """Turn a list, ndarray, tensor (int or bool mask) into an int64 index array validated against `length`."""
-    if isinstance(idxs, torch.Tensor):
-        idxs = idxs.detach().cpu().numpy()
-    array = np.asarray(idxs)
-    if array.ndim != 1:
-        raise IndexError(f"row indices must be 1-D, got shape {array.shape}")
-    if array.dtype == bool:
-        if array.shape[0] != length:
-            raise IndexError(f"boolean mask has length {array.shape[0]}, but the batch has {length} rows")
-        return np.flatnonzero(array)
-    if array.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(array.dtype, np.integer):
-        raise IndexError(f"row indices must be integers or a boolean mask, got dtype {array.dtype}")
-    if array.min() < -length or array.max() >= length:
-        raise IndexError(f"row index out of range for a batch of {length} rows: min {array.min()}, max {array.max()}")
-    return np.where(array < 0, array + length, array).astype(np.int64)
-
-
-def _rows_to_index(rows: list[int]) -> np.ndarray:
-    """DataLoader collate function of make_iterator: a list of row numbers -> an int64 index array."""
-    return np.asarray(rows, dtype=np.int64)
-
-
-def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
-    """Add the keys of `tensor_dict2` to `tensor_dict1` in place and return it; shared keys must hold equal tensors."""
-    if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise ValueError(
-            "union_tensor_dict: batch sizes differ: "
-            f"{tuple(tensor_dict1.batch_size)} vs {tuple(tensor_dict2.batch_size)}"
-        )
-    for key in tensor_dict2.keys():
-        if key in tensor_dict1.keys() and not _values_equal(tensor_dict1[key], tensor_dict2[key]):
-            raise ValueError(f"union_tensor_dict: key {key!r} is in both batches with different values")
-        tensor_dict1[key] = tensor_dict2[key]
-    return tensor_dict1
 
 
 @dataclass(eq=False)
@@ -200,7 +125,7 @@ class DataProto:
         if num_batch_dims < 1:
             raise ValueError(f"num_batch_dims must be >= 1, got {num_batch_dims}")
         tensors = dict(tensors or {})
-        non_tensors = {key: _to_row_array(value, key) for key, value in (non_tensors or {}).items()}
+        non_tensors = {key: to_row_array(value, key) for key, value in (non_tensors or {}).items()}
         batch = None
         if tensors:
             batch_size, first_key = None, None
@@ -343,16 +268,16 @@ class DataProto:
         if other.batch is not None:
             self.batch = other.batch.copy() if self.batch is None else union_tensor_dict(self.batch, other.batch)
         for key, value in other.non_tensor_batch.items():
-            if key in self.non_tensor_batch and not _values_equal(self.non_tensor_batch[key], value):
+            if key in self.non_tensor_batch and not values_equal(self.non_tensor_batch[key], value):
                 raise ValueError(f"union: non_tensor_batch key {key!r} is in both batches with different values")
             self.non_tensor_batch[key] = value
-        _merge_meta_info(self.meta_info, other.meta_info, "union")
+        merge_meta_info(self.meta_info, other.meta_info, "union")
         self.check_consistency()
         return self
 
     def select_idxs(self, idxs: IndexLike) -> DataProto:
         """Return the rows at `idxs` (ints, negative allowed, or a boolean mask of the batch length), in that order."""
-        index = _as_index_array(idxs, len(self))
+        index = as_index_array(idxs, len(self))
         batch = None if self.batch is None else self.batch[torch.from_numpy(index)]
         non_tensor_batch = {key: value[index] for key, value in self.non_tensor_batch.items()}
         return type(self)(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=dict(self.meta_info))
@@ -366,7 +291,7 @@ class DataProto:
 
     def reorder(self, indices: IndexLike) -> None:
         """Permute the rows in place (tensors and non-tensors alike); `indices` must be a permutation of range(len)."""
-        index = _as_index_array(indices, len(self))
+        index = as_index_array(indices, len(self))
         if not np.array_equal(np.sort(index), np.arange(len(self))):
             raise ValueError(
                 f"reorder: indices must be a permutation of range({len(self)}); got {len(index)} indices, "
@@ -437,7 +362,7 @@ class DataProto:
                         for name, metric in metrics.items():
                             gathered.setdefault(name, []).extend(metric if isinstance(metric, list) else [metric])
                 else:
-                    _merge_meta_info(meta_info, {key: value}, "concat")
+                    merge_meta_info(meta_info, {key: value}, "concat")
         if gathered:
             meta_info["metrics"] = gathered
         return type(data[0])(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
@@ -461,7 +386,7 @@ class DataProto:
         loader = DataLoader(
             range(len(self)),
             batch_size=mini_batch_size,
-            collate_fn=_rows_to_index,
+            collate_fn=rows_to_index,
             generator=generator,
             **(dataloader_kwargs or {}),
         )
@@ -486,6 +411,10 @@ class DataProto:
         if not isinstance(data, DataProto):
             raise TypeError(f"{filepath} does not hold a DataProto but a {type(data).__name__}")
         return data
+
+
+DP_PAD_ROWS_KEY = "dp_pad_rows"
+"""meta_info key set by the `DP_COMPUTE_PROTO` dispatch on a chunk that ends with padding rows: how many."""
 
 
 def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:

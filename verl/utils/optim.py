@@ -88,6 +88,9 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: Mapping[str,
         raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
     if style == "cosine" and total <= 0:
         raise ValueError("optim.total_training_steps must be set (> 0) for warmup_style=cosine")
+    if int(_get(optim_cfg, "lr_warmup_steps", -1)) < 0 and float(_get(optim_cfg, "lr_warmup_steps_ratio", 0.0)) > 0:
+        if total <= 0:
+            raise ValueError("optim.total_training_steps must be set (> 0) to use optim.lr_warmup_steps_ratio")
     warmup = resolve_warmup_steps(optim_cfg, max(total, 0))
     logger.info(
         "lr schedule: style=%s warmup_steps=%d total_steps=%d min_lr_ratio=%s", style, warmup, total, min_lr_ratio

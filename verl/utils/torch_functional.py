@@ -19,9 +19,11 @@ _CHUNK_ELEMENTS = 2**24
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    """Sum of `values` where `mask` is nonzero (over `axis`, or all elements); masked-out NaN/inf are ignored."""
+    """Sum of `values * mask` (over `axis`, or all elements); positions where `mask` is 0 are skipped, not
+    multiplied, so NaN/inf there are ignored. A non-binary mask weights the values, as in veRL."""
     valid = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
-    return valid.sum() if axis is None else valid.sum(dim=axis)
+    weighted = valid * mask.to(values.dtype)
+    return weighted.sum() if axis is None else weighted.sum(dim=axis)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:

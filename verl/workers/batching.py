@@ -7,6 +7,7 @@ equal the loss of the whole mini-batch whatever the DP world size and micro-batc
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -14,7 +15,9 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from verl.protocol import DataProto
+from verl.protocol import DP_PAD_ROWS_KEY, DataProto
+
+logger = logging.getLogger(__name__)
 
 
 def dp_world_size() -> int:
@@ -32,6 +35,25 @@ def global_loss_info(response_mask: torch.Tensor) -> dict[str, Any]:
     if dp_size > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     return {"dp_size": dp_size, "batch_num_tokens": counts[0].item(), "global_batch_size": counts[1].item()}
+
+
+def mask_padding_rows(data: DataProto, where: str) -> DataProto:
+    """``data`` with ``response_mask`` zeroed on the padding rows the DP dispatch appended (see ``DP_PAD_ROWS_KEY``).
+
+    Those rows repeat rows another rank trains on; with no loss tokens they add nothing to the loss, to its
+    global token/sequence counts or to the metrics. Returns ``data`` itself when it holds no padding.
+    """
+    pad_rows = int(data.meta_info.get(DP_PAD_ROWS_KEY, 0))
+    if pad_rows == 0 or data.batch is None or "response_mask" not in data.batch.keys():
+        return data
+    if not 0 < pad_rows <= len(data):
+        raise ValueError(f"{where}: meta_info[{DP_PAD_ROWS_KEY!r}]={pad_rows} is outside [0, {len(data)}] rows")
+    response_mask = data.batch["response_mask"].clone()
+    response_mask[-pad_rows:] = 0
+    batch = data.batch.copy()
+    batch["response_mask"] = response_mask
+    logger.info("%s: %d padding row(s) of the DP dispatch carry no loss", where, pad_rows)
+    return DataProto(batch=batch, non_tensor_batch=data.non_tensor_batch, meta_info=data.meta_info)
 
 
 def select_batch(data: DataProto, keys: Sequence[str], where: str) -> TensorDict:
@@ -67,6 +89,11 @@ def response_logits(logits: torch.Tensor, response_length: int, temperature: flo
     """Logits predicting each response token (positions ``-R-1 .. -2``), in fp32 and divided by ``temperature``."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
+    if not 0 < response_length < logits.size(1):
+        raise ValueError(
+            f"responses of length {response_length} do not fit in input_ids of length {logits.size(1)}: "
+            "input_ids must be the prompt followed by the responses"
+        )
     return logits[:, -response_length - 1 : -1, :].float() / temperature
 
 

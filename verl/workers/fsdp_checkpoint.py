@@ -69,6 +69,7 @@ class FSDPCheckpointManager:
 
     @staticmethod
     def _rank() -> int:
+        """This process's rank in the default process group (0 without torch.distributed)."""
         return dist.get_rank() if dist.is_initialized() else 0
 
     def save_checkpoint(self, local_path: str | os.PathLike) -> None:

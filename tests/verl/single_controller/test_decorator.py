@@ -9,6 +9,7 @@ import torch
 from verl.protocol import DataProto
 from verl.single_controller.base.decorator import (
     Dispatch,
+    DP_PAD_ROWS_KEY,
     DispatchPlan,
     Execute,
     RegisterSpec,
@@ -118,7 +119,7 @@ def test_dp_compute_proto_pads_chunks_and_unpads_in_order(world_size, n):
     chunk_sizes = {len(args[0]) for args, _ in plan.calls}
     assert chunk_sizes == {(n + plan.pad_size) // world_size}
     assert all(kwargs == {"scale": 2} for _, kwargs in plan.calls)
-    assert all(args[0].meta_info == {"temperature": 0.7} for args, _ in plan.calls)
+    assert all(args[0].meta_info["temperature"] == 0.7 for args, _ in plan.calls)
 
     outputs = [double_rows(args[0]) for args, _ in plan.calls]
     result = collect_dp_compute_proto(outputs, plan)
@@ -126,6 +127,24 @@ def test_dp_compute_proto_pads_chunks_and_unpads_in_order(world_size, n):
     torch.testing.assert_close(result.batch["y"], make_batch(n).batch["x"] * 2)
     assert list(result.non_tensor_batch["uid"]) == [f"u{i}" for i in range(n)]
     assert result.meta_info["metrics"]["rows"] == [len(args[0]) for args, _ in plan.calls]
+
+
+@pytest.mark.parametrize(
+    "world_size, n, expected", [(2, 5, [0, 1]), (4, 1, [0, 1, 1, 1]), (3, 7, [0, 0, 2]), (2, 4, [0, 0])]
+)
+def test_dp_compute_proto_marks_padding_rows_per_chunk(world_size, n, expected):
+    """Each chunk says how many of its trailing rows are padding, so an update can give them no loss."""
+    plan = dispatch_dp_compute_proto(world_size, (make_batch(n),), {})
+    chunks = [args[0] for args, _ in plan.calls]
+    assert [chunk.meta_info.get(DP_PAD_ROWS_KEY, 0) for chunk in chunks] == expected
+    assert sum(expected) == plan.pad_size
+    # a worker echoing its chunk's meta_info does not leak the marker (or a conflict) into the result
+    result = collect_dp_compute_proto(chunks, plan)
+    assert DP_PAD_ROWS_KEY not in result.meta_info and len(result) == n
+    # a stale marker on the input is not forwarded to ranks without padding
+    stale = make_batch(4)
+    stale.meta_info[DP_PAD_ROWS_KEY] = 3
+    assert all(DP_PAD_ROWS_KEY not in args[0].meta_info for args, _ in dispatch_dp_compute_proto(2, (stale,), {}).calls)
 
 
 def test_dp_compute_proto_chunks_keyword_dataproto_and_checks_sizes():

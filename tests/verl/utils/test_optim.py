@@ -63,6 +63,7 @@ def test_scheduler_state_round_trips():
         ({"lr": 1.0, "warmup_style": "cosine"}, "total_training_steps"),
         ({"lr": 1.0, "min_lr_ratio": 2.0}, "min_lr_ratio"),
         ({"lr": 1.0, "lr_warmup_steps_ratio": 1.5, "total_training_steps": 4}, "lr_warmup_steps_ratio"),
+        ({"lr": 1.0, "lr_warmup_steps_ratio": 0.1}, r"total_training_steps must be set \(> 0\) to use .*_ratio"),
     ],
 )
 def test_bad_schedules_are_rejected(cfg, message):

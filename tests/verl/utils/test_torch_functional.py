@@ -23,6 +23,14 @@ def test_masked_sum_and_mean_ignore_masked_nan():
     assert verl_F.masked_mean(values, torch.zeros_like(mask)).item() == 0.0
 
 
+def test_masked_sum_and_mean_weight_by_a_fractional_mask():
+    """veRL semantics: masked_sum is sum(values * mask), masked_mean divides by sum(mask)."""
+    values = torch.tensor([[2.0, 4.0, float("nan")]])
+    mask = torch.tensor([[0.5, 1.0, 0.0]])
+    assert verl_F.masked_sum(values, mask).item() == pytest.approx(5.0)
+    assert verl_F.masked_mean(values, mask).item() == pytest.approx(5.0 / 1.5)
+
+
 def test_masked_var_and_whiten_match_plain_python():
     torch.manual_seed(0)
     values = torch.randn(4, 7, dtype=torch.float64) * 3 + 1

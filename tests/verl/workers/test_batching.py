@@ -6,8 +6,15 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from verl.protocol import DataProto
-from verl.workers.batching import check_divisible, global_loss_info, iter_mini_batches, response_logits, select_batch
+from verl.protocol import DP_PAD_ROWS_KEY, DataProto
+from verl.workers.batching import (
+    check_divisible,
+    global_loss_info,
+    iter_mini_batches,
+    mask_padding_rows,
+    response_logits,
+    select_batch,
+)
 
 
 def test_global_loss_info_without_distributed_counts_tokens_and_non_empty_rows():
@@ -32,6 +39,8 @@ def test_response_logits_shift_and_temperature():
     assert torch.equal(out, logits[:, 2:4] / 2.0)
     with pytest.raises(ValueError, match="temperature"):
         response_logits(logits, 2, 0.0)
+    with pytest.raises(ValueError, match="responses of length 5 do not fit in input_ids of length 5"):
+        response_logits(logits, 5, 1.0)
 
 
 def test_select_batch_and_divisibility_errors_name_the_problem():
@@ -41,3 +50,16 @@ def test_select_batch_and_divisibility_errors_name_the_problem():
         select_batch(data, ["a", "b"], "here")
     with pytest.raises(ValueError, match="not divisible by k=3"):
         check_divisible(4, 3, "k", "here")
+
+
+def test_mask_padding_rows_zeroes_the_trailing_rows_only():
+    mask = torch.ones(4, 3, dtype=torch.long)
+    data = DataProto.from_dict(tensors={"response_mask": mask, "x": torch.arange(4)}, meta_info={DP_PAD_ROWS_KEY: 2})
+    out = mask_padding_rows(data, "here")
+    assert out.batch["response_mask"].tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 0], [0, 0, 0]]
+    assert torch.equal(out.batch["x"], data.batch["x"]) and data.batch["response_mask"].eq(1).all()
+    unpadded = DataProto.from_dict(tensors={"response_mask": mask})
+    assert mask_padding_rows(unpadded, "here") is unpadded
+    data.meta_info[DP_PAD_ROWS_KEY] = 5
+    with pytest.raises(ValueError, match=r"here: meta_info\['dp_pad_rows'\]=5 is outside"):
+        mask_padding_rows(data, "here")

@@ -10,6 +10,7 @@ import torch
 from ppo_batch_helpers import RESPONSE_LEN, actor_config, make_ppo_batch
 from transformers import AutoModelForCausalLM
 
+from verl.protocol import DP_PAD_ROWS_KEY
 from verl.utils.optim import build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 
@@ -115,3 +116,22 @@ def test_update_rejects_bad_batches(base_model):
         actor.update_policy(data)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         _actor(base_model, loss_agg_mode="mean")
+
+
+def test_dp_padding_rows_carry_no_loss(base_model):
+    """A rank whose chunk ends with a DP_COMPUTE_PROTO padding row (a copy of a row another rank trains on)
+    updates exactly as if the row were absent: it adds nothing to the loss nor to the global token count."""
+    data = make_ppo_batch(3, base_model.config.vocab_size, seed=11)
+    padded = data.select_idxs([0, 1, 2, 0])
+    padded.meta_info[DP_PAD_ROWS_KEY] = 1
+    results = []
+    for batch, rows in ((data, 3), (padded, 4)):
+        actor = _actor(base_model, sgd=True, ppo_mini_batch_size=rows, ppo_micro_batch_size_per_gpu=rows)
+        metrics = actor.update_policy(batch)
+        results.append((_params(actor), metrics))
+    (expected, expected_metrics), (got, got_metrics) = results
+    for name in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert got_metrics[name][0] == pytest.approx(expected_metrics[name][0], rel=1e-5, abs=1e-7), name
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-5)
+    assert torch.equal(padded.batch["response_mask"][3], data.batch["response_mask"][0])  # input left untouched

@@ -23,7 +23,7 @@ MINI_BATCH_PROMPTS = 4  # global rows per optimizer step (rollout.n = 1): 2 mini
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray instance for the module (8 logical CPUs: only a scheduling resource)."""
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -106,3 +106,26 @@ def test_two_rank_checkpoint_resume_is_exact(actor_group, tmp_path):
     assert any(not torch.equal(saved[name], uninterrupted[name]) for name in saved)
     for name, value in uninterrupted.items():
         assert torch.equal(resumed[name], value), name
+
+
+def test_two_rank_update_gives_dispatch_padding_rows_no_loss(actor_group, tmp_path):
+    """3 rows over 2 ranks: DP_COMPUTE_PROTO pads with a copy of row 0, which must not count twice. The update
+    equals the one on 4 rows whose 4th row carries no loss tokens (rank 1 holds rows 2 and 3 in both)."""
+    data = make_ppo_batch(3, vocab_size=1024, seed=9)
+    no_loss_row = data.select_idxs([0, 1, 2, 0])
+    no_loss_row.batch["response_mask"][3] = 0
+    actor_group.save_checkpoint(str(tmp_path / "start"))
+    padded_metrics = actor_group.update_actor(data).meta_info["metrics"]
+    actor_group.save_checkpoint(str(tmp_path / "padded"))
+    actor_group.load_checkpoint(str(tmp_path / "start"))
+    masked_metrics = actor_group.update_actor(no_loss_row).meta_info["metrics"]
+    actor_group.save_checkpoint(str(tmp_path / "masked"))
+    padded, masked, start = (
+        AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).state_dict()
+        for name in ("padded", "masked", "start")
+    )
+    assert any(not torch.equal(start[name], padded[name]) for name in start)
+    for name, value in masked.items():
+        torch.testing.assert_close(padded[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    for name in ("actor/pg_loss", "actor/grad_norm"):
+        torch.testing.assert_close(torch.tensor(padded_metrics[name]), torch.tensor(masked_metrics[name]))

@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 from ppo_batch_helpers import PROMPT_LEN, make_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verl.workers.rollout.hf_rollout import HFRollout, response_mask_from_eos
+from verl.utils.torch_functional import get_response_mask
+from verl.workers.rollout.hf_rollout import HFRollout
 
 RESPONSE_LEN = 7
 
@@ -32,13 +33,6 @@ def _prompts(tokenizer, n: int = 5, **meta):
     data = make_prompts(n, len(tokenizer), seed=11)
     data.meta_info.update({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, **meta})
     return data
-
-
-def test_response_mask_from_eos():
-    responses = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 3, 3, 3]])
-    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
-    assert torch.equal(response_mask_from_eos(responses, 2), expected)
-    assert torch.equal(response_mask_from_eos(responses, [8, 2])[1], torch.tensor([1, 1, 1, 1]))
 
 
 def test_generate_shapes_and_masks(rollout, tokenizer):
@@ -75,7 +69,7 @@ def test_eos_ends_the_response_and_pads_after_it(rollout, tokenizer):
     assert first <= 1
     assert mask[: first + 1].eq(1).all() and mask[first + 1 :].eq(0).all()
     assert out["responses"][0, first + 1 :].eq(tokenizer.pad_token_id).all()
-    assert torch.equal(response_mask_from_eos(out["responses"], stop), out["response_mask"])
+    assert torch.equal(get_response_mask(out["responses"], stop), out["response_mask"])
 
 
 def test_bad_settings_are_rejected(rollout, tokenizer):
@@ -83,3 +77,11 @@ def test_bad_settings_are_rejected(rollout, tokenizer):
         rollout.generate_sequences(_prompts(tokenizer, temperature=0.0))
     with pytest.raises(ValueError, match="response_length"):
         rollout.generate_sequences(_prompts(tokenizer, response_length=0))
+
+
+def test_right_padded_prompts_are_rejected(rollout, tokenizer):
+    """Generation appends after the last column, so a right-padded prompt would continue from its padding."""
+    prompts = _prompts(tokenizer)
+    prompts.batch["attention_mask"][2, -1] = 0
+    with pytest.raises(ValueError, match=r"must be left-padded .* rows \[2\] end with padding"):
+        rollout.generate_sequences(prompts)

@@ -24,8 +24,9 @@ Dispatch modes (veRL names and semantics):
 | `DP_COMPUTE_METRIC` | chunk `r` of every `DataProto` argument (no padding: the batch must divide evenly); other arguments as given | a list of the results |
 
 Padding repeats the batch's leading rows, so with `DP_COMPUTE_PROTO` a batch that does not divide by the world
-size gets a few rows computed twice; that is harmless for inference (the duplicates are dropped), but an update
-would train on them twice, so trainers should pass batches that divide by the data-parallel size.
+size gets a few rows computed twice. For inference that is harmless (the duplicates are dropped at collection).
+So that an update does not train on them twice, the chunk of a rank that holds padding rows says how many in
+`meta_info[DP_PAD_ROWS_KEY]` (they are always its last rows); the PPO actor and critic give them no loss.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl.protocol import DP_PAD_ROWS_KEY, DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
 __all__ = [
+    "DP_PAD_ROWS_KEY",
     "REGISTER_ATTR",
     "Dispatch",
     "DispatchPlan",
@@ -143,6 +145,7 @@ class DispatchPlan:
 
 
 def _check_world_size(world_size: int) -> None:
+    """Raise unless `world_size` is a positive int."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"dispatch: world_size must be a positive int, got {world_size!r}")
 
@@ -207,6 +210,7 @@ def _chunk_protos(mode: str, world_size: int, args: tuple, kwargs: dict, pad: bo
     padded_rows = len(first)
     chunks: dict[str, list[DataProto]] = {}
     for where, value in protos:
+        value = _without_pad_marker(value)
         if pad:
             value, pad_size = pad_dataproto_to_divisor(value, world_size)
             padded_rows = len(value)
@@ -216,6 +220,8 @@ def _chunk_protos(mode: str, world_size: int, args: tuple, kwargs: dict, pad: bo
                 "(this mode does not pad, so that metrics are not skewed by repeated rows)"
             )
         chunks[where] = value.chunk(world_size)
+        if pad_size:
+            _mark_padding_rows(chunks[where], padded_rows - pad_size)
 
     def pick(where: str, value: Any, rank: int) -> Any:
         return chunks[where][rank] if where in chunks else value
@@ -227,6 +233,17 @@ def _chunk_protos(mode: str, world_size: int, args: tuple, kwargs: dict, pad: bo
         rank_kwargs = {key: pick(where, value, rank) for key, (where, value) in zip(kwargs, named[n_args:])}
         calls.append((rank_args, rank_kwargs))
     return DispatchPlan(calls=calls, pad_size=pad_size, padded_rows=padded_rows)
+
+
+def _mark_padding_rows(chunks: list[DataProto], real_rows: int) -> None:
+    """Set `meta_info[DP_PAD_ROWS_KEY]` on each chunk holding rows past the first `real_rows` (the padding)."""
+    start = 0
+    for chunk in chunks:
+        end = start + len(chunk)
+        padding = end - max(start, real_rows)
+        if padding > 0:
+            chunk.meta_info = {**chunk.meta_info, DP_PAD_ROWS_KEY: padding}
+        start = end
 
 
 def dispatch_dp_compute_proto(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
@@ -251,6 +268,14 @@ def collect_rank_zero(outputs: Sequence[Any], plan: DispatchPlan) -> Any:
     return outputs[0]
 
 
+def _without_pad_marker(data: DataProto) -> DataProto:
+    """`data` without `meta_info[DP_PAD_ROWS_KEY]` (a worker may echo its input's meta_info), sharing the rows."""
+    if DP_PAD_ROWS_KEY not in data.meta_info:
+        return data
+    meta_info = {key: value for key, value in data.meta_info.items() if key != DP_PAD_ROWS_KEY}
+    return DataProto(batch=data.batch, non_tensor_batch=data.non_tensor_batch, meta_info=meta_info)
+
+
 def collect_dp_compute_proto(outputs: Sequence[Any], plan: DispatchPlan) -> DataProto:
     """Concatenate the per-rank DataProto results in rank order and drop the padding rows added at dispatch.
 
@@ -263,7 +288,7 @@ def collect_dp_compute_proto(outputs: Sequence[Any], plan: DispatchPlan) -> Data
                 f"DP_COMPUTE_PROTO: rank {rank} returned a {type(output).__name__}; a method with this dispatch mode "
                 "must return a DataProto"
             )
-    merged = DataProto.concat(list(outputs))
+    merged = DataProto.concat([_without_pad_marker(output) for output in outputs])
     has_rows = merged.batch is not None or bool(merged.non_tensor_batch)
     if plan.pad_size == 0 or not has_rows:
         return merged

@@ -1,4 +1,4 @@
-"""PPO / GRPO maths: advantage estimators, policy/value/entropy losses, KL estimators, KL controllers.
+"""PPO / GRPO maths: advantage estimators, policy/value/entropy losses and loss aggregation.
 
 Names, parameter orders and semantics follow veRL's ``verl.trainer.ppo.core_algos`` so that code and configs
 written for veRL carry over. All tensors are (batch, response_length) unless stated; ``response_mask`` is 1 on
@@ -9,11 +9,13 @@ Loss aggregation (:func:`agg_loss`) takes the global counts of the mini-batch (`
 the gradients over the data-parallel ranks (what FSDP does) gives the loss of the unsplit mini-batch, whatever
 the DP world size and micro-batch split. Callers then backpropagate each micro-batch loss as is, with no extra
 gradient-accumulation scaling.
+
+The KL estimators and KL controllers live in :mod:`verl.trainer.ppo.kl` and are re-exported here under their
+veRL names (``core_algos.kl_penalty``, ``core_algos.FixedKLController``, ...).
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -24,11 +26,26 @@ import numpy as np
 import torch
 
 import verl.utils.torch_functional as verl_F
+from verl.trainer.ppo.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    get_kl_controller,
+    kl_penalty,
+    kl_penalty_forward,
+)
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "ADV_ESTIMATOR_REGISTRY", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSS_REGISTRY", "AdaptiveKLController",
+    "AdvantageEstimator", "FixedKLController", "agg_loss", "compute_entropy_loss", "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage", "compute_policy_loss", "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage", "compute_rewards", "compute_rloo_outcome_advantage", "compute_value_loss",
+    "get_adv_estimator_fn", "get_kl_controller", "get_policy_loss_fn", "kl_penalty", "kl_penalty_forward",
+    "register_adv_est", "register_policy_loss",
+]  # fmt: skip
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-_KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 # --------------------------------------------------------------------------------------------------- registries
@@ -313,41 +330,6 @@ def compute_rewards(
     return token_level_scores - (old_log_prob - ref_log_prob) * kl_ratio
 
 
-# --------------------------------------------------------------------------------------------------- KL penalty
-
-
-def kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
-    """Per-token KL estimate between the policy and the reference (value only; see :func:`kl_penalty`).
-
-    ``kl``/``k1``: lp - ref. ``abs``: |lp - ref|. ``mse``/``k2``: (lp - ref)^2 / 2. ``low_var_kl``/``k3``:
-    exp(ref - lp) - (ref - lp) - 1 with ref - lp clamped to [-20, 20] and the result to [-10, 10]. A trailing
-    ``+`` is accepted and ignored here.
-    """
-    name = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
-    if name in ("kl", "k1"):
-        return logprob - ref_logprob
-    if name == "abs":
-        return (logprob - ref_logprob).abs()
-    if name in ("mse", "k2"):
-        return 0.5 * (logprob - ref_logprob).square()
-    if name in ("low_var_kl", "k3"):
-        log_ratio = torch.clamp(ref_logprob - logprob, min=-20.0, max=20.0)
-        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
-    if name == "full":
-        raise NotImplementedError("kl_penalty 'full' needs the full vocabulary distributions and is not supported")
-    raise ValueError(f"unknown kl_penalty {kl_penalty!r}; expected one of {list(_KL_ESTIMATORS)}, optionally with '+'")
-
-
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
-    """Per-token KL estimate (see :func:`kl_penalty_forward`); a ``+`` suffix (e.g. ``k3+``) keeps the named
-    estimator's value but backpropagates the gradient of k2, whose expected gradient is the true KL gradient."""
-    forward = kl_penalty_forward(logprob, ref_logprob, kl_penalty)
-    if not kl_penalty.endswith("+"):
-        return forward
-    k2 = 0.5 * (logprob - ref_logprob).square()
-    return k2 - k2.detach() + forward.detach()
-
-
 # ------------------------------------------------------------------------------------------------- aggregation
 
 
@@ -378,7 +360,8 @@ def agg_loss(
       here; with it this mode, like the others, is invariant to the DP split (identical for dp_size=1).
 
     With the global counts, the micro-batch losses of each rank summed, then averaged over ranks, equal the
-    loss of the whole mini-batch. Empty denominators count as 1 (their numerators are 0).
+    loss of the whole mini-batch. Empty denominators count as 1 (their numerators are 0). Values at masked
+    positions are ignored, even inf/NaN (``masked_sum`` selects rather than multiplies).
     """
     if tuple(loss_mat.shape) != tuple(loss_mask.shape) or loss_mat.dim() != 2:
         raise ValueError(
@@ -389,10 +372,10 @@ def agg_loss(
     mask = loss_mask.to(loss_mat.dtype)
     if loss_agg_mode == "token-mean":
         num_tokens = mask.sum() if batch_num_tokens is None else batch_num_tokens
-        return (loss_mat * mask).sum() / _nonzero(num_tokens, loss_mat) * dp_size
+        return verl_F.masked_sum(loss_mat, mask) / _nonzero(num_tokens, loss_mat) * dp_size
     if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
         row_tokens = mask.sum(dim=-1)
-        row_losses = (loss_mat * mask).sum(dim=-1)
+        row_losses = verl_F.masked_sum(loss_mat, mask, axis=-1)
         if loss_agg_mode == "seq-mean-token-mean":
             row_losses = row_losses / _nonzero(row_tokens, loss_mat)
         non_empty = (row_tokens > 0).to(loss_mat.dtype)
@@ -400,7 +383,7 @@ def agg_loss(
         return (row_losses * non_empty).sum() / _nonzero(num_rows, loss_mat) * dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":
         scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        return (loss_mat * mask).sum() / scale * dp_size
+        return verl_F.masked_sum(loss_mat, mask) / scale * dp_size
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {list(LOSS_AGG_MODES)}")
 
 
@@ -541,55 +524,3 @@ def compute_value_loss(
         mask = response_mask.to(vpreds.dtype)
         vf_clipfrac = verl_F.masked_mean((losses_clipped > losses_unclipped).to(mask.dtype), mask)
     return vf_loss, vf_clipfrac
-
-
-# ------------------------------------------------------------------------------------------------ KL controllers
-
-
-class FixedKLController:
-    """A constant KL coefficient (``.value``); ``update`` does nothing."""
-
-    def __init__(self, kl_coef: float) -> None:
-        self.value = float(kl_coef)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        """Keep the coefficient unchanged."""
-
-
-class AdaptiveKLController:
-    """Adaptive KL coefficient (Ziegler et al. 2019): steers the measured KL towards ``target_kl``.
-
-    Each update multiplies ``.value`` by 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon.
-    """
-
-    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float) -> None:
-        if target_kl <= 0:
-            raise ValueError(f"AdaptiveKLController target_kl must be > 0, got {target_kl}")
-        if horizon <= 0:
-            raise ValueError(f"AdaptiveKLController horizon must be > 0, got {horizon}")
-        self.value = float(init_kl_coef)
-        self.target = float(target_kl)
-        self.horizon = float(horizon)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        """Move the coefficient after ``n_steps`` samples (veRL passes the batch size) with mean KL ``current_kl``."""
-        proportional_error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
-        self.value *= 1 + proportional_error * n_steps / self.horizon
-        logger.debug("adaptive KL coefficient -> %.6g (kl %.6g, target %.6g)", self.value, current_kl, self.target)
-
-
-def get_kl_controller(kl_ctrl_config: Any) -> FixedKLController | AdaptiveKLController:
-    """Build the controller described by ``algorithm.kl_ctrl`` (keys: type fixed|adaptive, kl_coef, and for
-    adaptive target_kl and horizon)."""
-    ctrl_type = _cfg_get(kl_ctrl_config, "type")
-    kl_coef = _cfg_get(kl_ctrl_config, "kl_coef")
-    if kl_coef is None:
-        raise ValueError("algorithm.kl_ctrl.kl_coef is required")
-    if ctrl_type == "fixed":
-        return FixedKLController(kl_coef=kl_coef)
-    if ctrl_type == "adaptive":
-        target_kl, horizon = _cfg_get(kl_ctrl_config, "target_kl"), _cfg_get(kl_ctrl_config, "horizon")
-        if target_kl is None or horizon is None:
-            raise ValueError("algorithm.kl_ctrl.type=adaptive needs target_kl and horizon")
-        return AdaptiveKLController(init_kl_coef=kl_coef, target_kl=target_kl, horizon=horizon)
-    raise ValueError(f"unknown algorithm.kl_ctrl.type {ctrl_type!r}; expected 'fixed' or 'adaptive'")

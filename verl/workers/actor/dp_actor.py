@@ -19,6 +19,7 @@ from verl.workers.batching import (
     check_divisible,
     global_loss_info,
     iter_mini_batches,
+    mask_padding_rows,
     response_logits,
     select_batch,
 )
@@ -141,8 +142,9 @@ class DataParallelPPOActor:
         Each mini-batch (``ppo_mini_batch_size`` rows on this rank) is one optimizer step, accumulated over
         micro-batches of ``ppo_micro_batch_size_per_gpu`` rows. The loss is policy loss - entropy_coeff *
         entropy (+ kl_loss_coef * KL to ``ref_log_prob`` with ``use_kl_loss``), normalised by the mini-batch's
-        token/sequence counts over all ranks. A step whose gradient norm is not finite is skipped and counted
-        in ``actor/grad_norm_nonfinite``. ``meta_info['temperature']`` divides the logits (default 1.0).
+        token/sequence counts over all ranks; padding rows of the DP dispatch carry no loss. A step whose
+        gradient norm is not finite is skipped and counted in ``actor/grad_norm_nonfinite``.
+        ``meta_info['temperature']`` divides the logits (default 1.0).
         ``actor/pg_loss``, ``actor/entropy`` and ``actor/kl_loss`` get one value per mini-batch: this rank's
         share of it, so their mean over ranks is the mini-batch's value; the clip/KL fractions one per micro-batch.
         """
@@ -150,7 +152,7 @@ class DataParallelPPOActor:
             raise RuntimeError("update_policy: this actor was built without an optimizer")
         cfg = self.config
         keys = UPDATE_KEYS + (("ref_log_prob",) if cfg.get("use_kl_loss", False) else ())
-        batch = select_batch(data, keys, "update_policy")
+        batch = select_batch(mask_padding_rows(data, "update_policy"), keys, "update_policy")
         mini_batch_size = int(cfg.ppo_mini_batch_size)
         micro_batch_size = int(cfg.ppo_micro_batch_size_per_gpu)
         check_divisible(batch.batch_size[0], mini_batch_size, "ppo_mini_batch_size (rows per rank)", "update_policy")

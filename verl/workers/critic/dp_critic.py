@@ -13,7 +13,14 @@ from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
 from verl.utils.fsdp_utils import clip_grad_norm
 from verl.utils.torch_functional import masked_mean
-from verl.workers.batching import append_metrics, check_divisible, global_loss_info, iter_mini_batches, select_batch
+from verl.workers.batching import (
+    append_metrics,
+    check_divisible,
+    global_loss_info,
+    iter_mini_batches,
+    mask_padding_rows,
+    select_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +96,13 @@ class DataParallelPPOCritic:
         """Run ``ppo_epochs`` passes of the clipped value loss over ``data``; return the metrics as lists.
 
         Needs ``values`` (the old values), ``returns`` and ``response_mask``. Mini-/micro-batching, global
-        normalisation and non-finite-gradient skipping work as in the actor. ``critic/vf_loss`` gets one value
+        normalisation, DP padding rows and non-finite-gradient skipping work as in the actor. ``critic/vf_loss`` gets one value
         per mini-batch (this rank's share; the mean over ranks is the mini-batch loss).
         """
         if self.critic_optimizer is None:
             raise RuntimeError("update_critic: this critic was built without an optimizer")
         cfg = self.config
-        batch = select_batch(data, UPDATE_KEYS, "update_critic")
+        batch = select_batch(mask_padding_rows(data, "update_critic"), UPDATE_KEYS, "update_critic")
         mini_batch_size = int(cfg.ppo_mini_batch_size)
         micro_batch_size = int(cfg.ppo_micro_batch_size_per_gpu)
         check_divisible(batch.batch_size[0], mini_batch_size, "ppo_mini_batch_size (rows per rank)", "update_critic")

@@ -13,20 +13,12 @@ from transformers import GenerationConfig
 
 from verl.protocol import DataProto
 from verl.utils.fsdp_utils import generation_model, unwrap_model
+from verl.utils.torch_functional import get_response_mask
 from verl.workers.batching import select_batch
 
 logger = logging.getLogger(__name__)
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
-
-
-def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
-    """Mask (bs, R) that is 1 on every token up to and including the first EOS of each row, 0 after it."""
-    eos_list = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
-    eos_ids = torch.as_tensor(eos_list, device=responses.device)
-    is_eos = torch.isin(responses, eos_ids).long()
-    eos_before = torch.cumsum(is_eos, dim=-1) - is_eos
-    return (eos_before == 0).long()
 
 
 class HFRollout:
@@ -96,7 +88,7 @@ class HFRollout:
         if responses.size(1) < response_length:
             pad_block = responses.new_full((responses.size(0), response_length - responses.size(1)), pad)
             responses = torch.cat([responses, pad_block], dim=1)
-        response_mask = response_mask_from_eos(responses, eos)
+        response_mask = get_response_mask(responses, eos)
         responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad))
         prompt_positions = prompts["position_ids"].to(device)
         offsets = torch.arange(1, response_length + 1, device=device).unsqueeze(0)
@@ -115,6 +107,12 @@ class HFRollout:
         """Generate one response per prompt row; returns ``prompts, responses, input_ids, attention_mask,
         position_ids, response_mask`` with responses right-padded to exactly ``response_length``."""
         batch = select_batch(prompts, PROMPT_KEYS, "generate_sequences")
+        right_padded = (batch["attention_mask"][:, -1] == 0).nonzero().flatten().tolist()
+        if right_padded:
+            raise ValueError(
+                f"generate_sequences: prompts must be left-padded (last attention_mask column 1), but rows "
+                f"{right_padded[:8]} end with padding; tokenize with padding_side='left'"
+            )
         micro_batch_size = int(self.config.get("micro_batch_size_per_gpu", None) or batch.batch_size[0])
         was_training = self.module.training
         self.module.eval()

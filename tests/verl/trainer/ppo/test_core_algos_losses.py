@@ -3,6 +3,7 @@ independent plain-Python float64 references (no core_algos or torch_functional h
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -10,17 +11,20 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from verl.trainer.ppo import core_algos, kl
 from verl.trainer.ppo.core_algos import (
-    AdaptiveKLController,
-    FixedKLController,
     agg_loss,
     compute_entropy_loss,
     compute_policy_loss,
     compute_policy_loss_vanilla,
     compute_rewards,
     compute_value_loss,
-    get_kl_controller,
     get_policy_loss_fn,
+)
+from verl.trainer.ppo.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    get_kl_controller,
     kl_penalty,
     kl_penalty_forward,
 )
@@ -114,6 +118,19 @@ def test_agg_loss_with_no_loss_tokens_is_zero_not_nan():
     for mode in MODES:
         out = agg_loss(torch.ones(2, 3, dtype=torch.float64), torch.zeros(2, 3), mode)
         assert out.item() == 0.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agg_loss_ignores_non_finite_values_at_masked_positions(mode):
+    """Padding positions may hold inf/NaN (e.g. a log-ratio of -inf log-probs); they carry no loss, so they must
+    not turn the aggregate (or its gradient) into NaN."""
+    loss = torch.tensor([[1.0, 2.0, float("nan")], [3.0, float("inf"), -float("inf")]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    finite = torch.where(mask.bool(), loss, torch.zeros_like(loss))
+    close(agg_loss(loss, mask, mode), agg_loss(finite, mask, mode).item())
+    leaf = loss.clone().requires_grad_(True)
+    agg_loss(leaf, mask, mode).backward()
+    assert torch.isfinite(leaf.grad).all() and (leaf.grad[mask == 0] == 0).all()
 
 
 def test_agg_loss_rejects_unknown_mode_and_bad_shapes():
@@ -328,6 +345,18 @@ def test_straight_through_kl_has_forward_value_and_k2_gradient(rng, name):
     torch.testing.assert_close(ref.grad, -t64(k2_grad), rtol=1e-9, atol=1e-9)
 
 
+def test_core_algos_re_exports_the_kl_api():
+    """veRL code calls ``core_algos.kl_penalty`` / ``core_algos.FixedKLController``: the names live in kl.py."""
+    for name in ("kl_penalty", "kl_penalty_forward", "FixedKLController", "AdaptiveKLController", "get_kl_controller"):
+        assert getattr(core_algos, name) is getattr(kl, name)
+        assert name in core_algos.__all__
+
+
+def test_kl_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"logprob \(2, 3\) and ref_logprob \(2, 4\)"):
+        kl_penalty(torch.zeros(2, 3), torch.zeros(2, 4), "low_var_kl")
+
+
 def test_kl_bad_names():
     with pytest.raises(NotImplementedError):
         kl_penalty(torch.zeros(1, 2), torch.zeros(1, 2), "full")
@@ -364,6 +393,20 @@ def test_adaptive_kl_controller_matches_reference():
         value *= 1 + min(max(kl / 0.05 - 1, -0.2), 0.2) * n / 1000
         assert ctrl.value == pytest.approx(value, rel=1e-12)
     assert ctrl.value != 0.1
+
+
+def test_kl_controller_from_a_dataclass_config():
+    @dataclasses.dataclass
+    class KLCtrl:
+        type: str = "adaptive"
+        kl_coef: float = 0.2
+        target_kl: float = 0.1
+        horizon: float = 100.0
+
+    ctrl = get_kl_controller(KLCtrl())
+    assert isinstance(ctrl, AdaptiveKLController) and (ctrl.value, ctrl.target, ctrl.horizon) == (0.2, 0.1, 100.0)
+    with pytest.raises(TypeError, match="kl_ctrl"):
+        get_kl_controller(None)
 
 
 def test_kl_controller_bad_config():

@@ -1,0 +1,109 @@
+"""Value comparison, meta_info merging, row-index validation and TensorDict union used by `verl.protocol`.
+
+These helpers know nothing of `DataProto`; `union_tensor_dict` is re-exported from `verl.protocol` (its veRL home).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+__all__ = [
+    "IndexLike", "as_index_array", "merge_meta_info", "rows_to_index", "to_row_array", "union_tensor_dict",
+    "values_equal",
+]  # fmt: skip
+
+IndexLike = Sequence[int] | np.ndarray | torch.Tensor
+"""Row indices: a list of ints, an int ndarray or tensor, or a boolean mask of the batch length."""
+
+
+def values_equal(a: Any, b: Any) -> bool:
+    """Return True when two values (scalars, arrays, tensors, containers) hold equal contents; NaN equals NaN."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            return False
+        if torch.equal(a, b):
+            return True
+        return bool(a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
+            return False
+        if a.dtype == object or b.dtype == object:
+            return all(values_equal(x, y) for x, y in zip(a.ravel(), b.ravel()))
+        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def merge_meta_info(target: dict, source: Mapping, where: str) -> dict:
+    """Copy `source` into `target`; a key present in both must hold equal values."""
+    for key, value in source.items():
+        if key in target and not values_equal(target[key], value):
+            raise ValueError(f"{where}: meta_info key {key!r} conflicts: {target[key]!r} != {value!r}")
+        target[key] = value
+    return target
+
+
+def to_row_array(values: Any, key: str) -> np.ndarray:
+    """Return `values` as a per-row ndarray; lists/tuples become 1-D object arrays (one element per row)."""
+    if isinstance(values, np.ndarray):
+        return values
+    if isinstance(values, (list, tuple)):
+        array = np.empty(len(values), dtype=object)
+        for i, value in enumerate(values):
+            array[i] = value
+        return array
+    raise TypeError(f"non_tensor_batch[{key!r}] must be an np.ndarray (or a list), got {type(values).__name__}")
+
+
+def as_index_array(idxs: IndexLike, length: int) -> np.ndarray:
+    """Turn a list, ndarray, tensor (int or bool mask) into an int64 index array validated against `length`."""
+    if isinstance(idxs, torch.Tensor):
+        idxs = idxs.detach().cpu().numpy()
+    array = np.asarray(idxs)
+    if array.ndim != 1:
+        raise IndexError(f"row indices must be 1-D, got shape {array.shape}")
+    if array.dtype == bool:
+        if array.shape[0] != length:
+            raise IndexError(f"boolean mask has length {array.shape[0]}, but the batch has {length} rows")
+        return np.flatnonzero(array)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise IndexError(f"row indices must be integers or a boolean mask, got dtype {array.dtype}")
+    if array.min() < -length or array.max() >= length:
+        raise IndexError(f"row index out of range for a batch of {length} rows: min {array.min()}, max {array.max()}")
+    return np.where(array < 0, array + length, array).astype(np.int64)
+
+
+def rows_to_index(rows: list[int]) -> np.ndarray:
+    """DataLoader collate function of make_iterator: a list of row numbers -> an int64 index array."""
+    return np.asarray(rows, dtype=np.int64)
+
+
+def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
+    """Add the keys of `tensor_dict2` to `tensor_dict1` in place and return it; shared keys must hold equal tensors."""
+    if tensor_dict1.batch_size != tensor_dict2.batch_size:
+        raise ValueError(
+            "union_tensor_dict: batch sizes differ: "
+            f"{tuple(tensor_dict1.batch_size)} vs {tuple(tensor_dict2.batch_size)}"
+        )
+    for key in tensor_dict2.keys():
+        if key in tensor_dict1.keys() and not values_equal(tensor_dict1[key], tensor_dict2[key]):
+            raise ValueError(f"union_tensor_dict: key {key!r} is in both batches with different values")
+        tensor_dict1[key] = tensor_dict2[key]
+    return tensor_dict1
