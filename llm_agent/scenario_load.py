@@ -17,7 +17,7 @@ import yaml
 
 from llm_agent.scenario_parse import (CueList, TemplateError, bulleted_placeholders, is_identifier,
                                       placeholders, substitute)
-from llm_agent.scenario_types import (CUE_KEYS, EVENTS, LINE_KEYS, STATE_DIMS, Behavior, CategoryScript,
+from llm_agent.scenario_types import (CUE_KEYS, EVENTS, LINE_KEYS, OPTIONAL_LINE_KEYS, STATE_DIMS, Behavior, CategoryScript,
                                       ScenarioError, ScriptedRules, ScriptedSpec, ScriptedStep, Stage,
                                       StateRange, TagProtocol)
 
@@ -302,8 +302,10 @@ def _scripted(r: _Reader, node: Any, ranges: dict[str, StateRange], stage_ids: l
         spec = r.mapping(spec, where, ("doubt", "resolve"))
         categories[cat] = CategoryScript(r.texts(spec["doubt"], f"{where}.doubt"),
                                          r.cues(spec["resolve"], f"{where}.resolve"))
-    line_node = r.mapping(node["lines"], f"{w}.lines", LINE_KEYS)
+    line_node = r.mapping(node["lines"], f"{w}.lines", LINE_KEYS, OPTIONAL_LINE_KEYS)
     lines = {k: r.texts(line_node[k], f"{w}.lines.{k}") for k in LINE_KEYS}
+    lines["overloaded"] = (r.texts(line_node["overloaded"], f"{w}.lines.overloaded") if "overloaded" in line_node
+                           else lines["confused"])
     return ScriptedSpec(cues, stage_cues, tuple(steps), categories, lines, _effects(r, node["effects"], ranges),
                         _rules(r, node["rules"], ranges))
 
@@ -324,7 +326,7 @@ def _effects(r: _Reader, node: Any, ranges: dict[str, StateRange]) -> dict[str, 
 
 def _rules(r: _Reader, node: Any, ranges: dict[str, StateRange]) -> ScriptedRules:
     w = "scripted.rules"
-    node = r.mapping(node, w, ("act_min_cooperation", "hang_up_at", "doubt_patience"))
+    node = r.mapping(node, w, ("act_min_cooperation", "hang_up_at", "doubt_patience"), ("max_words", "max_topics", "act_min_trust"))
     act = r.integer(node["act_min_cooperation"], f"{w}.act_min_cooperation")
     if not ranges["cooperation"].contains(act):
         r.fail(f"{w}.act_min_cooperation", f"{act} is outside the cooperation range")
@@ -337,4 +339,14 @@ def _rules(r: _Reader, node: Any, ranges: dict[str, StateRange]) -> ScriptedRule
     patience = r.integer(node["doubt_patience"], f"{w}.doubt_patience")
     if patience < 1:
         r.fail(f"{w}.doubt_patience", "must be >= 1")
-    return ScriptedRules(act, hang_up_at, patience)
+    limits = {}
+    for key in ("max_words", "max_topics"):
+        if key in node:
+            limits[key] = r.integer(node[key], f"{w}.{key}")
+            if limits[key] < 1:
+                r.fail(f"{w}.{key}", "must be >= 1")
+    if "act_min_trust" in node:
+        limits["act_min_trust"] = r.integer(node["act_min_trust"], f"{w}.act_min_trust")
+        if not ranges["trust"].contains(limits["act_min_trust"]):
+            r.fail(f"{w}.act_min_trust", f"{node['act_min_trust']} is outside the trust range")
+    return ScriptedRules(act, hang_up_at, patience, **limits)

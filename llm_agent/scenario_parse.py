@@ -141,10 +141,21 @@ def extract_tag(text: str, tag: str, all_tags: Iterable[str]) -> tuple[str | Non
     return (rest[:nxt.start()] if nxt else rest), ["unclosed"]
 
 
+_INT_CAP = 10 ** 18  # beyond any range; keeps int() away from Python's 4300-digit conversion limit
+
+
 def parse_int(content: str) -> int | None:
-    """Read a leading signed integer (`-1`, `+2`, `3 (calm)`); None for `2.5`, words or empty text."""
+    """Read a leading signed integer (`-1`, `+2`, `3 (calm)`); None for `2.5`, words or empty text.
+
+    A magnitude beyond 10**18 (however many digits) reads as +-10**18, which every range then clamps.
+    """
     m = _LEADING_INT.match(content)
-    return int(m.group(1)) if m else None
+    if m is None:
+        return None
+    text = m.group(1)
+    sign = -1 if text[0] == "-" else 1
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    return sign * (_INT_CAP if len(digits) > 18 else min(int(digits), _INT_CAP))
 
 
 def strip_tags(text: str, tags: Iterable[str]) -> tuple[str, bool]:

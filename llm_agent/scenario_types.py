@@ -227,12 +227,16 @@ class ScriptedRules:
     act_min_cooperation: int
     hang_up_at: dict[str, int]
     doubt_patience: int
+    max_words: int = 60
+    max_topics: int = 8
+    act_min_trust: int | None = None  # None: trust does not gate acting
 
 
 CUE_KEYS: tuple[str, ...] = ("self_intro", "organisation", "confirmation", "empathy", "pushy", "robotic", "goodbye")
 LINE_KEYS: tuple[str, ...] = ("greeting", "ask_who", "confused", "agree", "reluctant", "completed", "hang_up")
+OPTIONAL_LINE_KEYS: tuple[str, ...] = ("overloaded",)  # absent -> the `confused` lines
 EVENTS: tuple[str, ...] = ("introduced", "stage_progress", "empathy", "pushy", "robotic", "repetition", "doubt_resolved",
-                           "doubt_ignored", "step_guided", "step_out_of_order", "no_progress")
+                           "doubt_ignored", "step_guided", "step_out_of_order", "no_progress", "overloaded")
 
 
 @dataclass(frozen=True)

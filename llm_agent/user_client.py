@@ -16,15 +16,16 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
 
+from llm_agent.user_client_stats import ClientStats, InstanceState
+
 logger = logging.getLogger(__name__)
 
-_LATENCY_WINDOW = 10_000  # successful-request latencies kept per instance for the percentiles
+__all__ = ["ChatReply", "ChatRequest", "TurnFailure", "UserSimClient", "parse_urls"]
 
 
 @dataclass(frozen=True)
@@ -85,25 +86,6 @@ class _AttemptError(Exception):
         self.kind = kind
 
 
-@dataclass
-class _Instance:
-    """Routing state and counters of one simulator instance (touched only on the client's loop thread)."""
-
-    url: str
-    name: str
-    model: str | None
-    in_flight: int = 0
-    consecutive_failures: int = 0
-    down: bool = False
-    requests: int = 0
-    successes: int = 0
-    failures: dict[str, int] = field(default_factory=dict)
-    marked_down: int = 0
-    latencies: deque = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
-    model_lock: asyncio.Lock | None = None
-    probe_task: asyncio.Task | None = None
-
-
 def parse_urls(urls: str | list[str]) -> list[str]:
     """Normalise a comma-separated string or a list of base URLs.
 
@@ -136,15 +118,6 @@ def _instance_name(url: str) -> str:
     """The instance's label in replies and metrics: host:port, plus the path when the URL has one."""
     parts = urlsplit(url)
     return parts.netloc + parts.path
-
-
-def _percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated q-quantile (0 <= q <= 1) of a non-empty list."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def _raise_for_status(response: httpx.Response) -> None:
@@ -204,10 +177,9 @@ class UserSimClient:
         self.probe_interval_s = float(probe_interval_s)
         self.backoff_s = float(backoff_s)
         self.max_in_flight = max_in_flight
-        self._instances = [_Instance(url=u, name=_instance_name(u), model=model) for u in parse_urls(urls)]
+        self._instances = [InstanceState(url=u, name=_instance_name(u), model=model) for u in parse_urls(urls)]
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._stats_lock = threading.Lock()
-        self._turns = self._turn_failures = self._retries = self._failovers = 0
+        self._stats = ClientStats(self._instances)
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="user-sim-client", daemon=True)
@@ -248,14 +220,12 @@ class UserSimClient:
         deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
         results = await asyncio.gather(*(self._complete_one(req, deadline) for req in requests))
         failed = sum(isinstance(r, TurnFailure) for r in results)
-        with self._stats_lock:
-            self._turns += len(results)
-            self._turn_failures += failed
+        self._stats.count_batch(len(results), failed)
         if failed:
             logger.warning("user simulator: %d of %d turns failed on every attempt", failed, len(results))
         return list(results)
 
-    def _pick(self, tried: list[str]) -> _Instance | None:
+    def _pick(self, tried: list[str]) -> InstanceState | None:
         """The up instance with the fewest requests in flight, preferring ones this turn has not tried yet."""
         up = [inst for inst in self._instances if not inst.down]
         fresh = [inst for inst in up if inst.name not in tried]
@@ -306,7 +276,7 @@ class UserSimClient:
             return ChatReply(req.dialogue_id, text, inst.name, latency, attempts)
         return TurnFailure(req.dialogue_id, f"all {attempts} attempts failed", attempts, errors)
 
-    async def _send(self, req: ChatRequest, tried: list[str], deadline: float | None) -> tuple[_Instance, str, float]:
+    async def _send(self, req: ChatRequest, tried: list[str], deadline: float | None) -> tuple[InstanceState, str, float]:
         """One request: wait for an in-flight slot, route, send, validate, and update the instance's health."""
         try:
             async with asyncio.timeout_at(deadline):  # the loop's clock is time.monotonic()
@@ -317,15 +287,10 @@ class UserSimClient:
             inst = self._pick(tried)
             if inst is None:
                 raise _AttemptError("unavailable", "every instance went down while queued")
-            if tried:
-                with self._stats_lock:
-                    self._retries += 1
-                    self._failovers += tried[-1] != inst.name
+            self._stats.count_request(inst, tried[-1] if tried else None)
             tried.append(inst.name)
             remaining = self._remaining(deadline)
             budget = self.timeout_s if remaining is None else min(self.timeout_s, remaining)
-            with self._stats_lock:
-                inst.requests += 1
             inst.in_flight += 1
             sent = time.monotonic()
             try:
@@ -348,13 +313,11 @@ class UserSimClient:
         finally:
             self._slots.release()
         latency = time.monotonic() - sent
-        with self._stats_lock:
-            inst.successes += 1
-            inst.latencies.append(latency)
+        self._stats.count_success(inst, latency)
         inst.consecutive_failures = 0
         return inst, text, latency
 
-    async def _post(self, inst: _Instance, req: ChatRequest) -> str:
+    async def _post(self, inst: InstanceState, req: ChatRequest) -> str:
         """POST the chat completion to one instance and return the reply text (raises on any failure)."""
         if inst.model is None:
             await self._discover_model(inst)
@@ -366,7 +329,7 @@ class UserSimClient:
         _raise_for_status(response)
         return _completion_text(response)
 
-    async def _discover_model(self, inst: _Instance) -> None:
+    async def _discover_model(self, inst: InstanceState) -> None:
         """Ask `GET /v1/models` once for the instance's served model name."""
         async with inst.model_lock:
             if inst.model is not None:
@@ -382,21 +345,19 @@ class UserSimClient:
             inst.model = model
             logger.info("user simulator %s serves model %r", inst.name, model)
 
-    def _record_failure(self, inst: _Instance, kind: str) -> None:
+    def _record_failure(self, inst: InstanceState, kind: str) -> None:
         """Count a failed attempt and mark the instance down after `down_after_failures` in a row."""
-        with self._stats_lock:
-            inst.failures[kind] = inst.failures.get(kind, 0) + 1
+        self._stats.count_failure(inst, kind)
         inst.consecutive_failures += 1
         if not inst.down and inst.consecutive_failures >= self.down_after_failures:
             inst.down = True
-            with self._stats_lock:
-                inst.marked_down += 1
+            self._stats.count_marked_down(inst)
             logger.warning("user simulator %s marked down after %d consecutive failures (last: %s); "
                            "probing /health every %.1fs", inst.name, inst.consecutive_failures, kind,
                            self.probe_interval_s)
             inst.probe_task = asyncio.get_running_loop().create_task(self._probe(inst))
 
-    async def _probe(self, inst: _Instance) -> None:
+    async def _probe(self, inst: InstanceState) -> None:
         """Poll `GET /health` until it answers 200, then put the instance back on probation (one strike)."""
         while True:
             await asyncio.sleep(self.probe_interval_s)
@@ -414,50 +375,12 @@ class UserSimClient:
         logger.info("user simulator %s answers /health again; back in rotation", inst.name)
 
     def stats(self) -> dict[str, float]:
-        """Counters flattened for metrics: `user_sim/<host:port>/<name>` per instance plus `user_sim/<name>` totals.
-
-        Per instance: requests, successes, failures (and failures_timeout/_connection/_http/_garbage),
-        marked_down, down (0/1), in_flight, latency_p50_s, latency_p95_s. Totals: requests, turns,
-        turn_failures, retries, failovers (retries sent to a different instance), instances_down, latency_p50_s,
-        latency_p95_s. Latency keys appear once some request has succeeded.
-        """
-        out: dict[str, float] = {}
-        all_latencies: list[float] = []
-        with self._stats_lock:
-            for inst in self._instances:
-                prefix = f"user_sim/{inst.name}"
-                out[f"{prefix}/requests"] = float(inst.requests)
-                out[f"{prefix}/successes"] = float(inst.successes)
-                out[f"{prefix}/failures"] = float(sum(inst.failures.values()))
-                for kind in ("timeout", "connection", "http", "garbage"):
-                    out[f"{prefix}/failures_{kind}"] = float(inst.failures.get(kind, 0))
-                out[f"{prefix}/marked_down"] = float(inst.marked_down)
-                out[f"{prefix}/down"] = float(inst.down)
-                out[f"{prefix}/in_flight"] = float(inst.in_flight)
-                latencies = list(inst.latencies)
-                if latencies:
-                    out[f"{prefix}/latency_p50_s"] = _percentile(latencies, 0.5)
-                    out[f"{prefix}/latency_p95_s"] = _percentile(latencies, 0.95)
-                all_latencies.extend(latencies)
-            out["user_sim/requests"] = float(sum(inst.requests for inst in self._instances))
-            out["user_sim/turns"] = float(self._turns)
-            out["user_sim/turn_failures"] = float(self._turn_failures)
-            out["user_sim/retries"] = float(self._retries)
-            out["user_sim/failovers"] = float(self._failovers)
-            out["user_sim/instances_down"] = float(sum(inst.down for inst in self._instances))
-        if all_latencies:
-            out["user_sim/latency_p50_s"] = _percentile(all_latencies, 0.5)
-            out["user_sim/latency_p95_s"] = _percentile(all_latencies, 0.95)
-        return out
+        """Per-instance and total counters flattened for metrics (keys: `ClientStats.snapshot`)."""
+        return self._stats.snapshot()
 
     def reset_stats(self) -> None:
         """Zero the counters and latency windows (health state and in-flight counts are kept)."""
-        with self._stats_lock:
-            for inst in self._instances:
-                inst.requests = inst.successes = inst.marked_down = 0
-                inst.failures.clear()
-                inst.latencies.clear()
-            self._turns = self._turn_failures = self._retries = self._failovers = 0
+        self._stats.reset()
 
     def close(self) -> None:
         """Stop the probes, close the connections and the loop thread (idempotent; servers are left running)."""

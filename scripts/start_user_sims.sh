@@ -18,8 +18,8 @@
 # Each instance runs in its own session (setsid), so its PID is also its process-group id. For port P it writes
 # RUN_DIR/user_sim_P.pid ("PID START_TICKS", START_TICKS from /proc/PID/stat guards against PID reuse) and
 # RUN_DIR/user_sim_P.log; RUN_DIR/user_sim_urls.txt gets the comma-separated base URLs, also printed last.
-# On failure (an instance exits, or the deadline passes) the log tail is shown, the instances this call started
-# are stopped via scripts/stop_user_sims.sh, and the exit status is 1.
+# On failure (an instance exits, the deadline passes, or the script gets SIGINT/SIGTERM/SIGHUP) the log tail is
+# shown, the instances this call started are stopped via scripts/stop_user_sims.sh, and the exit status is 1.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -110,6 +110,8 @@ fi
 mkdir -p "$RUN_DIR"
 
 proc_start_ticks() { awk '{print $22}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+# True when PID runs and started at TICKS (the PID file's record), i.e. it was not reused by another process.
+still_ours() { [[ "$2" =~ ^[1-9][0-9]*$ && "$(proc_start_ticks "$1")" == "$2" ]]; }
 
 STARTED_PORTS=()
 fail() {
@@ -120,17 +122,20 @@ fail() {
   fi
   exit 1
 }
+# Interrupted while starting or waiting: stop what this call started, so no instance is orphaned.
+trap 'fail "interrupted; stopping the instances this call started"' INT TERM HUP
 
 for idx in "${!PORT_LIST[@]}"; do
   port="${PORT_LIST[$idx]}"
   pid_file="$RUN_DIR/user_sim_${port}.pid"
   log_file="$RUN_DIR/user_sim_${port}.log"
   if [[ -f "$pid_file" ]]; then
-    read -r old_pid _ < "$pid_file" || true
-    if [[ -n "${old_pid:-}" ]] && kill -0 "$old_pid" 2>/dev/null; then
+    old_pid="" old_ticks=""
+    read -r old_pid old_ticks < "$pid_file" || true
+    if [[ "${old_pid:-}" =~ ^[0-9]+$ ]] && still_ours "$old_pid" "${old_ticks:-}"; then
       fail "port $port already has a running instance (PID $old_pid in $pid_file); stop it first"
     fi
-    rm -f "$pid_file"
+    rm -f "$pid_file"   # stale: that process is gone (or its PID now belongs to someone else)
   fi
   if curl -s -o /dev/null --max-time 2 "http://127.0.0.1:${port}/health"; then
     fail "port $port is already answering HTTP (not started by us); choose another port"
@@ -158,7 +163,9 @@ for idx in "${!PORT_LIST[@]}"; do
   echo "start_user_sims: port $port: ${cmd[*]}" > "$log_file"
   setsid "${env_prefix[@]}" "${cmd[@]}" >> "$log_file" 2>&1 < /dev/null &
   pid=$!
-  echo "$pid $(proc_start_ticks "$pid")" > "$pid_file"
+  ticks="$(proc_start_ticks "$pid")"
+  [[ "$ticks" != 0 ]] || fail "instance on port $port (PID $pid) exited at once" "$log_file"
+  echo "$pid $ticks" > "$pid_file"
   STARTED_PORTS+=("$port")
   echo "start_user_sims: started $BACKEND instance on port $port (PID $pid, log $log_file)" >&2
 done
@@ -176,6 +183,7 @@ for port in "${PORT_LIST[@]}"; do
   done
   URLS+=("http://127.0.0.1:${port}")
 done
+trap - INT TERM HUP
 (IFS=,; echo "${URLS[*]}") > "$RUN_DIR/user_sim_urls.txt"
 echo "start_user_sims: ${#URLS[@]} instance(s) healthy" >&2
 (IFS=,; echo "${URLS[*]}")

@@ -5,7 +5,7 @@
 #
 # Env: RUN_DIR (outputs/run), PORTS (default: every RUN_DIR/user_sim_*.pid), STOP_GRACE (20 s).
 # For each PID file ("PID START_TICKS"): if that PID still runs and its start time matches (so the PID was not
-# reused by an unrelated process), send SIGTERM, wait up to the grace period, then SIGKILL the instance's own
+# reused by an unrelated process; a file without a start time is never trusted), send SIGTERM, wait up to the grace period, then SIGKILL the instance's own
 # process group (the instance was started with setsid, so its group holds only it and its children, e.g. vLLM's
 # engine workers). Then remove the PID file (and RUN_DIR/user_sim_urls.txt once no PID file is left). Never looks
 # processes up by name.
@@ -39,13 +39,14 @@ else
   PID_FILES=("$RUN_DIR"/user_sim_*.pid)
 fi
 
-# True when PID is alive and is the process recorded (same start time in /proc/PID/stat, field 22).
+# True when PID is alive and is the process recorded: the same start time in /proc/PID/stat (field 22). A
+# record without a start time cannot be verified and is never treated as ours (the PID may have been reused).
 is_ours() {
   local pid="$1" ticks="$2" now
+  [[ "$ticks" =~ ^[1-9][0-9]*$ ]] || return 1
   kill -0 "$pid" 2>/dev/null || return 1
-  [[ -r "/proc/$pid/stat" ]] || return 0
   now="$(awk '{print $22}' "/proc/$pid/stat" 2>/dev/null || echo gone)"
-  [[ "$ticks" == 0 || "$now" == "$ticks" ]]
+  [[ "$now" == "$ticks" ]]
 }
 
 status=0
@@ -61,7 +62,8 @@ for pid_file in "${PID_FILES[@]}"; do
     rm -f "$pid_file"; continue
   fi
   if ! is_ours "$pid" "$ticks"; then
-    echo "stop_user_sims: PID $pid from $pid_file is not running (or was reused); removing the file" >&2
+    echo "stop_user_sims: PID $pid from $pid_file is not running, was reused, or has no start time to verify;" \
+         "not signalling it; removing the file" >&2
     rm -f "$pid_file"; continue
   fi
   pgid="$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ' || true)"

@@ -1,7 +1,7 @@
 """Transformers backend of the simulator server: a local causal LM completes the rendered chat.
 
 Generation runs in the server's worker thread behind a lock (one `generate` at a time; the model is not
-re-entrant). `n`, `temperature` (0 = greedy), `top_p`, `seed` and `max_tokens` are honoured; a seeded request
+re-entrant). `n`, `temperature` (below 1e-5 = greedy), `top_p`, `seed` and `max_tokens` are honoured; a seeded request
 is reproducible because sampling runs under a forked, seeded torch RNG.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from llm_agent.user_sim import BackendInputError, BackendResult, Completion, Sam
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NEW_TOKENS = 512
+GREEDY_BELOW_TEMPERATURE = 1e-5  # logits / 1e-300 overflow to inf (torch.multinomial fails); treat as greedy
 
 
 class HFChatBackend:
@@ -54,8 +55,9 @@ class HFChatBackend:
         prompt = self._prompt_ids(messages)
         budget = self.max_context - prompt.shape[1]
         max_new = min(params.max_tokens or self.default_max_tokens, budget)
-        greedy = params.temperature == 0.0
-        kwargs = dict(max_new_tokens=max_new, num_return_sequences=params.n, do_sample=not greedy,
+        greedy = params.temperature < GREEDY_BELOW_TEMPERATURE
+        # Greedy decoding is deterministic: generate once and repeat it (generate() refuses n > 1 without sampling).
+        kwargs = dict(max_new_tokens=max_new, num_return_sequences=1 if greedy else params.n, do_sample=not greedy,
                       pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
                       attention_mask=torch.ones_like(prompt))
         if not greedy:
@@ -66,8 +68,8 @@ class HFChatBackend:
             with torch.random.fork_rng(devices=devices), torch.inference_mode():
                 torch.manual_seed(seed)
                 out = self.model.generate(prompt, **kwargs)
-        return BackendResult(choices=[self._decode(row) for row in out[:, prompt.shape[1]:]],
-                             prompt_tokens=int(prompt.shape[1]))
+        choices = [self._decode(row) for row in out[:, prompt.shape[1]:]]
+        return BackendResult(choices=choices * params.n if greedy else choices, prompt_tokens=int(prompt.shape[1]))
 
     def _decode(self, generated: torch.Tensor) -> Completion:
         ids = generated.tolist()

@@ -19,6 +19,11 @@ Where the reference semantics leave room, this implementation chooses:
   category has no `scripted.categories` entry is not raised;
 - steps count only after the introduction with no doubt pending (the turn that settles the last doubt may also
   guide the first step); guiding a later step before the current one is `step_out_of_order`;
+- a turn over `rules.max_words` words or hitting more than `rules.max_topics` task cue lists is overloaded:
+  nothing in it counts and the `overloaded` effect applies (a repeated keyword soup can never complete);
+- a step is performed only at cooperation >= `act_min_cooperation` and, when set, trust >= `act_min_trust`;
+- one step per turn: a turn that also guides a later step performs neither (`step_out_of_order`);
+- repetition means (nearly) the same words as any earlier agent turn of the conversation;
 - completion (1) needs every step done, in order, in earlier turns and then a `confirmation` cue.
 Token counts (`usage`, `max_tokens` truncation with finish_reason 'length') count words and punctuation marks.
 """
@@ -42,6 +47,7 @@ from llm_agent.user_sim import BackendInputError, BackendResult, Completion, Sam
 logger = logging.getLogger(__name__)
 
 REPETITION_SIMILARITY = 0.9
+REPETITION_MAX_TOKENS = 400
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 
 
@@ -76,7 +82,7 @@ class ScriptedPersona:
     steps_done: int = 0
     steps_done_before_turn: int = 0
     status: int = STATUS_CONTINUE
-    previous_agent_text: str | None = None
+    agent_texts: tuple[str, ...] = ()
     furthest_stage: int = -1
     spec: ScriptedSpec = field(init=False)
     doubts: list[Behavior] = field(init=False)
@@ -95,13 +101,33 @@ class ScriptedPersona:
         """True while some behaviour's doubt has not been resolved."""
         return self.doubt_index < len(self.doubts)
 
+    def topics(self, text: str) -> int:
+        """How many distinct task cue lists `text` hits: stages, steps, doubt answers and the confirmation."""
+        spec = self.spec
+        lists = [*spec.stage_cues.values(), *(s.guide for s in spec.steps),
+                 *(c.resolve for c in spec.categories.values()), spec.cues["confirmation"]]
+        return sum(1 for cues in lists if cues.matches(text))
+
     def _detect(self, text: str) -> tuple[list[str], dict[str, bool]]:
-        cues, steps = self.spec.cues, self.spec.steps
+        cues, steps, rules = self.spec.cues, self.spec.steps, self.spec.rules
         seen = {key: cues[key].matches(text) for key in cues}
-        events = [key for key in ("empathy", "pushy", "robotic") if seen[key]]
-        if self.previous_agent_text is not None and _similar(self.previous_agent_text, text):
+        events = [key for key in ("pushy", "robotic") if seen[key]]
+        if any(_similar(earlier, text) for earlier in self.agent_texts):
             events.append("repetition")
-        self.previous_agent_text = text
+        self.agent_texts = (*self.agent_texts, text)
+        seen["guided_next"] = False
+        self.steps_done_before_turn = self.steps_done
+        seen["overloaded"] = count_words(text) > rules.max_words or self.topics(text) > rules.max_topics
+        if seen["overloaded"]:
+            # Too long or keyword-stuffed: the user takes nothing in (no introduction, answer, step or
+            # confirmation counts), an open doubt stays ignored, and the turn is penalised.
+            events.append("overloaded")
+            if self.introduced and self.doubt_pending and self.doubt_voiced:
+                events.append("doubt_ignored")
+                self.doubt_open_turns += 1
+            return events, {**{key: False for key in seen}, "overloaded": True}
+        if seen["empathy"]:
+            events.insert(0, "empathy")
         self.heard_self_intro |= seen["self_intro"]
         self.heard_organisation |= seen["organisation"]
         was_introduced = self.introduced
@@ -122,14 +148,13 @@ class ScriptedPersona:
             else:
                 events.append("doubt_ignored")
                 self.doubt_open_turns += 1
-        self.steps_done_before_turn = self.steps_done
-        seen["guided_next"] = False
         if self.introduced and not self.doubt_pending and self.steps_done < len(steps):
-            if steps[self.steps_done].guide.matches(text):
+            ahead = any(s.guide.matches(text) for s in steps[self.steps_done + 1:])
+            if ahead:  # a later step guided now: out of order, and two steps at once are never performed
+                events.append("step_out_of_order")
+            elif steps[self.steps_done].guide.matches(text):
                 events.append("step_guided")
                 seen["guided_next"] = True
-            if any(s.guide.matches(text) for s in steps[self.steps_done + 1:]):
-                events.append("step_out_of_order")
         if not useful:
             events.append("no_progress")
         return events, seen
@@ -166,6 +191,8 @@ class ScriptedPersona:
         ev = tuple(events)
         if self._should_hang_up(deltas):
             return TurnOutcome(ev, "hang_up", STATUS_ENDED)
+        if seen["overloaded"]:
+            return TurnOutcome(ev, "overloaded", STATUS_CONTINUE)
         if self.steps_done_before_turn == n_steps and seen["confirmation"]:
             return TurnOutcome(ev, "completed", STATUS_COMPLETED)
         if seen["goodbye"]:
@@ -177,7 +204,8 @@ class ScriptedPersona:
             self.doubt_voiced = True
             return TurnOutcome(ev, ("doubt", self.doubts[self.doubt_index].category), STATUS_CONTINUE, prefix)
         if seen["guided_next"]:
-            if self.state["cooperation"] < act_min:
+            min_trust = self.spec.rules.act_min_trust
+            if self.state["cooperation"] < act_min or (min_trust is not None and self.state["trust"] < min_trust):
                 return TurnOutcome(ev, "reluctant", STATUS_CONTINUE)
             self.steps_done += 1
             return TurnOutcome(ev, ("done", self.steps_done - 1), STATUS_CONTINUE)
@@ -212,14 +240,24 @@ def _prefix_keys(messages: list[dict[str, str]]) -> list[str]:
     return keys
 
 
-def _normalise(text: str) -> str:
-    return " ".join(_TOKEN_RE.findall(text.lower()))
-
-
 def _similar(a: str, b: str) -> bool:
-    matcher = difflib.SequenceMatcher(None, _normalise(a), _normalise(b), autojunk=False)
+    """True when two agent turns are (nearly) the same: word-level similarity >= REPETITION_SIMILARITY.
+
+    Compares lower-cased word/punctuation tokens, at most REPETITION_MAX_TOKENS of each, so the cost stays
+    bounded whatever the length of the turns.
+    """
+    ta = _TOKEN_RE.findall(a.lower())[:REPETITION_MAX_TOKENS]
+    tb = _TOKEN_RE.findall(b.lower())[:REPETITION_MAX_TOKENS]
+    if not ta or not tb:
+        return ta == tb
+    matcher = difflib.SequenceMatcher(None, ta, tb, autojunk=False)
     return (matcher.real_quick_ratio() >= REPETITION_SIMILARITY and matcher.quick_ratio() >= REPETITION_SIMILARITY
             and matcher.ratio() >= REPETITION_SIMILARITY)
+
+
+def count_words(text: str) -> int:
+    """Whitespace-separated words of a spoken turn (the unit of `scripted.rules.max_words`)."""
+    return len(text.split())
 
 
 def count_tokens(text: str) -> int:

@@ -17,10 +17,10 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ DEFAULT_SCENARIO = str(REPO_ROOT / "verl/trainer/config/format_prompt/outbound_a
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 MAX_N = 128
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.manual_seed accepts (hf backend)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -75,12 +76,28 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _text(where: str, value: str) -> str:
+    """`value` unchanged, or a 400 when it holds a lone surrogate (JSON allows "\\ud800"; UTF-8 does not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise _bad(where, f"not valid Unicode text ({err.reason} at position {err.start})") from None
+    return value
+
+
 def _number(body: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
     value = body.get(key)
     if value is None:
         return default
-    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+    if not (_is_int(value) or isinstance(value, float)):
         raise _bad(key, f"expected a finite number, got {value!r}")
+    try:
+        number = float(value)  # an integer literal too large for a float raises OverflowError
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise _bad(key, f"expected a finite number, got {str(value)[:40]}")
+    value = number
     if value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise _bad(key, f"{value} is outside {bracket}{low}, {high}]")
@@ -106,7 +123,7 @@ def _message_text(index: int, message: Any) -> dict[str, str]:
         content = "".join(parts)
     if not isinstance(content, str):
         raise _bad(f"{where}.content", f"expected a string or a list of text parts, got {type(content).__name__}")
-    return {"role": role, "content": content}
+    return {"role": role, "content": _text(f"{where}.content", content)}
 
 
 def parse_chat_request(raw: bytes) -> ChatRequest:
@@ -120,6 +137,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", f"a non-empty string is required, got {model!r}")
+    _text("model", model)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "a non-empty list of messages is required")
@@ -128,8 +146,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     if not _is_int(n) or not 1 <= n <= MAX_N:
         raise _bad("n", f"expected an integer in [1, {MAX_N}], got {n!r}")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise _bad("seed", f"expected an integer or null, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise _bad("seed", f"expected an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] or null, "
+                           f"got {str(seed)[:40]}")
     max_tokens = None
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
@@ -144,6 +163,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
         raise _bad("stop", "expected a string or a list of at most 4 strings")
+    stop = [_text(f"stop[{i}]", s) for i, s in enumerate(stop)]
     return ChatRequest(
         model=model,
         messages=[_message_text(i, m) for i, m in enumerate(messages)],

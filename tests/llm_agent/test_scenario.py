@@ -232,6 +232,10 @@ BAD_CASES = [
     ("scripted.stage_cues", {0: ["a"], 1: ["b"]}, "scripted.stage_cues", "stage ids"),
     ("scripted.rules.act_min_cooperation", 9, "scripted.rules.act_min_cooperation", "outside"),
     ("scripted.effects.teleport", {"trust": 1}, "scripted.effects.teleport", "unknown key"),
+    ("scripted.rules.max_words", 0, "scripted.rules.max_words", ">= 1"),
+    ("scripted.rules.act_min_trust", 6, "scripted.rules.act_min_trust", "outside the trust range"),
+    ("scripted.rules.max_topics", "many", "scripted.rules.max_topics", "integer"),
+    ("scripted.lines.overloaded", [], "scripted.lines.overloaded", "non-empty list"),
     ("agent.tags.stage.tag", "response", "agent.tags.reply.tag", "used twice"),
     ("vars.stages", "x", "vars.stages", "dynamic placeholder"),
     ("stages.1.id", 0, "stages[1].id", "distinct"),
@@ -248,6 +252,17 @@ def test_bad_scenario_names_file_and_key(tmp_path, raw_outbound, dotted, value, 
     assert err.file == str(path) and err.where == where, str(err)
     assert re.search(reason, err.reason), str(err)
     assert str(path) in str(err) and where in str(err)
+
+
+def test_anti_stuffing_rules_and_overloaded_lines_are_optional(tmp_path, raw_outbound):
+    data = raw_outbound
+    for key in ("rules.max_words", "rules.max_topics", "rules.act_min_trust", "lines.overloaded"):
+        data = _mutate(data, f"scripted.{key}", _DELETE)
+    spec = load_scenario(_write(tmp_path, data)).scripted
+    assert (spec.rules.max_words, spec.rules.max_topics, spec.rules.act_min_trust) == (60, 8, None)
+    assert spec.lines["overloaded"] == spec.lines["confused"]
+    shipped = load_scenario(OUTBOUND).scripted
+    assert shipped.lines["overloaded"] != shipped.lines["confused"]
 
 
 def test_empty_or_non_mapping_file(tmp_path):

@@ -74,6 +74,20 @@ def test_non_integer_values_are_invalid(content):
     assert u.trust is None and "invalid:trust" in u.flags and not u.parse_error
 
 
+@pytest.mark.parametrize("digits", ["9" * 5000, "-" + "7" * 5000, "0" * 5000 + "1", "1" + "0" * 19])
+def test_integers_with_thousands_of_digits_are_clamped_not_raised(digits):
+    """int() refuses strings over 4300 digits; a parse must still never raise."""
+    a = SC.parse_agent_output(f"<response>x</response><status>{digits}</status><stage>{digits}</stage>")
+    u = SC.parse_user_output(f"<user_reply>x</user_reply><user_trust>{digits}</user_trust>")
+    if digits.startswith("0"):
+        assert (a.status, u.trust) == (1, 1) and "clamped:status" not in a.flags
+        return
+    sign = -1 if digits.startswith("-") else 1
+    assert a.status == sign and a.stage == (SC.stage_ids[-1] if sign > 0 else SC.stage_ids[0])
+    assert u.trust == (SC.state_ranges["trust"].max if sign > 0 else SC.state_ranges["trust"].min)
+    assert {"clamped:status", "clamped:stage"} <= set(a.flags) and "clamped:trust" in u.flags
+
+
 def test_leading_integer_with_words_is_read():
     u = SC.parse_user_output("<user_reply>x</user_reply><user_emotion>2 (neutral)</user_emotion>")
     assert u.emotion == 2 and "invalid:emotion" not in u.flags

@@ -293,6 +293,8 @@ def test_bad_answers_are_retried_elsewhere_and_counted(sims, fault, counter):
     bad_failures = stats[f"user_sim/{name(bad)}/{counter}"]
     assert bad_failures >= 1 and bad_failures == stats[f"user_sim/{name(bad)}/failures"]
     assert stats["user_sim/retries"] == stats["user_sim/failovers"] == bad_failures
+    assert stats[f"user_sim/{name(a)}/retries"] == stats[f"user_sim/{name(a)}/failovers"] == bad_failures
+    assert stats[f"user_sim/{name(bad)}/retries"] == stats[f"user_sim/{name(bad)}/failovers"] == 0
     assert max(r.attempts for r in results) == 2
 
 

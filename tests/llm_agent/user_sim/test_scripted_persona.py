@@ -323,3 +323,118 @@ def test_any_scenario_is_driven_by_its_data_alone(path):
             assert user.reply in known or any(user.reply.endswith(d) for d in doubts), user.reply
         outcomes.add(dialogue[-1].status)
     assert STATUS_ENDED in outcomes
+
+
+def _say(backend, scenario, profile, dialogue: list, text: str, seed: int = 0):
+    """Append one agent turn and the persona's parsed answer to `dialogue`; return the answer."""
+    dialogue.append(scenario.parse_agent_output(scenario.format_agent_output(text, 0, 0, {})))
+    reply = backend.complete(scenario.render_user_messages(profile, dialogue), SamplingParams(seed=seed))
+    user = scenario.parse_user_output(reply.choices[0].text)
+    dialogue.append(user)
+    return user
+
+
+def _cue_soup(scenario) -> str:
+    """One turn stuffed with a cue of everything: intro, every stage, every doubt answer, every step, confirm."""
+    spec = scenario.scripted
+    lists = [spec.cues["self_intro"], spec.cues["organisation"], spec.cues["empathy"], *spec.stage_cues.values(),
+             *(c.resolve for c in spec.categories.values()), *(s.guide for s in spec.steps),
+             spec.cues["confirmation"]]
+    return " ".join(_plain(cues)[0] for cues in lists) + "."
+
+
+@pytest.mark.parametrize("path", SCENARIO_FILES, ids=[p.stem for p in SCENARIO_FILES])
+def test_a_repeated_keyword_soup_turn_never_completes(path):
+    """The cheapest RL exploit: say one turn holding every cue phrase, every turn. It must never complete."""
+    scenario = load_scenario(path)
+    backend = ScriptedPersonaBackend(scenario, seed=0)
+    soup = _cue_soup(scenario)
+    outcomes = []
+    for seed in range(20):
+        rng = random.Random(seed)
+        c, e, t = rng.choice(scenario.state_space())
+        profile = UserProfile(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng)))
+        dialogue: list = []
+        for _ in range(12):
+            user = _say(backend, scenario, profile, dialogue, soup, seed)
+            if user.status != STATUS_CONTINUE:
+                break
+        outcomes.append(dialogue[-1].status)
+    assert STATUS_COMPLETED not in outcomes, outcomes
+    assert outcomes.count(STATUS_ENDED) == len(outcomes), "overloaded turns wear the user down to a hang-up"
+
+
+def test_an_overlong_or_stuffed_turn_counts_for_nothing(backend):
+    profile = UserProfile(4, 3, 5, ())
+    padding = " ".join(["so"] * (SPEC.rules.max_words + 1))
+    dialogue: list = []
+    user = _say(backend, SCENARIO, profile, dialogue, f"{INTRO} {padding}")
+    assert user.reply in SPEC.lines["overloaded"], "too long: the introduction is not taken in"
+    assert (user.cooperation, user.emotion) == (3, 2), "the overloaded effect applies"
+    user = _say(backend, SCENARIO, profile, dialogue, INTRO)
+    assert user.reply in SPEC.lines["greeting"], "the same introduction, short, is heard"
+    stuffed = f"{STEP_GUIDES[0][0]} {_cue_soup(SCENARIO)}"
+    assert len(stuffed.split()) <= 2 * SPEC.rules.max_words
+    before = user.cooperation
+    user = _say(backend, SCENARIO, profile, dialogue, stuffed)
+    assert user.reply in SPEC.lines["overloaded"] and user.cooperation == before - 1
+
+
+def test_two_steps_guided_in_one_turn_are_not_performed(backend):
+    profile = UserProfile(4, 3, 5, ())
+    dialogue: list = []
+    _say(backend, SCENARIO, profile, dialogue, INTRO)
+    both = f"{STEP_GUIDES[0][0]} {STEP_GUIDES[1][0]}"
+    assert SPEC.steps[0].guide.matches(both) and SPEC.steps[1].guide.matches(both)
+    user = _say(backend, SCENARIO, profile, dialogue, both)
+    assert user.reply not in SPEC.steps[0].done, "both steps at once: neither is done"
+    user = _say(backend, SCENARIO, profile, dialogue, STEP_GUIDES[0][1])
+    assert user.reply in SPEC.steps[0].done, "one step per turn works"
+    user = _say(backend, SCENARIO, profile, dialogue, f"{STEP_GUIDES[1][0]} {CONFIRM[0]}")
+    assert user.reply in SPEC.steps[1].done, "the last step and the confirmation in one turn: only the step"
+    user = _say(backend, SCENARIO, profile, dialogue, CONFIRM[1])
+    assert user.status == STATUS_COMPLETED
+
+
+def test_repeating_any_earlier_turn_is_penalised(backend):
+    profile = UserProfile(4, 3, 5, ())
+    effect = SPEC.effects["repetition"]
+    assert effect["trust"] < 0 and effect["emotion"] < 0, "the shipped scenario penalises repetition"
+    dialogue: list = []
+    _say(backend, SCENARIO, profile, dialogue, INTRO)
+    _say(backend, SCENARIO, profile, dialogue, PITCH)
+    before = _say(backend, SCENARIO, profile, dialogue, "Good question, it's for your restaurant.")
+    again = _say(backend, SCENARIO, profile, dialogue, PITCH.upper())  # the same words, two turns later
+    assert "repetition" in again.think
+    assert again.trust == before.trust + effect["trust"] and again.emotion == before.emotion + effect["emotion"]
+
+
+def test_repetition_check_cost_is_bounded():
+    """Two long, nearly equal turns are compared in bounded time (word-level, capped)."""
+    import time
+    from llm_agent.user_sim.scripted import _similar
+
+    words = [f"w{i % 997}" for i in range(60_000)]
+    a, b = " ".join(words), " ".join(words[:-5] + ["x"] * 5)
+    start = time.monotonic()
+    assert _similar(a, b)
+    assert not _similar(a, "something else entirely")
+    assert time.monotonic() - start < 2.0
+
+
+def test_sounding_robotic_costs_completions(backend):
+    """Robotic talk drains trust, and a user with trust below act_min_trust touches nothing in the app."""
+
+    class RoboticGoodAgent(GoodAgent):
+        def respond(self, user_reply):
+            return "Kindly note: " + super().respond(user_reply)
+
+    assert SPEC.rules.act_min_trust is not None and SPEC.effects["robotic"]["trust"] < 0
+    plain = [run_dialogue(backend, sample_profile(s), GoodAgent(), seed=s)[0] for s in range(40)]
+    robotic = [run_dialogue(backend, sample_profile(s), RoboticGoodAgent(), seed=s)[0] for s in range(40)]
+    assert robotic.count(STATUS_COMPLETED) < plain.count(STATUS_COMPLETED) - 10, (plain, robotic)
+    status, dialogue = run_dialogue(backend, UserProfile(4, 3, 0, ()), GoodAgent(), seed=0)
+    assert status == STATUS_COMPLETED, "trust 0 at the start is won back by the introduction"
+    status, dialogue = run_dialogue(backend, UserProfile(4, 3, 0, ()), RoboticGoodAgent(), seed=0, max_turns=6)
+    assert status != STATUS_COMPLETED
+    assert any(t.reply in SPEC.lines["reluctant"] for t in dialogue[1::2]), "guided, but too distrustful to act"

@@ -97,6 +97,16 @@ def test_chat_completion_with_openai_client(client):
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 
+def test_vanishing_temperature_is_greedy_not_a_500(client):
+    """Both used to be HTTP 500: temperature=1e-300 (the scaled logits overflow and torch.multinomial fails) and
+    n > 1 at temperature 0 (generate() refuses several greedy sequences)."""
+    greedy = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0.0, n=3)
+    assert len({c.message.content for c in greedy.choices}) == 1 and len(greedy.choices) == 3
+    tiny = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=1e-300, n=2,
+                                          seed=3)
+    assert [c.message.content for c in tiny.choices] == [greedy.choices[0].message.content] * 2
+
+
 def test_n_choices_and_seed_reproducibility(client):
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0, top_p=0.95, n=3, seed=7)
     first = client.chat.completions.create(**kwargs)
@@ -180,6 +190,13 @@ MALFORMED = {
     "max_tokens_zero": (json.dumps(_ok_body(max_tokens=0)).encode(), 400),
     "max_tokens_float": (json.dumps(_ok_body(max_tokens=2.5)).encode(), 400),
     "seed_string": (json.dumps(_ok_body(seed="x")).encode(), 400),
+    "seed_too_big": (json.dumps(_ok_body(seed=2 ** 64)).encode(), 400),  # torch.manual_seed would raise
+    "temperature_huge_int": (json.dumps(_ok_body(temperature=10 ** 400)).encode(), 400),  # float() overflows
+    "top_p_huge_negative_int": (json.dumps(_ok_body(top_p=-10 ** 400)).encode(), 400),
+    "content_lone_surrogate": (json.dumps(_ok_body(messages=[{"role": "user", "content": "hi \ud800"}])).encode(),
+                               400),
+    "model_lone_surrogate": (json.dumps(_ok_body(model="user-sim\ud800")).encode(), 400),
+    "stop_lone_surrogate": (json.dumps(_ok_body(stop=["\udfff"])).encode(), 400),
     "stop_too_many": (json.dumps(_ok_body(stop=["a", "b", "c", "d", "e"])).encode(), 400),
     "too_large": (json.dumps(_ok_body(messages=[{"role": "user", "content": "x" * (1 << 20)}])).encode(), 413),
     "prompt_over_context": (json.dumps(_ok_body(messages=[{"role": "user", "content": "hello " * 5000}])).encode(),
@@ -270,6 +287,29 @@ def test_stop_strings_cut_the_reply(scripted_server, scenario):
     assert out.choices[0].message.content.rstrip().endswith(
         scenario.parse_user_output(out.choices[0].message.content + f"</{reply_tag}>").reply)
     assert f"</{reply_tag}>" not in out.choices[0].message.content
+
+
+def test_scripted_backend_answers_lone_surrogates_and_huge_numbers_with_400(scenario):
+    """Bodies that used to reach the scripted backend (or float()) and come back as 500."""
+    from fastapi.testclient import TestClient
+
+    messages = _persona_messages(scenario, "Hi")
+    bad = [{"model": MODEL, "messages": [messages[0], {"role": "user", "content": "hi \ud800"}]},
+           {"model": MODEL, "messages": [{**messages[0], "content": messages[0]["content"] + "\udc80"}, messages[1]]},
+           {"model": MODEL, "messages": messages, "temperature": 10 ** 400}]
+    with TestClient(build_app(ScriptedPersonaBackend(scenario), ServerConfig()),
+                    raise_server_exceptions=False) as tc:
+        for body in bad:
+            r = tc.post("/v1/chat/completions", content=json.dumps(body).encode(),
+                        headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, r.text[:300]
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        assert tc.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}).status_code == 200
+        huge = scenario.format_user_output("Sure.", {"cooperation": 1, "emotion": 1, "trust": 1}, 0).replace(
+            "<user_trust>1<", "<user_trust>" + "9" * 5000 + "<")
+        follow_up = [*messages, {"role": "assistant", "content": huge}, {"role": "user", "content": "Hello?"}]
+        r = tc.post("/v1/chat/completions", json={"model": MODEL, "messages": follow_up})
+        assert r.status_code == 200, "a 5000-digit state in an earlier reply is clamped, not a crash"
 
 
 def test_scripted_server_rejects_a_foreign_conversation_with_400(scripted_server):

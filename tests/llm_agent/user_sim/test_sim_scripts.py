@@ -7,9 +7,11 @@ a stale PID file.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -118,6 +120,63 @@ def test_stop_removes_a_stale_pid_file_without_killing_anything(tmp_path):
     result = _run(STOP, run_dir=tmp_path, timeout=30)
     assert result.returncode == 0 and "not running" in result.stderr
     assert not (tmp_path / "user_sim_1234.pid").exists()
+
+
+@pytest.mark.parametrize("record", ["{pid}", "{pid} 0", "{pid} 1"])
+def test_stop_never_signals_a_pid_it_cannot_verify(tmp_path, record):
+    """A PID file naming a live process without (or with a wrong) start time: the PID may have been reused by
+    someone else, so the process is left alone and only the file is removed."""
+    foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / "user_sim_4321.pid").write_text(record.format(pid=foreign.pid) + "\n")
+        result = _run(STOP, run_dir=tmp_path, timeout=30)
+        assert result.returncode == 0, result.stderr
+        assert "not signalling" in result.stderr
+        assert foreign.poll() is None, "the foreign process must survive"
+        assert not (tmp_path / "user_sim_4321.pid").exists()
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
+def test_start_replaces_a_pid_file_whose_pid_was_reused(tmp_path):
+    port = _free_ports(1)[0]
+    foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / f"user_sim_{port}.pid").write_text(f"{foreign.pid} 1\n")  # alive, but not the recorded process
+        started = _run(START, "--ports", str(port), "--timeout", "60", run_dir=tmp_path)
+        assert started.returncode == 0, started.stderr[-3000:]
+        pid = int((tmp_path / f"user_sim_{port}.pid").read_text().split()[0])
+        assert pid != foreign.pid and _alive(pid)
+    finally:
+        stopped = _run(STOP, run_dir=tmp_path, timeout=60)
+        assert foreign.poll() is None
+        foreign.kill()
+        foreign.wait()
+    assert stopped.returncode == 0 and not _alive(pid)
+
+
+def test_interrupted_start_stops_what_it_started(tmp_path):
+    """SIGTERM to the start script while it waits for /health: no instance is left orphaned."""
+    port = _free_ports(1)[0]
+    env = {**os.environ, "RUN_DIR": str(tmp_path), "PYTHON": sys.executable}
+    # Interrupt as soon as the PID file exists: the instance is up or starting, not yet reported healthy.
+    proc = subprocess.Popen(["bash", str(START), "--ports", str(port), "--timeout", "60"], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file = tmp_path / f"user_sim_{port}.pid"
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pid = int(pid_file.read_text().split()[0])
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "interrupted" in err, err[-2000:]
+    for _ in range(100):
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    assert not _alive(pid), "the instance started by the interrupted call was stopped"
+    assert not pid_file.exists()
 
 
 @pytest.mark.vllm
