@@ -19,13 +19,14 @@ from llm_agent.user_client import ChatReply, ChatRequest, UserSimClient
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+VLLM_READY = REPO / ".venv-vllm" / ".installed"  # written by `make vllm-env` only after a complete install
 STARTUP_TIMEOUT_S = 240.0
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                       reason=f"needs the vLLM virtualenv {VLLM_PYTHON.parent.parent} (build it with `make vllm-env`)"),
+    pytest.mark.skipif(not VLLM_READY.exists(),
+                       reason=f"needs the vLLM virtualenv {VLLM_READY.parent} (build it with `make vllm-env`)"),
 ]
 
 
