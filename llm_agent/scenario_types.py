@@ -136,8 +136,28 @@ class UserProfile:
         return cls(*(d[dim] for dim in STATE_DIMS), behaviors=tuple(behaviors))
 
 
+class _ParsedTurnMixin:
+    """What agent and user turns share: the state as a dict and whether the parse needed no repair."""
+
+    cooperation: int | None
+    emotion: int | None
+    trust: int | None
+    flags: tuple[str, ...]
+    parse_error: bool
+
+    @property
+    def state(self) -> dict[str, int | None]:
+        """The state values (the user's own, or the agent's estimates) as {dimension: value or None}."""
+        return {dim: getattr(self, dim) for dim in STATE_DIMS}
+
+    @property
+    def well_formed(self) -> bool:
+        """True when every tag was present, single, closed and in range."""
+        return not self.flags and not self.parse_error
+
+
 @dataclass(frozen=True)
-class AgentTurn:
+class AgentTurn(_ParsedTurnMixin):
     """A parsed policy output: spoken reply, stage, status and the agent's estimates of the user's state."""
 
     raw: str
@@ -151,19 +171,9 @@ class AgentTurn:
     flags: tuple[str, ...] = ()
     parse_error: bool = False
 
-    @property
-    def state(self) -> dict[str, int | None]:
-        """The agent's estimates as {dimension: value or None}."""
-        return {dim: getattr(self, dim) for dim in STATE_DIMS}
-
-    @property
-    def well_formed(self) -> bool:
-        """True when every tag was present, single, closed and in range."""
-        return not self.flags and not self.parse_error
-
 
 @dataclass(frozen=True)
-class UserTurn:
+class UserTurn(_ParsedTurnMixin):
     """A parsed simulator output: spoken reply, the user's own state and its status."""
 
     raw: str
@@ -175,16 +185,6 @@ class UserTurn:
     think: str | None = None
     flags: tuple[str, ...] = ()
     parse_error: bool = False
-
-    @property
-    def state(self) -> dict[str, int | None]:
-        """The user's state as {dimension: value or None}."""
-        return {dim: getattr(self, dim) for dim in STATE_DIMS}
-
-    @property
-    def well_formed(self) -> bool:
-        """True when every tag was present, single, closed and in range."""
-        return not self.flags and not self.parse_error
 
 
 Turn = Union[AgentTurn, UserTurn]
