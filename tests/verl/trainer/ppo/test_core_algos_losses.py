@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from verl.trainer.ppo import core_algos, kl
+from verl.trainer.ppo import advantages, core_algos, kl
 from verl.trainer.ppo.core_algos import (
     agg_loss,
     compute_entropy_loss,
@@ -350,6 +350,15 @@ def test_core_algos_re_exports_the_kl_api():
     for name in ("kl_penalty", "kl_penalty_forward", "FixedKLController", "AdaptiveKLController", "get_kl_controller"):
         assert getattr(core_algos, name) is getattr(kl, name)
         assert name in core_algos.__all__
+
+
+def test_core_algos_re_exports_the_advantage_api():
+    """veRL code calls ``core_algos.get_adv_estimator_fn`` etc.: every public name of advantages.py is there."""
+    assert advantages.__all__
+    for name in advantages.__all__:
+        assert getattr(core_algos, name) is getattr(advantages, name)
+        assert name in core_algos.__all__
+    assert core_algos.get_adv_estimator_fn("grpo") is advantages.compute_grpo_outcome_advantage
 
 
 def test_kl_rejects_mismatched_shapes():
