@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import verl.utils.torch_functional as verl_F
-from verl.trainer.ppo._checks import _cfg_get, _check_same_shape
+from verl.trainer.ppo._checks import _cfg_get, _check_same_shape, _registering_decorator
 
 __all__ = [
     "ADV_ESTIMATOR_REGISTRY", "AdvantageEstimator", "compute_gae_advantage_return", "compute_grpo_outcome_advantage",
@@ -52,16 +52,7 @@ def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable[[Callab
 
     Registering a different function under a taken name raises ValueError.
     """
-    name = _registry_name(name_or_enum)
-
-    def decorator(fn: Callable) -> Callable:
-        existing = ADV_ESTIMATOR_REGISTRY.get(name)
-        if existing is not None and existing is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered to {existing.__qualname__}")
-        ADV_ESTIMATOR_REGISTRY[name] = fn
-        return fn
-
-    return decorator
+    return _registering_decorator(ADV_ESTIMATOR_REGISTRY, _registry_name(name_or_enum), "advantage estimator")
 
 
 def get_adv_estimator_fn(name_or_enum: str | AdvantageEstimator) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

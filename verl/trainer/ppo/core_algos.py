@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import verl.utils.torch_functional as verl_F
-from verl.trainer.ppo._checks import _cfg_get, _check_same_shape
+from verl.trainer.ppo._checks import _cfg_get, _check_same_shape, _registering_decorator
 from verl.trainer.ppo.advantages import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageEstimator,
@@ -70,15 +70,7 @@ POLICY_LOSS_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, dict[str, floa
 
 def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
     """Decorator registering a policy loss function under ``name`` (the value of ``policy_loss.loss_mode``)."""
-
-    def decorator(fn: Callable) -> Callable:
-        existing = POLICY_LOSS_REGISTRY.get(name)
-        if existing is not None and existing is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered to {existing.__qualname__}")
-        POLICY_LOSS_REGISTRY[name] = fn
-        return fn
-
-    return decorator
+    return _registering_decorator(POLICY_LOSS_REGISTRY, name, "policy loss")
 
 
 def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
