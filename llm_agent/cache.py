@@ -1,0 +1,407 @@
+"""Stage-keyed cache of the user simulator's non-terminal replies, persisted as JSONL.
+
+During training the rollout loop asks the cache before each user turn; with the agent's declared stage's hit
+rate the cache answers with a stored simulator reply instead of calling the simulator. Unlike the original:
+- only non-terminal replies (status 0) are stored, so a cached reply never ends a dialogue;
+- a cached reply keeps the simulator's state tags, so metrics and the controller see a full turn;
+- "no two cached turns in a row" is tracked per dialogue id (not per batch row), and the flag is cleared on
+  every lookup, also when the turn has no stage;
+- the file obeys the same size limits as memory: appends go to the file, and when it holds too many stale lines
+  it is rewritten atomically (temp file in the same directory, fsync, ``os.replace``).
+
+File format, one object per line: ``{"scenario", "stage", "reply", "state", "status", "ts"}``. Lines of other
+scenarios are kept verbatim (the file may be shared); corrupt lines are skipped, counted and logged once.
+One process writes a given file; every public method takes the same lock, so the loop may call from threads.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CacheConfig", "CachedReply", "UserResponseCache"]
+
+_LINE_KEYS = frozenset({"scenario", "stage", "reply", "state", "status", "ts"})
+
+
+def _is_int(value: Any) -> bool:
+    """True for an int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _default_rates() -> dict[int, float]:
+    """The original's per-stage hit rates (stage 3 and later: never served)."""
+    return {0: 0.9, 1: 0.5, 2: 0.2, 3: 0.0}
+
+
+@dataclass
+class CacheConfig:
+    """Settings of :class:`UserResponseCache`; validated on construction (ValueError naming the field)."""
+
+    enabled: bool = True
+    path: str | None = "outputs/cache/user_responses.jsonl"
+    stage_hit_rates: dict[int, float] = field(default_factory=_default_rates)
+    default_hit_rate: float = 0.0
+    min_bucket_size: int = 10
+    max_per_stage: int = 500
+    max_total: int = 10000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"CacheConfig.enabled must be true or false, got {self.enabled!r}")
+        if self.path is not None and (not isinstance(self.path, str) or not self.path.strip()):
+            raise ValueError(f"CacheConfig.path must be a non-empty string or null, got {self.path!r}")
+        if not isinstance(self.stage_hit_rates, Mapping):
+            raise ValueError(f"CacheConfig.stage_hit_rates must be a mapping stage -> rate, "
+                             f"got {type(self.stage_hit_rates).__name__}")
+        rates: dict[int, float] = {}
+        for key, rate in self.stage_hit_rates.items():
+            stage = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if not _is_int(stage) or stage < 0:
+                raise ValueError(f"CacheConfig.stage_hit_rates key {key!r} is not a stage id (an int >= 0)")
+            if stage in rates:
+                raise ValueError(f"CacheConfig.stage_hit_rates lists stage {stage} twice")
+            rates[stage] = self._rate(f"stage_hit_rates[{key!r}]", rate)
+        self.stage_hit_rates = rates
+        self.default_hit_rate = self._rate("default_hit_rate", self.default_hit_rate)
+        for name in ("min_bucket_size", "max_per_stage", "max_total"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"CacheConfig.{name} must be an int >= 1, got {value!r}")
+        if self.min_bucket_size > self.max_per_stage:
+            raise ValueError(f"CacheConfig.min_bucket_size ({self.min_bucket_size}) exceeds max_per_stage "
+                             f"({self.max_per_stage}): the cache could never serve a reply")
+        if not _is_int(self.seed):
+            raise ValueError(f"CacheConfig.seed must be an int, got {self.seed!r}")
+
+    @staticmethod
+    def _rate(name: str, value: Any) -> float:
+        """A probability in [0, 1] as a float, or ValueError naming the field."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"CacheConfig.{name} must be a number in [0, 1], got {value!r}")
+        return float(value)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None, where: str = "cache") -> "CacheConfig":
+        """Build from a config mapping (YAML/OmegaConf); ValueError prefixed by `where` on an unknown key or bad
+        value. None or an empty mapping gives the defaults."""
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        values = dict(d)
+        if isinstance(values.get("stage_hit_rates"), Mapping):
+            values["stage_hit_rates"] = dict(values["stage_hit_rates"])
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class CachedReply:
+    """A stored simulator reply: the agent stage it answered, its text, its state tags and its status (0)."""
+
+    stage: int
+    reply: str
+    state: dict[str, int | None]
+    status: int = 0
+
+
+@dataclass
+class _Entry:
+    """One cached reply with its insertion order (seq, for oldest-first eviction) and wall-clock time."""
+
+    seq: int
+    ts: float
+    reply: CachedReply
+
+    def key(self) -> tuple:
+        """Deduplication key: the text and the state tags (the stage is the bucket)."""
+        return self.reply.reply, tuple(sorted(self.reply.state.items()))
+
+
+def _check_state(state: Any) -> str | None:
+    """None when `state` maps str -> int|None, else the reason why not."""
+    if not isinstance(state, Mapping):
+        return f"state must be an object, got {type(state).__name__}"
+    for dim, value in state.items():
+        if not isinstance(dim, str):
+            return f"state keys must be strings, got {dim!r}"
+        if not (value is None or _is_int(value)):
+            return f"state[{dim!r}] must be an int or null, got {value!r}"
+    return None
+
+
+def _parse_line(obj: Any) -> str | None:
+    """None when `obj` is a well-formed cache line, else the reason why not."""
+    if not isinstance(obj, dict):
+        return f"not an object but {type(obj).__name__}"
+    missing, extra = _LINE_KEYS - set(obj), set(obj) - _LINE_KEYS
+    if missing or extra:
+        return f"missing keys {sorted(missing)}, unknown keys {sorted(extra)}"
+    if not isinstance(obj["scenario"], str):
+        return "scenario must be a string"
+    if not _is_int(obj["stage"]) or obj["stage"] < 0:
+        return f"stage must be an int >= 0, got {obj['stage']!r}"
+    if not isinstance(obj["reply"], str) or not obj["reply"].strip():
+        return "reply must be a non-empty string"
+    if obj["status"] != 0 or not _is_int(obj["status"]):
+        return f"status must be 0 (only non-terminal replies are cached), got {obj['status']!r}"
+    if isinstance(obj["ts"], bool) or not isinstance(obj["ts"], (int, float)) or not math.isfinite(obj["ts"]):
+        return f"ts must be a finite number, got {obj['ts']!r}"
+    return _check_state(obj["state"])
+
+
+class UserResponseCache:
+    """Per-stage buckets of non-terminal simulator replies, served with the stage's hit rate (see module doc)."""
+
+    def __init__(self, config: CacheConfig, scenario_name: str) -> None:
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"UserResponseCache needs a CacheConfig, got {type(config).__name__}")
+        if not isinstance(scenario_name, str) or not scenario_name:
+            raise ValueError(f"UserResponseCache: scenario_name must be a non-empty string, got {scenario_name!r}")
+        self.config = config
+        self.scenario_name = scenario_name
+        self._lock = threading.Lock()
+        self._rng = random.Random(config.seed)
+        self._buckets: dict[int, list[_Entry]] = {}
+        self._keys: dict[int, set[tuple]] = {}
+        self._size = 0
+        self._seq = 0
+        self._last_hit: set[str] = set()
+        self._foreign: list[str] = []
+        self._disk_lines = 0
+        self._slack = max(16, config.max_total // 10)
+        self._corrupt = 0
+        self._reset_counters()
+        self._enabled = config.enabled and (config.default_hit_rate > 0 or any(config.stage_hit_rates.values()))
+        if self._enabled and config.path is not None and os.path.exists(config.path):
+            self._load(config.path)
+
+    @property
+    def enabled(self) -> bool:
+        """False when the config disables the cache or every hit rate is 0 (then it neither serves nor stores)."""
+        return self._enabled
+
+    def __len__(self) -> int:
+        """Number of replies held (all stages)."""
+        with self._lock:
+            return self._size
+
+    def _rate(self, stage: int) -> float:
+        """The configured hit rate of `stage`."""
+        return self.config.stage_hit_rates.get(stage, self.config.default_hit_rate)
+
+    def _reset_counters(self) -> None:
+        """Zero the per-stage lookup/hit/eligible counters and the blocked count."""
+        self._lookups: dict[int, int] = {}
+        self._eligible: dict[int, int] = {}
+        self._hits: dict[int, int] = {}
+        self._blocked = 0
+
+    def lookup(self, dialogue_id: str, stage: int | None) -> CachedReply | None:
+        """A cached reply for this user turn, or None (then ask the simulator).
+
+        None when the dialogue's previous lookup was a hit (the flag is cleared, whatever the stage), when the
+        stage is None, negative or has rate 0, or when its bucket holds fewer than min_bucket_size replies;
+        otherwise a uniformly chosen reply of the bucket with the stage's probability.
+        """
+        if not self._enabled:
+            return None
+        with self._lock:
+            if dialogue_id in self._last_hit:
+                self._last_hit.discard(dialogue_id)
+                self._blocked += 1
+                if _is_int(stage):
+                    self._lookups[stage] = self._lookups.get(stage, 0) + 1
+                return None
+            if not _is_int(stage) or stage < 0:
+                return None
+            self._lookups[stage] = self._lookups.get(stage, 0) + 1
+            bucket = self._buckets.get(stage, [])
+            if len(bucket) < self.config.min_bucket_size:
+                return None
+            self._eligible[stage] = self._eligible.get(stage, 0) + 1
+            if self._rng.random() >= self._rate(stage):
+                return None
+            self._hits[stage] = self._hits.get(stage, 0) + 1
+            self._last_hit.add(dialogue_id)
+            chosen = bucket[self._rng.randrange(len(bucket))].reply
+            return CachedReply(chosen.stage, chosen.reply, dict(chosen.state), 0)
+
+    def end_dialogue(self, dialogue_id: str) -> None:
+        """Forget the dialogue's consecutive-hit flag (call when a dialogue ends)."""
+        with self._lock:
+            self._last_hit.discard(dialogue_id)
+
+    def add(self, stage: int | None, reply: str, state: Mapping[str, int | None], status: int | None) -> bool:
+        """Store a simulator reply; True when stored.
+
+        Only a non-terminal (status 0) reply with a non-empty text and an agent stage is stored, once (same text
+        and state tags in the same stage are a duplicate). The oldest replies of the stage, then the globally
+        oldest, are evicted past max_per_stage / max_total. ValueError on mistyped arguments.
+        """
+        if stage is not None and (not _is_int(stage) or stage < 0):
+            raise ValueError(f"UserResponseCache.add: stage must be an int >= 0 or None, got {stage!r}")
+        if not isinstance(reply, str):
+            raise ValueError(f"UserResponseCache.add: reply must be a string, got {type(reply).__name__}")
+        reason = _check_state(state)
+        if reason is not None:
+            raise ValueError(f"UserResponseCache.add: {reason}")
+        if status is not None and not _is_int(status):
+            raise ValueError(f"UserResponseCache.add: status must be an int or None, got {status!r}")
+        if not self._enabled or stage is None or status != 0 or not reply.strip():
+            return False
+        entry = _Entry(0, time.time(), CachedReply(stage, reply, dict(state), 0))
+        with self._lock:
+            if entry.key() in self._keys.get(stage, ()):
+                return False
+            path = self.config.path
+            if path is not None:
+                self._append(path, entry)
+            self._insert(entry)
+            if path is not None and self._surplus() > self._slack:
+                self._compact(path)
+            return True
+
+    def _insert(self, entry: _Entry) -> bool:
+        """Put `entry` into memory with the next seq and apply the size limits; False for a duplicate."""
+        stage = entry.reply.stage
+        keys = self._keys.setdefault(stage, set())
+        if entry.key() in keys:
+            return False
+        entry.seq, self._seq = self._seq, self._seq + 1
+        self._buckets.setdefault(stage, []).append(entry)
+        keys.add(entry.key())
+        self._size += 1
+        if len(self._buckets[stage]) > self.config.max_per_stage:
+            self._evict(stage)
+        while self._size > self.config.max_total:
+            self._evict(min((b[0].seq, s) for s, b in self._buckets.items() if b)[1])
+        return True
+
+    def _evict(self, stage: int) -> None:
+        """Drop the oldest entry of `stage`."""
+        old = self._buckets[stage].pop(0)
+        self._keys[stage].discard(old.key())
+        self._size -= 1
+
+    def _line(self, entry: _Entry) -> str:
+        """The JSONL line of `entry` (without newline)."""
+        r = entry.reply
+        return json.dumps({"scenario": self.scenario_name, "stage": r.stage, "reply": r.reply, "state": r.state,
+                           "status": 0, "ts": entry.ts}, ensure_ascii=False)
+
+    def _surplus(self) -> int:
+        """Lines in the file that memory no longer holds (evicted, duplicate, corrupt or blank lines)."""
+        return self._disk_lines - len(self._foreign) - self._size
+
+    def _append(self, path: str, entry: _Entry) -> None:
+        """Append one line to the file (creating its directory); raises OSError, memory is then unchanged."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(self._line(entry) + "\n")
+        self._disk_lines += 1
+
+    def _compact(self, path: str) -> None:
+        """Rewrite the file as the other scenarios' lines plus the entries in memory, oldest first, atomically.
+
+        On any error the temp file is removed, the old file is left as it was, and the error propagates.
+        """
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        entries = sorted((e for b in self._buckets.values() for e in b), key=lambda e: e.seq)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                for raw in self._foreign:
+                    f.write(raw + "\n")
+                for entry in entries:
+                    f.write(self._line(entry) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        self._disk_lines = len(self._foreign) + len(entries)
+        logger.debug("compacted %s to %d lines", path, self._disk_lines)
+
+    def _load(self, path: str) -> None:
+        """Read the file: own valid lines into memory (limits applied), other scenarios' lines kept verbatim,
+        corrupt lines counted and logged once; compacts when the file needs cleaning."""
+        with open(path, "rb") as f:
+            data = f.read()
+        lines = data.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+        bad: list[tuple[int, str]] = []
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+                obj = json.loads(text)
+            except (UnicodeDecodeError, ValueError) as exc:
+                bad.append((number, f"not JSON ({exc.__class__.__name__})"))
+                continue
+            reason = _parse_line(obj)
+            if reason is not None:
+                bad.append((number, reason))
+            elif obj["scenario"] != self.scenario_name:
+                self._foreign.append(text.strip())
+            else:
+                reply = CachedReply(obj["stage"], obj["reply"], dict(obj["state"]), 0)
+                self._insert(_Entry(0, float(obj["ts"]), reply))
+        self._disk_lines = len(lines)
+        self._corrupt = len(bad)
+        if bad:
+            shown = "; ".join(f"line {n}: {why}" for n, why in bad[:20])
+            more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
+            logger.warning("cache file %s: skipped %d corrupt line(s): %s%s", path, len(bad), shown, more)
+        logger.info("cache file %s: loaded %d replies for scenario %r (%d lines, %d of other scenarios)",
+                    path, self._size, self.scenario_name, len(lines), len(self._foreign))
+        if bad or self._surplus() > self._slack or (data and not data.endswith(b"\n")):
+            self._compact(path)
+
+    def flush(self) -> None:
+        """Compact the file whenever it holds more lines than memory (stale, duplicate or corrupt lines)."""
+        with self._lock:
+            if self._enabled and self.config.path is not None and self._surplus() > 0:
+                self._compact(self.config.path)
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Lookups, hits and hit rate (hits / eligible lookups) per stage since the last reset, plus
+        cache/blocked_consecutive, cache/size and cache/corrupt_lines (found when loading); resets the counters
+        when `reset`. Configured stages always appear, so the keys are stable."""
+        with self._lock:
+            stages = sorted(set(self.config.stage_hit_rates) | set(self._lookups))
+            out: dict[str, float] = {}
+            for s in stages:
+                hits, eligible = self._hits.get(s, 0), self._eligible.get(s, 0)
+                out[f"cache/lookups/stage{s}"] = float(self._lookups.get(s, 0))
+                out[f"cache/hits/stage{s}"] = float(hits)
+                out[f"cache/hit_rate/stage{s}"] = hits / eligible if eligible else 0.0
+            out["cache/blocked_consecutive"] = float(self._blocked)
+            out["cache/size"] = float(self._size)
+            out["cache/corrupt_lines"] = float(self._corrupt)
+            if reset:
+                self._reset_counters()
+            return out
