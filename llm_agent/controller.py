@@ -1,0 +1,318 @@
+"""The state controller: samples the simulated users' initial states and re-weights them online.
+
+`StateController.sample(n)` draws `UserProfile`s: an initial (cooperation, emotion, trust) from the current
+sampling weights and `min_behaviors..max_behaviors` distinct behaviours from the scenario's library. After every
+training step `update(outcomes)` takes one `(state_key, completed)` pair per dialogue (errors excluded by the
+caller) and moves the weights toward harder or easier initial states so that the completion rate (CR) tracks
+`target_completion_rate`. The rule is the original SEAD one (analyze_chatbot_mistakes.py), applied per value of
+each dimension, or per (c, e, t) combination when `joint` is set. With d = CR - target, per value v with
+success rate sr(v) over count(v) dialogues (unseen: sr = 0.5, count = 1):
+
+    d < -dead_band:  w(v) = 1 + 2|d| * sr(v)          (mass toward easy values)
+    d >  dead_band:  w(v) = 1 + 2d * (1 - sr(v))      (mass toward hard values)
+    otherwise:       w(v) = 1 + 0.1 / count(v)
+
+normalised over the valid values (the range without its extremes unless `allow_extremes`; invalid values have
+weight 0). The new weights are `(1 - smoothing) * old + smoothing * target`, then bounded by `bound_weights`:
+every valid value gets at least `floor` and max/min <= `max_ratio`.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from llm_agent.scenario import STATE_DIMS, Scenario, UserProfile, sample_behaviors
+
+logger = logging.getLogger(__name__)
+
+_STATE_KEY = re.compile(r"c(-?\d+)-e(-?\d+)-t(-?\d+)")
+_STATE_VERSION = 1
+
+
+@dataclass
+class ControllerConfig:
+    """Settings of the state controller (see the module docstring for the update rule).
+
+    `enabled` is read by the rollout loop (disabled: profiles come from the dataset). `smoothing` is the weight
+    of the new target in the exponential moving average (1 = no smoothing). `floor` is the least weight of any
+    valid value and `max_ratio` the largest allowed max/min between valid values (`math.inf`: no limit).
+    """
+
+    enabled: bool = True
+    target_completion_rate: float = 0.5
+    dead_band: float = 0.1
+    smoothing: float = 0.5
+    floor: float = 0.02
+    max_ratio: float = 4.0
+    joint: bool = False
+    allow_extremes: bool = False
+    min_behaviors: int = 1
+    max_behaviors: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be true or false, got {value!r}")
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
+            if f.type == "float":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                    raise ValueError(f"{f.name} must be a number, got {value!r}")
+                setattr(self, f.name, float(value))
+        checks = [
+            ("target_completion_rate", 0.0 <= self.target_completion_rate <= 1.0, "must be in [0, 1]"),
+            ("dead_band", 0.0 <= self.dead_band < 1.0, "must be in [0, 1)"),
+            ("smoothing", 0.0 < self.smoothing <= 1.0, "must be in (0, 1] (1 = no smoothing)"),
+            ("floor", 0.0 <= self.floor < 1.0, "must be in [0, 1)"),
+            ("max_ratio", self.max_ratio >= 1.0, "must be >= 1 (max/min weight ratio; inf = no limit)"),
+            ("min_behaviors", self.min_behaviors >= 0, "must be >= 0"),
+            ("max_behaviors", self.max_behaviors >= self.min_behaviors,
+             f"must be >= min_behaviors ({self.min_behaviors})"),
+        ]
+        for name, ok, reason in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} {reason}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None, where: str = "controller") -> "ControllerConfig":
+        """Build from a mapping (e.g. `rollout_loop.config.controller`); errors name `where` and the key."""
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        try:
+            return cls(**{str(k): v for k, v in d.items()})
+        except ValueError as exc:
+            raise ValueError(f"{where}.{exc}") from None
+
+
+def parse_state_key(key: str) -> tuple[int, int, int]:
+    """Parse a state key "c<int>-e<int>-t<int>" into (cooperation, emotion, trust); ValueError otherwise."""
+    m = _STATE_KEY.fullmatch(key) if isinstance(key, str) else None
+    if m is None:
+        raise ValueError(f"bad state_key {key!r}: expected 'c<int>-e<int>-t<int>', e.g. 'c2-e1-t3'")
+    c, e, t = (int(g) for g in m.groups())
+    return c, e, t
+
+
+def state_key(state: Sequence[int]) -> str:
+    """The state key of a (cooperation, emotion, trust) triple, as `UserProfile.state_key` writes it."""
+    c, e, t = state
+    return f"c{c}-e{e}-t{t}"
+
+
+def rule_weight(deviation: float, dead_band: float, completed: int, count: int) -> float:
+    """The unnormalised SEAD weight of one value from the CR deviation and its (completed, count) tally."""
+    sr, count = (completed / count, count) if count else (0.5, 1)
+    if deviation < -dead_band:
+        return 1.0 + 2.0 * abs(deviation) * sr
+    if deviation > dead_band:
+        return 1.0 + 2.0 * deviation * (1.0 - sr)
+    return 1.0 + 0.1 / count
+
+
+def bound_weights(weights: Sequence[float], floor: float, max_ratio: float) -> list[float]:
+    """Normalise positive `weights` so each is >= `floor` and max/min <= `max_ratio` (needs floor*n <= 1).
+
+    Low values are lifted, high ones scaled down. The result is the fixed point of "clip every weight up to
+    max(floor, max/max_ratio), renormalise, repeat", computed exactly: v_i = max(c*w_i, L) with sum 1, where
+    L = max(floor, L_r) and L_r is the level at which the ratio alone binds. Order is preserved.
+    """
+    if not weights or any(not math.isfinite(x) or x <= 0 for x in weights):
+        raise ValueError(f"weights must be a non-empty list of positive numbers, got {list(weights)}")
+    if floor * len(weights) > 1.0 + 1e-12:
+        raise ValueError(f"floor {floor} times {len(weights)} values exceeds 1")
+    total = sum(weights)
+    w = [x / total for x in weights]
+    lifted = [max(x, max(w) / max_ratio) for x in w]
+    scale = 1.0 / sum(lifted)
+    if min(lifted) * scale >= floor:
+        return [x * scale for x in lifted]
+    ordered = sorted(w)
+    for k, smallest in enumerate(ordered):
+        c = (1.0 - k * floor) / sum(ordered[k:])
+        if c * smallest >= floor:
+            break
+    return [max(c * x, floor) for x in w]
+
+
+class StateController:
+    """Samples user profiles from adaptive initial-state weights and updates the weights from outcomes."""
+
+    def __init__(self, config: ControllerConfig, scenario: Scenario) -> None:
+        if not isinstance(config, ControllerConfig):
+            raise TypeError(f"config must be a ControllerConfig, got {type(config).__name__}")
+        self.config, self.scenario = config, scenario
+        self._values: dict[str, list[int]] = {}
+        for dim in STATE_DIMS:
+            rng = scenario.state_ranges[dim]
+            lo, hi = (rng.min, rng.max) if config.allow_extremes else (rng.min + 1, rng.max - 1)
+            if lo > hi:
+                raise ValueError(f"scenario {scenario.name}: {dim} range [{rng.min}, {rng.max}] has no value "
+                                 "left without its extremes; set controller.allow_extremes")
+            self._values[dim] = list(range(lo, hi + 1))
+        if config.joint:
+            combos = itertools.product(*(self._values[d] for d in STATE_DIMS))
+            self._labels = {"joint": [state_key(s) for s in combos]}
+        else:
+            self._labels = {dim: [str(v) for v in vals] for dim, vals in self._values.items()}
+        for group, labels in self._labels.items():
+            if config.floor * len(labels) > 1.0 + 1e-12:
+                raise ValueError(f"controller.floor={config.floor} times {len(labels)} valid values of {group} "
+                                 f"is {config.floor * len(labels):.3g} > 1; lower the floor")
+        n_library = len(scenario.behaviors)
+        if config.min_behaviors > n_library:
+            raise ValueError(f"controller.min_behaviors={config.min_behaviors} exceeds the {n_library} behaviours "
+                             f"of scenario {scenario.name}")
+        self._weights = {g: [1.0 / len(labels)] * len(labels) for g, labels in self._labels.items()}
+        self._rng = random.Random(config.seed)
+        self._updates = 0
+        self._last: dict[str, Any] = {"n": 0, "cr": None, "deviation": None, "value_cr": {}}
+
+    @property
+    def weights(self) -> dict[str, dict[str, float]]:
+        """Current sampling weights: group ("cooperation"/"emotion"/"trust", or "joint") -> {label: weight}."""
+        return {g: dict(zip(self._labels[g], w)) for g, w in self._weights.items()}
+
+    def sample(self, n: int) -> list[UserProfile]:
+        """Draw `n` profiles: an initial state from the weights and distinct behaviours from the library."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"sample(n) needs an integer n >= 0, got {n!r}")
+        profiles = []
+        for _ in range(n):
+            if self.config.joint:
+                state = parse_state_key(self._rng.choices(self._labels["joint"], self._weights["joint"])[0])
+            else:
+                state = tuple(int(self._rng.choices(self._labels[d], self._weights[d])[0]) for d in STATE_DIMS)
+            behaviors = sample_behaviors(self.scenario.behaviors, self._rng, self.config.min_behaviors,
+                                         self.config.max_behaviors)
+            profiles.append(UserProfile(*state, behaviors=tuple(behaviors)))
+        return profiles
+
+    def _check_outcome(self, i: int, item: Any) -> tuple[tuple[int, int, int], bool]:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"outcomes[{i}] must be a (state_key, completed) pair, got {item!r}")
+        key, completed = item
+        if not isinstance(completed, (bool, np.bool_)):
+            raise ValueError(f"outcomes[{i}]: completed must be a bool, got {completed!r}")
+        try:
+            state = parse_state_key(key)
+        except ValueError as exc:
+            raise ValueError(f"outcomes[{i}]: {exc}") from None
+        for dim, value in zip(STATE_DIMS, state):
+            rng = self.scenario.state_ranges[dim]
+            if not rng.contains(value):
+                raise ValueError(f"outcomes[{i}]: state_key {key!r} has {dim}={value} outside "
+                                 f"[{rng.min}, {rng.max}] of scenario {self.scenario.name}")
+        return state, bool(completed)
+
+    def update(self, outcomes: Sequence[tuple[str, bool]]) -> dict[str, float]:
+        """Re-weight from one (state_key, completed) pair per dialogue; returns `metrics()`.
+
+        With no outcomes nothing changes (weights, update count and last-update statistics are kept).
+        """
+        parsed = [self._check_outcome(i, item) for i, item in enumerate(outcomes)]
+        if not parsed:
+            logger.info("controller: no outcomes this step, weights unchanged")
+            return self.metrics()
+        cfg = self.config
+        cr = sum(done for _, done in parsed) / len(parsed)
+        deviation = cr - cfg.target_completion_rate
+        tallies: dict[str, dict[str, list[int]]] = {g: {} for g in (*STATE_DIMS, "joint")}
+        for state, done in parsed:
+            for group, label in (*zip(STATE_DIMS, map(str, state)), ("joint", state_key(state))):
+                tally = tallies[group].setdefault(label, [0, 0])
+                tally[0] += done
+                tally[1] += 1
+        for group, labels in self._labels.items():
+            raw = [rule_weight(deviation, cfg.dead_band, *tallies[group].get(label, (0, 0))) for label in labels]
+            target = [x / sum(raw) for x in raw]
+            mixed = [(1.0 - cfg.smoothing) * old + cfg.smoothing * new
+                     for old, new in zip(self._weights[group], target)]
+            self._weights[group] = bound_weights(mixed, cfg.floor, cfg.max_ratio)
+        self._updates += 1
+        self._last = {"n": len(parsed), "cr": cr, "deviation": deviation,
+                      "value_cr": {f"{dim}={label}": done / count for dim in STATE_DIMS
+                                   for label, (done, count) in sorted(tallies[dim].items())}}
+        logger.info("controller update %d: n=%d cr=%.3f (target %.3f, deviation %+.3f) weights %s",
+                    self._updates, len(parsed), cr, cfg.target_completion_rate, deviation,
+                    {g: {k: round(v, 4) for k, v in w.items()} for g, w in self.weights.items()})
+        return self.metrics()
+
+    def metrics(self) -> dict[str, float]:
+        """Weights (marginal per dimension value; also per combination when joint), last update's CRs and n."""
+        out: dict[str, float] = {"controller/updates": float(self._updates), "controller/n": float(self._last["n"])}
+        if self._last["cr"] is not None:
+            out["controller/cr"] = self._last["cr"]
+            out["controller/deviation"] = self._last["deviation"]
+        if self.config.joint:
+            joint = self.weights["joint"]
+            for i, dim in enumerate(STATE_DIMS):
+                for v in self._values[dim]:
+                    out[f"controller/weight/{dim}={v}"] = sum(w for k, w in joint.items()
+                                                              if parse_state_key(k)[i] == v)
+            out.update({f"controller/weight/{k}": w for k, w in joint.items()})
+        else:
+            out.update({f"controller/weight/{dim}={k}": w for dim in STATE_DIMS
+                        for k, w in self.weights[dim].items()})
+        out.update({f"controller/cr/{k}": v for k, v in self._last["value_cr"].items()})
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: weights, RNG state, update count and the last update's statistics."""
+        version, internal, gauss = self._rng.getstate()
+        return {"version": _STATE_VERSION, "joint": self.config.joint,
+                "labels": {g: list(v) for g, v in self._labels.items()},
+                "weights": {g: list(w) for g, w in self._weights.items()},
+                "rng": [version, list(internal), gauss], "updates": self._updates,
+                "last": {**self._last, "value_cr": dict(self._last["value_cr"])}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict()`; ValueError naming the key when it does not fit this controller."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"controller state must be a mapping, got {type(state).__name__}")
+        missing = {"version", "joint", "labels", "weights", "rng", "updates", "last"} - set(state)
+        if missing:
+            raise ValueError(f"controller state is missing key(s) {sorted(missing)}")
+        if state["version"] != _STATE_VERSION:
+            raise ValueError(f"controller state version {state['version']!r} != {_STATE_VERSION}")
+        if state["joint"] != self.config.joint or state["labels"] != self._labels:
+            raise ValueError("controller state 'labels' were saved with another scenario range, joint or "
+                             "allow_extremes setting than this controller's")
+        weights = {}
+        saved = state["weights"] if isinstance(state["weights"], Mapping) else {}
+        for group, labels in self._labels.items():
+            w = saved.get(group)
+            if (not isinstance(w, list) or len(w) != len(labels)
+                    or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0 for x in w)
+                    or not math.isclose(sum(w), 1.0, abs_tol=1e-6)):
+                raise ValueError(f"controller state 'weights.{group}' must be {len(labels)} non-negative numbers "
+                                 "summing to 1")
+            weights[group] = [float(x) for x in w]
+        last = state["last"]
+        if (isinstance(state["updates"], bool) or not isinstance(state["updates"], int) or not isinstance(last, Mapping)
+                or set(last) != {"n", "cr", "deviation", "value_cr"} or not isinstance(last["value_cr"], Mapping)):
+            raise ValueError("controller state 'updates' must be an integer and 'last' hold n, cr, deviation, "
+                             "value_cr")
+        try:
+            version, internal, gauss = state["rng"]
+            self._rng.setstate((version, tuple(internal), gauss))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"controller state 'rng' is not a saved random.Random state: {exc}") from None
+        self._weights = weights
+        self._updates = state["updates"]
+        self._last = {**last, "value_cr": dict(last["value_cr"])}
