@@ -1,0 +1,188 @@
+"""Dialogue rewards: the trainer's `reward.path=llm_agent.reward.compute_reward` plug-in.
+
+Each row's reward comes from that row's own `non_tensor_batch` record (never from `meta_info`), so it stays with
+its dialogue however the trainer reorders rows (balancing). The scalar goes on the row's last token with
+`response_mask == 1` (the agent's last sampled token); error rows (all-zero mask) get no reward.
+
+Components, with `raw` the unit-weight value and the weighted value `w * raw` (ranges from the scenario's
+`state_ranges`, span_d = max_d - min_d; helpers shared with `llm_agent.metrics`):
+
+- completion = [outcome == completed]
+- state_transition = mean over the dimensions of (last - first) / span_d, where the values of a dimension are the
+  sampled initial state followed by the simulator's reported states over the turns (the same start point as the
+  EI/TI/CI metrics; 0 for a dimension with fewer than two values)
+- profile_accuracy = mean over paired turns (see `llm_agent.metrics`) of 1 - mean_d abs(agent_d - user_d) / span_d
+  (0 with no paired turn)
+- false_positive = -[the agent's status on its last turn is 1 and outcome != completed]
+- turn_efficiency = [completed] * (1 - num_turns / turn_efficiency_max_turns)
+- format = -format_errors / max(num_turns, 1)
+
+Penalties have negative raw values, so every weight is a positive "how much it matters". Default weights
+reproduce the original SEAD reward: completion 10, everything else 0 (reward in {0, 10}).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from llm_agent.metrics import (claimed_done, dimension_values, paired_errors, range_spans, record_count,
+                               record_label, record_outcome, record_turns, records_from_batch)
+from llm_agent.scenario import STATE_DIMS, Scenario, load_scenario
+from verl.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["COMPONENTS", "DEFAULT_WEIGHTS", "REWARD_KEYS", "compute_reward", "raw_components", "resolve_weights"]
+
+COMPONENTS: tuple[str, ...] = ("completion", "state_transition", "profile_accuracy", "false_positive",
+                               "turn_efficiency", "format")
+DEFAULT_WEIGHTS: dict[str, float] = {name: 10.0 if name == "completion" else 0.0 for name in COMPONENTS}
+REWARD_KEYS: tuple[str, ...] = ("outcome", "num_turns", "turns", "format_errors")
+
+
+@functools.lru_cache(maxsize=8)
+def _scenario(path: str) -> Scenario:
+    return load_scenario(path)
+
+
+def resolve_weights(weights: Mapping[str, Any] | None) -> dict[str, float]:
+    """DEFAULT_WEIGHTS overridden by `weights`; ValueError on an unknown component or a non-finite/non-number."""
+    if weights is None:
+        return dict(DEFAULT_WEIGHTS)
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"reward.kwargs.weights must be a mapping component -> float, got {type(weights).__name__}")
+    unknown = sorted(str(k) for k in weights if k not in COMPONENTS)
+    if unknown:
+        raise ValueError(f"reward.kwargs.weights: unknown component(s) {unknown}; valid components: {list(COMPONENTS)}")
+    out = dict(DEFAULT_WEIGHTS)
+    for name, value in weights.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"reward.kwargs.weights.{name} must be a finite number, got {value!r}")
+        out[name] = float(value)
+    return out
+
+
+def raw_components(record: Mapping[str, Any], spans: Mapping[str, int], max_turns: int | None,
+                   where: str = "dialogue") -> dict[str, float]:
+    """The unit-weight value of every component for one non-error record (see the module docstring).
+
+    `turn_efficiency` is left out when `max_turns` is None; a record with more turns than `max_turns` raises.
+    """
+    outcome = record_outcome(record, where)
+    turns = record_turns(record, where)
+    num_turns = record_count(record, "num_turns", where)
+    completed = float(outcome == "completed")
+    profile = record.get("profile") or {}
+    transition = sum(_span_delta([int(profile[d])] if profile.get(d) is not None else [], turns, d, spans[d])
+                     for d in STATE_DIMS) / len(STATE_DIMS)
+    errors = paired_errors(turns, spans)
+    raw = {
+        "completion": completed,
+        "state_transition": transition,
+        "profile_accuracy": math.fsum(1.0 - e for e in errors) / len(errors) if errors else 0.0,
+        "false_positive": -float(claimed_done(turns) and outcome != "completed"),
+        "format": -record_count(record, "format_errors", where) / max(num_turns, 1),
+    }
+    if max_turns is not None:
+        if num_turns > max_turns:
+            raise ValueError(f"{where}: num_turns={num_turns} exceeds reward.kwargs.turn_efficiency_max_turns="
+                             f"{max_turns}; set it to the rollout loop's max_turns")
+        raw["turn_efficiency"] = completed * (1.0 - num_turns / max_turns)
+    return raw
+
+
+def _span_delta(initial: list[int], turns: Sequence[Mapping[str, Any]], dim: str, span: int) -> float:
+    """(last - first) / span of one dimension: the sampled initial state, then the simulator's reported states
+    (the same start point as the EI/TI/CI metrics); 0 with fewer than two values."""
+    values = [*initial, *dimension_values(turns, "user", dim)]
+    return (values[-1] - values[0]) / span if len(values) >= 2 else 0.0
+
+
+def _last_agent_positions(response_mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the index of the last token with mask 1, or -1 when there is none."""
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device).expand_as(response_mask)
+    return torch.where(response_mask.bool(), positions, torch.full_like(positions, -1)).max(dim=-1).values
+
+
+def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
+                   weights: Mapping[str, Any] | None = None,
+                   turn_efficiency_max_turns: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Score every dialogue of `data` (a DataProto from the SEAD rollout loop); returns (rewards (B, R), metrics).
+
+    `tokenizer` is part of the trainer's plug-in signature and unused (records are already parsed). `scenario`
+    is the scenario YAML path (loaded once per path); `weights` overrides DEFAULT_WEIGHTS per component;
+    `turn_efficiency_max_turns` is required when the turn_efficiency weight is non-zero.
+
+    Metrics (the trainer logs them under `reward/`): `<name>` (weighted) and `raw/<name>` (unit weight) means over
+    non-error rows for every component (raw turn_efficiency only when max_turns is known), and `total`; 0 when
+    every row is an
+    error. Side effect: writes `non_tensor_batch["reward_components"]` (dict of weighted values per row, all 0 for
+    error rows) and `non_tensor_batch["reward"]` (float per row). A non-error row without any agent token keeps its
+    score in `reward` but gets nothing in the tensor; it is warned about and counted in `unplaced_rows`.
+    """
+    if not scenario:
+        raise ValueError("reward.kwargs.scenario is required: the scenario YAML path (its state_ranges normalise "
+                         "the state components)")
+    w = resolve_weights(weights)
+    if turn_efficiency_max_turns is not None and (isinstance(turn_efficiency_max_turns, bool) or not isinstance(
+            turn_efficiency_max_turns, int) or turn_efficiency_max_turns < 1):
+        raise ValueError(f"reward.kwargs.turn_efficiency_max_turns must be a positive int, got "
+                         f"{turn_efficiency_max_turns!r}")
+    if w["turn_efficiency"] != 0.0 and turn_efficiency_max_turns is None:
+        raise ValueError("reward.kwargs.weights.turn_efficiency is non-zero but reward.kwargs."
+                         "turn_efficiency_max_turns is not set (use the rollout loop's max_turns)")
+    if data.batch is None or "response_mask" not in data.batch.keys():
+        raise KeyError("compute_reward needs batch['response_mask'] (1 on agent-sampled tokens) from the rollout "
+                       "loop llm_agent.generation.LLMGenerationManager")
+    spans = range_spans(_scenario(str(scenario)))
+    records = records_from_batch(data, required=REWARD_KEYS)
+    response_mask = data.batch["response_mask"]
+    last = _last_agent_positions(response_mask)
+    reward_tensor = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    components = np.empty(len(records), dtype=object)
+    totals = np.zeros(len(records), dtype=np.float64)
+    raw_rows: list[dict[str, float]] = []
+    unplaced = []
+    for i, record in enumerate(records):
+        where = record_label(record, i)
+        if record_outcome(record, where) == "error":
+            components[i] = {name: 0.0 for name in COMPONENTS}
+            continue
+        raw = raw_components(record, spans, turn_efficiency_max_turns, where)
+        raw_rows.append(raw)
+        weighted = {name: w[name] * raw.get(name, 0.0) for name in COMPONENTS}
+        components[i] = weighted
+        totals[i] = math.fsum(weighted.values())
+        if last[i] < 0:
+            unplaced.append(record.get("dialogue_id", i))
+        else:
+            reward_tensor[i, last[i]] = totals[i]
+    if unplaced:
+        logger.warning("%d non-error dialogue(s) have no agent token (response_mask all 0); their reward is "
+                       "dropped: %s", len(unplaced), unplaced[:5])
+    data.non_tensor_batch["reward_components"] = components
+    data.non_tensor_batch["reward"] = totals
+    metrics = _reward_metrics(raw_rows, components, totals, records)
+    metrics["unplaced_rows"] = float(len(unplaced))
+    return reward_tensor, metrics
+
+
+def _reward_metrics(raw_rows: list[dict[str, float]], components: np.ndarray,
+                    totals: np.ndarray, records: list[dict[str, Any]]) -> dict[str, float]:
+    """Means over the non-error rows of the weighted and raw components and of the total."""
+    scored = [i for i, r in enumerate(records) if r["outcome"] != "error"]
+    n = len(scored)
+    metrics: dict[str, float] = {}
+    for name in COMPONENTS:
+        metrics[name] = math.fsum(components[i][name] for i in scored) / n if n else 0.0
+        if all(name in raw for raw in raw_rows):
+            metrics[f"raw/{name}"] = math.fsum(raw[name] for raw in raw_rows) / n if n else 0.0
+    metrics["total"] = math.fsum(totals[i] for i in scored) / n if n else 0.0
+    return metrics
