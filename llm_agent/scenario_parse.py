@@ -5,6 +5,7 @@ rules are documented in `docs/scenario_schema.md` (sections 1, 5 and "Parsing ru
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -108,10 +109,12 @@ class CueList:
         return any(pat.search(text) for pat in self._patterns)
 
 
+@functools.lru_cache(maxsize=256)
 def _open_re(tag: str) -> re.Pattern:
     return re.compile(r"<\s*" + re.escape(tag) + r"\s*>", re.IGNORECASE)
 
 
+@functools.lru_cache(maxsize=256)
 def _block_re(tag: str) -> re.Pattern:
     t = re.escape(tag)
     return re.compile(r"<\s*" + t + r"\s*>(.*?)<\s*/\s*" + t + r"\s*>", re.IGNORECASE | re.DOTALL)
@@ -119,7 +122,12 @@ def _block_re(tag: str) -> re.Pattern:
 
 def any_tag_re(tags: Iterable[str]) -> re.Pattern:
     """A regex matching an opening or closing of any of `tags`."""
-    alt = "|".join(re.escape(t) for t in sorted(tags, key=len, reverse=True))
+    return _any_tag_re(tuple(sorted(set(tags), key=lambda t: (-len(t), t))))
+
+
+@functools.lru_cache(maxsize=64)
+def _any_tag_re(tags: tuple[str, ...]) -> re.Pattern:
+    alt = "|".join(re.escape(t) for t in tags)
     return re.compile(r"<\s*/?\s*(?:" + alt + r")\s*>", re.IGNORECASE)
 
 

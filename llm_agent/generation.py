@@ -1,0 +1,364 @@
+"""The SEAD rollout loop: multi-turn dialogues between the policy (the service agent) and a user simulator.
+
+`LLMGenerationManager` is the trainer's `rollout_loop.path` plug-in. Each turn it left-pads the active dialogues'
+contexts into one batch, calls `actor_rollout_wg.generate_sequences`, appends exactly the sampled token ids
+(loss mask 1), parses the agent's tags, and answers the turn from the user-response cache (training only) or
+from the simulator (one `complete_batch` call per turn). User turns are appended as the chat template's role
+markers around the spoken reply (loss mask 0). Every dialogue ends with one outcome (`completed`, `hung_up`,
+`agent_ended`, `timeout`, `truncated`, `error`) and is returned as one row: the generation tensors plus the
+per-dialogue record in `non_tensor_batch` (see /tmp/issue4_spec.md and docs/architecture.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from llm_agent.cache import CachedReply, UserResponseCache
+from llm_agent.controller import StateController
+from llm_agent.dialogue_state import ChatMarkers, Dialogue, TokenBuffer
+from llm_agent.generation_config import ROOT_KEY, ConfigError, GenerationConfig
+from llm_agent.metrics import dialogue_metrics, records_from_batch
+from llm_agent.rollout_records import RECORD_COLUMNS, append_jsonl, log_lines, object_column, prefixed
+from llm_agent.scenario import AgentTurn, STATUS_COMPLETED, STATUS_ENDED, UserProfile, load_scenario
+from llm_agent.user_client import ChatReply, ChatRequest, TurnFailure, UserSimClient
+from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLMGenerationManager"]
+
+
+
+def _stable_seed(*parts: Any) -> int:
+    """A 31-bit seed from the parts' text, identical across processes (unlike `hash`)."""
+    digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def _profile_from_row(value: Any, row: int, uid: str) -> UserProfile:
+    """Parse the dataset's `user_profile` cell (JSON string or mapping); ValueError naming the row."""
+    where = f"non_tensor_batch['user_profile'][{row}] (uid {uid!r})"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    if value is None:
+        raise ValueError(f"{where} is missing")
+    try:
+        return UserProfile.from_dict(value)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+class LLMGenerationManager:
+    """Runs SEAD dialogues for a generation batch; see the module docstring.
+
+    `client` may inject any object with `complete_batch(list[ChatRequest]) -> list[ChatReply | TurnFailure]`
+    (tests, benchmarks); without it a `UserSimClient` is built from `rollout_loop.config.user_sim` and owned
+    (closed by `close()`). Validation loops (`is_validation=True`) use no cache and no controller and read every
+    row's profile from the dataset's `user_profile` column.
+    """
+
+    def __init__(self, tokenizer: Any, actor_rollout_wg: Any, config: Mapping[str, Any], is_validation: bool,
+                 client: Any = None) -> None:
+        self.config = GenerationConfig.from_dict(config)
+        self.scenario = load_scenario(self.config.scenario)
+        self.tokenizer, self.wg, self.is_validation = tokenizer, actor_rollout_wg, bool(is_validation)
+        self.eos_id = tokenizer.eos_token_id
+        if self.eos_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; the rollout loop needs one to end agent turns")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.markers = ChatMarkers.from_tokenizer(tokenizer, self.eos_id)
+        reply_tag = self.scenario.agent_tags.tag("reply")
+        self.format_error_message = self.config.format_error_message or (
+            f"(The customer heard nothing: your last message had no <{reply_tag}>...</{reply_tag}> block. "
+            "Answer again in the required format.)")
+        self._owns_client = client is None
+        self.client = client if client is not None else self._build_client()
+        use_cache = not self.is_validation and self.config.cache.enabled
+        self.cache = UserResponseCache(self.config.cache, self.scenario.name) if use_cache else None
+        use_controller = not self.is_validation and self.config.controller.enabled
+        self.controller = StateController(self.config.controller, self.scenario) if use_controller else None
+        self._calls = 0
+        logger.info("rollout loop (%s): scenario %r, max_turns=%d, per-turn %d / per-trajectory %d tokens, "
+                    "cache %s, controller %s", "validation" if self.is_validation else "training",
+                    self.scenario.name, self.config.max_turns, self.config.max_tokens_per_turn,
+                    self.config.max_response_length, "on" if self.cache is not None else "off",
+                    "on" if self.controller is not None else "off")
+
+    def _build_client(self) -> UserSimClient:
+        sim = self.config.user_sim
+        if not sim.urls:
+            raise ConfigError(f"{ROOT_KEY}.user_sim.urls is required (the simulator instances' base URLs)")
+        return UserSimClient(sim.urls, model=sim.model, api_key=sim.api_key, timeout_s=sim.timeout_s,
+                             max_attempts=sim.max_attempts, deadline_s=sim.deadline_s)
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def _profiles(self, gen_batch: DataProto, uids: Sequence[str]) -> list[UserProfile]:
+        """One profile per row: per uid group from the controller, else from the `user_profile` column."""
+        if self.controller is not None:
+            starts = [i for i in range(len(uids)) if i == 0 or uids[i] != uids[i - 1]]
+            group_uids = [uids[i] for i in starts]
+            if len(set(group_uids)) != len(group_uids):
+                raise ValueError("rows of one uid must be consecutive (repeat with interleave=True) so that each "
+                                 "GRPO group shares one sampled profile")
+            sampled = self.controller.sample(len(starts))
+            ends = [*starts[1:], len(uids)]
+            return [p for p, s, e in zip(sampled, starts, ends) for _ in range(e - s)]
+        column = gen_batch.non_tensor_batch.get("user_profile")
+        if column is None:
+            mode = "validation" if self.is_validation else f"training with {ROOT_KEY}.controller.enabled=false"
+            raise ValueError(f"{mode} needs the dataset column 'user_profile' (a JSON profile per row)")
+        profiles = [_profile_from_row(column[i], i, uids[i]) for i in range(len(uids))]
+        for i, profile in enumerate(profiles):
+            try:
+                self.scenario.check_profile(profile)
+            except ValueError as exc:
+                raise ValueError(f"non_tensor_batch['user_profile'][{i}] (uid {uids[i]!r}): {exc}") from None
+        return profiles
+
+    def _dialogues(self, gen_batch: DataProto) -> list[Dialogue]:
+        if "uid" not in gen_batch.non_tensor_batch:
+            raise ValueError("run_llm_loop needs non_tensor_batch['uid'] (the trainer's prompt ids)")
+        uids = [str(u) for u in gen_batch.non_tensor_batch["uid"]]
+        profiles = self._profiles(gen_batch, uids)
+        seen: dict[str, int] = {}
+        dialogues = []
+        for row, (uid, profile) in enumerate(zip(uids, profiles)):
+            k = seen.get(uid, 0)
+            seen[uid] = k + 1
+            persona = {"role": "system", "content": self.scenario.render_user_prompt(profile)}
+            dialogues.append(Dialogue(row=row, uid=uid, dialogue_id=f"{uid}#{k}", profile=profile,
+                                      sim_messages=[persona]))
+        return dialogues
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
+        """Run every row's dialogue to an outcome; returns the generation tensors and per-dialogue records."""
+        self._calls += 1
+        for key in ("input_ids", "attention_mask"):
+            if gen_batch.batch is None or key not in gen_batch.batch.keys():
+                raise ValueError(f"run_llm_loop needs gen_batch.batch[{key!r}] (left-padded agent prompts)")
+        dialogues = self._dialogues(gen_batch)
+        buffer = TokenBuffer(gen_batch.batch["input_ids"], gen_batch.batch["attention_mask"],
+                             self.config.max_response_length, self.pad_id)
+        meta = {k: v for k, v in gen_batch.meta_info.items() if k != "metrics"}
+        timing = {"generate": 0.0, "user_sim": 0.0}
+        for turn in tqdm(range(self.config.max_turns), desc="dialogue turns", leave=False):
+            active = [d for d in dialogues if d.active]
+            if not active:
+                break
+            pending = self._agent_turn(active, buffer, meta, timing)
+            if pending:
+                self._simulator_turn(pending, buffer, turn, timing)
+        for d in dialogues:
+            if d.active:
+                raise RuntimeError(f"dialogue {d.dialogue_id} has no outcome after {d.num_turns} turns")
+            if self.cache is not None:
+                self.cache.end_dialogue(d.dialogue_id)
+        return self._output(dialogues, buffer, timing)
+
+    def _generate(self, rows: list[int], buffer: TokenBuffer, meta: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+        """One `generate_sequences` call for `rows`; returns (responses, sampled length per row)."""
+        response_length = min(self.config.max_tokens_per_turn, max(buffer.remaining(r) for r in rows))
+        batch = DataProto.from_dict(tensors=buffer.context_batch(rows), meta_info={
+            **meta, "eos_token_id": self.eos_id, "pad_token_id": self.pad_id, "response_length": response_length})
+        world_size = int(getattr(self.wg, "world_size", 1))
+        padded, pad_size = pad_dataproto_to_divisor(batch, world_size)
+        out = unpad_dataproto(self.wg.generate_sequences(padded), pad_size)
+        responses = out.batch["responses"]
+        if responses.size(0) != len(rows) or responses.size(1) > response_length:
+            raise RuntimeError(f"generate_sequences returned responses of shape {tuple(responses.shape)} for "
+                               f"{len(rows)} rows and response_length {response_length}")
+        lengths = out.batch["attention_mask"][:, -responses.size(1):].sum(dim=1).tolist()
+        return responses, lengths
+
+    def _agent_turn(self, active: list[Dialogue], buffer: TokenBuffer, meta: dict[str, Any],
+                    timing: dict[str, float]) -> list[tuple[Dialogue, AgentTurn]]:
+        """Generate and record one agent turn per active dialogue; returns those waiting for the simulator."""
+        for d in active:
+            if buffer.remaining(d.row) < 1:
+                d.end("truncated")
+        active = [d for d in active if d.active]
+        if not active:
+            return []
+        started = time.monotonic()
+        responses, lengths = self._generate([d.row for d in active], buffer, meta)
+        timing["generate"] += time.monotonic() - started
+        kept: list[tuple[torch.Tensor, bool]] = []
+        for i, d in enumerate(active):
+            ids = responses[i, :lengths[i]]
+            budget = buffer.remaining(d.row)
+            cut = ids.numel() > budget
+            ids = ids[:budget]
+            buffer.append(d.row, ids, 1)
+            ended = ids.numel() > 0 and ids[-1].item() == self.eos_id
+            if not cut and not ended:  # stopped by the per-turn limit: close the turn with an unsampled eos
+                if buffer.remaining(d.row) < 1:
+                    cut = True
+                else:
+                    buffer.append(d.row, [self.eos_id], 0)
+            kept.append((ids, cut))
+        texts = self.tokenizer.batch_decode([ids for ids, _ in kept], skip_special_tokens=True)
+        pending = []
+        for d, text, (_, cut) in zip(active, texts, kept):
+            turn = self.scenario.parse_agent_output(text)
+            if cut:
+                d.add_agent_turn(text, turn, None)
+                d.end("truncated")
+            elif turn.parse_error:
+                d.add_agent_turn(text, turn, None)
+                d.format_errors += 1
+                self._user_turn(d, buffer, self.format_error_message, None, None, "format_error", None)
+            elif turn.status in (STATUS_COMPLETED, STATUS_ENDED):
+                d.add_agent_turn(text, turn, None)
+                d.end("agent_ended")
+            else:
+                d.add_agent_turn(text, turn, self.scenario.spoken_agent_reply(turn))
+                hit = self.cache.lookup(d.dialogue_id, turn.stage) if self.cache is not None else None
+                if hit is None:
+                    pending.append((d, turn))
+                else:
+                    self._cached_turn(d, buffer, hit)
+        return pending
+
+    def _cached_turn(self, d: Dialogue, buffer: TokenBuffer, hit: CachedReply) -> None:
+        d.cache_hits += 1
+        content = self.scenario.format_user_output(hit.reply, hit.state, hit.status)
+        self._user_turn(d, buffer, hit.reply, dict(hit.state), hit.status, "cache", content)
+
+    def _simulator_turn(self, pending: list[tuple[Dialogue, AgentTurn]], buffer: TokenBuffer, turn_index: int,
+                        timing: dict[str, float]) -> None:
+        """Ask the simulator for every pending dialogue's user turn in one batch and apply the answers."""
+        sim = self.config.user_sim
+        requests = [ChatRequest(d.dialogue_id, d.sim_messages, temperature=sim.temperature, top_p=sim.top_p,
+                                max_tokens=sim.max_tokens,
+                                seed=_stable_seed(self.config.seed, self._calls, d.dialogue_id, turn_index))
+                    for d, _ in pending]
+        started = time.monotonic()
+        results = self.client.complete_batch(requests)
+        timing["user_sim"] += time.monotonic() - started
+        if len(results) != len(requests):
+            raise RuntimeError(f"the simulator client answered {len(results)} of {len(requests)} requests")
+        for (d, agent), result in zip(pending, results):
+            if result.dialogue_id != d.dialogue_id:
+                raise RuntimeError(f"the simulator client answered {result.dialogue_id!r} for {d.dialogue_id!r}")
+            if isinstance(result, TurnFailure):
+                d.turns[-1]["user_error"] = result.reason
+                d.end("error", f"user simulator turn failed: {result.reason}")
+                continue
+            if not isinstance(result, ChatReply):
+                raise TypeError(f"the simulator client returned a {type(result).__name__} for {d.dialogue_id!r}")
+            user = self.scenario.parse_user_output(result.text)
+            if user.parse_error:
+                tag = self.scenario.user_tags.tag("reply")
+                reason = f"simulator reply has no <{tag}> text: {result.text[:200]!r}"
+                d.turns[-1]["user_error"] = reason
+                d.end("error", reason)
+                continue
+            if self.cache is not None:
+                self.cache.add(agent.stage, user.reply, user.state, user.status)
+            content = self.scenario.format_user_output(user.reply, user.state, user.status)
+            self._user_turn(d, buffer, user.reply, user.state, user.status, "simulator", content)
+
+    def _user_turn(self, d: Dialogue, buffer: TokenBuffer, reply: str, state: dict[str, int | None] | None,
+                   status: int | None, source: str, sim_content: str | None) -> None:
+        """Record the user side of the last turn, decide whether the dialogue goes on, and append its tokens."""
+        ids = self.tokenizer.encode(reply, add_special_tokens=False, split_special_tokens=True)
+        shown = reply
+        if len(ids) > self.config.max_user_tokens:
+            ids = ids[:self.config.max_user_tokens]
+            shown = self.tokenizer.decode(ids)
+        d.add_user_turn(reply, state, status, source, shown, sim_content)
+        if status == STATUS_COMPLETED:
+            d.end("completed")
+        elif status == STATUS_ENDED:
+            d.end("hung_up")
+        elif d.num_turns >= self.config.max_turns:
+            d.end("timeout")
+        else:
+            block = self.markers.user_block(ids)
+            if len(block) >= buffer.remaining(d.row):
+                d.end("truncated")
+            else:
+                buffer.append(d.row, block, 0)
+
+    # ----------------------------------------------------------------------------------------- output
+    def _output(self, dialogues: list[Dialogue], buffer: TokenBuffer, timing: dict[str, float]) -> DataProto:
+        errors = [d.row for d in dialogues if d.outcome == "error"]
+        tensors = buffer.final_tensors(errors)
+        records = [d.record() for d in dialogues]
+        uids = [f"{d.uid}/error/{d.dialogue_id}" if d.outcome == "error" else d.uid for d in dialogues]
+        columns = {"uid": object_column(uids)}
+        columns.update({key: object_column([r[key] for r in records]) for key in RECORD_COLUMNS if key != "uid"})
+        metrics = prefixed(dialogue_metrics(records, self.scenario), "rollout/")
+        metrics.update({f"rollout/time_{k}_s": v for k, v in timing.items()})
+        outcomes = {o: sum(d.outcome == o for d in dialogues) for o in {d.outcome for d in dialogues}}
+        logger.info("rollout %d (%s): %d dialogues, outcomes %s, %.1fs generating, %.1fs waiting for the "
+                    "simulator", self._calls, "val" if self.is_validation else "train", len(dialogues),
+                    dict(sorted(outcomes.items())), timing["generate"], timing["user_sim"])
+        return DataProto.from_dict(tensors=tensors, non_tensors=columns, meta_info={"metrics": metrics})
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def on_train_step_end(self, batch: DataProto, step: int) -> dict[str, float]:
+        """After a training step: update the controller from non-error rows, append the rollout log, and return
+        dialogue (`dialogue/`), cache (`cache/`), controller (`controller/`) and client (`user_sim/`) metrics."""
+        records = records_from_batch(batch, RECORD_COLUMNS)
+        metrics = prefixed(dialogue_metrics(records, self.scenario), "dialogue/")
+        if self.controller is not None:
+            outcomes = [(r["state_key"], r["outcome"] == "completed") for r in records if r["outcome"] != "error"]
+            metrics.update(prefixed(self.controller.update(outcomes), "controller/"))
+        if self.cache is not None:
+            metrics.update(prefixed(self.cache.metrics(reset=True), "cache/"))
+        if hasattr(self.client, "stats"):
+            metrics.update(prefixed(self.client.stats(), "user_sim/"))
+            if hasattr(self.client, "reset_stats"):
+                self.client.reset_stats()
+        if self.config.rollout_log_path:
+            append_jsonl(self.config.rollout_log_path, log_lines(records, step, "train"))
+        return metrics
+
+    def on_validation_end(self, batches: Sequence[DataProto], step: int) -> dict[str, float]:
+        """After validation: metrics over all validation dialogues (`dialogue/`; the trainer adds `val/`), one
+        `{"step", "n_dialogues", "metrics"}` line appended to `val_metrics_path`, rollout-log lines (split val)."""
+        records = [r for batch in batches for r in records_from_batch(batch, RECORD_COLUMNS)]
+        raw = dialogue_metrics(records, self.scenario)
+        if self.config.val_metrics_path:
+            line = json.dumps({"step": step, "n_dialogues": len(records), "metrics": raw})
+            append_jsonl(self.config.val_metrics_path, [line])
+        if self.config.rollout_log_path:
+            append_jsonl(self.config.rollout_log_path, log_lines(records, step, "val"))
+        return prefixed(raw, "dialogue/")
+
+    # -------------------------------------------------------------------------------------- lifecycle
+    def state_dict(self) -> dict[str, Any]:
+        """What the trainer checkpoints: the controller's state (None without one) and the loop's call count."""
+        return {"controller": None if self.controller is None else self.controller.state_dict(),
+                "calls": self._calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`; ValueError when it holds a controller state this loop has no controller for."""
+        if not isinstance(state, Mapping) or "calls" not in state:
+            raise ValueError(f"rollout-loop state must be a mapping with 'controller' and 'calls', got {state!r}")
+        if state.get("controller") is not None:
+            if self.controller is None:
+                raise ValueError("the checkpoint holds a controller state but this loop has no controller "
+                                 f"({ROOT_KEY}.controller.enabled=false or validation)")
+            self.controller.load_state_dict(state["controller"])
+        self._calls = int(state["calls"])
+
+    def close(self) -> None:
+        """Close the simulator client this loop built (an injected one is left to its owner) and flush the cache."""
+        if self._owns_client and self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.cache is not None:
+            self.cache.flush()

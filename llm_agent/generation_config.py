@@ -1,0 +1,176 @@
+"""Typed configuration of the SEAD rollout loop (`rollout_loop.config` of the trainer).
+
+`GenerationConfig.from_dict(mapping)` checks the free-form mapping the trainer passes to
+`llm_agent.generation.LLMGenerationManager` and returns frozen-by-convention dataclasses; every problem raises
+`ConfigError` naming the key as `rollout_loop.config.<key>` (nested keys dotted). The `cache` and `controller`
+sub-mappings are checked by `CacheConfig.from_dict` / `ControllerConfig.from_dict` of their own modules.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llm_agent.cache import CacheConfig
+from llm_agent.controller import ControllerConfig
+
+__all__ = ["ConfigError", "GenerationConfig", "UserSimConfig", "ROOT_KEY"]
+
+ROOT_KEY = "rollout_loop.config"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A rollout-loop config value is missing, unknown or invalid; the message names the full key."""
+
+
+def _plain(value: Any) -> Any:
+    """Turn OmegaConf containers (or any Mapping / non-string Sequence) into plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _check_keys(data: Any, allowed: Sequence[str], where: str) -> dict[str, Any]:
+    """Return `data` as a dict after checking it is a mapping without unknown keys."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    return dict(data)
+
+
+def _number(data: Mapping[str, Any], key: str, default: Any, where: str, *, kind: type = int,
+            minimum: float | None = None, allow_none: bool = False) -> Any:
+    """Read `data[key]` as an int or float (bools rejected) with an optional lower bound."""
+    value = data.get(key, default)
+    if value is None and allow_none:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise ConfigError(f"{where}.{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    value = kind(value)
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{where}.{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _optional_str(data: Mapping[str, Any], key: str, where: str) -> str | None:
+    """Read `data[key]` as a non-empty string or None."""
+    value = data.get(key)
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(f"{where}.{key} must be a non-empty string or null, got {value!r}")
+    return value
+
+
+@dataclass
+class UserSimConfig:
+    """How to reach the user simulator: the `UserSimClient` arguments and the simulator's sampling settings."""
+
+    urls: list[str] | None = None
+    model: str | None = None
+    api_key: str | None = None
+    timeout_s: float = 60.0
+    max_attempts: int = 3
+    deadline_s: float | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "UserSimConfig":
+        """Check `data` (a mapping or None); `urls` may be a comma-separated string or a list of strings."""
+        data = _check_keys(data, [f.name for f in dataclasses.fields(cls)], where)
+        urls = data.get("urls")
+        if isinstance(urls, str):
+            urls = [u for u in urls.split(",") if u.strip()]
+        if urls is not None and (not isinstance(urls, list) or not all(isinstance(u, str) for u in urls)):
+            raise ConfigError(f"{where}.urls must be a comma-separated string or a list of strings, got {urls!r}")
+        top_p = _number(data, "top_p", 1.0, where, kind=float)
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"{where}.top_p must be in (0, 1], got {top_p}")
+        deadline = _number(data, "deadline_s", None, where, kind=float, allow_none=True)
+        if deadline is not None and deadline <= 0:
+            raise ConfigError(f"{where}.deadline_s must be > 0 or null, got {deadline}")
+        timeout = _number(data, "timeout_s", 60.0, where, kind=float)
+        if timeout <= 0:
+            raise ConfigError(f"{where}.timeout_s must be > 0, got {timeout}")
+        return cls(urls=urls or None, model=_optional_str(data, "model", where),
+                   api_key=_optional_str(data, "api_key", where), timeout_s=timeout,
+                   max_attempts=_number(data, "max_attempts", 3, where, minimum=1), deadline_s=deadline,
+                   temperature=_number(data, "temperature", 1.0, where, kind=float, minimum=0.0),
+                   top_p=top_p, max_tokens=_number(data, "max_tokens", 256, where, minimum=1))
+
+
+@dataclass
+class GenerationConfig:
+    """Everything the rollout loop reads from `rollout_loop.config`.
+
+    `max_tokens_per_turn` bounds one agent turn; `max_response_length` is the per-trajectory budget R (all
+    agent turns, user blocks and role markers together; the `responses` tensor is exactly R wide);
+    `max_user_tokens` bounds the spoken user reply inserted per turn. `format_error_message` is the user turn
+    shown to the agent when its output has no reply tag (null: a default naming the tag).
+    `seed` seeds the simulator requests (per rollout call, dialogue and turn).
+    """
+
+    scenario: str
+    max_turns: int = 10
+    max_tokens_per_turn: int = 256
+    max_response_length: int = 2048
+    max_user_tokens: int = 256
+    user_sim: UserSimConfig = field(default_factory=UserSimConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    rollout_log_path: str | None = None
+    val_metrics_path: str | None = None
+    seed: int = 0
+    format_error_message: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = ROOT_KEY) -> "GenerationConfig":
+        """Check the trainer's mapping; ConfigError names `rollout_loop.config.<key>` for any problem."""
+        data = _check_keys(_plain(data), [f.name for f in dataclasses.fields(cls)], where)
+        scenario = data.get("scenario")
+        if not isinstance(scenario, str) or not scenario.strip():
+            raise ConfigError(f"{where}.scenario is required: the path of a format_prompt/<name>.yaml file")
+        scenario_path = resolve_path(scenario)
+        if scenario_path is None:
+            raise ConfigError(f"{where}.scenario: file not found: {scenario!r} (looked in the working directory "
+                              f"and in {REPO_ROOT})")
+        max_turns = _number(data, "max_turns", 10, where, minimum=1)
+        per_turn = _number(data, "max_tokens_per_turn", 256, where, minimum=1)
+        budget = _number(data, "max_response_length", 2048, where, minimum=1)
+        if budget < per_turn:
+            raise ConfigError(f"{where}.max_response_length ({budget}) must be >= "
+                              f"{where}.max_tokens_per_turn ({per_turn})")
+        message = _optional_str(data, "format_error_message", where)
+        try:
+            cache = CacheConfig.from_dict(data.get("cache") or {}, f"{where}.cache")
+            controller = ControllerConfig.from_dict(data.get("controller") or {}, f"{where}.controller")
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        return cls(scenario=str(scenario_path), max_turns=max_turns, max_tokens_per_turn=per_turn,
+                   max_response_length=budget, max_user_tokens=_number(data, "max_user_tokens", 256, where, minimum=1),
+                   user_sim=UserSimConfig.from_dict(data.get("user_sim"), f"{where}.user_sim"), cache=cache,
+                   controller=controller, rollout_log_path=_optional_str(data, "rollout_log_path", where),
+                   val_metrics_path=_optional_str(data, "val_metrics_path", where),
+                   seed=_number(data, "seed", 0, where), format_error_message=message)
+
+
+def resolve_path(path: str) -> Path | None:
+    """`path` if it names a file, else the same path under the repository root if that is a file, else None."""
+    for candidate in (Path(path), REPO_ROOT / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    return None

@@ -1,0 +1,324 @@
+"""The SEAD rollout loop (LLMGenerationManager) with a programmed policy and simulator: outcomes, token/mask
+invariants, chat-template user blocks, limits, profiles, cache/controller use, hooks and config errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gen_loop_helpers import (FAIL, SCENARIO_PATH, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
+                              prompt_messages)
+from transformers import AutoTokenizer
+
+from llm_agent.cache import CacheConfig, UserResponseCache
+from llm_agent.dialogue_state import TokenBuffer
+from llm_agent.generation import LLMGenerationManager
+from llm_agent.generation_config import ConfigError, GenerationConfig
+from llm_agent.scenario import UserProfile, load_scenario
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path):
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    return load_scenario(SCENARIO_PATH)
+
+
+def base_config(tmp_path, **overrides):
+    cfg = {"scenario": str(SCENARIO_PATH), "max_turns": 3, "max_tokens_per_turn": 128, "max_response_length": 1024,
+           "max_user_tokens": 64, "cache": {"enabled": False}, "controller": {"enabled": False},
+           "rollout_log_path": str(tmp_path / "logs" / "rollout.jsonl"),
+           "val_metrics_path": str(tmp_path / "logs" / "val.jsonl")}
+    cfg.update(overrides)
+    return cfg
+
+
+def run(tok, scenario, tmp_path, agent_scripts, sim_scripts, validation=False, meta=None, **cfg):
+    policy = ProgrammedPolicy(tok, agent_scripts)
+    sim = ProgrammedSim(scenario, sim_scripts)
+    loop = LLMGenerationManager(tok, policy, base_config(tmp_path, **cfg), is_validation=validation, client=sim)
+    keys = list(agent_scripts)
+    out = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, meta=meta))
+    return loop, policy, sim, out, {k: i for i, k in enumerate(keys)}
+
+
+def mask_one_ids(out, row):
+    mask = out.batch["response_mask"][row].bool()
+    return out.batch["responses"][row][mask].tolist()
+
+
+def test_each_outcome_ends_or_continues_its_dialogue(tok, scenario, tmp_path):
+    a = lambda reply, **kw: agent_text(scenario, reply, **kw)  # noqa: E731
+    agents = {
+        "done": [a("Hello, I am Anna."), a("Please open the app.")],
+        "hang": [a("Hello.")],
+        "quit": [a("Hello."), a("Goodbye then.", status=1)],
+        "slow": [a("One."), a("Two."), a("Three.")],
+        "fail": [a("Hello."), a("Still there?")],
+        "junk": [a("Hello.")],
+        "fmt": ["I forgot every tag", a("Sorry. Hello."), a("Shall we start?")],
+    }
+    sims = {"done": [("Who is this?", 0), ("Okay, done.", 1)], "hang": [("Not interested.", -1)], "quit": [("Hm?", 0)],
+            "slow": [("Hm.", 0), ("Hm.", 0), ("Hm.", 0)], "fail": [("Yes?", 0), FAIL],
+            "junk": ["no tags at all"], "fmt": [("Who?", 0), ("Fine, done.", 1)]}
+    loop, policy, sim, out, row = run(tok, scenario, tmp_path, agents, sims)
+    nt = out.non_tensor_batch
+    expect = {"done": ("completed", 2, 2), "hang": ("hung_up", 1, 1), "quit": ("agent_ended", 2, 1),
+              "slow": ("timeout", 3, 3), "fail": ("error", 2, 2), "junk": ("error", 1, 1), "fmt": ("completed", 3, 2)}
+    for key, (outcome, turns, sim_calls) in expect.items():
+        i = row[key]
+        assert (nt["outcome"][i], nt["num_turns"][i], sim.calls_for(key)) == (outcome, turns, sim_calls), key
+        assert len(nt["turns"][i]) == turns and nt["dialogue_id"][i] == f"{key}#0"
+    # agent_ended: the last turn had no user side; error rows carry the reason and a unique uid, mask all 0
+    assert nt["turns"][row["quit"]][-1]["user_source"] is None
+    for key in ("fail", "junk"):
+        i = row[key]
+        assert nt["uid"][i] == f"{key}/error/{key}#0" and nt["error"][i]
+        assert nt["turns"][i][-1]["user_error"] and out.batch["response_mask"][i].sum() == 0
+    assert "all 3 attempts failed" in nt["error"][row["fail"]] and "user_reply" in nt["error"][row["junk"]]
+    assert nt["uid"][row["done"]] == "done" and nt["error"][row["done"]] is None
+    # format error: observation is the message, counted, the simulator never heard that turn
+    fmt = nt["turns"][row["fmt"]]
+    assert nt["format_errors"][row["fmt"]] == 1 and [t["agent_format_ok"] for t in fmt] == [False, True, True]
+    assert fmt[0]["user_source"] == "format_error" and fmt[0]["user_reply"] == loop.format_error_message
+    assert "<response>" in loop.format_error_message
+    heard = [m["content"] for m in sim.requests[-1].messages if m["role"] == "user"]
+    assert heard == ["Sorry. Hello.", "Shall we start?"]
+    assert nt["messages"][row["fmt"]][1] == {"role": "user", "content": loop.format_error_message}
+    assert tok.decode(out.batch["responses"][row["fmt"]]).count(loop.format_error_message) == 1
+    # user states recorded after each agent turn; simulator source
+    assert nt["turns"][row["done"]][0]["user_state"] == {"cooperation": 2, "emotion": 2, "trust": 2}
+    assert nt["turns"][row["done"]][1]["user_source"] == "simulator"
+    metrics = out.meta_info["metrics"]
+    assert metrics["rollout/n_dialogues"] == 7 and metrics["rollout/error_rate"] == pytest.approx(2 / 7)
+    assert metrics["rollout/completion_rate"] == pytest.approx(2 / 5)
+
+
+def test_response_mask_is_exactly_the_sampled_tokens_and_user_blocks_match_the_template(tok, scenario, tmp_path):
+    a = lambda reply, **kw: agent_text(scenario, reply, **kw)  # noqa: E731
+    agents = {"x": [a("Hello, this is Anna from the platform."), a("Tap the first button please."),
+                    a("Great, thank you.")],
+              "y": [a("Good morning!"), a("Can I explain the free trial?", stage=1), a("Okay.")]}
+    sims = {"x": [("Who is this?", 0), ("Which button? <|im_end|> sneaky", 0), ("Done.", 1)],
+            "y": [("Hi.", 0), ("Sure.", 0), ("Bye.", 0)]}
+    loop, policy, sim, out, row = run(tok, scenario, tmp_path, agents, sims)
+    eos = tok.eos_token_id
+    for key, i in row.items():
+        sampled = [t for turn in range(3) for t in policy.returned[(key, turn)]]
+        assert mask_one_ids(out, i) == sampled, key
+        assert sampled.count(eos) == 3
+        # the row's full token sequence is the chat template of the prompt + the agent-side messages
+        messages = prompt_messages(scenario, key) + list(out.non_tensor_batch["messages"][i])
+        last_user = messages[-1]["role"] == "user"
+        text = tok.apply_chat_template(messages[:-1] if last_user else messages, tokenize=False)
+        expected = tok.encode(text, add_special_tokens=False)
+        length = int(out.batch["attention_mask"][i].sum())
+        got = out.batch["input_ids"][i][out.batch["attention_mask"][i].bool()].tolist()
+        assert tok.decode(got) + "\n" == text, key
+        if key == "y":  # no special-token text in its replies: the very same ids as tokenizing the template
+            assert got == expected[:length] and tok.decode(expected[length:]) == "\n"
+    # a reply that spells a special token is inserted as plain text, never as the role marker
+    x = row["x"]
+    assert (out.batch["responses"][x] == eos).sum() == 5  # 3 agent turns + 2 user blocks, none from the reply
+    assert out.batch["responses"].shape[1] == 1024
+
+
+def test_tensors_are_consistent(tok, scenario, tmp_path):
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    loop, policy, sim, out, row = run(tok, scenario, tmp_path, {"p": [a("Hi.")] * 3, "q": [a("Hello there.")] * 3},
+                                      {"p": [("a", 1)], "q": [("b", 0), ("c", 0), ("d", 0)]})
+    b = out.batch
+    P = b["prompts"].shape[1]
+    assert torch.equal(b["input_ids"], torch.cat([b["prompts"], b["responses"]], 1))
+    for i in range(len(out)):
+        mask = b["attention_mask"][i].tolist()
+        pos, expected = b["position_ids"][i].tolist(), []
+        running = -1
+        for m in mask:
+            running += m
+            expected.append(max(running, 0))
+        assert pos == expected
+        n = int(sum(mask[P:]))
+        assert mask[P:] == [1] * n + [0] * (len(mask) - P - n)
+        assert b["responses"][i, n:].eq(tok.pad_token_id).all()
+        assert torch.all(b["response_mask"][i] <= b["attention_mask"][i, P:])
+
+
+def test_per_turn_and_per_trajectory_limits(tok, scenario, tmp_path):
+    long_reply = " ".join(["please open the app and tap the first button"] * 30)
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    agents = {"long": [a(long_reply)] * 5, "short": [a("Hi.")] * 5}
+    sims = {"long": [("ok", 0)] * 5, "short": [("ok", 0)] * 5}
+    loop, policy, sim, out, row = run(tok, scenario, tmp_path, agents, sims, max_turns=5,
+                                      max_tokens_per_turn=64, max_response_length=200)
+    nt, eos = out.non_tensor_batch, tok.eos_token_id
+    i = row["long"]
+    assert nt["outcome"][i] == "truncated"
+    lengths = [len(policy.returned[("long", t)]) for t in range(nt["num_turns"][i])]
+    assert lengths[0] == 64 and eos not in policy.returned[("long", 0)]  # cut by the per-turn limit
+    mask = out.batch["response_mask"][i].tolist()
+    assert sum(mask) == sum(lengths) and mask[:64] == [1] * 64 and mask[64] == 0
+    assert out.batch["responses"][i, 64].item() == eos  # the unsampled eos closes the turn (mask 0)
+    assert int(out.batch["attention_mask"][i, -200:].sum()) <= 200
+    for call in policy.calls:
+        assert call["response_length"] <= 64
+    assert nt["outcome"][row["short"]] in ("timeout", "truncated")
+
+
+def test_user_reply_is_cut_to_max_user_tokens(tok, scenario, tmp_path):
+    long_reply = "wait wait let me think about this offer for a moment " * 6
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    loop, policy, sim, out, _ = run(tok, scenario, tmp_path, {"u": [a("Hi.")] * 2},
+                                    {"u": [(long_reply, 0), ("ok", 1)]}, max_user_tokens=8)
+    turn, shown = out.non_tensor_batch["turns"][0][0], out.non_tensor_batch["messages"][0][1]["content"]
+    assert turn["user_reply"] == long_reply.strip()
+    assert shown == tok.decode(tok.encode(long_reply.strip(), add_special_tokens=False)[:8])
+    heard = sim.requests[1].messages[2]["content"]  # the simulator keeps its own full reply
+    assert long_reply.strip() in heard
+    first_block = out.batch["response_mask"][0].tolist().index(0)
+    block = out.batch["responses"][0, first_block:].tolist()
+    assert tok.decode(block).startswith(f"\n<|im_start|>user\n{shown}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_validation_never_touches_the_cache_and_training_uses_it(tok, scenario, tmp_path):
+    path = tmp_path / "cache.jsonl"
+    cache_cfg = {"enabled": True, "path": str(path), "stage_hit_rates": {0: 1.0}, "min_bucket_size": 1}
+    seed_cache = UserResponseCache(CacheConfig.from_dict(cache_cfg), scenario.name)
+    assert seed_cache.add(0, "A cached hello.", {"cooperation": 3, "emotion": 3, "trust": 3}, 0)
+    before = path.read_text()
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    agents = {"c": [a("Hi."), a("Hi again."), a("Third.")]}
+    sims = {"c": [("fresh one", 0), ("fresh two", 0), ("fresh three", 0)]}
+    val, _, val_sim, out, _ = run(tok, scenario, tmp_path, agents, sims, validation=True, cache=cache_cfg)
+    assert val.cache is None and val_sim.calls_for("c") == 3
+    assert [t["user_source"] for t in out.non_tensor_batch["turns"][0]] == ["simulator"] * 3
+    assert path.read_text() == before
+    train, _, train_sim, out, _ = run(tok, scenario, tmp_path, agents, sims, cache=cache_cfg)
+    sources = [t["user_source"] for t in out.non_tensor_batch["turns"][0]]
+    assert sources == ["cache", "simulator", "cache"] and out.non_tensor_batch["cache_hits"][0] == 2
+    assert out.non_tensor_batch["turns"][0][0]["user_state"] == {"cooperation": 3, "emotion": 3, "trust": 3}
+    # the simulator saw the cached reply as its own earlier turn, with its state tags
+    assert "A cached hello." in train_sim.requests[0].messages[2]["content"]
+    assert "<user_trust>3</user_trust>" in train_sim.requests[0].messages[2]["content"]
+
+
+def test_profiles_per_uid_group_from_controller_and_from_dataset(tok, scenario, tmp_path):
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    keys = ["g1", "g1", "g1", "g2", "g2", "g2"]
+    policy = ProgrammedPolicy(tok, {"g1": [a("Hi.")], "g2": [a("Hi.")]})
+    sim = ProgrammedSim(scenario, {"g1": [("ok", 1)], "g2": [("ok", 1)]})
+    loop = LLMGenerationManager(tok, policy, base_config(tmp_path, controller={"enabled": True, "seed": 3}),
+                                is_validation=False, client=sim)
+    out = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=keys))
+    nt = out.non_tensor_batch
+    assert list(nt["dialogue_id"]) == ["g1#0", "g1#1", "g1#2", "g2#0", "g2#1", "g2#2"]
+    assert len({json.dumps(p) for p in nt["profile"][:3]}) == 1 and len({json.dumps(p) for p in nt["profile"][3:]}) == 1
+    for req in sim.requests:  # each dialogue's persona is its own row's profile
+        i = list(nt["dialogue_id"]).index(req.dialogue_id)
+        persona = scenario.render_user_prompt(UserProfile.from_dict(nt["profile"][i]))
+        assert req.messages[0] == {"role": "system", "content": persona}
+        assert nt["state_key"][i] == UserProfile.from_dict(nt["profile"][i]).state_key
+    # without the controller the dataset column decides, row by row
+    profiles = [UserProfile(1, 0, 2), UserProfile(3, 3, 4)]
+    loop = LLMGenerationManager(tok, policy, base_config(tmp_path), is_validation=True, client=sim)
+    out = loop.run_llm_loop(make_gen_batch(tok, scenario, ["g1", "g2"], profiles=profiles))
+    assert list(out.non_tensor_batch["state_key"]) == ["c1-e0-t2", "c3-e3-t4"]
+    bad = make_gen_batch(tok, scenario, ["g1", "g2"])
+    bad.non_tensor_batch["user_profile"][1] = "{not json"
+    with pytest.raises(ValueError, match=r"user_profile'\]\[1\].*uid 'g2'.*JSON"):
+        loop.run_llm_loop(bad)
+    del bad.non_tensor_batch["user_profile"]
+    with pytest.raises(ValueError, match="user_profile"):
+        loop.run_llm_loop(bad)
+
+
+def test_sampling_meta_reaches_the_worker_group_with_padding_to_world_size(tok, scenario, tmp_path):
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    agents = {k: [a("Hi.")] * 2 for k in ("k1", "k2", "k3")}
+    sims = {"k1": [("ok", 0)] * 2, "k2": [("ok", 1)], "k3": [("ok", 0)] * 2}
+    meta = {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
+    loop, policy, sim, out, _ = run(tok, scenario, tmp_path, agents, sims, validation=True, meta=meta, max_turns=2)
+    assert len(policy.calls) == 2 and [c["rows"] for c in policy.calls] == [4, 2]  # 3 -> 4 rows, then 2 active
+    for call in policy.calls:
+        assert {k: call[k] for k in meta} == meta
+        assert call["eos_token_id"] == tok.eos_token_id and call["pad_token_id"] == tok.pad_token_id
+        assert call["response_length"] == 128
+    assert len(out) == 3
+
+
+def test_token_buffer_gather_matches_plain_python(tok):
+    gen = torch.Generator().manual_seed(0)
+    B, P, R, pad = 5, 7, 9, 0
+    lens = [3, 7, 1, 5, 2]
+    ids = torch.zeros(B, P, dtype=torch.long)
+    mask = torch.zeros(B, P, dtype=torch.long)
+    for i, n in enumerate(lens):
+        ids[i, P - n:] = torch.randint(1, 50, (n,), generator=gen)
+        mask[i, P - n:] = 1
+    buf = TokenBuffer(ids, mask, R, pad)
+    extra = {0: [11, 12], 2: [13, 14, 15, 16], 3: [], 4: [17]}
+    for r, toks in extra.items():
+        buf.append(r, toks, 1)
+    rows = [4, 0, 2, 3]
+    got = buf.context_batch(rows)
+    contexts = [ids[r, P - lens[r]:].tolist() + extra[r] for r in rows]
+    W = max(map(len, contexts))
+    for j, ctx in enumerate(contexts):
+        assert got["input_ids"][j].tolist() == [pad] * (W - len(ctx)) + ctx
+        assert got["attention_mask"][j].tolist() == [0] * (W - len(ctx)) + [1] * len(ctx)
+        assert got["position_ids"][j].tolist() == [0] * (W - len(ctx)) + list(range(len(ctx)))
+    with pytest.raises(ValueError, match="exceeds the response budget"):
+        buf.append(1, list(range(R + 1)), 1)
+    right = mask.flip(1)
+    with pytest.raises(ValueError, match="not left-padded"):
+        TokenBuffer(ids, right, R, pad)
+
+
+def test_hooks_log_metrics_and_state_roundtrip(tok, scenario, tmp_path):
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    agents = {"h1": [a("Hi.")] * 2, "h2": [a("Hi.")] * 2}
+    sims = {"h1": [("ok", 1)], "h2": [FAIL]}
+    policy, sim = ProgrammedPolicy(tok, agents), ProgrammedSim(scenario, sims)
+    cfg = base_config(tmp_path, controller={"enabled": True})
+    loop = LLMGenerationManager(tok, policy, cfg, is_validation=False, client=sim)
+    out = loop.run_llm_loop(make_gen_batch(tok, scenario, ["h1", "h2"]))
+    metrics = loop.on_train_step_end(out, step=4)
+    assert metrics["dialogue/completion_rate"] == 1.0 and metrics["dialogue/error_rate"] == 0.5
+    assert metrics["controller/updates"] == 1.0 and metrics["controller/n"] == 1.0  # the error row is excluded
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "rollout.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["split"], x["outcome"]) for x in lines] == [(4, "train", "completed"), (4, "train", "error")]
+    assert lines[0]["profile"] == out.non_tensor_batch["profile"][0] and lines[0]["reward"] is None
+    state = json.loads(json.dumps(loop.state_dict()))
+    fresh = LLMGenerationManager(tok, policy, cfg, is_validation=False, client=sim)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    val = LLMGenerationManager(tok, policy, base_config(tmp_path), is_validation=True, client=sim)
+    batches = [val.run_llm_loop(make_gen_batch(tok, scenario, ["h1"])) for _ in range(2)]
+    vm = val.on_validation_end(batches, step=4)
+    assert vm["dialogue/n_dialogues"] == 2.0 and vm["dialogue/completion_rate"] == 1.0
+    line = json.loads((tmp_path / "logs" / "val.jsonl").read_text())
+    assert line["step"] == 4 and line["n_dialogues"] == 2 and line["metrics"]["completion_rate"] == 1.0
+    with pytest.raises(ValueError, match="controller"):
+        val.load_state_dict(state)
+    loop.close()
+
+
+@pytest.mark.parametrize("override, key", [
+    ({"max_turn": 3}, "rollout_loop.config: unknown key"),
+    ({"max_turns": 0}, "rollout_loop.config.max_turns must be >= 1"),
+    ({"max_tokens_per_turn": 300, "max_response_length": 200}, "rollout_loop.config.max_response_length"),
+    ({"scenario": "nope/missing.yaml"}, "rollout_loop.config.scenario: file not found"),
+    ({"user_sim": {"top_p": 0}}, "rollout_loop.config.user_sim.top_p"),
+    ({"cache": {"bogus": 1}}, "rollout_loop.config.cache"),
+])
+def test_config_errors_name_the_key(tmp_path, override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        GenerationConfig.from_dict(base_config(tmp_path, **override))
+
+
+def test_missing_simulator_urls_is_a_config_error(tok, tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout_loop\.config\.user_sim\.urls is required"):
+        LLMGenerationManager(tok, ProgrammedPolicy(tok, {}), base_config(tmp_path), is_validation=True)

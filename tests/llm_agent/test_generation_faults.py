@@ -1,0 +1,114 @@
+"""The rollout loop with the scripted policy and the in-process scripted simulator (fast): agent qualities,
+injected simulator failures, misbehaving worker groups / clients, and the shipped trainer config."""
+from __future__ import annotations
+
+import pytest
+from gen_loop_helpers import SCENARIO_PATH, ProgrammedPolicy, agent_text, make_gen_batch
+from transformers import AutoTokenizer
+
+from llm_agent.generation import LLMGenerationManager
+from llm_agent.generation_config import GenerationConfig
+from llm_agent.scenario import load_scenario
+from llm_agent.scripted_policy import ScriptedPolicyWorkerGroup
+from llm_agent.user_sim.inprocess import InProcessUserSim
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path):
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    return load_scenario(SCENARIO_PATH)
+
+
+def config(**overrides):
+    cfg = {"scenario": str(SCENARIO_PATH), "max_turns": 8, "max_tokens_per_turn": 256, "max_response_length": 3072,
+           "cache": {"enabled": False}, "controller": {"enabled": True, "seed": 5}}
+    cfg.update(overrides)
+    return cfg
+
+
+def loop_for(tok, scenario, quality="good", sim=None, **overrides):
+    wg = ScriptedPolicyWorkerGroup(tok, scenario, world_size=2, quality=quality)
+    return LLMGenerationManager(tok, wg, config(**overrides), is_validation=False,
+                                client=sim or InProcessUserSim(scenario))
+
+
+def test_good_agent_completes_and_outcomes_match_transcripts(tok, scenario):
+    keys = [f"g{i}" for i in range(4) for _ in range(2)]
+    out = loop_for(tok, scenario).run_llm_loop(make_gen_batch(tok, scenario, keys, uids=keys))
+    nt = out.non_tensor_batch
+    assert "completed" in set(nt["outcome"])
+    for i in range(len(out)):
+        last = nt["turns"][i][-1]
+        assert (nt["outcome"][i] == "completed") == (last["user_status"] == 1)
+        assert (nt["outcome"][i] == "hung_up") == (last["user_status"] == -1)
+        assert nt["num_turns"][i] == len(nt["turns"][i]) <= 8 and nt["format_errors"][i] == 0
+
+
+def test_malformed_agent_gets_format_errors_and_never_reaches_the_simulator(tok, scenario):
+    sim = InProcessUserSim(scenario)
+    out = loop_for(tok, scenario, quality="malformed", sim=sim, max_turns=3).run_llm_loop(
+        make_gen_batch(tok, scenario, ["m", "m"]))
+    nt = out.non_tensor_batch
+    assert list(nt["outcome"]) == ["timeout", "timeout"] and list(nt["format_errors"]) == [3, 3]
+    assert sim.stats()["user_sim/turns"] == 0
+    assert all(t["user_source"] == "format_error" for turns in nt["turns"] for t in turns)
+    assert out.meta_info["metrics"]["rollout/format_error_rate"] == 1.0
+
+
+def test_agent_that_ends_the_call_makes_no_simulator_call(tok, scenario):
+    sim = InProcessUserSim(scenario)
+    out = loop_for(tok, scenario, quality="ender", sim=sim).run_llm_loop(make_gen_batch(tok, scenario, ["e", "f"]))
+    assert list(out.non_tensor_batch["outcome"]) == ["agent_ended", "agent_ended"]
+    assert list(out.non_tensor_batch["num_turns"]) == [1, 1] and sim.stats()["user_sim/turns"] == 0
+
+
+def test_injected_simulator_failures_hit_only_their_dialogues(tok, scenario):
+    sim = InProcessUserSim(scenario, fail_ids={"b#1"})
+    out = loop_for(tok, scenario, sim=sim).run_llm_loop(make_gen_batch(tok, scenario, ["a", "a", "b", "b"],
+                                                                       uids=["a", "a", "b", "b"]))
+    nt = out.non_tensor_batch
+    assert [o == "error" for o in nt["outcome"]] == [False, False, False, True]
+    assert list(nt["uid"]) == ["a", "a", "b", "b/error/b#1"]
+    assert "injected failure" in nt["error"][3] and out.batch["response_mask"][3].sum() == 0
+    assert all(out.batch["response_mask"][i].sum() > 0 for i in range(3))
+
+
+class ShortWorkerGroup(ProgrammedPolicy):
+    """Fault: drops the last row of every answer."""
+
+    def generate_sequences(self, data):
+        out = super().generate_sequences(data)
+        return out.select_idxs(list(range(len(out) - 1)))
+
+
+class SwappingSim(InProcessUserSim):
+    """Fault: answers in reverse order."""
+
+    def complete_batch(self, requests):
+        return list(reversed(super().complete_batch(requests)))
+
+
+def test_misbehaving_worker_group_or_client_fails_loudly(tok, scenario):
+    wg = ShortWorkerGroup(tok, {"x": [agent_text(scenario, "Hi.")]}, world_size=1)
+    loop = LLMGenerationManager(tok, wg, config(controller={"enabled": False}), is_validation=True,
+                                client=InProcessUserSim(scenario))
+    with pytest.raises(RuntimeError, match="generate_sequences returned responses"):
+        loop.run_llm_loop(make_gen_batch(tok, scenario, ["x", "x"], uids=["x1", "x2"]))
+    loop = loop_for(tok, scenario, sim=SwappingSim(scenario))
+    with pytest.raises(RuntimeError, match="answered"):
+        loop.run_llm_loop(make_gen_batch(tok, scenario, ["p", "q"]))
+
+
+def test_shipped_sead_trainer_config_is_valid():
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config_schema import compose_config
+
+    cfg = compose_config([], config_name="sead_trainer")
+    parsed = GenerationConfig.from_dict(OmegaConf.to_container(cfg.rollout_loop.config, resolve=True))
+    assert parsed.max_response_length == cfg.data.max_response_length
+    assert parsed.cache.stage_hit_rates[0] == 0.9 and parsed.controller.enabled

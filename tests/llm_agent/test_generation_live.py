@@ -1,0 +1,171 @@
+"""The rollout loop against real components (slow): two scripted simulator servers with one SIGKILLed mid-loop,
+and the tiny model sampling through a real 2-rank RayWorkerGroup of ActorRolloutRefWorker."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from gen_loop_helpers import SCENARIO_PATH, make_gen_batch
+from test_user_client import SimServers
+from transformers import AutoTokenizer
+
+from llm_agent.generation import LLMGenerationManager
+from llm_agent.scenario import UserProfile, UserTurn, load_scenario
+from llm_agent.scripted_policy import ScriptedPolicyWorkerGroup
+from llm_agent.user_client import ChatRequest
+from llm_agent.user_sim.inprocess import InProcessUserSim
+
+pytestmark = pytest.mark.slow
+
+
+class KillDuringTurn:
+    """Fault injection around the policy: when its `at_call`-th generation returns, SIGKILL a simulator server
+    `delay_s` later, i.e. while that turn's simulator requests are in flight."""
+
+    def __init__(self, wg, servers: SimServers, url: str, at_call: int, delay_s: float) -> None:
+        self.wg, self.servers, self.url, self.at_call, self.delay_s = wg, servers, url, at_call, delay_s
+        self.world_size = wg.world_size
+        self.n = 0
+        self.timer: threading.Timer | None = None
+
+    def generate_sequences(self, data):
+        out = self.wg.generate_sequences(data)
+        self.n += 1
+        if self.n == self.at_call:
+            self.timer = threading.Timer(self.delay_s, self.servers.kill, args=(self.url,))
+            self.timer.start()
+        return out
+
+
+def replay_matches(scenario, record) -> None:
+    """Every simulator turn of `record` is what the scripted persona answers to this dialogue's own history."""
+    sim = InProcessUserSim(scenario)
+    profile = UserProfile.from_dict(record["profile"])
+    history = []
+    for k, turn in enumerate(record["turns"]):
+        agent = scenario.parse_agent_output(turn["agent_text"])
+        if turn["user_source"] == "format_error" or turn["user_source"] is None:
+            continue
+        history.append(agent)
+        messages = scenario.render_user_messages(profile, history)
+        reply = sim.complete_batch([ChatRequest(record["dialogue_id"], messages, temperature=0.0)])[0]
+        expected = scenario.parse_user_output(reply.text)
+        got = (turn["user_reply"], turn["user_status"], turn["user_state"])
+        assert got == (expected.reply, expected.status, expected.state), f"{record['dialogue_id']} turn {k}"
+        history.append(UserTurn(raw="", reply=turn["user_reply"], status=turn["user_status"], **turn["user_state"]))
+
+
+def outcome_from_transcript(record, max_turns: int) -> str | None:
+    last = record["turns"][-1]
+    if last["user_status"] == 1:
+        return "completed"
+    if last["user_status"] == -1:
+        return "hung_up"
+    if last["agent_status"] in (1, -1) and last["agent_format_ok"]:
+        return "agent_ended"
+    if record["num_turns"] == max_turns and last["user_source"] is not None:
+        return "timeout"
+    return None  # truncated (or error) cannot be read from the turns alone
+
+
+def test_loop_survives_a_simulator_killed_mid_loop(tiny_model_path, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    scenario = load_scenario(SCENARIO_PATH)
+    servers = SimServers(tmp_path)
+    try:
+        latency = ("--inject-latency-ms", "150", "--inject-latency-sigma", "0.2")
+        a, b = servers.start(*latency), servers.start(*latency)
+        servers.wait_ready(a, b)
+        cfg = {"scenario": str(SCENARIO_PATH), "max_turns": 8, "max_tokens_per_turn": 256,
+               "max_response_length": 3072, "cache": {"enabled": False}, "controller": {"enabled": True, "seed": 1},
+               "user_sim": {"urls": [a, b], "timeout_s": 5, "max_attempts": 4, "temperature": 0.0}}
+        policy = KillDuringTurn(ScriptedPolicyWorkerGroup(tok, scenario, world_size=2), servers, a, at_call=2,
+                                delay_s=0.05)
+        loop = LLMGenerationManager(tok, policy, cfg, is_validation=False)
+        keys = [f"p{i}" for i in range(12) for _ in range(2)]
+        try:
+            out = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=keys))
+            metrics = loop.on_train_step_end(out, step=1)
+        finally:
+            loop.close()
+        assert servers.procs[a].poll() is not None, "the server was not killed during the loop"
+    finally:
+        servers.stop_all()
+    nt = out.non_tensor_batch
+    assert len(out) == 24 and len(set(nt["dialogue_id"])) == 24
+    assert "error" not in set(nt["outcome"]), list(nt["error"])
+    name_a = a.split("//")[1]
+    assert metrics[f"user_sim/{name_a}/failures"] > 0 and metrics["dialogue/error_rate"] == 0.0
+    records = [{k: nt[k][i] for k in nt} for i in range(len(out))]
+    for record in records:
+        expected = outcome_from_transcript(record, 8)
+        assert expected in (record["outcome"], None), record["dialogue_id"]
+        assert (record["outcome"] == "completed") == (record["turns"][-1]["user_status"] == 1)
+        replay_matches(scenario, record)
+    assert {"completed"} & set(nt["outcome"]), set(nt["outcome"])
+
+
+@pytest.fixture()
+def actor_group(tiny_model_path):
+    import ray
+    from tests.verl.workers.ppo_batch_helpers import actor_rollout_ref_config
+
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    pool = RayResourcePool([2], use_gpu=False, name_prefix="gen_loop_pool")
+    group = None
+    try:
+        config = actor_rollout_ref_config(tiny_model_path, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1)
+        group = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config, role="actor_rollout"),
+                               name_prefix="gen_loop_actor")
+        group.init_model()
+        yield group
+    finally:
+        if group is not None:
+            group.shutdown()
+        pool.remove()
+        ray.shutdown()
+
+
+def test_real_policy_tokens_and_masks(actor_group, tiny_model_path, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    scenario = load_scenario(SCENARIO_PATH)
+    per_turn, budget = 12, 200
+    cfg = {"scenario": str(SCENARIO_PATH), "max_turns": 3, "max_tokens_per_turn": per_turn,
+           "max_response_length": budget, "cache": {"enabled": False}, "controller": {"enabled": False}}
+    loop = LLMGenerationManager(tok, actor_group, cfg, is_validation=True, client=InProcessUserSim(scenario))
+    out = loop.run_llm_loop(make_gen_batch(tok, scenario, ["r0", "r1", "r2"], meta={"do_sample": False}))
+    eos, b, nt = tok.eos_token_id, out.batch, out.non_tensor_batch
+    assert b["responses"].shape == (3, budget)
+    assert torch.equal(b["input_ids"][:, -budget:], b["responses"])
+    for i in range(3):
+        n = int(b["attention_mask"][i, -budget:].sum())
+        ids, mask = b["responses"][i, :n].tolist(), b["response_mask"][i, :n].tolist()
+        assert b["response_mask"][i, n:].sum() == 0 and b["responses"][i, n:].eq(tok.pad_token_id).all()
+        segments, start = [], 0  # maximal runs of one mask value
+        for j in range(1, n + 1):
+            if j == n or mask[j] != mask[start]:
+                segments.append((mask[start], ids[start:j]))
+                start = j
+        turns, shown = nt["turns"][i], [m["content"] for m in nt["messages"][i] if m["role"] == "user"]
+        agent_i = user_i = 0
+        closed = True
+        for value, seg in segments:
+            if value == 1:  # one agent turn: exactly what was sampled, decoded into the record
+                assert tok.decode(seg, skip_special_tokens=True) == turns[agent_i]["agent_text"]
+                assert eos not in seg[:-1] and len(seg) <= per_turn
+                closed = seg[-1] == eos
+                if not closed and not (nt["outcome"][i] == "truncated" and agent_i == len(turns) - 1):
+                    assert len(seg) == per_turn  # stopped by the per-turn limit
+                agent_i += 1
+                continue
+            head = [] if closed else [eos]  # an unsampled eos closes a turn cut by the limit (mask 0)
+            assert seg[:len(head)] == head
+            if seg[len(head):]:
+                expected = f"\n<|im_start|>user\n{shown[user_i]}<|im_end|>\n<|im_start|>assistant\n"
+                assert tok.decode(seg[len(head):]) == expected
+                user_i += 1
+        assert agent_i == nt["num_turns"][i] and nt["outcome"][i] != "error"
