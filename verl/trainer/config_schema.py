@@ -265,12 +265,13 @@ class PPOTrainerConfig:
         return self.algorithm.adv_estimator == "gae"
 
 
-def compose_config(overrides: Optional[list[str]] = None) -> Any:
-    """Compose ``ppo_trainer.yaml`` with Hydra command-line style overrides and return the job DictConfig."""
+def compose_config(overrides: Optional[list[str]] = None, config_name: str = CONFIG_NAME) -> Any:
+    """Compose ``<config_name>.yaml`` (default ``ppo_trainer``; ``sead_trainer`` for dialogue training) from the
+    config directory with Hydra command-line style overrides and return the job DictConfig."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose(config_name=CONFIG_NAME, overrides=list(overrides or []))
+        return compose(config_name=config_name, overrides=list(overrides or []))

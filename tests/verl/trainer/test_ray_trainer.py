@@ -5,6 +5,7 @@ row's reward, target and prompt still belong together; (b) a run killed with SIG
 torn half-written next checkpoint) and restarted continues at the next step, across an epoch boundary, and ends
 with the same weights and metrics as an uninterrupted run; (d) GAE with critic warm-up, KL and validation.
 """
+import importlib
 import json
 import logging
 import os
@@ -121,6 +122,9 @@ def test_console_line_is_compact_and_keeps_the_key_metrics():
 
 
 # ----------------------------------------------------------------------------------------- slow: training
+CLOSED: list[bool] = []  # is_validation of every EchoRolloutLoop the trainer closed
+
+
 class EchoRolloutLoop:
     """Rollout-loop plug-in for the tests: single-turn generation plus per-row data derived from each row."""
 
@@ -145,6 +149,16 @@ class EchoRolloutLoop:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`."""
         self.calls = state["calls"]
+
+    def on_train_step_end(self, batch: DataProto, step: int) -> dict:
+        """Report whether the scored, balanced batch still carries each row's own per-row data."""
+        aligned = all(t == e for t, e in zip(batch.non_tensor_batch["target"], batch.non_tensor_batch["target_echo"]))
+        scored = "token_level_scores" in batch.batch.keys() and "advantages" in batch.batch.keys()
+        return {"echo/aligned": float(aligned), "echo/scored": float(scored), "echo/step": step}
+
+    def close(self) -> None:
+        """Record that the trainer closed the plug-in at shutdown."""
+        CLOSED.append(self.is_validation)
 
 
 def _overrides(model, data_dir, out_dir, steps, workers, lr=1e-2, extra=()):
@@ -207,8 +221,13 @@ def test_grpo_learns_builtin_task_and_balanced_rows_stay_aligned(tiny_model_path
         trainer.shutdown()
         pool.remove()
 
-    # (a) the mean sequence score rises by a clear margin
     metrics = _read_metrics(tmp_path / "logs")
+    assert all(metrics[s]["echo/aligned"] == 1.0 and metrics[s]["echo/scored"] == 1.0 for s in metrics)
+    assert [metrics[s]["echo/step"] for s in sorted(metrics)] == list(range(1, steps + 1))
+    plugin_module = importlib.import_module(loop.split("=", 1)[1].rsplit(".", 1)[0])  # the instance the trainer used
+    assert sorted(plugin_module.CLOSED) == [False, True], "shutdown must close both rollout-loop plug-ins"
+
+    # (a) the mean sequence score rises by a clear margin
     assert sorted(metrics) == list(range(1, steps + 1))
     score = [metrics[s]["critic/score/mean"] for s in range(1, steps + 1)]
     first, last = float(np.mean(score[:3])), float(np.mean(score[-3:]))

@@ -195,7 +195,11 @@ class RayPPOTrainer(TrainerCheckpointMixin):
                                              config=loop_cfg, is_validation=True)
 
     def shutdown(self) -> None:
-        """Stop the worker groups (idempotent)."""
+        """Close the rollout-loop plug-ins (``close()``, if they have one) and stop the worker groups (idempotent)."""
+        for loop in (self.rollout_loop, self.val_rollout_loop):
+            if hasattr(loop, "close"):
+                loop.close()
+        self.rollout_loop = self.val_rollout_loop = None
         for wg in (self.actor_rollout_wg, self.critic_wg):
             if wg is not None:
                 wg.shutdown()
@@ -281,6 +285,8 @@ class RayPPOTrainer(TrainerCheckpointMixin):
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughput_metrics(batch, timing["step"], self.actor_rollout_wg.world_size))
+        if hasattr(self.rollout_loop, "on_train_step_end"):
+            metrics.update(self.rollout_loop.on_train_step_end(batch, self.global_steps))
         self.last_batch = batch
         return metrics
 
@@ -296,6 +302,7 @@ class RayPPOTrainer(TrainerCheckpointMixin):
         scores_by_source: dict[str, list[float]] = {}
         reward_metrics: dict[str, list[float]] = {}
         lengths = []
+        scored_batches: list[DataProto] = []
         for i, batch in enumerate(loader):
             self._add_uids(batch, f"val{self.global_steps}_{i}")
             batch = batch.repeat(repeat_times=val_kwargs.n, interleave=True)
@@ -307,9 +314,13 @@ class RayPPOTrainer(TrainerCheckpointMixin):
             for key, value in extra.items():
                 reward_metrics.setdefault(key, []).extend([value] * len(batch))
             lengths.extend(batch.batch["response_mask"].sum(-1).tolist())
+            scored_batches.append(batch)
         metrics = {f"val/test_score/{s}": float(np.mean(v)) for s, v in scores_by_source.items()}
         metrics.update({f"val/reward/{k}": float(np.mean(v)) for k, v in reward_metrics.items()})
         metrics["val/response_length/mean"] = float(np.mean(lengths))
+        if hasattr(self.val_rollout_loop, "on_validation_end"):
+            loop_metrics = self.val_rollout_loop.on_validation_end(scored_batches, self.global_steps)
+            metrics.update({f"val/{k}": v for k, v in loop_metrics.items()})
         return metrics
 
     # ---------------------------------------------------------------------------------------------- the loop
