@@ -6,7 +6,7 @@ contexts into one batch, calls `actor_rollout_wg.generate_sequences`, appends ex
 from the simulator (one `complete_batch` call per turn). User turns are appended as the chat template's role
 markers around the spoken reply (loss mask 0). Every dialogue ends with one outcome (`completed`, `hung_up`,
 `agent_ended`, `timeout`, `truncated`, `error`) and is returned as one row: the generation tensors plus the
-per-dialogue record in `non_tensor_batch` (see /tmp/issue4_spec.md and docs/architecture.md).
+per-dialogue record in `non_tensor_batch` (see docs/rollout_loop.md).
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMGenerationManager"]
-
 
 
 def _stable_seed(*parts: Any) -> int:

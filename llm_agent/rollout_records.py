@@ -1,6 +1,6 @@
 """Per-dialogue output of the rollout loop: `non_tensor_batch` columns, rollout-log lines and JSONL appends.
 
-The column names are the shared per-dialogue record of the issue-4 spec (`uid`, `dialogue_id`, `profile`,
+The column names are the per-dialogue record of docs/rollout_loop.md (`uid`, `dialogue_id`, `profile`,
 `state_key`, `outcome`, `num_turns`, `turns`, `messages`, `cache_hits`, `format_errors`, `error`); a rollout-log
 line is one JSON object per dialogue with those fields plus `step`, `split`, `reward`, `reward_components`.
 """
