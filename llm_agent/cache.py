@@ -388,7 +388,7 @@ class UserResponseCache:
                 self._compact(self.config.path)
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
-        """Lookups, hits and hit rate (hits / eligible lookups) per stage since the last reset, plus
+        """Lookups, eligible lookups, hits and hit rate (hits / eligible) per stage since the last reset, plus
         cache/blocked_consecutive, cache/size and cache/corrupt_lines (found when loading); resets the counters
         when `reset`. Configured stages always appear, so the keys are stable."""
         with self._lock:
@@ -398,6 +398,7 @@ class UserResponseCache:
                 hits, eligible = self._hits.get(s, 0), self._eligible.get(s, 0)
                 out[f"cache/lookups/stage{s}"] = float(self._lookups.get(s, 0))
                 out[f"cache/hits/stage{s}"] = float(hits)
+                out[f"cache/eligible/stage{s}"] = float(eligible)
                 out[f"cache/hit_rate/stage{s}"] = hits / eligible if eligible else 0.0
             out["cache/blocked_consecutive"] = float(self._blocked)
             out["cache/size"] = float(self._size)

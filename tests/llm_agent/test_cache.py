@@ -95,6 +95,7 @@ def test_measured_hit_rates_match_configured_rates_per_stage():
         assert abs(hits - n * p) <= 4.0 * sigma, (stage, hits)
         assert metrics[f"cache/lookups/stage{stage}"] == n
         assert metrics[f"cache/hits/stage{stage}"] == hits
+        assert metrics[f"cache/eligible/stage{stage}"] == n
         assert metrics[f"cache/hit_rate/stage{stage}"] == pytest.approx(hits / n, abs=1e-12)
     assert metrics["cache/blocked_consecutive"] == 0 and metrics["cache/size"] == 5 * 12
     after = cache.metrics()
