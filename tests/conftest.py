@@ -22,3 +22,22 @@ def tiny_model_path(tmp_path_factory) -> str:
     from utils.make_tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0))
+
+
+SCENARIO_FILE = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+# A short agent system prompt for CPU training tests (the scenario's own is ~1300 tokens for the tiny tokenizer).
+COMPACT_SYSTEM_PROMPT = ("You are Mia from FoodLoop's merchant growth team. Phone the restaurant manager, get "
+                         "them to claim the free trial credit in the app, and answer in the tags.")
+
+
+@pytest.fixture(scope="session")
+def warm_model_path(tiny_model_path, tmp_path_factory) -> str:
+    """The tiny model fine-tuned (80 SFT steps, ~20 s) on scripted SOP-following calls with the compact system
+    prompt, so that about half of its sampled turns carry the reply tag and reach the simulator."""
+    from utils.sft_warm_start import scripted_dialogues, sft_on_dialogues
+
+    dialogues = scripted_dialogues(SCENARIO_FILE, 32, {"good": 1.0}, seed=0, max_turns=4,
+                                   system_prompt=COMPACT_SYSTEM_PROMPT)
+    out = sft_on_dialogues(tiny_model_path, tmp_path_factory.mktemp("warm_model"), dialogues, steps=80, lr=1e-2,
+                           batch_size=8, seed=0)
+    return str(out)

@@ -1,0 +1,201 @@
+"""SEAD training end to end on the real trainer (Ray, 2 FSDP workers, two scripted simulator servers).
+
+One run of two GRPO steps with the cache and the controller on, during which one simulator instance is
+SIGKILLed mid-step; then: every step completed and no dialogue was lost or mislabelled, each row's reward belongs
+to its own dialogue after balancing, validation wrote its metrics line, and a trainer resumed from the checkpoint
+gets back the controller's weights and the cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import COMPACT_SYSTEM_PROMPT, SCENARIO_FILE
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIO = REPO / SCENARIO_FILE
+STEPS, PROMPTS, GROUP = 2, 4, 4
+
+
+@pytest.fixture()
+def ray_cluster():
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture()
+def sims(tmp_path):
+    from tests.llm_agent.test_user_client import SimServers
+
+    servers = SimServers(tmp_path)
+    urls = [servers.start("--scenario", str(SCENARIO)) for _ in range(2)]
+    try:
+        servers.wait_ready(*urls)
+        yield servers, urls
+    finally:
+        servers.stop_all()
+
+
+def _prompt_files(out: Path) -> tuple[Path, Path]:
+    from llm_agent.scenario import load_scenario
+    from utils.create_prompt_data import prompt_rows, random_profiles, write_rows
+
+    scenario = load_scenario(SCENARIO)
+    paths = []
+    for split, n, seed in (("train", 16, 0), ("test", 4, 1)):
+        rows = prompt_rows(scenario, random_profiles(scenario, n, seed), split)
+        for row in rows:
+            row["prompt"] = [{"role": "system", "content": COMPACT_SYSTEM_PROMPT}, dict(row["prompt"][1])]
+        paths.append(write_rows(rows, out / f"{split}.parquet"))
+    return paths[0], paths[1]
+
+
+def _config(model: str, out: Path, urls: list[str], steps: int):
+    from verl.trainer.config_schema import compose_config
+
+    train, test = _prompt_files(out / "data")
+    loop = "rollout_loop.config"
+    return compose_config([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={test}",
+        "data.max_prompt_length=96", "data.max_response_length=512", f"data.train_batch_size={PROMPTS}",
+        f"actor_rollout_ref.rollout.n={GROUP}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        f"trainer.total_training_steps={steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
+        "trainer.logger=[jsonl]", f"trainer.default_local_dir={out / 'ckpt'}", f"trainer.log_dir={out / 'logs'}",
+        "trainer.val_before_train=false", f"trainer.test_freq={STEPS}", "trainer.save_freq=1",
+        f"{loop}.scenario={SCENARIO}", f"{loop}.max_turns=4", f"{loop}.max_tokens_per_turn=96",
+        f"{loop}.max_user_tokens=64", f"{loop}.user_sim.urls='{','.join(urls)}'", f"{loop}.user_sim.timeout_s=10",
+        f"{loop}.cache.min_bucket_size=1", f"{loop}.rollout_log_path={out / 'rollouts.jsonl'}",
+        f"{loop}.val_metrics_path={out / 'val_metrics.jsonl'}",
+    ], config_name="sead_trainer")
+
+
+def _trainer(config):
+    from verl.single_controller.ray import RayResourcePool
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
+    from verl.utils.dataset import load_tokenizer
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+    tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
+    return RayPPOTrainer(config, tokenizer, {Role.ActorRollout: ActorRolloutRefWorker}, pool), pool
+
+
+def _kill_when_busy(trainer, servers, url: str, killed: list) -> threading.Thread:
+    """SIGKILL the instance at `url` once it has served simulator turns during training step 1."""
+    name = url.split("//", 1)[1]
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            loop = trainer.rollout_loop
+            stats = loop.client.stats() if loop is not None and loop.client is not None else {}
+            if trainer.global_steps == 1 and stats.get(f"user_sim/{name}/successes", 0) >= 2:
+                os.kill(servers.procs[url].pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _outcome_matches_transcript(line: dict) -> bool:
+    turns, outcome = line["turns"], line["outcome"]
+    last_user = turns[-1]["user_status"] if turns else None
+    if outcome == "completed":
+        return last_user == 1
+    if outcome == "hung_up":
+        return last_user == -1
+    if outcome == "agent_ended":
+        return turns[-1]["agent_status"] in (1, -1) and turns[-1]["user_source"] is None
+    if outcome == "error":
+        return turns[-1]["user_error"] is not None
+    return last_user not in (1, -1)
+
+
+@pytest.mark.slow
+def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_cache(
+        warm_model_path, tmp_path, sims, ray_cluster):
+    from llm_agent.reward import compute_reward
+
+    servers, urls = sims
+    config = _config(warm_model_path, tmp_path, urls, STEPS)
+    trainer, pool = _trainer(config)
+    killed: list[float] = []
+    try:
+        trainer.init_workers()
+        watcher = _kill_when_busy(trainer, servers, urls[1], killed)
+        trainer.fit()
+        watcher.join(timeout=1)
+        batch = trainer.last_batch
+        saved_controller = trainer.rollout_loop.state_dict()["controller"]
+        cache_size = len(trainer.rollout_loop.cache)
+    finally:
+        trainer.shutdown()
+        pool.remove()
+    assert killed, "the simulator was never killed during step 1 (no simulator traffic?)"
+
+    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(metrics) == [1, 2]
+    killed_name = urls[1].split("//", 1)[1]
+    assert metrics[1][f"user_sim/{killed_name}/failures"] + metrics[2][f"user_sim/{killed_name}/failures"] >= 1
+    assert all(metrics[s]["dialogue/n_dialogues"] == PROMPTS * GROUP for s in (1, 2))
+
+    # nothing lost or mislabelled: every dialogue of every step is logged once with an outcome its turns support
+    lines = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    train = [line for line in lines if line["split"] == "train"]
+    assert sorted(line["step"] for line in train) == [1] * 16 + [2] * 16
+    assert len({(line["step"], line["dialogue_id"]) for line in train}) == 32
+    bad = [(line["dialogue_id"], line["outcome"]) for line in lines if not _outcome_matches_transcript(line)]
+    assert bad == []
+    errors = [line for line in train if line["outcome"] == "error"]
+    assert all(line["reward"] == 0.0 for line in errors)
+    assert sum(t["user_source"] in ("simulator", "cache") for line in train for t in line["turns"]) > 0
+
+    # rewards sit on each row's own last agent token, computed from that row's own dialogue, after balancing
+    scores = batch.batch["token_level_scores"]
+    reward_kwargs = OmegaConf.to_container(config.reward.kwargs, resolve=True)
+    for row in range(len(batch)):
+        alone = batch.select_idxs([row])
+        expected, _ = compute_reward(alone, None, **reward_kwargs)
+        assert torch.equal(expected[0], scores[row]), f"row {row}"
+        mask = batch.batch["response_mask"][row]
+        if batch.non_tensor_batch["outcome"][row] == "error":
+            assert mask.sum() == 0 and "/error/" in batch.non_tensor_batch["uid"][row]
+        else:
+            last = int(mask.nonzero().max())
+            assert scores[row].nonzero().flatten().tolist() in ([], [last])
+
+    # validation wrote one line for the last step
+    val = [json.loads(line) for line in (tmp_path / "val_metrics.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in val] == [STEPS] and val[0]["n_dialogues"] == 4
+    assert val[0]["metrics"]["completion_rate"] == metrics[STEPS]["val/dialogue/completion_rate"]
+
+    # a resumed trainer gets the controller's weights back, and the cache from its file
+    state = json.loads((tmp_path / "ckpt" / f"global_step_{STEPS}" / "trainer_state.json").read_text())
+    assert state["rollout_loop"]["controller"] == saved_controller
+    assert saved_controller["updates"] == STEPS
+    resumed, pool = _trainer(_config(warm_model_path, tmp_path, [urls[0]], STEPS + 1))
+    try:
+        resumed.init_workers()
+        resumed.load_checkpoint()
+        assert resumed.global_steps == STEPS
+        assert resumed.rollout_loop.state_dict()["controller"] == saved_controller
+        assert len(resumed.rollout_loop.cache) == cache_size > 0
+    finally:
+        resumed.shutdown()
+        pool.remove()
