@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 from gen_loop_helpers import SCENARIO_PATH, make_gen_batch
-from test_user_client import SimServers
+from tests.llm_agent.sim_servers import SimServers
 from transformers import AutoTokenizer
 
 from llm_agent.generation import LLMGenerationManager

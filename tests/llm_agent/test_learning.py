@@ -49,7 +49,7 @@ def ray_cluster():
 
 @pytest.fixture()
 def sim_urls(tmp_path):
-    from tests.llm_agent.test_user_client import SimServers
+    from tests.llm_agent.sim_servers import SimServers
 
     servers = SimServers(tmp_path)
     urls = [servers.start("--scenario", str(SCENARIO), "--seed", str(seed)) for seed in (1, 2)]

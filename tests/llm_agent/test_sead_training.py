@@ -36,7 +36,7 @@ def ray_cluster():
 
 @pytest.fixture()
 def sims(tmp_path):
-    from tests.llm_agent.test_user_client import SimServers
+    from tests.llm_agent.sim_servers import SimServers
 
     servers = SimServers(tmp_path)
     urls = [servers.start("--scenario", str(SCENARIO)) for _ in range(2)]

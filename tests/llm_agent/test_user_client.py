@@ -7,31 +7,17 @@ middle of a batch, and check that every dialogue is still answered (or reported 
 from __future__ import annotations
 
 import functools
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from llm_agent.scenario import UserProfile, load_scenario
 from llm_agent.user_client import ChatReply, ChatRequest, TurnFailure, UserSimClient, parse_urls
+from tests.llm_agent.sim_servers import SimServers, free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (bound and released on loopback)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
 
 
@@ -56,59 +42,6 @@ def dialogue_requests(n: int, prefix: str = "d") -> list[ChatRequest]:
         )
         for i in range(n)
     ]
-
-
-class SimServers:
-    """Starts simulator servers as subprocesses on free ports, and stops each one by its PID."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, *flags: str, port: int | None = None) -> str:
-        """Launch one scripted server (not yet waited for) and return its base URL."""
-        port = port or free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = open(self.log_dir / f"server_{port}_{len(self.procs)}.log", "w")
-        cmd = [sys.executable, "-m", "llm_agent.user_sim.server", "--backend", "scripted", "--port", str(port),
-               "--log-level", "warning", *flags]
-        self.procs[url] = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        return url
-
-    def wait_ready(self, *urls: str, timeout_s: float = 60.0) -> None:
-        """Block until every url answers GET /health, or fail naming the server and its log."""
-        deadline = time.monotonic() + timeout_s
-        for url in urls:
-            while True:
-                if self.procs[url].poll() is not None:
-                    raise RuntimeError(f"simulator {url} exited with {self.procs[url].returncode}; see {self.log_dir}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"simulator {url} not healthy after {timeout_s}s; see {self.log_dir}")
-                time.sleep(0.1)
-
-    def kill(self, url: str) -> None:
-        """SIGKILL the server behind `url` (by PID) and reap it."""
-        proc = self.procs[url]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-    def stop_all(self) -> None:
-        """Terminate every server this object started (by PID), killing those that do not stop in 5 s."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
 
 
 @pytest.fixture(scope="module")
