@@ -246,7 +246,8 @@ class UserResponseCache:
             return CachedReply(chosen.stage, chosen.reply, dict(chosen.state), 0)
 
     def end_dialogue(self, dialogue_id: str) -> None:
-        """Forget the dialogue's consecutive-hit flag (call when a dialogue ends)."""
+        """Forget the dialogue's consecutive-hit flag: call when a dialogue ends, and after a user turn the cache
+        was not asked for (a format-error note), which breaks the run of consecutive cached turns."""
         with self._lock:
             self._last_hit.discard(dialogue_id)
 

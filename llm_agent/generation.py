@@ -87,6 +87,7 @@ class LLMGenerationManager:
         use_controller = not self.is_validation and self.config.controller.enabled
         self.controller = StateController(self.config.controller, self.scenario) if use_controller else None
         self._calls = 0
+        self._group_profiles: dict[str, UserProfile] = {}  # uid -> profile, previous call only
         logger.info("rollout loop (%s): scenario %r, max_turns=%d, per-turn %d / per-trajectory %d tokens, "
                     "cache %s, controller %s", "validation" if self.is_validation else "training",
                     self.scenario.name, self.config.max_turns, self.config.max_tokens_per_turn,
@@ -102,16 +103,21 @@ class LLMGenerationManager:
 
     # ------------------------------------------------------------------------------------------ set-up
     def _profiles(self, gen_batch: DataProto, uids: Sequence[str]) -> list[UserProfile]:
-        """One profile per row: per uid group from the controller, else from the `user_profile` column."""
+        """One profile per row: per uid group from the controller, else from the `user_profile` column.
+
+        A uid group that the previous call also ran keeps its profile: the trainer's ReMax baseline rolls the same
+        prompts out twice in one step (greedy, then sampled), and both must talk to the same simulated user.
+        """
         if self.controller is not None:
             starts = [i for i in range(len(uids)) if i == 0 or uids[i] != uids[i - 1]]
             group_uids = [uids[i] for i in starts]
             if len(set(group_uids)) != len(group_uids):
                 raise ValueError("rows of one uid must be consecutive (repeat with interleave=True) so that each "
                                  "GRPO group shares one sampled profile")
-            sampled = self.controller.sample(len(starts))
-            ends = [*starts[1:], len(uids)]
-            return [p for p, s, e in zip(sampled, starts, ends) for _ in range(e - s)]
+            fresh = iter(self.controller.sample(sum(u not in self._group_profiles for u in group_uids)))
+            self._group_profiles = {u: self._group_profiles[u] if u in self._group_profiles else next(fresh)
+                                    for u in group_uids}
+            return [self._group_profiles[u] for u in uids]
         column = gen_batch.non_tensor_batch.get("user_profile")
         if column is None:
             mode = "validation" if self.is_validation else f"training with {ROOT_KEY}.controller.enabled=false"
@@ -151,18 +157,21 @@ class LLMGenerationManager:
                              self.config.max_response_length, self.pad_id)
         meta = {k: v for k, v in gen_batch.meta_info.items() if k != "metrics"}
         timing = {"generate": 0.0, "user_sim": 0.0}
-        for turn in tqdm(range(self.config.max_turns), desc="dialogue turns", leave=False):
-            active = [d for d in dialogues if d.active]
-            if not active:
-                break
-            pending = self._agent_turn(active, buffer, meta, timing)
-            if pending:
-                self._simulator_turn(pending, buffer, turn, timing)
+        try:
+            for turn in tqdm(range(self.config.max_turns), desc="dialogue turns", leave=False):
+                active = [d for d in dialogues if d.active]
+                if not active:
+                    break
+                pending = self._agent_turn(active, buffer, meta, timing)
+                if pending:
+                    self._simulator_turn(pending, buffer, turn, timing)
+        finally:  # also when a call fails: no consecutive-hit flag may outlive its dialogue
+            if self.cache is not None:
+                for d in dialogues:
+                    self.cache.end_dialogue(d.dialogue_id)
         for d in dialogues:
             if d.active:
                 raise RuntimeError(f"dialogue {d.dialogue_id} has no outcome after {d.num_turns} turns")
-            if self.cache is not None:
-                self.cache.end_dialogue(d.dialogue_id)
         return self._output(dialogues, buffer, timing)
 
     def _generate(self, rows: list[int], buffer: TokenBuffer, meta: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
@@ -216,6 +225,8 @@ class LLMGenerationManager:
             elif turn.parse_error:
                 d.add_agent_turn(text, turn, None)
                 d.format_errors += 1
+                if self.cache is not None:  # this note is the dialogue's user turn: the next one may be cached
+                    self.cache.end_dialogue(d.dialogue_id)
                 self._user_turn(d, buffer, self.format_error_message, None, None, "format_error", None)
             elif turn.status in (STATUS_COMPLETED, STATUS_ENDED):
                 d.add_agent_turn(text, turn, None)

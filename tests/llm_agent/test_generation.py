@@ -322,3 +322,54 @@ def test_config_errors_name_the_key(tmp_path, override, key):
 def test_missing_simulator_urls_is_a_config_error(tok, tmp_path):
     with pytest.raises(ConfigError, match=r"rollout_loop\.config\.user_sim\.urls is required"):
         LLMGenerationManager(tok, ProgrammedPolicy(tok, {}), base_config(tmp_path), is_validation=True)
+
+
+def _seeded_cache(scenario, tmp_path):
+    """A cache config that always serves stage 0 once its file holds one reply (written here)."""
+    cfg = {"enabled": True, "path": str(tmp_path / "flags.jsonl"), "stage_hit_rates": {0: 1.0}, "min_bucket_size": 1}
+    assert UserResponseCache(CacheConfig.from_dict(cfg), scenario.name).add(
+        0, "A cached hello.", {"cooperation": 2, "emotion": 2, "trust": 2}, 0)
+    return cfg
+
+
+def test_a_format_error_turn_between_two_cached_turns_is_not_a_cached_turn(tok, scenario, tmp_path):
+    # "never two cached turns in a row" is about consecutive user turns: the format-error note is a turn
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    agents = {"f": [a("Hi."), "no reply tag at all", a("Third."), a("Fourth.")]}
+    sims = {"f": [("s1", 0), ("s2", 0), ("s3", 0), ("s4", 0)]}
+    _, _, sim, out, _ = run(tok, scenario, tmp_path, agents, sims, max_turns=4,
+                            cache=_seeded_cache(scenario, tmp_path))
+    sources = [t["user_source"] for t in out.non_tensor_batch["turns"][0]]
+    assert sources == ["cache", "format_error", "cache", "simulator"]
+    assert out.non_tensor_batch["cache_hits"][0] == 2 and sim.calls_for("f") == 1
+
+
+def test_cache_flags_do_not_leak_from_a_failed_rollout_call(tok, scenario, tmp_path):
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    policy = ProgrammedPolicy(tok, {"u": [a("Hi.")]})  # no script for turn 2: the worker group raises there
+    sim = ProgrammedSim(scenario, {"u": [("s1", 0), ("s2", 0)]})
+    loop = LLMGenerationManager(tok, policy, base_config(tmp_path, max_turns=2,
+                                                         cache=_seeded_cache(scenario, tmp_path)),
+                                is_validation=False, client=sim)
+    with pytest.raises(IndexError):
+        loop.run_llm_loop(make_gen_batch(tok, scenario, ["u"]))
+    policy.scripts["u"] = [a("Hi."), a("Again.")]
+    out = loop.run_llm_loop(make_gen_batch(tok, scenario, ["u"]))  # same dialogue id "u#0" as the failed call
+    assert [t["user_source"] for t in out.non_tensor_batch["turns"][0]] == ["cache", "simulator"]
+
+
+def test_a_second_call_for_the_same_uids_keeps_their_sampled_profiles(tok, scenario, tmp_path):
+    # the trainer's ReMax baseline runs the same uid groups twice in one step (greedy, then sampled): both
+    # rollouts must talk to the same simulated user, or the baseline compares different users
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    keys = ["r1", "r1", "r2", "r2", "r3", "r3"]
+    policy = ProgrammedPolicy(tok, {k: [a("Hi.")] for k in keys})
+    sim = ProgrammedSim(scenario, {f"{k}{tail}": [("ok", 1)] for k in keys for tail in ("", "b")})
+    cfg = base_config(tmp_path, controller={"enabled": True, "seed": 5, "min_behaviors": 3, "max_behaviors": 3})
+    loop = LLMGenerationManager(tok, policy, cfg, is_validation=False, client=sim)
+    first = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=keys))
+    again = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=keys))
+    assert list(again.non_tensor_batch["profile"]) == list(first.non_tensor_batch["profile"])
+    step2 = [f"{k}b" for k in keys]  # the next step's prompts: freshly sampled users
+    fresh = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=step2))
+    assert list(fresh.non_tensor_batch["profile"]) != list(first.non_tensor_batch["profile"])
