@@ -245,13 +245,23 @@ class LLMGenerationManager:
         content = self.scenario.format_user_output(hit.reply, hit.state, hit.status)
         self._user_turn(d, buffer, hit.reply, dict(hit.state), hit.status, "cache", content)
 
+    def _request_seed(self, d: Dialogue, turn_index: int) -> int:
+        """The simulator's sampling seed for one turn of `d`. Validation: from the user's profile, the row's place
+        in its group and the turn only, so the fixed validation set meets the same simulated users at every
+        validation step; training: also from the call count and the dialogue id, so each step's users differ."""
+        if self.is_validation:
+            group_index = d.dialogue_id.rsplit("#", 1)[1]
+            profile = json.dumps(d.profile.to_dict(), sort_keys=True)
+            return _stable_seed(self.config.seed, "val", profile, group_index, turn_index)
+        return _stable_seed(self.config.seed, self._calls, d.dialogue_id, turn_index)
+
     def _simulator_turn(self, pending: list[tuple[Dialogue, AgentTurn]], buffer: TokenBuffer, turn_index: int,
                         timing: dict[str, float]) -> None:
         """Ask the simulator for every pending dialogue's user turn in one batch and apply the answers."""
         sim = self.config.user_sim
         requests = [ChatRequest(d.dialogue_id, d.sim_messages, temperature=sim.temperature, top_p=sim.top_p,
                                 max_tokens=sim.max_tokens,
-                                seed=_stable_seed(self.config.seed, self._calls, d.dialogue_id, turn_index))
+                                seed=self._request_seed(d, turn_index))
                     for d, _ in pending]
         started = time.monotonic()
         results = self.client.complete_batch(requests)
@@ -337,16 +347,20 @@ class LLMGenerationManager:
         return metrics
 
     def on_validation_end(self, batches: Sequence[DataProto], step: int) -> dict[str, float]:
-        """After validation: metrics over all validation dialogues (`dialogue/`; the trainer adds `val/`), one
-        `{"step", "n_dialogues", "metrics"}` line appended to `val_metrics_path`, rollout-log lines (split val)."""
+        """After validation: metrics over all validation dialogues (`dialogue/`) and the validation client's
+        (`user_sim/`; the trainer adds `val/`), one `{"step", "n_dialogues", "metrics"}` line appended to
+        `val_metrics_path`, rollout-log lines (split val)."""
         records = [r for batch in batches for r in records_from_batch(batch, RECORD_COLUMNS)]
         raw = dialogue_metrics(records, self.scenario)
+        client_stats = prefixed(self.client.stats(), "user_sim/") if hasattr(self.client, "stats") else {}
+        if hasattr(self.client, "reset_stats"):
+            self.client.reset_stats()
         if self.config.val_metrics_path:
             line = json.dumps({"step": step, "n_dialogues": len(records), "metrics": raw})
             append_jsonl(self.config.val_metrics_path, [line])
         if self.config.rollout_log_path:
             append_jsonl(self.config.rollout_log_path, log_lines(records, step, "val"))
-        return prefixed(raw, "dialogue/")
+        return {**prefixed(raw, "dialogue/"), **client_stats}
 
     # -------------------------------------------------------------------------------------- lifecycle
     def state_dict(self) -> dict[str, Any]:

@@ -373,3 +373,21 @@ def test_a_second_call_for_the_same_uids_keeps_their_sampled_profiles(tok, scena
     step2 = [f"{k}b" for k in keys]  # the next step's prompts: freshly sampled users
     fresh = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=step2))
     assert list(fresh.non_tensor_batch["profile"]) != list(first.non_tensor_batch["profile"])
+
+
+def test_validation_meets_the_same_simulated_users_at_every_step_and_training_does_not(tok, scenario, tmp_path):
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    agents = {"x": [a("Hi."), a("Hi again.")], "y": [a("Hello."), a("Hello again.")]}
+    uids = {step: [f"val{step}_0_0", f"val{step}_0_1"] for step in (1, 2)}  # the trainer tags uids with the step
+    profiles = [UserProfile(1, 2, 3), UserProfile(2, 1, 1)]
+    seeds = {}
+    for validation in (True, False):
+        sim = ProgrammedSim(scenario, {u: [("one", 0), ("two", 0)] for step in uids for u in uids[step]})
+        loop = LLMGenerationManager(tok, ProgrammedPolicy(tok, agents), base_config(tmp_path, max_turns=2),
+                                    validation, client=sim)
+        for step in (1, 2):
+            sim.requests.clear()
+            loop.run_llm_loop(make_gen_batch(tok, scenario, list(agents), uids=uids[step], profiles=profiles))
+            seeds[validation, step] = sorted(r.seed for r in sim.requests)
+    assert seeds[True, 1] == seeds[True, 2] and len(set(seeds[True, 1])) == 4
+    assert seeds[False, 1] != seeds[False, 2]
