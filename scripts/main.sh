@@ -3,9 +3,10 @@
 # the user-response cache on (config: verl/trainer/config/sead_trainer.yaml).
 #
 # With no settings on a machine without a GPU this is the embedded CPU default: it builds the tiny local model
-# (outputs/tiny_model), writes the prompt data (outputs/prompt_data), starts two scripted user simulators on
-# loopback, trains a few steps on Ray with 2 FSDP workers on gloo, validates and checkpoints, stops the
-# simulators it started and prints where everything went. A few minutes on 2 cores.
+# (outputs/tiny_model) and warm-starts it with two minutes of supervised fine-tuning on scripted calls
+# (outputs/tiny_model_warm; WARM_START_STEPS=0 skips it), writes the prompt data (outputs/prompt_data), starts
+# two scripted user simulators on loopback, trains a few steps on Ray with 2 FSDP workers on gloo, validates and
+# checkpoints, stops the simulators it started and prints where everything went. About 5 minutes on 2 cores.
 #
 # On a GPU box, point it at real models; the simulators are then vLLM servers (requirements_vllm.txt env):
 #
@@ -17,7 +18,8 @@
 #   MODEL_PATH (tiny model), USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted;
 #   1 vLLM), SIM_TP (1; 2 vLLM), SIM_GPUS (6,7 vLLM), SIM_BASE_PORT (a free port; 5000 vLLM), SCENARIO,
 #   N_GPUS (2), STEPS (4), ROLLOUT_N (4), TRAIN_PROMPTS (4 per step), TRAIN_SAMPLES (64), TEST_SAMPLES (8),
-#   MAX_TURNS (4), LR (1e-3), EXPERIMENT (cpu_demo), OUTPUT_DIR (outputs), PYTHON.
+#   MAX_TURNS (4), LR (5e-4), WARM_START_STEPS (80, tiny model only), EXPERIMENT (cpu_demo), OUTPUT_DIR (outputs),
+#   PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,7 +42,7 @@ TRAIN_PROMPTS=${TRAIN_PROMPTS:-4}
 TRAIN_SAMPLES=${TRAIN_SAMPLES:-64}
 TEST_SAMPLES=${TEST_SAMPLES:-8}
 MAX_TURNS=${MAX_TURNS:-4}
-LR=${LR:-1e-3}
+LR=${LR:-5e-4}
 DATA_DIR=${DATA_DIR:-$OUTPUT_DIR/prompt_data/$EXPERIMENT}
 CKPT_DIR=${CKPT_DIR:-$OUTPUT_DIR/checkpoints/$EXPERIMENT}
 LOG_DIR=${LOG_DIR:-$OUTPUT_DIR/logs/$EXPERIMENT}
@@ -55,8 +57,25 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export WANDB_MODE=${WANDB_MODE:-offline}
 export PYTHON
 
+CPU_DEFAULT=()
 if [[ -z "$MODEL_PATH" ]]; then
-    MODEL_PATH=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" | tail -n 1)
+    # The tiny model never completes a call, so completion alone (the default reward) gives GRPO no signal; the
+    # CPU default also pays for well-formed turns, good state estimates and no false "done" claims; and its
+    # cache serves once a stage holds 2 replies (a few steps of 16 calls never fill the default 10).
+    CPU_DEFAULT=(reward.kwargs.weights.format=4.0 reward.kwargs.weights.profile_accuracy=1.0
+                 reward.kwargs.weights.false_positive=2.0 rollout_loop.config.cache.min_bucket_size=2)
+    TINY=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" | tail -n 1)
+    MODEL_PATH=$TINY
+    WARM_START_STEPS=${WARM_START_STEPS:-80}
+    if (( WARM_START_STEPS > 0 )); then  # a random model never writes a tagged turn: give RL something to start from
+        MODEL_PATH="$OUTPUT_DIR/tiny_model_warm"
+        if [[ ! -f "$MODEL_PATH/sft_log.json" || "$TINY/config.json" -nt "$MODEL_PATH/sft_log.json" ]]; then
+            echo "warm start: $WARM_START_STEPS SFT steps of the tiny model on scripted calls (one or two minutes)"
+            "$PYTHON" utils/sft_warm_start.py --model "$TINY" --out "$MODEL_PATH" --scenario "$SCENARIO" \
+                --n-dialogues 32 --quality-mix good=1 --max-turns "$MAX_TURNS" --steps "$WARM_START_STEPS" \
+                --max-length 2048 > /dev/null
+        fi
+    fi
 fi
 "$PYTHON" utils/create_prompt_data.py --scenario "$SCENARIO" --train_samples "$TRAIN_SAMPLES" \
     --test_samples "$TEST_SAMPLES" --out_dir "$DATA_DIR" > /dev/null
@@ -104,6 +123,7 @@ echo "user simulators: $USER_SIM_URLS"
     trainer.logger='[console,jsonl,tensorboard]' \
     trainer.default_local_dir="$CKPT_DIR" \
     trainer.log_dir="$LOG_DIR" \
+    "${CPU_DEFAULT[@]}" \
     "$@"
 
 echo "checkpoints (HF format under global_step_N/actor): $CKPT_DIR"
