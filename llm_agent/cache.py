@@ -24,8 +24,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from llm_agent.config_checks import checked_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -96,15 +98,7 @@ class CacheConfig:
     def from_dict(cls, d: Mapping[str, Any] | None, where: str = "cache") -> "CacheConfig":
         """Build from a config mapping (YAML/OmegaConf); ValueError prefixed by `where` on an unknown key or bad
         value. None or an empty mapping gives the defaults."""
-        if d is None:
-            return cls()
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{where}: must be a mapping, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in d if k not in known)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
-        values = dict(d)
+        values = checked_mapping(d, cls, where)
         if isinstance(values.get("stage_hit_rates"), Mapping):
             values["stage_hit_rates"] = dict(values["stage_hit_rates"])
         try:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from llm_agent.config_checks import checked_mapping
 from llm_agent.scenario import STATE_DIMS, Scenario, UserProfile, sample_behaviors
 
 logger = logging.getLogger(__name__)
@@ -86,16 +87,9 @@ class ControllerConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, where: str = "controller") -> "ControllerConfig":
         """Build from a mapping (e.g. `rollout_loop.config.controller`); errors name `where` and the key."""
-        if d is None:
-            return cls()
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{where}: must be a mapping, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in d if k not in known)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        values = checked_mapping(d, cls, where)
         try:
-            return cls(**{str(k): v for k, v in d.items()})
+            return cls(**values)
         except ValueError as exc:
             raise ValueError(f"{where}.{exc}") from None
 

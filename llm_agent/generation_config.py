@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_agent.cache import CacheConfig
+from llm_agent.config_checks import checked_mapping
 from llm_agent.controller import ControllerConfig
 
 __all__ = ["ConfigError", "GenerationConfig", "UserSimConfig", "ROOT_KEY"]
@@ -33,18 +34,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return [_plain(v) for v in value]
     return value
-
-
-def _check_keys(data: Any, allowed: Sequence[str], where: str) -> dict[str, Any]:
-    """Return `data` as a dict after checking it is a mapping without unknown keys."""
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(allowed))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-    return dict(data)
 
 
 def _number(data: Mapping[str, Any], key: str, default: Any, where: str, *, kind: type = int,
@@ -89,7 +78,7 @@ class UserSimConfig:
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "UserSimConfig":
         """Check `data` (a mapping or None); `urls` may be a comma-separated string or a list of strings."""
-        data = _check_keys(data, [f.name for f in dataclasses.fields(cls)], where)
+        data = checked_mapping(data, cls, where, ConfigError)
         urls = data.get("urls")
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
@@ -138,7 +127,7 @@ class GenerationConfig:
     @classmethod
     def from_dict(cls, data: Any, where: str = ROOT_KEY) -> "GenerationConfig":
         """Check the trainer's mapping; ConfigError names `rollout_loop.config.<key>` for any problem."""
-        data = _check_keys(_plain(data), [f.name for f in dataclasses.fields(cls)], where)
+        data = checked_mapping(_plain(data), cls, where, ConfigError)
         scenario = data.get("scenario")
         if not isinstance(scenario, str) or not scenario.strip():
             raise ConfigError(f"{where}.scenario is required: the path of a format_prompt/<name>.yaml file")

@@ -16,6 +16,16 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 
+@pytest.fixture()
+def ray_cluster():
+    """A local Ray instance for one test (8 logical CPUs: placement needs slots, not cores)."""
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     """Directory of the tiny Qwen2 model and tokenizer, built once per test session."""

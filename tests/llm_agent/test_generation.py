@@ -8,23 +8,12 @@ import pytest
 import torch
 from gen_loop_helpers import (FAIL, SCENARIO_PATH, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
                               prompt_messages)
-from transformers import AutoTokenizer
 
 from llm_agent.cache import CacheConfig, UserResponseCache
 from llm_agent.dialogue_state import TokenBuffer
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.generation_config import ConfigError, GenerationConfig
-from llm_agent.scenario import UserProfile, load_scenario
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_path):
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def scenario():
-    return load_scenario(SCENARIO_PATH)
+from llm_agent.scenario import UserProfile
 
 
 def base_config(tmp_path, **overrides):

@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import pytest
 from gen_loop_helpers import SCENARIO_PATH, ProgrammedPolicy, agent_text, make_gen_batch
-from transformers import AutoTokenizer
 
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.generation_config import GenerationConfig
-from llm_agent.scenario import load_scenario
 from llm_agent.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.user_sim.inprocess import InProcessUserSim
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_path):
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def scenario():
-    return load_scenario(SCENARIO_PATH)
 
 
 def config(**overrides):

@@ -39,15 +39,6 @@ SEED = int(os.environ.get("SEAD_LEARNING_SEED", "0"))  # robustness checks: run 
 
 
 @pytest.fixture()
-def ray_cluster():
-    import ray
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture()
 def sim_urls(tmp_path):
     from tests.llm_agent.sim_servers import SimServers
 

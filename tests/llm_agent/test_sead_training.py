@@ -26,15 +26,6 @@ STEPS, PROMPTS, GROUP = 2, 4, 4
 
 
 @pytest.fixture()
-def ray_cluster():
-    import ray
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture()
 def sims(tmp_path):
     from tests.llm_agent.sim_servers import SimServers
 

@@ -9,7 +9,6 @@ import importlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -185,15 +184,6 @@ def task_data(tmp_path):
 
     make_dataset(tmp_path / "data", train_size=128, val_size=16, seed=0)
     return tmp_path / "data"
-
-
-@pytest.fixture()
-def ray_cluster():
-    import ray
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.slow
