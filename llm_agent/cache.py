@@ -198,6 +198,24 @@ class UserResponseCache:
         with self._lock:
             return self._size
 
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state that is not in the file: the RNG of the hit draws and reply choices."""
+        with self._lock:
+            version, internal, gauss = self._rng.getstate()
+            return {"rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()` (the replies themselves come from the file); ValueError on a malformed state."""
+        try:
+            version, internal, gauss = state["rng"]
+            rng_state = (int(version), tuple(int(x) for x in internal), gauss)
+            rng = random.Random()
+            rng.setstate(rng_state)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"cache state must be {{'rng': [version, [ints], gauss]}}: {exc}") from None
+        with self._lock:
+            self._rng = rng
+
     def _rate(self, stage: int) -> float:
         """The configured hit rate of `stage`."""
         return self.config.stage_hit_rates.get(stage, self.config.default_hit_rate)

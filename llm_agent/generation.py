@@ -364,9 +364,10 @@ class LLMGenerationManager:
 
     # -------------------------------------------------------------------------------------- lifecycle
     def state_dict(self) -> dict[str, Any]:
-        """What the trainer checkpoints: the controller's state (None without one) and the loop's call count."""
+        """What the trainer checkpoints: the controller's and the cache's state (None without them; the cached
+        replies themselves are in the cache file) and the loop's call count."""
         return {"controller": None if self.controller is None else self.controller.state_dict(),
-                "calls": self._calls}
+                "cache": None if self.cache is None else self.cache.state_dict(), "calls": self._calls}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`; ValueError when it holds a controller state this loop has no controller for."""
@@ -377,6 +378,8 @@ class LLMGenerationManager:
                 raise ValueError("the checkpoint holds a controller state but this loop has no controller "
                                  f"({ROOT_KEY}.controller.enabled=false or validation)")
             self.controller.load_state_dict(state["controller"])
+        if state.get("cache") is not None and self.cache is not None:  # a cache turned off since is fine
+            self.cache.load_state_dict(state["cache"])
         self._calls = int(state["calls"])
 
     def close(self) -> None:

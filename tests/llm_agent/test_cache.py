@@ -191,6 +191,25 @@ def test_restart_reloads_same_entries_in_order(tmp_path):
         assert [e.reply for e in second._buckets[stage]] == [e.reply for e in bucket]
 
 
+def test_restart_with_restored_state_draws_exactly_as_an_uninterrupted_cache(tmp_path):
+    def draws(cache, prefix, n=60):  # one lookup per fresh dialogue: no consecutive-hit flag involved
+        return [(hit.reply if (hit := cache.lookup(f"{prefix}{k}", k % 3)) else None) for k in range(n)]
+
+    first = _cache(tmp_path, max_per_stage=30)
+    for stage in (0, 1, 2):
+        _fill(cache=first, stage=stage, n=25)
+    draws(first, "before")  # some history before the "checkpoint"
+    state = json.loads(json.dumps(first.state_dict()))
+    expected = draws(first, "after")
+    restarted = _cache(tmp_path, max_per_stage=30)
+    restarted.load_state_dict(state)
+    assert draws(restarted, "after") == expected
+    fresh = _cache(tmp_path, max_per_stage=30)
+    assert draws(fresh, "after") != expected  # without the state the draws restart from the seed
+    with pytest.raises(ValueError, match="cache state must be"):
+        fresh.load_state_dict({"rng": "nope"})
+
+
 def test_corrupt_lines_skipped_counted_and_logged_once(tmp_path, caplog):
     path = tmp_path / "cache.jsonl"
     good = [_line(0, f"good {i}") for i in range(3)]
