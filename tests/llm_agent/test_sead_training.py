@@ -133,7 +133,8 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
         trainer.fit()
         watcher.join(timeout=1)
         batch = trainer.last_batch
-        saved_controller = trainer.rollout_loop.state_dict()["controller"]
+        saved_loop = trainer.rollout_loop.state_dict()
+        saved_controller = saved_loop["controller"]
         cache_size = len(trainer.rollout_loop.cache)
     finally:
         trainer.shutdown()
@@ -176,7 +177,7 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
     assert [v["step"] for v in val] == [STEPS] and val[0]["n_dialogues"] == 4
     assert val[0]["metrics"]["completion_rate"] == metrics[STEPS]["val/dialogue/completion_rate"]
 
-    # a resumed trainer gets the controller's weights back, and the cache from its file
+    # a resumed trainer gets the controller's weights and the cache's RNG back, and the cache's replies from its file
     state = json.loads((tmp_path / "ckpt" / f"global_step_{STEPS}" / "trainer_state.json").read_text())
     assert state["rollout_loop"]["controller"] == saved_controller
     assert saved_controller["updates"] == STEPS
@@ -185,7 +186,7 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
         resumed.init_workers()
         resumed.load_checkpoint()
         assert resumed.global_steps == STEPS
-        assert resumed.rollout_loop.state_dict()["controller"] == saved_controller
+        assert resumed.rollout_loop.state_dict() == json.loads(json.dumps(saved_loop))  # controller, cache RNG
         assert len(resumed.rollout_loop.cache) == cache_size > 0
     finally:
         resumed.shutdown()
