@@ -29,8 +29,8 @@ from tensordict import TensorDict
 
 from llm_agent.scenario import STATE_DIMS, STATUS_COMPLETED, STATUS_CONTINUE, CueList, Scenario
 from verl.protocol import DataProto
-from verl.utils.torch_functional import get_response_mask
 from verl.workers.batching import select_batch
+from verl.workers.rollout.hf_rollout import generation_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -387,18 +387,8 @@ class ScriptedPolicyWorkerGroup:
         input_ids = batch["input_ids"]
         sampled = [(ids + [eos_ids[0]])[:length] for ids in self._texts(input_ids, mask, eos_ids)]
         responses = torch.tensor([ids + [pad] * (length - len(ids)) for ids in sampled], dtype=input_ids.dtype)
-        response_mask = get_response_mask(responses, eos_ids)
-        responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad))
-        self.calls.append([ids[:n] for ids, n in zip(sampled, response_mask.sum(dim=1).tolist())])
-        positions = batch["position_ids"]
-        response_positions = positions[:, -1:] + torch.arange(1, length + 1, dtype=positions.dtype).unsqueeze(0)
-        tensors = {
-            "prompts": input_ids,
-            "responses": responses,
-            "input_ids": torch.cat([input_ids, responses], dim=1),
-            "attention_mask": torch.cat([mask, response_mask.to(mask.dtype)], dim=1),
-            "position_ids": torch.cat([positions, response_positions], dim=1),
-            "response_mask": response_mask,
-        }
+        tensors = generation_tensors(input_ids, mask, batch["position_ids"], responses, eos_ids, pad)
+        kept = tensors["response_mask"].sum(dim=1).tolist()
+        self.calls.append([ids[:n] for ids, n in zip(sampled, kept)])
         return DataProto(batch=TensorDict(tensors, batch_size=[rows]))
 

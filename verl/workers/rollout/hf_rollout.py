@@ -21,6 +21,24 @@ logger = logging.getLogger(__name__)
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
+def generation_tensors(input_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_positions: torch.Tensor,
+                       responses: torch.Tensor, eos: Any, pad: int) -> dict[str, torch.Tensor]:
+    """The generation-batch tensors from left-padded prompts and (B, R) generated ids: the response mask (1 up to
+    and including the first EOS; `eos` an id or a list of ids), responses padded with `pad` after it, response
+    positions continuing the prompt's, and the prompt+response concatenations."""
+    response_mask = get_response_mask(responses, eos)
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad))
+    offsets = torch.arange(1, responses.size(1) + 1, device=responses.device, dtype=prompt_positions.dtype)
+    return {
+        "prompts": input_ids,
+        "responses": responses,
+        "input_ids": torch.cat([input_ids, responses], dim=1),
+        "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1),
+        "position_ids": torch.cat([prompt_positions, prompt_positions[:, -1:] + offsets.unsqueeze(0)], dim=1),
+        "response_mask": response_mask,
+    }
+
+
 class HFRollout:
     """Generate responses for left-padded prompts with ``module.generate`` (veRL's ``HFRollout``).
 
@@ -88,19 +106,7 @@ class HFRollout:
         if responses.size(1) < response_length:
             pad_block = responses.new_full((responses.size(0), response_length - responses.size(1)), pad)
             responses = torch.cat([responses, pad_block], dim=1)
-        response_mask = get_response_mask(responses, eos)
-        responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad))
-        prompt_positions = prompts["position_ids"].to(device)
-        offsets = torch.arange(1, response_length + 1, device=device).unsqueeze(0)
-        response_positions = prompt_positions[:, -1:] + offsets
-        tensors = {
-            "prompts": input_ids,
-            "responses": responses,
-            "input_ids": torch.cat([input_ids, responses], dim=1),
-            "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1),
-            "position_ids": torch.cat([prompt_positions, response_positions], dim=1),
-            "response_mask": response_mask,
-        }
+        tensors = generation_tensors(input_ids, prompt_mask, prompts["position_ids"].to(device), responses, eos, pad)
         return TensorDict({k: v.cpu() for k, v in tensors.items()}, batch_size=[input_ids.size(0)])
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
