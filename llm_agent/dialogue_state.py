@@ -16,13 +16,12 @@ from typing import Any
 
 import torch
 
+from llm_agent.metrics import OUTCOMES
 from llm_agent.scenario import AgentTurn, STATE_DIMS, UserProfile
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChatMarkers", "Dialogue", "OUTCOMES", "TokenBuffer"]
-
-OUTCOMES = ("completed", "hung_up", "agent_ended", "timeout", "truncated", "error")
+__all__ = ["ChatMarkers", "Dialogue", "TokenBuffer"]
 
 _AGENT_PLACEHOLDER = "\u2063AGENT\u2063"
 _USER_PLACEHOLDER = "\u2063USER\u2063"
