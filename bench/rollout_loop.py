@@ -39,11 +39,11 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from llm_agent.dialogue_state import ChatMarkers
+from llm_agent.rollout.dialogue import ChatMarkers
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.scenario import load_scenario
-from llm_agent.scripted_policy import ScriptedPolicyWorkerGroup
-from llm_agent.user_sim.inprocess import InProcessUserSim, never_ending_replies
+from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
+from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim, never_ending_replies
 from utils.make_tiny_model import build_tiny_model
 from verl.protocol import DataProto
 from verl.utils.torch_functional import compute_position_id_with_mask

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from llm_agent.scenario import UserProfile, load_scenario
-from llm_agent.user_client import ChatReply, ChatRequest, UserSimClient
+from llm_agent.user_sim.client import ChatReply, ChatRequest, UserSimClient
 
 logger = logging.getLogger("bench.user_sim_dispatch")
 

@@ -22,12 +22,12 @@ from tqdm import tqdm
 
 from llm_agent.cache import CachedReply, UserResponseCache
 from llm_agent.controller import StateController
-from llm_agent.dialogue_state import ChatMarkers, Dialogue, TokenBuffer
-from llm_agent.generation_config import ROOT_KEY, ConfigError, GenerationConfig
+from llm_agent.rollout.dialogue import ChatMarkers, Dialogue, TokenBuffer
+from llm_agent.rollout.config import ROOT_KEY, ConfigError, GenerationConfig
 from llm_agent.metrics import dialogue_metrics, records_from_batch
-from llm_agent.rollout_records import RECORD_COLUMNS, append_jsonl, log_lines, object_column, prefixed
+from llm_agent.rollout.records import RECORD_COLUMNS, append_jsonl, log_lines, object_column, prefixed
 from llm_agent.scenario import AgentTurn, STATUS_COMPLETED, STATUS_ENDED, UserProfile, load_scenario
-from llm_agent.user_client import ChatReply, ChatRequest, TurnFailure, UserSimClient
+from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure, UserSimClient
 from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
 logger = logging.getLogger(__name__)

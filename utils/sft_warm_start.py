@@ -234,8 +234,8 @@ AgentFactory = Callable[[str, int], AgentFn]
 
 
 def scripted_policy_agents(scenario) -> AgentFactory:
-    """Agent factory of llm_agent.scripted_policy.ScriptedAgent: quality "good", "bad", "malformed" or "ender"."""
-    from llm_agent.scripted_policy import ScriptedAgent
+    """Agent factory of llm_agent.stand_ins.scripted_policy.ScriptedAgent: quality "good", "bad", "malformed" or "ender"."""
+    from llm_agent.stand_ins.scripted_policy import ScriptedAgent
 
     def factory(quality: str, seed: int) -> AgentFn:
         agent = ScriptedAgent(scenario, quality=quality, seed=seed)
@@ -261,7 +261,7 @@ def scripted_dialogues(scenario_path: str | Path, n: int, quality_mix: Mapping[s
     tiny model, matching the prompts it is then trained on with RL); the agents never read it.
     """
     from llm_agent.scenario import STATUS_CONTINUE, UserProfile, load_scenario, sample_behaviors
-    from llm_agent.user_sim import SamplingParams
+    from llm_agent.user_sim.backend import SamplingParams
     from llm_agent.user_sim.scripted import ScriptedPersonaBackend
 
     names = list(quality_mix)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from llm_agent.scenario import (STATE_DIMS, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, Behavior, Scenario,
                                 ScriptedSpec, UserProfile, UserTurn, load_scenario)
-from llm_agent.user_sim import BackendInputError, BackendResult, Completion, SamplingParams
+from llm_agent.user_sim.backend import BackendInputError, BackendResult, Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
 

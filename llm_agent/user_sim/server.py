@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llm_agent.user_sim import BackendInputError, BackendResult, ChatBackend, Completion, SamplingParams
+from llm_agent.user_sim.backend import BackendInputError, BackendResult, ChatBackend, Completion, SamplingParams
 from llm_agent.user_sim.faults import FAULT_KINDS, FaultConfig, FaultInjector
 
 logger = logging.getLogger(__name__)

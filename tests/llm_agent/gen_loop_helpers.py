@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from llm_agent.scenario import Scenario, UserProfile
-from llm_agent.user_client import ChatReply, ChatRequest, TurnFailure
+from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure
 from verl.protocol import DataProto
 
 REPO = Path(__file__).resolve().parents[2]

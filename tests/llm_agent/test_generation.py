@@ -10,9 +10,9 @@ from gen_loop_helpers import (FAIL, SCENARIO_PATH, ProgrammedPolicy, ProgrammedS
                               prompt_messages)
 
 from llm_agent.cache import CacheConfig, UserResponseCache
-from llm_agent.dialogue_state import TokenBuffer
+from llm_agent.rollout.dialogue import TokenBuffer
 from llm_agent.generation import LLMGenerationManager
-from llm_agent.generation_config import ConfigError, GenerationConfig
+from llm_agent.rollout.config import ConfigError, GenerationConfig
 from llm_agent.scenario import UserProfile
 
 

@@ -6,9 +6,9 @@ import pytest
 from gen_loop_helpers import SCENARIO_PATH, ProgrammedPolicy, agent_text, make_gen_batch
 
 from llm_agent.generation import LLMGenerationManager
-from llm_agent.generation_config import GenerationConfig
-from llm_agent.scripted_policy import ScriptedPolicyWorkerGroup
-from llm_agent.user_sim.inprocess import InProcessUserSim
+from llm_agent.rollout.config import GenerationConfig
+from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
+from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 
 
 def config(**overrides):

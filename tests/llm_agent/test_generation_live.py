@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.scenario import UserProfile, UserTurn, load_scenario
-from llm_agent.scripted_policy import ScriptedPolicyWorkerGroup
-from llm_agent.user_client import ChatRequest
-from llm_agent.user_sim.inprocess import InProcessUserSim
+from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
+from llm_agent.user_sim.client import ChatRequest
+from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from llm_agent.scenario import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, UserProfile, load_scenario, \
     sample_behaviors
-from llm_agent.user_sim import BackendInputError, SamplingParams
+from llm_agent.user_sim.backend import BackendInputError, SamplingParams
 from llm_agent.user_sim.scripted import ScriptedPersonaBackend
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

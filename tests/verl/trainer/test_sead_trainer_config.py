@@ -45,7 +45,7 @@ def test_composes_and_validates_as_a_trainer_config(tmp_path):
 
 
 def test_rollout_loop_config_mirrors_generation_config_and_parses():
-    from llm_agent.generation_config import GenerationConfig
+    from llm_agent.rollout.config import GenerationConfig
 
     config = compose_config(["actor_rollout_ref.model.path=/x"], config_name="sead_trainer")
     loop_cfg = OmegaConf.to_container(config.rollout_loop.config, resolve=True)

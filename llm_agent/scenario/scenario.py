@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llm_agent.scenario_load import load_behavior_library, read_scenario_fields
-from llm_agent.scenario_parse import (CueList, bullets, extract_tag, format_tags, parse_int, strip_tags,
+from llm_agent.scenario.loading import load_behavior_library, read_scenario_fields
+from llm_agent.scenario.tags import (CueList, bullets, extract_tag, format_tags, parse_int, strip_tags,
                                       substitute)
-from llm_agent.scenario_types import (CUE_KEYS, EVENTS, LINE_KEYS, STATE_DIMS, STATUS_COMPLETED,
+from llm_agent.scenario.types import (CUE_KEYS, EVENTS, LINE_KEYS, STATE_DIMS, STATUS_COMPLETED,
                                       STATUS_CONTINUE, STATUS_ENDED, STATUS_VALUES, AgentTurn, Behavior,
                                       CategoryScript, ScenarioError, ScriptedRules, ScriptedSpec, ScriptedStep,
                                       Stage, StateRange, TagProtocol, Turn, UserProfile, UserTurn)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import llm_agent.cache as cache_mod
+import llm_agent.cache.response_cache as cache_mod
 from llm_agent.cache import CacheConfig, CachedReply, UserResponseCache
 
 SCENARIO = "test_scenario"

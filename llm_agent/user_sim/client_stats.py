@@ -1,4 +1,4 @@
-"""Bookkeeping of `llm_agent.user_client.UserSimClient`: per-instance routing/health state and the counters.
+"""Bookkeeping of `llm_agent.user_sim.client.UserSimClient`: per-instance routing/health state and the counters.
 
 `InstanceState` holds one simulator instance's routing state (in flight, consecutive failures, down) and its
 counters; `ClientStats` holds the client-wide counters and flattens everything into the metrics dict that

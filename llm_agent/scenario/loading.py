@@ -15,9 +15,9 @@ from typing import Any, NoReturn
 
 import yaml
 
-from llm_agent.scenario_parse import (CueList, TemplateError, bulleted_placeholders, is_identifier,
+from llm_agent.scenario.tags import (CueList, TemplateError, bulleted_placeholders, is_identifier,
                                       placeholders, substitute)
-from llm_agent.scenario_types import (CUE_KEYS, EVENTS, LINE_KEYS, OPTIONAL_LINE_KEYS, STATE_DIMS, Behavior, CategoryScript,
+from llm_agent.scenario.types import (CUE_KEYS, EVENTS, LINE_KEYS, OPTIONAL_LINE_KEYS, STATE_DIMS, Behavior, CategoryScript,
                                       ScenarioError, ScriptedRules, ScriptedSpec, ScriptedStep, Stage,
                                       StateRange, TagProtocol)
 

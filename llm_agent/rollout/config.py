@@ -20,7 +20,7 @@ from llm_agent.controller import ControllerConfig
 __all__ = ["ConfigError", "GenerationConfig", "UserSimConfig", "ROOT_KEY"]
 
 ROOT_KEY = "rollout_loop.config"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ConfigError(ValueError):

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llm_agent.cache_config import CacheConfig, is_int
+from llm_agent.cache.config import CacheConfig, is_int
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Scenario loading, validation errors and prompt rendering (llm_agent/scenario.py)."""
+"""Scenario loading, validation errors and prompt rendering (llm_agent/scenario/scenario.py)."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +13,7 @@ import yaml
 from llm_agent.scenario import (STATE_DIMS, AgentTurn, Behavior, ScenarioError, UserProfile, UserTurn,
                                 load_behavior_library, load_scenario, sample_behaviors)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = ROOT / "verl/trainer/config/format_prompt"
 OUTBOUND = PROMPTS / "outbound_ad_trial.yaml"
 INBOUND = PROMPTS / "inbound_support.yaml"

@@ -17,14 +17,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_agent.scenario import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, UserProfile, load_scenario, \
     sample_behaviors
-from llm_agent.scripted_policy import ChatLayout, ScriptedPolicyWorkerGroup, too_similar
-from llm_agent.user_client import ChatReply, ChatRequest, TurnFailure
-from llm_agent.user_sim.inprocess import InProcessUserSim
+from llm_agent.stand_ins.scripted_policy import ChatLayout, ScriptedPolicyWorkerGroup, too_similar
+from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure
+from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from verl.protocol import DataProto
 from verl.utils.torch_functional import compute_position_id_with_mask
 from verl.workers.rollout.hf_rollout import HFRollout
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SCENARIO_FILES = sorted((REPO_ROOT / "verl/trainer/config/format_prompt").glob("*.yaml"))
 OUTBOUND = load_scenario(REPO_ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
 KEYS = {"prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"}

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from llm_agent.user_client_stats import ClientStats, InstanceState
+from llm_agent.user_sim.client_stats import ClientStats, InstanceState
 
 logger = logging.getLogger(__name__)
 

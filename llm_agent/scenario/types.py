@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
-from llm_agent.scenario_parse import CueList
+from llm_agent.scenario.tags import CueList
 
 STATE_DIMS: tuple[str, ...] = ("cooperation", "emotion", "trust")
 STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED = 1, 0, -1

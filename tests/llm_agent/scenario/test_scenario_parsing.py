@@ -1,4 +1,4 @@
-"""Tag parsing, formatting, cue matching and templates (llm_agent/scenario.py, scenario_parse.py)."""
+"""Tag parsing, formatting, cue matching and templates (llm_agent/scenario/scenario.py, scenario_parse.py)."""
 from __future__ import annotations
 
 import random
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from llm_agent.scenario import CueList, load_scenario
-from llm_agent.scenario_parse import TemplateError, any_tag_re, placeholders, substitute
+from llm_agent.scenario.tags import TemplateError, any_tag_re, placeholders, substitute
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SC = load_scenario(ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
 PROTOCOL = any_tag_re([*SC.agent_tags.tags.values(), *SC.user_tags.tags.values()])
 

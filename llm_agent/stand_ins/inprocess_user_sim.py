@@ -17,8 +17,8 @@ import zlib
 from collections.abc import Collection
 
 from llm_agent.scenario import STATE_DIMS, STATUS_CONTINUE, Scenario
-from llm_agent.user_client import ChatReply, ChatRequest, TurnFailure
-from llm_agent.user_sim import BackendInputError, SamplingParams
+from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure
+from llm_agent.user_sim.backend import BackendInputError, SamplingParams
 from llm_agent.user_sim.scripted import ScriptedPersonaBackend
 
 logger = logging.getLogger(__name__)

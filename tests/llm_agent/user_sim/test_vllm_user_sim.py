@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llm_agent.user_client import ChatReply, ChatRequest, UserSimClient
+from llm_agent.user_sim.client import ChatReply, ChatRequest, UserSimClient
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 VLLM_READY = REPO / ".venv-vllm" / ".installed"  # written by `make vllm-env` only after a complete install
 STARTUP_TIMEOUT_S = 240.0

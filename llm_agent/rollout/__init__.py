@@ -1,0 +1,6 @@
+"""The parts of the SEAD rollout loop (the loop itself is `llm_agent/generation.py`, the name configs use).
+
+`config.py`: `GenerationConfig`, the typed `rollout_loop.config` block. `dialogue.py`: one dialogue's state, the
+shared token buffer and the chat template's role markers. `records.py`: per-dialogue `non_tensor_batch` columns
+and rollout-log lines.
+"""
