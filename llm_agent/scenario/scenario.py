@@ -171,6 +171,7 @@ class Scenario:
         all_tags = [*self.agent_tags.tags.values(), *self.user_tags.tags.values()]
         fields: dict[str, Any] = {}
         flags: list[str] = []
+        out_of_range = False
         for role, tag in protocol.tags.items():
             content, tag_flags = extract_tag(text, tag, all_tags)
             flags += [f"{f}:{role}" for f in tag_flags if not (role == "think" and f == "missing")]
@@ -183,7 +184,11 @@ class Scenario:
             if value is None:
                 flags.append(f"invalid:{role}")
                 continue
-            clamped = self._clamp(role, value)
+            if role in ("stage", "status") and not self._allowed(role, value):
+                flags.append(f"out_of_range:{role}")
+                out_of_range = True
+                continue
+            clamped = self.state_ranges[role].clamp(value) if role in STATE_DIMS else value
             if clamped != value:
                 flags.append(f"clamped:{role}")
             fields[role] = clamped
@@ -195,14 +200,11 @@ class Scenario:
                 flags.append("tags_in_reply")
             if not fields["reply"]:
                 flags.append("empty:reply")
-        return fields, flags, not fields.get("reply")
+        return fields, flags, out_of_range or not fields.get("reply")
 
-    def _clamp(self, role: str, value: int) -> int:
-        if role in STATE_DIMS:
-            return self.state_ranges[role].clamp(value)
-        if role == "status":
-            return max(STATUS_ENDED, min(STATUS_COMPLETED, value))
-        return min(self.stage_ids, key=lambda sid: (abs(sid - value), sid))
+    def _allowed(self, role: str, value: int) -> bool:
+        """True when `value` is one of the protocol's values for the discrete tag `role` (stage or status)."""
+        return value in (STATUS_VALUES if role == "status" else self.stage_ids)
 
     def parse_agent_output(self, text: str) -> AgentTurn:
         """Parse a policy output into an AgentTurn; never raises (problems become flags / parse_error)."""

@@ -54,18 +54,31 @@ def test_minus_one_status_on_both_sides():
     ("<user_reply>x</user_reply><user_cooperation>7</user_cooperation>", "cooperation", 4),
     ("<user_reply>x</user_reply><user_emotion>-1</user_emotion>", "emotion", 0),
     ("<user_reply>x</user_reply><user_trust>+9</user_trust>", "trust", 5),
-    ("<user_reply>x</user_reply><user_status>3</user_status>", "status", 1),
-    ("<user_reply>x</user_reply><user_status>-4</user_status>", "status", -1),
 ])
-def test_out_of_range_user_values_are_clamped_and_flagged(text, field, expected):
+def test_out_of_range_user_state_values_are_clamped_and_flagged(text, field, expected):
     u = SC.parse_user_output(text)
-    assert getattr(u, field) == expected and f"clamped:{field}" in u.flags
+    assert getattr(u, field) == expected and f"clamped:{field}" in u.flags and not u.parse_error
 
 
-def test_out_of_range_agent_stage_goes_to_nearest_id():
-    a = SC.parse_agent_output("<response>x</response><stage>9</stage><emotion_score>5</emotion_score>")
-    assert a.stage == 3 and a.emotion == 3
-    assert {"clamped:stage", "clamped:emotion"} <= set(a.flags)
+@pytest.mark.parametrize("value", ["3", "-4", "2"])
+def test_out_of_range_user_status_is_a_parse_error_not_a_completion(value):
+    """A status of 3 used to become 1 (completed): garbage must never end a call."""
+    u = SC.parse_user_output(f"<user_reply>x</user_reply><user_status>{value}</user_status>")
+    assert u.status is None and "out_of_range:status" in u.flags and u.parse_error
+
+
+@pytest.mark.parametrize("stage", ["7", "9", "-1", "4"])
+def test_out_of_range_agent_stage_is_a_format_problem(stage):
+    """Stage 7 used to be silently clamped to 3; it is now flagged and makes the turn a format error."""
+    a = SC.parse_agent_output(f"<response>x</response><stage>{stage}</stage><emotion_score>5</emotion_score>")
+    assert a.stage is None and a.parse_error and "out_of_range:stage" in a.flags
+    assert a.emotion == 3 and "clamped:emotion" in a.flags
+
+
+def test_in_range_agent_stage_and_status_parse_cleanly():
+    a = SC.parse_agent_output("<response>x</response><stage>3</stage><status>1</status>")
+    assert (a.stage, a.status, a.parse_error) == (3, 1, False)
+    assert not any(f.startswith("out_of_range") for f in a.flags)
 
 
 @pytest.mark.parametrize("content", ["high", "2.5", "", "  ", "two"])
@@ -75,17 +88,18 @@ def test_non_integer_values_are_invalid(content):
 
 
 @pytest.mark.parametrize("digits", ["9" * 5000, "-" + "7" * 5000, "0" * 5000 + "1", "1" + "0" * 19])
-def test_integers_with_thousands_of_digits_are_clamped_not_raised(digits):
+def test_integers_with_thousands_of_digits_never_raise(digits):
     """int() refuses strings over 4300 digits; a parse must still never raise."""
     a = SC.parse_agent_output(f"<response>x</response><status>{digits}</status><stage>{digits}</stage>")
     u = SC.parse_user_output(f"<user_reply>x</user_reply><user_trust>{digits}</user_trust>")
     if digits.startswith("0"):
-        assert (a.status, u.trust) == (1, 1) and "clamped:status" not in a.flags
+        assert (a.status, a.stage, u.trust) == (1, 1, 1) and not a.parse_error
         return
     sign = -1 if digits.startswith("-") else 1
-    assert a.status == sign and a.stage == (SC.stage_ids[-1] if sign > 0 else SC.stage_ids[0])
+    assert a.status is None and a.stage is None and a.parse_error
+    assert {"out_of_range:status", "out_of_range:stage"} <= set(a.flags)
     assert u.trust == (SC.state_ranges["trust"].max if sign > 0 else SC.state_ranges["trust"].min)
-    assert {"clamped:status", "clamped:stage"} <= set(a.flags) and "clamped:trust" in u.flags
+    assert "clamped:trust" in u.flags
 
 
 def test_leading_integer_with_words_is_read():
@@ -122,7 +136,9 @@ def test_fuzzed_tag_soup_never_raises():
     for _ in range(500):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         u, a = SC.parse_user_output(text), SC.parse_agent_output(text)
-        assert u.parse_error == (not u.reply) and a.parse_error == (not a.reply)
+        for turn in (u, a):
+            out_of_range = any(f.startswith("out_of_range:") for f in turn.flags)
+            assert turn.parse_error == (not turn.reply or out_of_range)
         assert not PROTOCOL.search(u.reply or "") and not PROTOCOL.search(a.reply or "")
         assert a.status in (None, -1, 0, 1) and u.status in (None, -1, 0, 1)
         assert a.stage in (None, *SC.stage_ids)
