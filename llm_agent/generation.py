@@ -2,19 +2,24 @@
 
 `LLMGenerationManager` is the trainer's `rollout_loop.path` plug-in. Each turn it left-pads the active dialogues'
 contexts into one batch, calls `actor_rollout_wg.generate_sequences`, appends exactly the sampled token ids
-(loss mask 1), parses the agent's tags, and answers the turn from the user-response cache (training only) or
-from the simulator (one `complete_batch` call per turn). User turns are appended as the chat template's role
-markers around the spoken reply (loss mask 0). Every dialogue ends with one outcome (`completed`, `hung_up`,
-`agent_ended`, `timeout`, `truncated`, `error`) and is returned as one row: the generation tensors plus the
-per-dialogue record in `non_tensor_batch` (see docs/rollout_loop.md).
+(loss mask 1), parses the agent's tags, and answers the turn from the user-response cache (training only; the
+cached words only, the dialogue keeps its own user state) or from the simulator (one `complete_batch` call per
+turn, malformed replies re-requested up to `user_sim.reply_retries` times). User turns are appended as the chat
+template's role markers around the spoken reply (loss mask 0). An agent that claims the task done (status 1)
+is heard: the call completes only if the user confirms, otherwise it ends as a false claim (`agent_ended`).
+Every dialogue ends with one outcome (`completed`, `hung_up`, `agent_ended`, `timeout`, `truncated`, `error`)
+and is returned as one row: the generation tensors plus the per-dialogue record in `non_tensor_batch` (see
+docs/rollout_loop.md).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +37,9 @@ from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMGenerationManager"]
+__all__ = ["CACHE_SNAPSHOT", "LLMGenerationManager"]
+
+CACHE_SNAPSHOT = "user_response_cache.jsonl"  # the cache's replies, in a checkpoint's rollout_loop/ directory
 
 
 def _stable_seed(*parts: Any) -> int:
@@ -80,10 +87,16 @@ class LLMGenerationManager:
         self.format_error_message = self.config.format_error_message or (
             f"(The customer heard nothing: your last message had no <{reply_tag}>...</{reply_tag}> block. "
             "Answer again in the required format.)")
+        tags = self.scenario.agent_tags
+        self.range_error_message = self.config.format_error_message or (
+            f"(The customer heard nothing: <{tags.tag('stage')}> must be one of "
+            f"{', '.join(map(str, self.scenario.stage_ids))} and <{tags.tag('status')}> one of -1, 0, 1. "
+            "Answer again in the required format.)")
         self._owns_client = client is None
         self.client = client if client is not None else self._build_client()
         use_cache = not self.is_validation and self.config.cache.enabled
-        self.cache = UserResponseCache(self.config.cache, self.scenario.name) if use_cache else None
+        ranges = {d: (r.min, r.max) for d, r in self.scenario.state_ranges.items()}
+        self.cache = UserResponseCache(self.config.cache, self.scenario.name, ranges) if use_cache else None
         use_controller = not self.is_validation and self.config.controller.enabled
         self.controller = StateController(self.config.controller, self.scenario) if use_controller else None
         self._calls = 0
@@ -156,7 +169,7 @@ class LLMGenerationManager:
         buffer = TokenBuffer(gen_batch.batch["input_ids"], gen_batch.batch["attention_mask"],
                              self.config.max_response_length, self.pad_id)
         meta = {k: v for k, v in gen_batch.meta_info.items() if k != "metrics"}
-        timing = {"generate": 0.0, "user_sim": 0.0}
+        timing = {"generate": 0.0, "user_sim": 0.0, "sim_requests": 0.0}
         try:
             for turn in tqdm(range(self.config.max_turns), desc="dialogue turns", leave=False):
                 active = [d for d in dialogues if d.active]
@@ -227,13 +240,17 @@ class LLMGenerationManager:
                 d.format_errors += 1
                 if self.cache is not None:  # this note is the dialogue's user turn: the next one may be cached
                     self.cache.end_dialogue(d.dialogue_id)
-                self._user_turn(d, buffer, self.format_error_message, None, None, "format_error", None)
-            elif turn.status in (STATUS_COMPLETED, STATUS_ENDED):
+                out_of_range = any(f.startswith("out_of_range:") for f in turn.flags) and turn.reply
+                note = self.range_error_message if out_of_range else self.format_error_message
+                self._user_turn(d, buffer, note, None, None, "format_error", None)
+            elif turn.status == STATUS_ENDED:
                 d.add_agent_turn(text, turn, None)
                 d.end("agent_ended")
-            else:
+            else:  # a claim of success (status 1) is heard too: only the user's confirmation completes the call
                 d.add_agent_turn(text, turn, self.scenario.spoken_agent_reply(turn))
-                hit = self.cache.lookup(d.dialogue_id, turn.stage) if self.cache is not None else None
+                hit = None
+                if self.cache is not None and turn.status != STATUS_COMPLETED:
+                    hit = self.cache.lookup(d.dialogue_id, turn.stage, d.user_state)
                 if hit is None:
                     pending.append((d, turn))
                 else:
@@ -241,53 +258,75 @@ class LLMGenerationManager:
         return pending
 
     def _cached_turn(self, d: Dialogue, buffer: TokenBuffer, hit: CachedReply) -> None:
+        """Answer with a cached reply's words; the user's state stays the dialogue's own (the cached reply's state
+        tags belong to another user), and the simulator sees this turn with that state."""
         d.cache_hits += 1
-        content = self.scenario.format_user_output(hit.reply, hit.state, hit.status)
-        self._user_turn(d, buffer, hit.reply, dict(hit.state), hit.status, "cache", content)
+        state = dict(d.user_state)
+        content = self.scenario.format_user_output(hit.reply, state, hit.status)
+        self._user_turn(d, buffer, hit.reply, state, hit.status, "cache", content)
 
-    def _request_seed(self, d: Dialogue, turn_index: int) -> int:
+    def _request_seed(self, d: Dialogue, turn_index: int, attempt: int = 0) -> int:
         """The simulator's sampling seed for one turn of `d`. Validation: from the user's profile, the row's place
         in its group and the turn only, so the fixed validation set meets the same simulated users at every
-        validation step; training: also from the call count and the dialogue id, so each step's users differ."""
+        validation step; training: also from the call count and the dialogue id, so each step's users differ.
+        A re-request of a malformed reply (`attempt` > 0) gets its own seed."""
+        retry = (f"retry{attempt}",) if attempt else ()
         if self.is_validation:
             group_index = d.dialogue_id.rsplit("#", 1)[1]
             profile = json.dumps(d.profile.to_dict(), sort_keys=True)
-            return _stable_seed(self.config.seed, "val", profile, group_index, turn_index)
-        return _stable_seed(self.config.seed, self._calls, d.dialogue_id, turn_index)
+            return _stable_seed(self.config.seed, "val", profile, group_index, turn_index, *retry)
+        return _stable_seed(self.config.seed, self._calls, d.dialogue_id, turn_index, *retry)
 
     def _simulator_turn(self, pending: list[tuple[Dialogue, AgentTurn]], buffer: TokenBuffer, turn_index: int,
                         timing: dict[str, float]) -> None:
-        """Ask the simulator for every pending dialogue's user turn in one batch and apply the answers."""
+        """Ask the simulator for every pending dialogue's user turn in one batch and apply the answers; malformed
+        replies are re-requested together (new seed, any instance) up to `user_sim.reply_retries` times."""
         sim = self.config.user_sim
-        requests = [ChatRequest(d.dialogue_id, d.sim_messages, temperature=sim.temperature, top_p=sim.top_p,
-                                max_tokens=sim.max_tokens,
-                                seed=self._request_seed(d, turn_index))
-                    for d, _ in pending]
-        started = time.monotonic()
-        results = self.client.complete_batch(requests)
-        timing["user_sim"] += time.monotonic() - started
-        if len(results) != len(requests):
-            raise RuntimeError(f"the simulator client answered {len(results)} of {len(requests)} requests")
-        for (d, agent), result in zip(pending, results):
-            if result.dialogue_id != d.dialogue_id:
-                raise RuntimeError(f"the simulator client answered {result.dialogue_id!r} for {d.dialogue_id!r}")
-            if isinstance(result, TurnFailure):
-                d.turns[-1]["user_error"] = result.reason
-                d.end("error", f"user simulator turn failed: {result.reason}")
-                continue
-            if not isinstance(result, ChatReply):
-                raise TypeError(f"the simulator client returned a {type(result).__name__} for {d.dialogue_id!r}")
-            user = self.scenario.parse_user_output(result.text)
-            if user.parse_error:
-                tag = self.scenario.user_tags.tag("reply")
-                reason = f"simulator reply has no <{tag}> text: {result.text[:200]!r}"
-                d.turns[-1]["user_error"] = reason
-                d.end("error", reason)
-                continue
-            if self.cache is not None:
-                self.cache.add(agent.stage, user.reply, user.state, user.status)
-            content = self.scenario.format_user_output(user.reply, user.state, user.status)
-            self._user_turn(d, buffer, user.reply, user.state, user.status, "simulator", content)
+        for attempt in range(sim.reply_retries + 1):
+            requests = [ChatRequest(d.dialogue_id, d.sim_messages, temperature=sim.temperature, top_p=sim.top_p,
+                                    max_tokens=sim.max_tokens, seed=self._request_seed(d, turn_index, attempt))
+                        for d, _ in pending]
+            started = time.monotonic()
+            results = self.client.complete_batch(requests)
+            timing["user_sim"] += time.monotonic() - started
+            timing["sim_requests"] += len(requests)
+            if len(results) != len(requests):
+                raise RuntimeError(f"the simulator client answered {len(results)} of {len(requests)} requests")
+            retry = []
+            for (d, agent), result in zip(pending, results):
+                malformed = self._apply_reply(d, agent, result, buffer)
+                if malformed is None:
+                    continue
+                if attempt < sim.reply_retries:
+                    d.sim_retries += 1
+                    retry.append((d, agent))
+                else:
+                    d.turns[-1]["user_error"] = malformed
+                    d.end("error", f"{malformed} (after {attempt + 1} requests)")
+            if not retry:
+                return
+            pending = retry
+
+    def _apply_reply(self, d: Dialogue, agent: AgentTurn, result: Any, buffer: TokenBuffer) -> str | None:
+        """Apply one simulator answer to `d`; returns why the reply is malformed (to be re-requested), else None."""
+        if result.dialogue_id != d.dialogue_id:
+            raise RuntimeError(f"the simulator client answered {result.dialogue_id!r} for {d.dialogue_id!r}")
+        if isinstance(result, TurnFailure):
+            d.turns[-1]["user_error"] = result.reason
+            d.end("error", f"user simulator turn failed: {result.reason}")
+            return None
+        if not isinstance(result, ChatReply):
+            raise TypeError(f"the simulator client returned a {type(result).__name__} for {d.dialogue_id!r}")
+        user = self.scenario.parse_user_output(result.text)
+        if user.parse_error:
+            tag = self.scenario.user_tags.tag("reply")
+            problems = [f for f in user.flags if f.startswith("out_of_range:")] or [f"no <{tag}> text"]
+            return f"simulator reply malformed ({', '.join(problems)}): {result.text[:200]!r}"
+        if self.cache is not None and agent.status != STATUS_COMPLETED:
+            self.cache.add(agent.stage, user.reply, user.state, user.status)
+        content = self.scenario.format_user_output(user.reply, user.state, user.status)
+        self._user_turn(d, buffer, user.reply, user.state, user.status, "simulator", content)
+        return None
 
     def _user_turn(self, d: Dialogue, buffer: TokenBuffer, reply: str, state: dict[str, int | None] | None,
                    status: int | None, source: str, sim_content: str | None) -> None:
@@ -297,11 +336,14 @@ class LLMGenerationManager:
         if len(ids) > self.config.max_user_tokens:
             ids = ids[:self.config.max_user_tokens]
             shown = self.tokenizer.decode(ids)
+        claimed = source != "format_error" and d.turns[-1]["agent_status"] == STATUS_COMPLETED
         d.add_user_turn(reply, state, status, source, shown, sim_content)
         if status == STATUS_COMPLETED:
             d.end("completed")
         elif status == STATUS_ENDED:
             d.end("hung_up")
+        elif claimed:  # the agent said the task was done, the user had not agreed: a false claim ends the call
+            d.end("agent_ended")
         elif d.num_turns >= self.config.max_turns:
             d.end("timeout")
         else:
@@ -320,6 +362,7 @@ class LLMGenerationManager:
         columns = {"uid": object_column(uids)}
         columns.update({key: object_column([r[key] for r in records]) for key in RECORD_COLUMNS if key != "uid"})
         metrics = prefixed(dialogue_metrics(records, self.scenario), "rollout/")
+        metrics["rollout/sim_requests"] = timing.pop("sim_requests")
         metrics.update({f"rollout/time_{k}_s": v for k, v in timing.items()})
         outcomes = {o: sum(d.outcome == o for d in dialogues) for o in {d.outcome for d in dialogues}}
         logger.info("rollout %d (%s): %d dialogues, outcomes %s, %.1fs generating, %.1fs waiting for the "
@@ -381,6 +424,24 @@ class LLMGenerationManager:
         if state.get("cache") is not None and self.cache is not None:  # a cache turned off since is fine
             self.cache.load_state_dict(state["cache"])
         self._calls = int(state["calls"])
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Write into a checkpoint's `directory` what `state_dict()` does not hold: the cache's replies."""
+        if self.cache is not None:
+            count = self.cache.save_snapshot(Path(directory) / CACHE_SNAPSHOT)
+            logger.info("cache snapshot: %d replies in %s", count, directory)
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Restore the cache's replies to exactly those of the checkpoint (replies added after it, still in the
+        live cache file, are dropped), so a resumed run draws as an uninterrupted one."""
+        if self.cache is None:
+            return
+        path = Path(directory) / CACHE_SNAPSHOT
+        if path.is_file():
+            self.cache.restore_snapshot(path)
+        else:
+            logger.warning("checkpoint directory %s has no cache snapshot (%s): the cache keeps the replies of its "
+                           "live file, which may hold replies added after that checkpoint", directory, CACHE_SNAPSHOT)
 
     def close(self) -> None:
         """Close the simulator client this loop built (an injected one is left to its owner) and flush the cache."""

@@ -3,13 +3,15 @@
 A *record* is one dialogue as the rollout loop (`llm_agent.generation.LLMGenerationManager`) writes it into
 `non_tensor_batch` (see `records_from_batch`): `profile`, `outcome`, `num_turns`, `turns`, `cache_hits`,
 `format_errors`. `range_d` is `max - min` of state dimension d in the scenario's `state_ranges`, so every
-dimension is normalised by its own range. Records with outcome `error` count only in `error_rate` and
-`n_dialogues`; every other metric is over the N non-error records. No metric is ever NaN: an empty
+dimension is normalised by its own range. Records with outcome `error` (a simulator turn that failed or stayed
+malformed after its re-requests) count only in `n_dialogues`, `error_rate`, `completion_rate_all` and
+`sim_reply_retries`; every other metric is over the N non-error records. No metric is ever NaN: an empty
 denominator gives 0.
 
 - `n_dialogues` = number of records, errors included; `error_rate` = #error / n_dialogues
-- `completion_rate` (CR) = #completed / N; `hang_up_rate`, `timeout_rate`, `truncated_rate`, `agent_ended_rate`
-  = #that outcome / N
+- `completion_rate` (CR) = #completed / N: error dialogues are NOT in its denominator;
+  `completion_rate_all` = #completed / n_dialogues counts them as not completed (equal when error_rate is 0)
+- `hang_up_rate`, `timeout_rate`, `truncated_rate`, `agent_ended_rate` = #that outcome / N
 - `att` = mean num_turns over completed dialogues; `adt` = mean num_turns over the N dialogues
 - `upa` = 1 - mean over paired turns (pooled over dialogues) of mean_d abs(agent_d - user_d) / range_d
 - `ei`, `ti`, `ci` = mean over dialogues of (last - first) simulator emotion / trust / cooperation, the profile's
@@ -18,14 +20,16 @@ denominator gives 0.
   than two estimates contributes 0)
 - `stage_completeness` = share of dialogues whose reported stages skip none: every SOP stage before the highest
   one reached appears (a dialogue that reports no stage is incomplete)
-- `false_positive_rate` = #[claimed done and not completed] / #[claimed done], where claimed done means the
-  agent_status of the last turn is 1
+- `false_positive_rate` (FPR) = FP / (FP + TP): among dialogues where the agent claimed the task done (status 1
+  on its last turn: the loop lets the user answer a claim and ends the call after it), the share the user had
+  not confirmed (outcome not `completed`)
 - `format_error_rate` = sum format_errors / sum num_turns
 - `cache_hit_rate` = sum cache_hits / #user turns (turns whose user_source is "simulator" or "cache")
+- `sim_reply_retries` = sum over all records of `sim_retries` (re-requests of malformed simulator replies)
 
 A paired turn has all three dimensions present in both its `agent_state` (the agent's estimate) and its
-`user_state` (the state the user side reported after that agent turn; for a cached reply its stored state tags,
-which the simulator continues from). A simulator value of dimension d counts when the turn's `user_state` holds
+`user_state` (the state the user side reported after that agent turn; for a cached reply the dialogue's own
+state carried over, never the cached reply's tags). A simulator value of dimension d counts when the turn's `user_state` holds
 a non-None d; the same per-dimension rule applies to the agent's estimates.
 """
 from __future__ import annotations
@@ -53,9 +57,9 @@ _RATE_OF_OUTCOME = {"hung_up": "hang_up_rate", "timeout": "timeout_rate", "trunc
                     "agent_ended": "agent_ended_rate"}
 _INDEX_DIMS = {"ei": "emotion", "ti": "trust", "ci": "cooperation"}
 METRIC_KEYS: tuple[str, ...] = (
-    "n_dialogues", "error_rate", "completion_rate", *_RATE_OF_OUTCOME.values(), "att", "adt", "upa",
+    "n_dialogues", "error_rate", "completion_rate", "completion_rate_all", *_RATE_OF_OUTCOME.values(), "att", "adt", "upa",
     *_INDEX_DIMS, *(f"{k}_agent" for k in _INDEX_DIMS), "stage_completeness", "false_positive_rate",
-    "format_error_rate", "cache_hit_rate",
+    "format_error_rate", "cache_hit_rate", "sim_reply_retries",
 )
 _LOOP = "llm_agent.generation.LLMGenerationManager"
 
@@ -213,6 +217,7 @@ def dialogue_metrics(records: Sequence[Mapping[str, Any]], scenario: Scenario) -
         "n_dialogues": float(len(records)),
         "error_rate": _ratio(n_error, len(records)),
         "completion_rate": _ratio(outcomes.count("completed"), n),
+        "completion_rate_all": _ratio(outcomes.count("completed"), len(records)),
         **{key: _ratio(outcomes.count(outcome), n) for outcome, key in _RATE_OF_OUTCOME.items()},
         "att": _mean([t for t, o in zip(turn_counts, outcomes) if o == "completed"]),
         "adt": _mean(turn_counts),
@@ -236,4 +241,6 @@ def dialogue_metrics(records: Sequence[Mapping[str, Any]], scenario: Scenario) -
                                           sum(turn_counts))
     metrics["cache_hit_rate"] = _ratio(sum(record_count(r, "cache_hits", w) for r, *_, w in scored),
                                        sum(user_turn_count(turns) for _, _, turns, _, _ in scored))
+    metrics["sim_reply_retries"] = float(sum(record_count(r, "sim_retries", record_label(r, i))
+                                             for i, r in enumerate(records) if "sim_retries" in r))
     return metrics

@@ -31,6 +31,7 @@ class CacheConfig:
     min_bucket_size: int = 10
     max_per_stage: int = 500
     max_total: int = 10000
+    state_buckets: int = 3
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -51,7 +52,7 @@ class CacheConfig:
             rates[stage] = self._rate(f"stage_hit_rates[{key!r}]", rate)
         self.stage_hit_rates = rates
         self.default_hit_rate = self._rate("default_hit_rate", self.default_hit_rate)
-        for name in ("min_bucket_size", "max_per_stage", "max_total"):
+        for name in ("min_bucket_size", "max_per_stage", "max_total", "state_buckets"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"CacheConfig.{name} must be an int >= 1, got {value!r}")

@@ -3,7 +3,9 @@
 During training the rollout loop asks the cache before each user turn; with the agent's declared stage's hit
 rate the cache answers with a stored simulator reply instead of calling the simulator. Unlike the original:
 - only non-terminal replies (status 0) are stored, so a cached reply never ends a dialogue;
-- a cached reply keeps the simulator's state tags, so metrics and the controller see a full turn;
+- replies are bucketed by stage AND a coarse level of the user state they were given in (`state_buckets`), so a
+  hostile user is never answered with a cooperative user's words; a cached reply supplies only its words: the
+  rollout loop keeps the dialogue's own user state (the stored state tags only choose the bucket);
 - "no two cached turns in a row" is tracked per dialogue id (not per batch row), and the flag is cleared on
   every lookup, also when the turn has no stage;
 - the file obeys the same size limits as memory: appends go to the file, and when it holds too many stale lines
@@ -12,6 +14,8 @@ rate the cache answers with a stored simulator reply instead of calling the simu
 File format, one object per line: ``{"scenario", "stage", "reply", "state", "status", "ts"}``. Lines of other
 scenarios are kept verbatim (the file may be shared); corrupt lines are skipped, counted and logged once.
 One process writes a given file; every public method takes the same lock, so the loop may call from threads.
+`save_snapshot` / `restore_snapshot` copy the replies held into and out of a checkpoint, so a resumed run starts
+from exactly the checkpoint's cache even when the live file gained replies after it.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +35,7 @@ from llm_agent.cache.config import CacheConfig, is_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CacheConfig", "CachedReply", "UserResponseCache"]
+__all__ = ["CacheConfig", "CachedReply", "UserResponseCache", "state_level_fn"]
 
 _LINE_KEYS = frozenset({"scenario", "stage", "reply", "state", "status", "ts"})
 
@@ -71,6 +75,26 @@ def _check_state(state: Any) -> str | None:
     return None
 
 
+def state_level_fn(levels: int, ranges: Mapping[str, tuple[int, int]] | None) -> Callable[[Any], int]:
+    """A function mapping a user state to one of `levels` coarse levels: the mean over the dimensions present of
+    (value - min) / (max - min), cut into `levels` equal bins (a state with no dimension: the middle level).
+    With levels <= 1 or no ranges every state is level 0 (buckets by stage only)."""
+    if levels <= 1 or not ranges:
+        return lambda state: 0
+    spans = {d: (lo, hi - lo) for d, (lo, hi) in ranges.items() if hi > lo}
+
+    def level(state: Any) -> int:
+        if not isinstance(state, Mapping):
+            return levels // 2
+        parts = [(state[d] - lo) / span for d, (lo, span) in spans.items() if is_int(state.get(d))]
+        if not parts:
+            return levels // 2
+        mean = min(1.0, max(0.0, sum(parts) / len(parts)))
+        return min(levels - 1, int(mean * levels))
+
+    return level
+
+
 def _parse_line(obj: Any) -> str | None:
     """None when `obj` is a well-formed cache line, else the reason why not."""
     if not isinstance(obj, dict):
@@ -92,9 +116,14 @@ def _parse_line(obj: Any) -> str | None:
 
 
 class UserResponseCache:
-    """Per-stage buckets of non-terminal simulator replies, served with the stage's hit rate (see module doc)."""
+    """Per-(stage, user-state level) buckets of non-terminal simulator replies, served with the stage's hit rate.
 
-    def __init__(self, config: CacheConfig, scenario_name: str) -> None:
+    `state_ranges` ({dimension: (min, max)}, the scenario's) turns on the state levels (`config.state_buckets`);
+    without it replies are bucketed by stage only. See the module docstring.
+    """
+
+    def __init__(self, config: CacheConfig, scenario_name: str,
+                 state_ranges: Mapping[str, tuple[int, int]] | None = None) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"UserResponseCache needs a CacheConfig, got {type(config).__name__}")
         if not isinstance(scenario_name, str) or not scenario_name:
@@ -103,7 +132,8 @@ class UserResponseCache:
         self.scenario_name = scenario_name
         self._lock = threading.Lock()
         self._rng = random.Random(config.seed)
-        self._buckets: dict[int, list[_Entry]] = {}
+        self._level = state_level_fn(config.state_buckets, state_ranges)
+        self._buckets: dict[tuple[int, int], list[_Entry]] = {}
         self._keys: dict[int, set[tuple]] = {}
         self._size = 0
         self._seq = 0
@@ -156,12 +186,14 @@ class UserResponseCache:
         self._hits: dict[int, int] = {}
         self._blocked = 0
 
-    def lookup(self, dialogue_id: str, stage: int | None) -> CachedReply | None:
-        """A cached reply for this user turn, or None (then ask the simulator).
+    def lookup(self, dialogue_id: str, stage: int | None, state: Mapping[str, Any] | None = None
+               ) -> CachedReply | None:
+        """A cached reply for this user turn of a user now in `state`, or None (then ask the simulator).
 
         None when the dialogue's previous lookup was a hit (the flag is cleared, whatever the stage), when the
-        stage is None, negative or has rate 0, or when its bucket holds fewer than min_bucket_size replies;
-        otherwise a uniformly chosen reply of the bucket with the stage's probability.
+        stage is None, negative or has rate 0, or when the (stage, level of `state`) bucket holds fewer than
+        min_bucket_size replies; otherwise a uniformly chosen reply of that bucket with the stage's probability.
+        Only the reply's words are meant to be reused: its `state` is the one it was given in, not the caller's.
         """
         if not self._enabled:
             return None
@@ -175,7 +207,7 @@ class UserResponseCache:
             if not is_int(stage) or stage < 0:
                 return None
             self._lookups[stage] = self._lookups.get(stage, 0) + 1
-            bucket = self._buckets.get(stage, [])
+            bucket = self._buckets.get((stage, self._level(state)), [])
             if len(bucket) < self.config.min_bucket_size:
                 return None
             self._eligible[stage] = self._eligible.get(stage, 0) + 1
@@ -229,19 +261,20 @@ class UserResponseCache:
         if entry.key() in keys:
             return False
         entry.seq, self._seq = self._seq, self._seq + 1
-        self._buckets.setdefault(stage, []).append(entry)
+        self._buckets.setdefault((stage, self._level(entry.reply.state)), []).append(entry)
         keys.add(entry.key())
         self._size += 1
-        if len(self._buckets[stage]) > self.config.max_per_stage:
-            self._evict(stage)
+        if sum(len(b) for (s, _), b in self._buckets.items() if s == stage) > self.config.max_per_stage:
+            self._evict(lambda key: key[0] == stage)
         while self._size > self.config.max_total:
-            self._evict(min((b[0].seq, s) for s, b in self._buckets.items() if b)[1])
+            self._evict(lambda key: True)
         return True
 
-    def _evict(self, stage: int) -> None:
-        """Drop the oldest entry of `stage`."""
-        old = self._buckets[stage].pop(0)
-        self._keys[stage].discard(old.key())
+    def _evict(self, among: Callable[[tuple[int, int]], bool]) -> None:
+        """Drop the oldest entry of the buckets whose (stage, level) key satisfies `among`."""
+        key = min((b[0].seq, k) for k, b in self._buckets.items() if b and among(k))[1]
+        old = self._buckets[key].pop(0)
+        self._keys[key[0]].discard(old.key())
         self._size -= 1
 
     def _line(self, entry: _Entry) -> str:
@@ -266,34 +299,43 @@ class UserResponseCache:
 
         On any error the temp file is removed, the old file is left as it was, and the error propagates.
         """
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
         entries = sorted((e for b in self._buckets.values() for e in b), key=lambda e: e.seq)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                for raw in self._foreign:
-                    f.write(raw + "\n")
-                for entry in entries:
-                    f.write(self._line(entry) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        _atomic_write(path, [*self._foreign, *(self._line(e) for e in entries)])
         self._disk_lines = len(self._foreign) + len(entries)
         logger.debug("compacted %s to %d lines", path, self._disk_lines)
 
-    def _load(self, path: str) -> None:
-        """Read the file: own valid lines into memory (limits applied), other scenarios' lines kept verbatim,
-        corrupt lines counted and logged once; compacts when the file needs cleaning."""
-        with open(path, "rb") as f:
-            data = f.read()
+    def save_snapshot(self, path: str | os.PathLike) -> int:
+        """Write the replies held now (this scenario's, oldest first) to `path` atomically; returns their count."""
+        with self._lock:
+            entries = sorted((e for b in self._buckets.values() for e in b), key=lambda e: e.seq)
+            _atomic_write(os.fspath(path), [self._line(e) for e in entries])
+            return len(entries)
+
+    def restore_snapshot(self, path: str | os.PathLike) -> int:
+        """Replace the replies held by those of a `save_snapshot` file and rewrite the live file to match (other
+        scenarios' lines kept), so replies added after the snapshot are gone; returns the count restored."""
+        with self._lock:
+            with open(path, "rb") as f:
+                own, _, bad, _ = self._parse(f.read())
+            if bad:
+                raise ValueError(f"cache snapshot {path}: {len(bad)} corrupt line(s), first: line {bad[0][0]}: "
+                                 f"{bad[0][1]}")
+            self._buckets, self._keys, self._size, self._seq = {}, {}, 0, 0
+            for entry in own:
+                self._insert(entry)
+            if self._enabled and self.config.path is not None:
+                self._compact(self.config.path)
+            logger.info("cache restored from %s: %d replies", path, self._size)
+            return self._size
+
+    def _parse(self, data: bytes) -> tuple[list[_Entry], list[str], list[tuple[int, str]], int]:
+        """Split a cache file's bytes into this scenario's entries, other scenarios' lines, the corrupt lines
+        (line number, reason) and the number of lines."""
         lines = data.split(b"\n")
         if lines and lines[-1] == b"":
             lines.pop()
+        own: list[_Entry] = []
+        foreign: list[str] = []
         bad: list[tuple[int, str]] = []
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
@@ -308,18 +350,28 @@ class UserResponseCache:
             if reason is not None:
                 bad.append((number, reason))
             elif obj["scenario"] != self.scenario_name:
-                self._foreign.append(text.strip())
+                foreign.append(text.strip())
             else:
                 reply = CachedReply(obj["stage"], obj["reply"], dict(obj["state"]), 0)
-                self._insert(_Entry(0, float(obj["ts"]), reply))
-        self._disk_lines = len(lines)
+                own.append(_Entry(0, float(obj["ts"]), reply))
+        return own, foreign, bad, len(lines)
+
+    def _load(self, path: str) -> None:
+        """Read the file: own valid lines into memory (limits applied), other scenarios' lines kept verbatim,
+        corrupt lines counted and logged once; compacts when the file needs cleaning."""
+        with open(path, "rb") as f:
+            data = f.read()
+        own, self._foreign, bad, n_lines = self._parse(data)
+        for entry in own:
+            self._insert(entry)
+        self._disk_lines = n_lines
         self._corrupt = len(bad)
         if bad:
             shown = "; ".join(f"line {n}: {why}" for n, why in bad[:20])
             more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
             logger.warning("cache file %s: skipped %d corrupt line(s): %s%s", path, len(bad), shown, more)
         logger.info("cache file %s: loaded %d replies for scenario %r (%d lines, %d of other scenarios)",
-                    path, self._size, self.scenario_name, len(lines), len(self._foreign))
+                    path, self._size, self.scenario_name, n_lines, len(self._foreign))
         if bad or self._surplus() > self._slack or (data and not data.endswith(b"\n")):
             self._compact(path)
 
@@ -348,3 +400,21 @@ class UserResponseCache:
             if reset:
                 self._reset_counters()
             return out
+
+
+def _atomic_write(path: str, lines: list[str]) -> None:
+    """Write `lines` to `path` through a temp file in the same directory, fsync and rename; on any error the
+    temp file is removed, an existing file is left as it was, and the error propagates."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -74,6 +74,7 @@ class UserSimConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 256
+    reply_retries: int = 2
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "UserSimConfig":
@@ -97,7 +98,8 @@ class UserSimConfig:
                    api_key=_optional_str(data, "api_key", where), timeout_s=timeout,
                    max_attempts=_number(data, "max_attempts", 3, where, minimum=1), deadline_s=deadline,
                    temperature=_number(data, "temperature", 1.0, where, kind=float, minimum=0.0),
-                   top_p=top_p, max_tokens=_number(data, "max_tokens", 256, where, minimum=1))
+                   top_p=top_p, max_tokens=_number(data, "max_tokens", 256, where, minimum=1),
+                   reply_retries=_number(data, "reply_retries", 2, where, minimum=0))
 
 
 @dataclass

@@ -157,7 +157,9 @@ class Dialogue:
     """One row's dialogue: identity, profile, per-turn records, agent-side messages and the simulator's messages.
 
     `sim_messages` is exactly `Scenario.render_user_messages(profile, turns)` for the turns so far, grown by one
-    or two messages per turn instead of being re-rendered.
+    or two messages per turn instead of being re-rendered. `user_state` is the user's current state: the
+    profile's initial state, then each dimension as the simulator last reported it (a cached turn keeps it).
+    `sim_retries` counts the extra simulator requests made for malformed replies.
     """
 
     row: int
@@ -171,6 +173,12 @@ class Dialogue:
     error: str | None = None
     cache_hits: int = 0
     format_errors: int = 0
+    sim_retries: int = 0
+    user_state: dict[str, int | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.user_state:
+            self.user_state = {d: getattr(self.profile, d) for d in STATE_DIMS}
 
     @property
     def active(self) -> bool:
@@ -209,6 +217,8 @@ class Dialogue:
         `sim_content` the simulator's canonical own message (None when the simulator was not involved)."""
         record = self.turns[-1]
         record.update(user_reply=reply, user_status=status, user_state=_state_or_none(state), user_source=source)
+        if state is not None:
+            self.user_state.update({d: v for d, v in state.items() if d in STATE_DIMS and v is not None})
         self.messages.append({"role": "user", "content": shown})
         if sim_content is not None:
             self.sim_messages.append({"role": "assistant", "content": sim_content})
@@ -218,4 +228,4 @@ class Dialogue:
         return {"dialogue_id": self.dialogue_id, "profile": self.profile.to_dict(),
                 "state_key": self.profile.state_key, "outcome": self.outcome, "num_turns": self.num_turns,
                 "turns": self.turns, "messages": self.messages, "cache_hits": self.cache_hits,
-                "format_errors": self.format_errors, "error": self.error}
+                "format_errors": self.format_errors, "sim_retries": self.sim_retries, "error": self.error}

@@ -1,8 +1,9 @@
 """Per-dialogue output of the rollout loop: `non_tensor_batch` columns, rollout-log lines and JSONL appends.
 
 The column names are the per-dialogue record of docs/rollout_loop.md (`uid`, `dialogue_id`, `profile`,
-`state_key`, `outcome`, `num_turns`, `turns`, `messages`, `cache_hits`, `format_errors`, `error`); a rollout-log
-line is one JSON object per dialogue with those fields plus `step`, `split`, `reward`, `reward_components`.
+`state_key`, `outcome`, `num_turns`, `turns`, `messages`, `cache_hits`, `format_errors`, `sim_retries`,
+`error`); a rollout-log line is one JSON object per dialogue with those fields plus `step`, `split`, `reward`,
+`reward_components`.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["LOG_KEYS", "RECORD_COLUMNS", "append_jsonl", "log_lines", "object_column", "prefixed"]
 
 RECORD_COLUMNS: tuple[str, ...] = ("uid", "dialogue_id", "profile", "state_key", "outcome", "num_turns", "turns",
-                                   "messages", "cache_hits", "format_errors", "error")
+                                   "messages", "cache_hits", "format_errors", "sim_retries", "error")
 LOG_KEYS: tuple[str, ...] = ("uid", "dialogue_id", "profile", "state_key", "outcome", "num_turns", "turns",
-                             "messages", "reward", "reward_components", "cache_hits", "format_errors", "error")
+                             "messages", "reward", "reward_components", "cache_hits", "format_errors", "sim_retries",
+                             "error")
 
 
 def object_column(values: Sequence[Any]) -> np.ndarray:

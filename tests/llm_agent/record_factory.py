@@ -59,6 +59,7 @@ def random_record(rng: random.Random, scenario: Scenario, index: int) -> dict[st
             "outcome": outcome, "num_turns": num_turns, "turns": turns, "messages": [],
             "cache_hits": sum(t["user_source"] == "cache" for t in turns),
             "format_errors": sum(not t["agent_format_ok"] for t in turns),
+            "sim_retries": rng.choice([0, 0, 0, 1, 2]),
             "error": "simulator down" if outcome == "error" else None}
 
 

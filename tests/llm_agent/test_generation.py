@@ -44,25 +44,33 @@ def test_each_outcome_ends_or_continues_its_dialogue(tok, scenario, tmp_path):
     agents = {
         "done": [a("Hello, I am Anna."), a("Please open the app.")],
         "hang": [a("Hello.")],
-        "quit": [a("Hello."), a("Goodbye then.", status=1)],
+        "quit": [a("Hello."), a("Goodbye then.", status=-1)],
+        "claim": [a("Hello."), a("All set, the credit is yours.", status=1)],
+        "false": [a("Hello."), a("Done, thanks!", status=1)],
         "slow": [a("One."), a("Two."), a("Three.")],
         "fail": [a("Hello."), a("Still there?")],
         "junk": [a("Hello.")],
         "fmt": ["I forgot every tag", a("Sorry. Hello."), a("Shall we start?")],
     }
     sims = {"done": [("Who is this?", 0), ("Okay, done.", 1)], "hang": [("Not interested.", -1)], "quit": [("Hm?", 0)],
+            "claim": [("Hm?", 0), ("Yes, I see it, activated.", 1)], "false": [("Hm?", 0), ("Wait, what?", 0)],
             "slow": [("Hm.", 0), ("Hm.", 0), ("Hm.", 0)], "fail": [("Yes?", 0), FAIL],
             "junk": ["no tags at all"], "fmt": [("Who?", 0), ("Fine, done.", 1)]}
     loop, policy, sim, out, row = run(tok, scenario, tmp_path, agents, sims)
     nt = out.non_tensor_batch
     expect = {"done": ("completed", 2, 2), "hang": ("hung_up", 1, 1), "quit": ("agent_ended", 2, 1),
-              "slow": ("timeout", 3, 3), "fail": ("error", 2, 2), "junk": ("error", 1, 1), "fmt": ("completed", 3, 2)}
+              "claim": ("completed", 2, 2), "false": ("agent_ended", 2, 2),
+              "slow": ("timeout", 3, 3), "fail": ("error", 2, 2), "junk": ("error", 1, 3), "fmt": ("completed", 3, 2)}
     for key, (outcome, turns, sim_calls) in expect.items():
         i = row[key]
         assert (nt["outcome"][i], nt["num_turns"][i], sim.calls_for(key)) == (outcome, turns, sim_calls), key
         assert len(nt["turns"][i]) == turns and nt["dialogue_id"][i] == f"{key}#0"
-    # agent_ended: the last turn had no user side; error rows carry the reason and a unique uid, mask all 0
+    # an agent that gives up (status -1) is not heard; a claim of success (status 1) is, and only the user's
+    # confirmation completes it; error rows carry the reason and a unique uid, mask all 0; a malformed reply was
+    # re-requested twice (reply_retries) before the dialogue became an error
     assert nt["turns"][row["quit"]][-1]["user_source"] is None
+    assert nt["turns"][row["false"]][-1]["user_source"] == "simulator"
+    assert nt["sim_retries"][row["junk"]] == 2 and nt["sim_retries"][row["done"]] == 0
     for key in ("fail", "junk"):
         i = row[key]
         assert nt["uid"][i] == f"{key}/error/{key}#0" and nt["error"][i]
@@ -82,8 +90,11 @@ def test_each_outcome_ends_or_continues_its_dialogue(tok, scenario, tmp_path):
     assert nt["turns"][row["done"]][0]["user_state"] == {"cooperation": 2, "emotion": 2, "trust": 2}
     assert nt["turns"][row["done"]][1]["user_source"] == "simulator"
     metrics = out.meta_info["metrics"]
-    assert metrics["rollout/n_dialogues"] == 7 and metrics["rollout/error_rate"] == pytest.approx(2 / 7)
-    assert metrics["rollout/completion_rate"] == pytest.approx(2 / 5)
+    assert metrics["rollout/n_dialogues"] == 9 and metrics["rollout/error_rate"] == pytest.approx(2 / 9)
+    assert metrics["rollout/completion_rate"] == pytest.approx(3 / 7)
+    assert metrics["rollout/completion_rate_all"] == pytest.approx(3 / 9)
+    assert metrics["rollout/false_positive_rate"] == pytest.approx(1 / 2)  # "claim" right, "false" wrong
+    assert metrics["rollout/sim_reply_retries"] == 2.0
 
 
 def test_response_mask_is_exactly_the_sampled_tokens_and_user_blocks_match_the_template(tok, scenario, tmp_path):
@@ -176,7 +187,7 @@ def test_validation_never_touches_the_cache_and_training_uses_it(tok, scenario, 
     path = tmp_path / "cache.jsonl"
     cache_cfg = {"enabled": True, "path": str(path), "stage_hit_rates": {0: 1.0}, "min_bucket_size": 1}
     seed_cache = UserResponseCache(CacheConfig.from_dict(cache_cfg), scenario.name)
-    assert seed_cache.add(0, "A cached hello.", {"cooperation": 3, "emotion": 3, "trust": 3}, 0)
+    assert seed_cache.add(0, "A cached hello.", {"cooperation": 2, "emotion": 1, "trust": 3}, 0)
     before = path.read_text()
     a = lambda reply: agent_text(scenario, reply)  # noqa: E731
     agents = {"c": [a("Hi."), a("Hi again."), a("Third.")]}
@@ -188,10 +199,28 @@ def test_validation_never_touches_the_cache_and_training_uses_it(tok, scenario, 
     train, _, train_sim, out, _ = run(tok, scenario, tmp_path, agents, sims, cache=cache_cfg)
     sources = [t["user_source"] for t in out.non_tensor_batch["turns"][0]]
     assert sources == ["cache", "simulator", "cache"] and out.non_tensor_batch["cache_hits"][0] == 2
-    assert out.non_tensor_batch["turns"][0][0]["user_state"] == {"cooperation": 3, "emotion": 3, "trust": 3}
-    # the simulator saw the cached reply as its own earlier turn, with its state tags
-    assert "A cached hello." in train_sim.requests[0].messages[2]["content"]
-    assert "<user_trust>3</user_trust>" in train_sim.requests[0].messages[2]["content"]
+
+
+def test_a_cached_turn_reuses_words_never_another_users_state(tok, scenario, tmp_path):
+    """A (2,2,2) user answered from the cache keeps its own state: the cached reply's tags (2,1,3) neither enter
+    the record nor the simulator's history, and a hostile user's reply (another state level) is never served."""
+    path = tmp_path / "cache.jsonl"
+    cache_cfg = {"enabled": True, "path": str(path), "stage_hit_rates": {0: 1.0}, "min_bucket_size": 1}
+    seed_cache = UserResponseCache(CacheConfig.from_dict(cache_cfg), scenario.name)
+    assert seed_cache.add(0, "A cached hello.", {"cooperation": 2, "emotion": 1, "trust": 3}, 0)
+    assert seed_cache.add(0, "Get lost, scammer.", {"cooperation": 0, "emotion": 0, "trust": 0}, 0)
+    a = lambda reply: agent_text(scenario, reply)  # noqa: E731
+    agents = {"c": [a("Hi."), a("Hi again.")]}
+    _, _, sim, out, _ = run(tok, scenario, tmp_path, agents, {"c": [("fresh", 0), ("fresh two", 0)]},
+                            cache=cache_cfg, max_turns=2)
+    turns = out.non_tensor_batch["turns"][0]
+    assert [t["user_source"] for t in turns] == ["cache", "simulator"]
+    assert turns[0]["user_reply"] == "A cached hello."
+    assert turns[0]["user_state"] == {"cooperation": 2, "emotion": 2, "trust": 2}  # the profile's own state
+    heard = sim.requests[0].messages[2]["content"]
+    assert "A cached hello." in heard and "<user_emotion>2</user_emotion>" in heard
+    assert "<user_trust>2</user_trust>" in heard and "<user_trust>3</user_trust>" not in heard
+    assert all("Get lost" not in t["user_reply"] for t in turns)
 
 
 def test_profiles_per_uid_group_from_controller_and_from_dataset(tok, scenario, tmp_path):

@@ -47,11 +47,15 @@ def test_malformed_agent_gets_format_errors_and_never_reaches_the_simulator(tok,
     assert out.meta_info["metrics"]["rollout/format_error_rate"] == 1.0
 
 
-def test_agent_that_ends_the_call_makes_no_simulator_call(tok, scenario):
+def test_a_premature_claim_of_success_is_heard_and_counted_a_false_positive(tok, scenario):
+    """The "ender" claims the task done (status 1) on its first turn: the user hears it, has not agreed, and the
+    call ends as a false claim (FPR 1), never as a completion."""
     sim = InProcessUserSim(scenario)
     out = loop_for(tok, scenario, quality="ender", sim=sim).run_llm_loop(make_gen_batch(tok, scenario, ["e", "f"]))
     assert list(out.non_tensor_batch["outcome"]) == ["agent_ended", "agent_ended"]
-    assert list(out.non_tensor_batch["num_turns"]) == [1, 1] and sim.stats()["user_sim/turns"] == 0
+    assert list(out.non_tensor_batch["num_turns"]) == [1, 1] and sim.stats()["user_sim/turns"] == 2
+    assert all(turns[-1]["user_source"] == "simulator" for turns in out.non_tensor_batch["turns"])
+    assert out.meta_info["metrics"]["rollout/false_positive_rate"] == 1.0
 
 
 def test_injected_simulator_failures_hit_only_their_dialogues(tok, scenario):

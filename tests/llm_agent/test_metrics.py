@@ -39,7 +39,10 @@ def reference_metrics(records):
     ok = [r for r in records if r["outcome"] != "error"]
     n = len(ok)
     ref = {"n_dialogues": float(len(records)),
-           "error_rate": (len(records) - n) / len(records) if records else 0.0}
+           "error_rate": (len(records) - n) / len(records) if records else 0.0,
+           "completion_rate_all": (sum(1.0 for r in records if r["outcome"] == "completed") / len(records)
+                                   if records else 0.0),
+           "sim_reply_retries": float(sum(r.get("sim_retries", 0) for r in records))}
     for outcome, key in [("completed", "completion_rate"), ("hung_up", "hang_up_rate"),
                          ("timeout", "timeout_rate"), ("truncated", "truncated_rate"),
                          ("agent_ended", "agent_ended_rate")]:
@@ -115,8 +118,8 @@ def test_att_is_completed_only_and_adt_all(scenario):
 def test_only_errors_and_empty_give_zero_not_nan(scenario):
     records = [r for r in random_records(3, 100, scenario) if r["outcome"] == "error"][:5]
     got = dialogue_metrics(records, scenario)
-    assert got["error_rate"] == 1.0 and all(got[k] == 0.0 for k in METRIC_KEYS if k not in ("error_rate",
-                                                                                           "n_dialogues"))
+    assert got["error_rate"] == 1.0 and all(got[k] == 0.0 for k in METRIC_KEYS if k not in (
+        "error_rate", "n_dialogues", "sim_reply_retries"))
     empty = dialogue_metrics([], scenario)
     assert all(v == 0.0 for v in empty.values())
 

@@ -2,8 +2,10 @@
 
 One run of two GRPO steps with the cache and the controller on, during which one simulator instance is
 SIGKILLed mid-step; then: every step completed and no dialogue was lost or mislabelled, each row's reward belongs
-to its own dialogue after balancing, validation wrote its metrics line, and a trainer resumed from the checkpoint
-gets back the controller's weights and the cache.
+to its own dialogue after balancing (the row's decoded agent tokens are checked against its record first), a cached
+turn never moves a user's state more than the simulator itself does, validation wrote its metrics line, and a
+trainer resumed from the checkpoint gets back the controller's weights and exactly the checkpoint's cache, even
+after the live cache file gained replies.
 """
 from __future__ import annotations
 
@@ -84,6 +86,20 @@ def _trainer(config):
     return RayPPOTrainer(config, tokenizer, {Role.ActorRollout: ActorRolloutRefWorker}, pool), pool
 
 
+def _largest_state_jumps(lines: list[dict]) -> tuple[int, int]:
+    """(largest jump on a cached turn, largest jump on a simulator turn): max over dimensions of |state - the
+    dialogue's previous state|, the previous state being the sampled profile before the first user turn."""
+    jumps = {"cache": [0], "simulator": [0]}
+    for line in lines:
+        previous = {d: line["profile"][d] for d in ("cooperation", "emotion", "trust")}
+        for turn in line["turns"]:
+            state, source = turn["user_state"], turn["user_source"]
+            if source in jumps and state:
+                jumps[source].append(max(abs(state[d] - previous[d]) for d in previous if state.get(d) is not None))
+                previous.update({d: v for d, v in state.items() if v is not None})
+    return max(jumps["cache"]), max(jumps["simulator"])
+
+
 def _kill_when_busy(trainer, servers, url: str, killed: list) -> threading.Thread:
     """SIGKILL the instance at `url` once it has served simulator turns during training step 1."""
     name = url.split("//", 1)[1]
@@ -111,8 +127,9 @@ def _outcome_matches_transcript(line: dict) -> bool:
         return last_user == 1
     if outcome == "hung_up":
         return last_user == -1
-    if outcome == "agent_ended":
-        return turns[-1]["agent_status"] in (1, -1) and turns[-1]["user_source"] is None
+    if outcome == "agent_ended":  # gave up unheard, or claimed success and the user did not confirm
+        gave_up = turns[-1]["agent_status"] == -1 and turns[-1]["user_source"] is None
+        return gave_up or (turns[-1]["agent_status"] == 1 and last_user == 0)
     if outcome == "error":
         return turns[-1]["user_error"] is not None
     return last_user not in (1, -1)
@@ -154,11 +171,18 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
     assert len({(line["step"], line["dialogue_id"]) for line in train}) == 32
     bad = [(line["dialogue_id"], line["outcome"]) for line in lines if not _outcome_matches_transcript(line)]
     assert bad == []
+    cached_jump, simulator_jump = _largest_state_jumps(train)
+    assert any(t["user_source"] == "cache" for line in train for t in line["turns"]), "no cached turn to check"
+    assert cached_jump <= simulator_jump, (cached_jump, simulator_jump)
     errors = [line for line in train if line["outcome"] == "error"]
     assert all(line["reward"] == 0.0 for line in errors)
     assert sum(t["user_source"] in ("simulator", "cache") for line in train for t in line["turns"]) > 0
 
-    # rewards sit on each row's own last agent token, computed from that row's own dialogue, after balancing
+    # rewards sit on each row's own last agent token, computed from that row's own dialogue, after balancing: the
+    # record is first shown to be the row's own by decoding the row's loss-carrying tokens (tensors vs records)
+    from row_alignment import misaligned_rows
+
+    assert misaligned_rows(batch, trainer.tokenizer) == []
     scores = batch.batch["token_level_scores"]
     reward_kwargs = OmegaConf.to_container(config.reward.kwargs, resolve=True)
     for row in range(len(batch)):
@@ -177,7 +201,13 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
     assert [v["step"] for v in val] == [STEPS] and val[0]["n_dialogues"] == 4
     assert val[0]["metrics"]["completion_rate"] == metrics[STEPS]["val/dialogue/completion_rate"]
 
-    # a resumed trainer gets the controller's weights and the cache's RNG back, and the cache's replies from its file
+    # a resumed trainer gets the controller's weights and the cache's RNG back, and exactly the checkpoint's cache
+    # replies, although the live cache file gained replies after the checkpoint (a crash before the next one)
+    live = Path(config.rollout_loop.config.cache.path)
+    late = {"scenario": "outbound_ad_trial", "stage": 0, "reply": "A reply added after the checkpoint.",
+            "state": {"cooperation": 2, "emotion": 2, "trust": 2}, "status": 0, "ts": time.time()}
+    with open(live, "a", encoding="utf-8") as f:
+        f.write(json.dumps(late) + "\n")
     state = json.loads((tmp_path / "ckpt" / f"global_step_{STEPS}" / "trainer_state.json").read_text())
     assert state["rollout_loop"]["controller"] == saved_controller
     assert saved_controller["updates"] == STEPS
@@ -188,6 +218,7 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
         assert resumed.global_steps == STEPS
         assert resumed.rollout_loop.state_dict() == json.loads(json.dumps(saved_loop))  # controller, cache RNG
         assert len(resumed.rollout_loop.cache) == cache_size > 0
+        assert "A reply added after the checkpoint." not in live.read_text()
     finally:
         resumed.shutdown()
         pool.remove()

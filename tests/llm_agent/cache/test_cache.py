@@ -233,7 +233,7 @@ def test_corrupt_lines_skipped_counted_and_logged_once(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="llm_agent.cache"):
         cache = _cache(tmp_path)
     assert len(cache) == 3
-    assert [e.reply.reply for e in cache._buckets[0]] == ["good 0", "good 1", "good 2"]
+    assert [e.reply.reply for e in cache._buckets[(0, 0)]] == ["good 0", "good 1", "good 2"]
     assert cache.metrics()["cache/corrupt_lines"] == 9
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(path) in warnings[0]
@@ -289,7 +289,7 @@ def test_load_applies_limits_to_an_oversized_file(tmp_path):
     path.write_text("".join(_line(i % 2, f"old {i}") + "\n" for i in range(100)), encoding="utf-8")
     cache = _cache(tmp_path, max_per_stage=10, max_total=15)
     assert len(cache) == 15 and len(_file_lines(path)) == 15
-    assert [e.reply.reply for e in cache._buckets[1]][-1] == "old 99"
+    assert [e.reply.reply for e in cache._buckets[(1, 0)]][-1] == "old 99"
 
 
 @pytest.mark.parametrize("target", ["replace", "fsync"])

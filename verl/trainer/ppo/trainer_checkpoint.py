@@ -2,7 +2,8 @@
 
 ``global_step_N`` holds ``actor/`` and ``critic/`` (written by the worker groups: HF export plus optimizer,
 scheduler and RNG state per rank) and ``trainer_state.json`` (step, dataloader position, KL coefficient, driver
-RNG, rollout-loop state). It is written into ``global_step_N.partial`` and committed by a rename
+RNG, rollout-loop state), plus ``rollout_loop/`` where the rollout-loop plug-in has files of its own to keep
+(its optional ``save_checkpoint(dir)`` / ``load_checkpoint(dir)``). It is written into ``global_step_N.partial`` and committed by a rename
 (:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ from verl.utils.checkpoint import (
 )
 
 logger = logging.getLogger(__name__)
+
+LOOP_DIR = "rollout_loop"  # the rollout-loop plug-in's own files inside global_step_N/
 
 
 class TrainerCheckpointMixin:
@@ -54,6 +57,8 @@ class TrainerCheckpointMixin:
         loop_state = None
         if self.rollout_loop is not None and hasattr(self.rollout_loop, "state_dict"):
             loop_state = self.rollout_loop.state_dict()
+        if self.rollout_loop is not None and hasattr(self.rollout_loop, "save_checkpoint"):
+            self.rollout_loop.save_checkpoint(str(partial / LOOP_DIR))
         save_trainer_state(partial, {
             "global_step": step,
             "total_training_steps": self.total_training_steps,
@@ -99,6 +104,8 @@ class TrainerCheckpointMixin:
         set_rng_state(state["rng"])
         if state.get("rollout_loop") is not None and hasattr(self.rollout_loop, "load_state_dict"):
             self.rollout_loop.load_state_dict(state["rollout_loop"])
+        if self.rollout_loop is not None and hasattr(self.rollout_loop, "load_checkpoint"):
+            self.rollout_loop.load_checkpoint(str(path / LOOP_DIR))
         self.global_steps = int(state["global_step"])
         logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.global_steps,
                     self.train_loader.epoch, self.train_loader.batch_index)

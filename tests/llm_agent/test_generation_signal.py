@@ -1,0 +1,117 @@
+"""Rollout-loop behaviours that decide the training signal: malformed simulator replies are re-requested (not
+silently dropped), out-of-range tags are format errors, and the cache's replies travel with a checkpoint."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gen_loop_helpers import SCENARIO_PATH, ProgrammedPolicy, agent_text, make_gen_batch
+
+from llm_agent.generation import CACHE_SNAPSHOT, LLMGenerationManager
+from llm_agent.user_sim.client import ChatReply, ChatRequest
+
+
+class FlakySim:
+    """Answers a dialogue's turn with `bad` for its first `bad_count[key]` requests, then a well-formed reply."""
+
+    def __init__(self, scenario, bad_count: dict[str, int], bad: str = "<user_reply>  </user_reply>") -> None:
+        self.scenario, self.bad_count, self.bad = scenario, dict(bad_count), bad
+        self.requests: list[ChatRequest] = []
+
+    def complete_batch(self, requests):
+        out = []
+        for req in requests:
+            self.requests.append(req)
+            key = req.dialogue_id.split("#")[0]
+            if self.bad_count.get(key, 0) > 0:
+                self.bad_count[key] -= 1
+                out.append(ChatReply(req.dialogue_id, self.bad, "fake:0", 0.0, 1))
+            else:
+                text = self.scenario.format_user_output("Okay.", {"cooperation": 3, "emotion": 2, "trust": 3}, 0)
+                out.append(ChatReply(req.dialogue_id, text, "fake:0", 0.0, 1))
+        return out
+
+
+def _config(tmp_path, **overrides):
+    cfg = {"scenario": str(SCENARIO_PATH), "max_turns": 1, "max_tokens_per_turn": 128, "max_response_length": 512,
+           "max_user_tokens": 64, "cache": {"enabled": False}, "controller": {"enabled": False}}
+    cfg.update(overrides)
+    return cfg
+
+
+def _run(tok, scenario, tmp_path, keys, sim, agent=None, **cfg):
+    scripts = {k: [agent or agent_text(scenario, "Hello there.")] for k in keys}
+    loop = LLMGenerationManager(tok, ProgrammedPolicy(tok, scripts), _config(tmp_path, **cfg), is_validation=False,
+                                client=sim)
+    return loop, loop.run_llm_loop(make_gen_batch(tok, scenario, keys))
+
+
+@pytest.mark.parametrize("bad", ["<user_reply>  </user_reply>", "no tags at all",
+                                 "<user_reply>Fine.</user_reply><user_status>3</user_status>"])
+def test_a_malformed_reply_is_re_requested_with_a_new_seed_and_the_dialogue_goes_on(tok, scenario, tmp_path, bad):
+    """Before: one malformed reply made the dialogue `error` (dropped from loss, CR and controller)."""
+    sim = FlakySim(scenario, {"a": 2, "b": 0}, bad)
+    _, out = _run(tok, scenario, tmp_path, ["a", "b"], sim)
+    nt = out.non_tensor_batch
+    assert list(nt["outcome"]) == ["timeout", "timeout"] and list(nt["sim_retries"]) == [2, 0]
+    seeds = [r.seed for r in sim.requests if r.dialogue_id.startswith("a#")]
+    assert len(seeds) == 3 and len(set(seeds)) == 3
+    assert out.meta_info["metrics"]["rollout/error_rate"] == 0.0
+    assert out.meta_info["metrics"]["rollout/sim_reply_retries"] == 2.0
+
+
+def test_retries_are_bounded_and_a_dialogue_still_malformed_is_an_error(tok, scenario, tmp_path):
+    sim = FlakySim(scenario, {"a": 5})
+    _, out = _run(tok, scenario, tmp_path, ["a"], sim, user_sim={"reply_retries": 1})
+    nt = out.non_tensor_batch
+    assert nt["outcome"][0] == "error" and nt["sim_retries"][0] == 1 and len(sim.requests) == 2
+    assert "after 2 requests" in nt["error"][0] and out.batch["response_mask"][0].sum() == 0
+    metrics = out.meta_info["metrics"]
+    assert metrics["rollout/error_rate"] == 1.0 and metrics["rollout/completion_rate_all"] == 0.0
+
+
+def test_an_out_of_range_stage_is_a_format_error_naming_the_valid_stages(tok, scenario, tmp_path):
+    sim = FlakySim(scenario, {})
+    text = "<response>Hello.</response><stage>7</stage><status>0</status>"
+    loop, out = _run(tok, scenario, tmp_path, ["a"], sim, agent=text)
+    turn = out.non_tensor_batch["turns"][0][0]
+    assert turn["agent_stage"] is None and not turn["agent_format_ok"] and turn["user_source"] == "format_error"
+    assert out.non_tensor_batch["format_errors"][0] == 1 and sim.requests == []
+    assert turn["user_reply"] == loop.range_error_message and "0, 1, 2, 3" in loop.range_error_message
+
+
+def test_loop_checkpoint_hooks_carry_the_cache_replies(tok, scenario, tmp_path):
+    cache = {"enabled": True, "path": str(tmp_path / "live.jsonl"), "stage_hit_rates": {0: 0.5},
+             "min_bucket_size": 1}
+    sim = FlakySim(scenario, {})
+    keys = [f"k{i}" for i in range(6)]
+    loop, _ = _run(tok, scenario, tmp_path, keys, sim, cache=cache)
+    held = len(loop.cache)
+    assert held >= 1
+    loop.save_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / CACHE_SNAPSHOT).is_file()
+    loop.cache.add(0, "added after the checkpoint", {"cooperation": 3, "emotion": 2, "trust": 3}, 0)
+    resumed = LLMGenerationManager(tok, ProgrammedPolicy(tok, {}), _config(tmp_path, cache=cache),
+                                   is_validation=False, client=sim)
+    assert len(resumed.cache) == held + 1
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert len(resumed.cache) == held
+
+
+def test_row_alignment_check_catches_records_moved_without_their_tensors(tok, scenario, tmp_path):
+    """The check test_sead_training applies after balancing must be able to fail."""
+    from row_alignment import misaligned_rows
+
+    keys = ["a", "b", "c"]
+    scripts = {k: [agent_text(scenario, f"Hello from {k}."), agent_text(scenario, f"Still {k} here.")]
+               for k in keys}
+    loop = LLMGenerationManager(tok, ProgrammedPolicy(tok, scripts), _config(tmp_path, max_turns=2),
+                                is_validation=False, client=FlakySim(scenario, {}))
+    out = loop.run_llm_loop(make_gen_batch(tok, scenario, keys))
+    assert misaligned_rows(out, tok) == []
+    balanced = out.select_idxs([0, 1, 2])
+    balanced.reorder(torch.tensor([2, 0, 1]))  # tensors and records move together: still aligned
+    assert misaligned_rows(balanced, tok) == []
+    moved = out.select_idxs([0, 1, 2])
+    for key, column in moved.non_tensor_batch.items():
+        moved.non_tensor_batch[key] = column[[1, 2, 0]]
+    assert misaligned_rows(moved, tok) == [0, 1, 2]
