@@ -21,99 +21,20 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from llm_agent.cache.config import CacheConfig, is_int
+from llm_agent.cache.entries import CachedReply, Entry, check_state, parse_line, state_level_fn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CacheConfig", "CachedReply", "UserResponseCache", "state_level_fn"]
-
-_LINE_KEYS = frozenset({"scenario", "stage", "reply", "state", "status", "ts"})
-
-
-@dataclass(frozen=True)
-class CachedReply:
-    """A stored simulator reply: the agent stage it answered, its text, its state tags and its status (0)."""
-
-    stage: int
-    reply: str
-    state: dict[str, int | None]
-    status: int = 0
-
-
-@dataclass
-class _Entry:
-    """One cached reply with its insertion order (seq, for oldest-first eviction) and wall-clock time."""
-
-    seq: int
-    ts: float
-    reply: CachedReply
-
-    def key(self) -> tuple:
-        """Deduplication key: the text and the state tags (the stage is the bucket)."""
-        return self.reply.reply, tuple(sorted(self.reply.state.items()))
-
-
-def _check_state(state: Any) -> str | None:
-    """None when `state` maps str -> int|None, else the reason why not."""
-    if not isinstance(state, Mapping):
-        return f"state must be an object, got {type(state).__name__}"
-    for dim, value in state.items():
-        if not isinstance(dim, str):
-            return f"state keys must be strings, got {dim!r}"
-        if not (value is None or is_int(value)):
-            return f"state[{dim!r}] must be an int or null, got {value!r}"
-    return None
-
-
-def state_level_fn(levels: int, ranges: Mapping[str, tuple[int, int]] | None) -> Callable[[Any], int]:
-    """A function mapping a user state to one of `levels` coarse levels: the mean over the dimensions present of
-    (value - min) / (max - min), cut into `levels` equal bins (a state with no dimension: the middle level).
-    With levels <= 1 or no ranges every state is level 0 (buckets by stage only)."""
-    if levels <= 1 or not ranges:
-        return lambda state: 0
-    spans = {d: (lo, hi - lo) for d, (lo, hi) in ranges.items() if hi > lo}
-
-    def level(state: Any) -> int:
-        if not isinstance(state, Mapping):
-            return levels // 2
-        parts = [(state[d] - lo) / span for d, (lo, span) in spans.items() if is_int(state.get(d))]
-        if not parts:
-            return levels // 2
-        mean = min(1.0, max(0.0, sum(parts) / len(parts)))
-        return min(levels - 1, int(mean * levels))
-
-    return level
-
-
-def _parse_line(obj: Any) -> str | None:
-    """None when `obj` is a well-formed cache line, else the reason why not."""
-    if not isinstance(obj, dict):
-        return f"not an object but {type(obj).__name__}"
-    missing, extra = _LINE_KEYS - set(obj), set(obj) - _LINE_KEYS
-    if missing or extra:
-        return f"missing keys {sorted(missing)}, unknown keys {sorted(extra)}"
-    if not isinstance(obj["scenario"], str):
-        return "scenario must be a string"
-    if not is_int(obj["stage"]) or obj["stage"] < 0:
-        return f"stage must be an int >= 0, got {obj['stage']!r}"
-    if not isinstance(obj["reply"], str) or not obj["reply"].strip():
-        return "reply must be a non-empty string"
-    if obj["status"] != 0 or not is_int(obj["status"]):
-        return f"status must be 0 (only non-terminal replies are cached), got {obj['status']!r}"
-    if isinstance(obj["ts"], bool) or not isinstance(obj["ts"], (int, float)) or not math.isfinite(obj["ts"]):
-        return f"ts must be a finite number, got {obj['ts']!r}"
-    return _check_state(obj["state"])
-
+__all__ = ["CacheConfig", "CachedReply", "UserResponseCache"]
 
 class UserResponseCache:
     """Per-(stage, user-state level) buckets of non-terminal simulator replies, served with the stage's hit rate.
@@ -133,7 +54,7 @@ class UserResponseCache:
         self._lock = threading.Lock()
         self._rng = random.Random(config.seed)
         self._level = state_level_fn(config.state_buckets, state_ranges)
-        self._buckets: dict[tuple[int, int], list[_Entry]] = {}
+        self._buckets: dict[tuple[int, int], list[Entry]] = {}
         self._keys: dict[int, set[tuple]] = {}
         self._size = 0
         self._seq = 0
@@ -235,14 +156,14 @@ class UserResponseCache:
             raise ValueError(f"UserResponseCache.add: stage must be an int >= 0 or None, got {stage!r}")
         if not isinstance(reply, str):
             raise ValueError(f"UserResponseCache.add: reply must be a string, got {type(reply).__name__}")
-        reason = _check_state(state)
+        reason = check_state(state)
         if reason is not None:
             raise ValueError(f"UserResponseCache.add: {reason}")
         if status is not None and not is_int(status):
             raise ValueError(f"UserResponseCache.add: status must be an int or None, got {status!r}")
         if not self._enabled or stage is None or status != 0 or not reply.strip():
             return False
-        entry = _Entry(0, time.time(), CachedReply(stage, reply, dict(state), 0))
+        entry = Entry(0, time.time(), CachedReply(stage, reply, dict(state), 0))
         with self._lock:
             if entry.key() in self._keys.get(stage, ()):
                 return False
@@ -254,7 +175,7 @@ class UserResponseCache:
                 self._compact(path)
             return True
 
-    def _insert(self, entry: _Entry) -> bool:
+    def _insert(self, entry: Entry) -> bool:
         """Put `entry` into memory with the next seq and apply the size limits; False for a duplicate."""
         stage = entry.reply.stage
         keys = self._keys.setdefault(stage, set())
@@ -277,7 +198,7 @@ class UserResponseCache:
         self._keys[key[0]].discard(old.key())
         self._size -= 1
 
-    def _line(self, entry: _Entry) -> str:
+    def _line(self, entry: Entry) -> str:
         """The JSONL line of `entry` (without newline)."""
         r = entry.reply
         return json.dumps({"scenario": self.scenario_name, "stage": r.stage, "reply": r.reply, "state": r.state,
@@ -287,7 +208,7 @@ class UserResponseCache:
         """Lines in the file that memory no longer holds (evicted, duplicate, corrupt or blank lines)."""
         return self._disk_lines - len(self._foreign) - self._size
 
-    def _append(self, path: str, entry: _Entry) -> None:
+    def _append(self, path: str, entry: Entry) -> None:
         """Append one line to the file (creating its directory); raises OSError, memory is then unchanged."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "a", encoding="utf-8") as f:
@@ -328,13 +249,13 @@ class UserResponseCache:
             logger.info("cache restored from %s: %d replies", path, self._size)
             return self._size
 
-    def _parse(self, data: bytes) -> tuple[list[_Entry], list[str], list[tuple[int, str]], int]:
+    def _parse(self, data: bytes) -> tuple[list[Entry], list[str], list[tuple[int, str]], int]:
         """Split a cache file's bytes into this scenario's entries, other scenarios' lines, the corrupt lines
         (line number, reason) and the number of lines."""
         lines = data.split(b"\n")
         if lines and lines[-1] == b"":
             lines.pop()
-        own: list[_Entry] = []
+        own: list[Entry] = []
         foreign: list[str] = []
         bad: list[tuple[int, str]] = []
         for number, raw in enumerate(lines, start=1):
@@ -346,14 +267,14 @@ class UserResponseCache:
             except (UnicodeDecodeError, ValueError) as exc:
                 bad.append((number, f"not JSON ({exc.__class__.__name__})"))
                 continue
-            reason = _parse_line(obj)
+            reason = parse_line(obj)
             if reason is not None:
                 bad.append((number, reason))
             elif obj["scenario"] != self.scenario_name:
                 foreign.append(text.strip())
             else:
                 reply = CachedReply(obj["stage"], obj["reply"], dict(obj["state"]), 0)
-                own.append(_Entry(0, float(obj["ts"]), reply))
+                own.append(Entry(0, float(obj["ts"]), reply))
         return own, foreign, bad, len(lines)
 
     def _load(self, path: str) -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from llm_agent.cache import CacheConfig, UserResponseCache
-from llm_agent.cache.response_cache import state_level_fn
+from llm_agent.cache.entries import state_level_fn
 
 SCENARIO = "test_scenario"
 RANGES = {"cooperation": (0, 4), "emotion": (0, 3), "trust": (0, 5)}
