@@ -2,53 +2,63 @@
 # The SEAD main job: train the service agent with GRPO against user simulators, with the state controller and
 # the user-response cache on (config: verl/trainer/config/sead_trainer.yaml).
 #
-# With no settings on a machine without a GPU this is the embedded CPU default: it builds the tiny local model
-# (outputs/tiny_model) and warm-starts it with two minutes of supervised fine-tuning on scripted calls
-# (outputs/tiny_model_warm; WARM_START_STEPS=0 skips it), writes the prompt data (outputs/prompt_data), starts
-# two scripted user simulators on loopback, trains a few steps on Ray with 2 FSDP workers on gloo, validates and
-# checkpoints, stops the simulators it started and prints where everything went. About 5 minutes on 2 cores.
+# Settings come from one of two presets (scripts/presets.sh), printed in one block at start; every value in it
+# can be set in the environment. PRESET=cpu|gpu picks one; by default a MODEL_PATH selects `gpu` (the SEAD
+# paper's settings: 60 prompts x 8 dialogues, lr 1e-6 with warm-up, KL loss, 15 turns, ...) and no MODEL_PATH
+# selects `cpu` (the embedded demo). PRINT_CONFIG_ONLY=1 (or --dry-run as the first argument) prints the preset
+# and the trainer command, then exits without building, starting or training anything.
+#
+# With no settings this is the CPU demo: it builds the tiny local model (outputs/tiny_model) and warm-starts it
+# with two minutes of supervised fine-tuning on scripted calls (outputs/tiny_model_warm; WARM_START_STEPS=0
+# skips it), writes the prompt data (outputs/prompt_data), starts two scripted user simulators on loopback,
+# trains a few steps on Ray with 2 FSDP workers on gloo, validates and checkpoints, stops the simulators it
+# started and prints where everything went. About 5 minutes on 2 cores.
 #
 # On a GPU box, point it at real models; the simulators are then vLLM servers (requirements_vllm.txt env):
 #
-#   MODEL_PATH=/models/Qwen2.5-7B-Instruct USER_SIM_MODEL=/models/Qwen2.5-32B-Instruct N_GPUS=6 STEPS=10 \
+#   MODEL_PATH=/models/Qwen2.5-14B-Instruct USER_SIM_MODEL=/models/Qwen2.5-14B-Instruct \
 #     bash scripts/main.sh [key=value config overrides ...]
 #
-# (scripts/2ins_main.sh: the same with two one-GPU simulator instances on ports 5000/5001.) With USER_SIM_URLS
-# set, already running simulators are used and none is started. Environment:
-#   MODEL_PATH (tiny model), USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted;
-#   1 vLLM), SIM_TP (1; 2 vLLM), SIM_GPUS (6,7 vLLM), SIM_BASE_PORT (a free port; 5000 vLLM), SCENARIO,
-#   N_GPUS (2), STEPS (4), ROLLOUT_N (4), TRAIN_PROMPTS (4 per step), TRAIN_SAMPLES (64), TEST_SAMPLES (8),
-#   MAX_TURNS (4), LR (5e-4), WARM_START_STEPS (80, tiny model only), EXPERIMENT (cpu_demo), OUTPUT_DIR (outputs),
-#   PYTHON.
+# (scripts/2ins_main.sh: the same with two one-GPU simulator instances on ports 5000/5001 and 12 turns.) With
+# USER_SIM_URLS set, already running simulators are used and none is started. The experiment name (checkpoints,
+# logs, rollout log, cache) defaults to <model directory name>_<scenario name> on the GPU preset, and the
+# trainer refuses to resume a checkpoint of another model (trainer.resume_from_other_model=true forces it).
+# Environment besides the preset variables: PRESET, PRINT_CONFIG_ONLY, MODEL_PATH (the tiny model),
+# USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
+# (1; 2 vLLM), SIM_GPUS (6,7 vLLM), SIM_BASE_PORT (a free port; 5000 vLLM), SCENARIO, WARM_START_STEPS (80, tiny
+# model only), OUTPUT_DIR (outputs), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/presets.sh
 
+DRY_RUN=${PRINT_CONFIG_ONLY:-0}
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 PYTHON=${PYTHON:-python}
 OUTPUT_DIR=${OUTPUT_DIR:-outputs}
 MODEL_PATH=${MODEL_PATH:-}
 USER_SIM_MODEL=${USER_SIM_MODEL:-}
 USER_SIM_URLS=${USER_SIM_URLS:-}
+SCENARIO=${SCENARIO:-verl/trainer/config/format_prompt/outbound_ad_trial.yaml}
+if [[ -n "${PRESET:-}" ]]; then WHY="PRESET=$PRESET in the environment"; fi
+if [[ -n "$MODEL_PATH" ]]; then
+    PRESET=${PRESET:-gpu}; WHY=${WHY:-"MODEL_PATH is set"}; TINY_DEMO=0
+else                                 # the demo's tiny model (built below), warm-started unless WARM_START_STEPS=0
+    PRESET=${PRESET:-cpu}; WHY=${WHY:-"no MODEL_PATH: the tiny demo model"}; TINY_DEMO=1
+    WARM_START_STEPS=${WARM_START_STEPS:-80}
+    MODEL_PATH=$OUTPUT_DIR/$( (( WARM_START_STEPS > 0 )) && echo tiny_model_warm || echo tiny_model)
+fi
+sead_apply_preset "$PRESET"
 if [[ -n "$USER_SIM_MODEL" ]]; then  # GPU box: one vLLM instance on GPUs 6,7 (TP 2) unless told otherwise
     SIM_INSTANCES=${SIM_INSTANCES:-1}; SIM_TP=${SIM_TP:-2}; SIM_GPUS=${SIM_GPUS:-6,7}
 else                                 # CPU: two scripted instances
     SIM_INSTANCES=${SIM_INSTANCES:-2}; SIM_TP=${SIM_TP:-1}; SIM_GPUS=${SIM_GPUS:-}
 fi
-SCENARIO=${SCENARIO:-verl/trainer/config/format_prompt/outbound_ad_trial.yaml}
-EXPERIMENT=${EXPERIMENT:-cpu_demo}
-N_GPUS=${N_GPUS:-2}
-STEPS=${STEPS:-4}
-ROLLOUT_N=${ROLLOUT_N:-4}
-TRAIN_PROMPTS=${TRAIN_PROMPTS:-4}
-TRAIN_SAMPLES=${TRAIN_SAMPLES:-64}
-TEST_SAMPLES=${TEST_SAMPLES:-8}
-MAX_TURNS=${MAX_TURNS:-4}
-LR=${LR:-5e-4}
 DATA_DIR=${DATA_DIR:-$OUTPUT_DIR/prompt_data/$EXPERIMENT}
 CKPT_DIR=${CKPT_DIR:-$OUTPUT_DIR/checkpoints/$EXPERIMENT}
 LOG_DIR=${LOG_DIR:-$OUTPUT_DIR/logs/$EXPERIMENT}
 RUN_DIR=${RUN_DIR:-$OUTPUT_DIR/run/$EXPERIMENT}
 ROLLOUT_LOG=${ROLLOUT_LOG:-$OUTPUT_DIR/rollouts/$EXPERIMENT/rollouts.jsonl}
-VAL_METRICS=${VAL_METRICS:-$OUTPUT_DIR/evaluation/val_metrics.jsonl}
+VAL_METRICS=${VAL_METRICS:-$OUTPUT_DIR/evaluation/$EXPERIMENT/val_metrics.jsonl}
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
@@ -57,18 +67,68 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export WANDB_MODE=${WANDB_MODE:-offline}
 export PYTHON
 
-CPU_DEFAULT=()
-if [[ -z "$MODEL_PATH" ]]; then
-    # The tiny model never completes a call, so completion alone (the default reward) gives GRPO no signal; the
-    # CPU default also pays for well-formed turns, good state estimates and no false "done" claims; and its
-    # cache serves once a stage holds 2 replies (a few steps of 16 calls never fill the default 10).
-    CPU_DEFAULT=(reward.kwargs.weights.format=4.0 reward.kwargs.weights.profile_accuracy=1.0
-                 reward.kwargs.weights.false_positive=2.0 rollout_loop.config.cache.min_bucket_size=2)
+# The trainer command (USER_SIM_URLS must be known).
+trainer_command() {
+    local -a extra
+    read -r -a extra <<< "$PRESET_OVERRIDES"
+    TRAIN_CMD=("$PYTHON" -m verl.trainer.main_ppo --config-name sead_trainer
+        actor_rollout_ref.model.path="$MODEL_PATH"
+        actor_rollout_ref.model.enable_gradient_checkpointing="$GRAD_CKPT"
+        data.train_files="$DATA_DIR/train.parquet"
+        data.val_files="$DATA_DIR/test.parquet"
+        data.train_batch_size="$TRAIN_PROMPTS"
+        data.max_response_length="$RESPONSE_LENGTH"
+        actor_rollout_ref.rollout.n="$ROLLOUT_N"
+        actor_rollout_ref.rollout.temperature="$TEMPERATURE"
+        actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"
+        actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"
+        actor_rollout_ref.actor.ppo_mini_batch_size="$MINI_BATCH"
+        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="$MICRO_BATCH"
+        actor_rollout_ref.actor.optim.lr="$LR"
+        actor_rollout_ref.actor.optim.lr_warmup_steps_ratio="$LR_WARMUP_RATIO"
+        actor_rollout_ref.actor.use_kl_loss="$USE_KL_LOSS"
+        actor_rollout_ref.actor.kl_loss_type="$KL_LOSS_TYPE"
+        actor_rollout_ref.actor.kl_loss_coef="$KL_COEF"
+        actor_rollout_ref.actor.entropy_coeff="$ENTROPY_COEFF"
+        rollout_loop.config.scenario="$SCENARIO"
+        rollout_loop.config.max_turns="$MAX_TURNS"
+        rollout_loop.config.max_tokens_per_turn="$MAX_TOKENS_PER_TURN"
+        rollout_loop.config.max_user_tokens="$MAX_USER_TOKENS"
+        rollout_loop.config.user_sim.urls="'$USER_SIM_URLS'"
+        rollout_loop.config.rollout_log_path="$ROLLOUT_LOG"
+        rollout_loop.config.val_metrics_path="$VAL_METRICS"
+        trainer.n_gpus_per_node="$N_GPUS"
+        trainer.experiment_name="$EXPERIMENT"
+        trainer.total_training_steps="$STEPS"
+        trainer.test_freq="$TEST_FREQ"
+        trainer.save_freq="$SAVE_FREQ"
+        trainer.max_ckpt_to_keep="$MAX_CKPT"
+        trainer.logger='[console,jsonl,tensorboard]'
+        trainer.default_local_dir="$CKPT_DIR"
+        trainer.log_dir="$LOG_DIR"
+        "${extra[@]}" "${ARGS[@]}")
+}
+ARGS=("$@")
+
+sead_print_preset "$PRESET" "$WHY"
+echo "model: $MODEL_PATH"
+if [[ "$DRY_RUN" == 1 ]]; then
+    USER_SIM_URLS=${USER_SIM_URLS:-<the $SIM_INSTANCES simulator(s) this script starts>}
+    trainer_command
+    echo "trainer command:"
+    line="  ${TRAIN_CMD[*]:0:5}"
+    for arg in "${TRAIN_CMD[@]:5}"; do  # one key=value per line, single-quoted where the shell needs it
+        [[ "$arg" =~ ^[A-Za-z0-9_./:=,@+-]*$ ]] || arg="'${arg//\'/\'\\\'\'}'"
+        printf '%s \\\n' "$line"
+        line="    $arg"
+    done
+    printf '%s\n' "$line"
+    exit 0
+fi
+
+if [[ "$TINY_DEMO" == 1 ]]; then
     TINY=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" | tail -n 1)
-    MODEL_PATH=$TINY
-    WARM_START_STEPS=${WARM_START_STEPS:-80}
     if (( WARM_START_STEPS > 0 )); then  # a random model never writes a tagged turn: give RL something to start from
-        MODEL_PATH="$OUTPUT_DIR/tiny_model_warm"
         if [[ ! -f "$MODEL_PATH/sft_log.json" || "$TINY/config.json" -nt "$MODEL_PATH/sft_log.json" ]]; then
             echo "warm start: $WARM_START_STEPS SFT steps of the tiny model on scripted calls (one or two minutes)"
             "$PYTHON" utils/sft_warm_start.py --model "$TINY" --out "$MODEL_PATH" --scenario "$SCENARIO" \
@@ -99,32 +159,8 @@ if [[ -z "$USER_SIM_URLS" ]]; then
 fi
 echo "user simulators: $USER_SIM_URLS"
 
-"$PYTHON" -m verl.trainer.main_ppo --config-name sead_trainer \
-    actor_rollout_ref.model.path="$MODEL_PATH" \
-    data.train_files="$DATA_DIR/train.parquet" \
-    data.val_files="$DATA_DIR/test.parquet" \
-    data.train_batch_size="$TRAIN_PROMPTS" \
-    data.max_response_length=512 \
-    actor_rollout_ref.rollout.n="$ROLLOUT_N" \
-    actor_rollout_ref.actor.ppo_mini_batch_size="$TRAIN_PROMPTS" \
-    actor_rollout_ref.actor.optim.lr="$LR" \
-    rollout_loop.config.scenario="$SCENARIO" \
-    rollout_loop.config.max_turns="$MAX_TURNS" \
-    rollout_loop.config.max_tokens_per_turn=96 \
-    rollout_loop.config.user_sim.urls="'$USER_SIM_URLS'" \
-    rollout_loop.config.rollout_log_path="$ROLLOUT_LOG" \
-    rollout_loop.config.val_metrics_path="$VAL_METRICS" \
-    trainer.n_gpus_per_node="$N_GPUS" \
-    trainer.experiment_name="$EXPERIMENT" \
-    trainer.total_training_steps="$STEPS" \
-    trainer.test_freq=2 \
-    trainer.save_freq=2 \
-    trainer.max_ckpt_to_keep=2 \
-    trainer.logger='[console,jsonl,tensorboard]' \
-    trainer.default_local_dir="$CKPT_DIR" \
-    trainer.log_dir="$LOG_DIR" \
-    "${CPU_DEFAULT[@]}" \
-    "$@"
+trainer_command
+"${TRAIN_CMD[@]}"
 
 echo "checkpoints (HF format under global_step_N/actor): $CKPT_DIR"
 echo "training metrics (one JSON line per step):        $LOG_DIR/metrics.jsonl"

@@ -4,10 +4,21 @@
 `llm_agent.generation.LLMGenerationManager` and returns frozen-by-convention dataclasses; every problem raises
 `ConfigError` naming the key as `rollout_loop.config.<key>` (nested keys dotted). The `cache` and `controller`
 sub-mappings are checked by `CacheConfig.from_dict` / `ControllerConfig.from_dict` of their own modules.
+
+The per-dialogue budget must fit `max_turns` turns: `max_response_length >= max_turns * (min(max_tokens_per_turn,
+MIN_AGENT_TURN_TOKENS) + MIN_USER_TURN_TOKENS)`. With less, no dialogue could take its last turn, so no call
+could use all the turns it is given. The two constants are lower bounds on a real turn, so the rule never
+rejects a budget that short real turns fit: a well-formed agent turn of the shipped scenarios (six tags with
+one-digit values, the reply "Hi.") is 71 tokens with the tiny test tokenizer and, by estimate, about 55 with a
+large BPE vocabulary such as Qwen2.5's (MIN_AGENT_TURN_TOKENS = 48); a user turn is the chat template's role
+markers (13 tokens with the tiny tokenizer's ChatML template, 8 with Qwen2.5's single-token `<|im_start|>` /
+`<|im_end|>`) around at least a word or two (MIN_USER_TURN_TOKENS = 10). A budget that fits `max_turns` turns
+only when they are short (less than `max_turns * (max_tokens_per_turn + max_user_tokens + MIN_USER_TURN_TOKENS)`)
+is logged as a warning: long dialogues then end as `truncated`.
 """
 from __future__ import annotations
 
-import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +28,15 @@ from llm_agent.cache import CacheConfig
 from llm_agent.config_checks import checked_mapping
 from llm_agent.controller import ControllerConfig
 
-__all__ = ["ConfigError", "GenerationConfig", "UserSimConfig", "ROOT_KEY"]
+__all__ = ["ConfigError", "GenerationConfig", "UserSimConfig", "ROOT_KEY", "MIN_AGENT_TURN_TOKENS",
+           "MIN_USER_TURN_TOKENS"]
+
+logger = logging.getLogger(__name__)
 
 ROOT_KEY = "rollout_loop.config"
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MIN_AGENT_TURN_TOKENS = 48  # below the shortest well-formed agent turn (all tags, a one-word reply)
+MIN_USER_TURN_TOKENS = 10  # below the role markers around a user turn plus a word or two of reply
 
 
 class ConfigError(ValueError):
@@ -143,6 +159,8 @@ class GenerationConfig:
         if budget < per_turn:
             raise ConfigError(f"{where}.max_response_length ({budget}) must be >= "
                               f"{where}.max_tokens_per_turn ({per_turn})")
+        check_budget_fits_turns(budget, max_turns, per_turn, _number(data, "max_user_tokens", 256, where, minimum=1),
+                                where)
         message = _optional_str(data, "format_error_message", where)
         try:
             cache = CacheConfig.from_dict(data.get("cache") or {}, f"{where}.cache")
@@ -157,6 +175,23 @@ class GenerationConfig:
                    controller=controller, rollout_log_path=_optional_str(data, "rollout_log_path", where),
                    val_metrics_path=_optional_str(data, "val_metrics_path", where),
                    seed=_number(data, "seed", 0, where), format_error_message=message)
+
+
+def check_budget_fits_turns(budget: int, max_turns: int, per_turn: int, user_tokens: int, where: str) -> None:
+    """Raise ConfigError when `budget` cannot fit `max_turns` minimal turns; warn when it cannot fit them at
+    their limits (`per_turn` agent tokens and `user_tokens` of reply each)."""
+    minimal_turn = min(per_turn, MIN_AGENT_TURN_TOKENS) + MIN_USER_TURN_TOKENS
+    if budget < max_turns * minimal_turn:
+        raise ConfigError(
+            f"{where}.max_response_length ({budget}) cannot fit {where}.max_turns ({max_turns}) turns: each needs "
+            f"at least {minimal_turn} tokens (min(max_tokens_per_turn={per_turn}, {MIN_AGENT_TURN_TOKENS}) for a "
+            f"minimal agent turn + {MIN_USER_TURN_TOKENS} for a minimal user turn), so the budget must be >= "
+            f"{max_turns * minimal_turn}; raise data.max_response_length or lower max_turns")
+    full_turn = per_turn + user_tokens + MIN_USER_TURN_TOKENS
+    if budget < max_turns * full_turn:
+        logger.warning("%s.max_response_length (%d) fits %d of the %d turns at their limits (%d agent + %d user "
+                       "tokens + role markers each); dialogues with long turns end as `truncated`", where, budget,
+                       budget // full_turn, max_turns, per_turn, user_tokens)
 
 
 def resolve_path(path: str) -> Path | None:

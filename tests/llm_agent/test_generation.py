@@ -151,9 +151,9 @@ def test_per_turn_and_per_trajectory_limits(tok, scenario, tmp_path):
     long_reply = " ".join(["please open the app and tap the first button"] * 30)
     a = lambda reply: agent_text(scenario, reply)  # noqa: E731
     agents = {"long": [a(long_reply)] * 5, "short": [a("Hi.")] * 5}
-    sims = {"long": [("ok", 0)] * 5, "short": [("ok", 0)] * 5}
+    sims = {"long": [(long_reply, 0)] * 5, "short": [("ok", 0)] * 5}  # long replies are cut to max_user_tokens
     loop, policy, sim, out, row = run(tok, scenario, tmp_path, agents, sims, max_turns=5,
-                                      max_tokens_per_turn=64, max_response_length=200)
+                                      max_tokens_per_turn=64, max_response_length=400)
     nt, eos = out.non_tensor_batch, tok.eos_token_id
     i = row["long"]
     assert nt["outcome"][i] == "truncated"
@@ -162,7 +162,7 @@ def test_per_turn_and_per_trajectory_limits(tok, scenario, tmp_path):
     mask = out.batch["response_mask"][i].tolist()
     assert sum(mask) == sum(lengths) and mask[:64] == [1] * 64 and mask[64] == 0
     assert out.batch["responses"][i, 64].item() == eos  # the unsampled eos closes the turn (mask 0)
-    assert int(out.batch["attention_mask"][i, -200:].sum()) <= 200
+    assert int(out.batch["attention_mask"][i, -400:].sum()) <= 400
     for call in policy.calls:
         assert call["response_length"] <= 64
     assert nt["outcome"][row["short"]] in ("timeout", "truncated")

@@ -232,6 +232,7 @@ class TrainerConfig:
     default_local_dir: str = "checkpoints/sead/default"
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: Optional[str] = None
+    resume_from_other_model: bool = False
     max_ckpt_to_keep: Optional[int] = None
     seed: int = 1
     ray_num_cpus: Optional[int] = None

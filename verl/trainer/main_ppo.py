@@ -70,6 +70,7 @@ def run_ppo(config: DictConfig) -> dict[str, Any]:
         trainer = RayPPOTrainer(config, tokenizer,
                                 {Role.ActorRollout: ActorRolloutRefWorker, Role.Critic: CriticWorker}, pool)
         try:
+            trainer.check_resume_model()
             trainer.init_workers()
             return trainer.fit()
         finally:

@@ -2,9 +2,12 @@
 
 ``global_step_N`` holds ``actor/`` and ``critic/`` (written by the worker groups: HF export plus optimizer,
 scheduler and RNG state per rank) and ``trainer_state.json`` (step, dataloader position, KL coefficient, driver
-RNG, rollout-loop state), plus ``rollout_loop/`` where the rollout-loop plug-in has files of its own to keep
-(its optional ``save_checkpoint(dir)`` / ``load_checkpoint(dir)``). It is written into ``global_step_N.partial`` and committed by a rename
-(:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint.
+RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the run started from), plus
+``rollout_loop/`` where the rollout-loop plug-in keeps files of its own (its optional ``save_checkpoint(dir)`` /
+``load_checkpoint(dir)``). It is written into ``global_step_N.partial`` and committed by a rename
+(:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint. Resuming a
+checkpoint whose recorded model path differs from the configured one is an error unless
+``trainer.resume_from_other_model=true``.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
+from verl.trainer.config_schema import ConfigError
 from verl.utils.checkpoint import (
     STATE_FILE,
     begin_checkpoint,
@@ -43,6 +47,11 @@ class TrainerCheckpointMixin:
     rollout_loop: Any
 
     @property
+    def model_path(self) -> str:
+        """``actor_rollout_ref.model.path`` as an absolute path: the model this run trains."""
+        return str(Path(self.typed.actor_rollout_ref.model.path).resolve())
+
+    @property
     def checkpoint_root(self) -> Path:
         """``trainer.default_local_dir`` as an absolute path (workers may run in another directory)."""
         return Path(self.typed.trainer.default_local_dir).resolve()
@@ -66,6 +75,7 @@ class TrainerCheckpointMixin:
             "kl_ctrl_value": self.kl_ctrl.value,
             "rng": get_rng_state(),
             "rollout_loop": loop_state,
+            "model_path": self.model_path,
         })
         final = commit_checkpoint(root, step, self.typed.trainer.max_ckpt_to_keep)
         logger.info("saved checkpoint %s", final)
@@ -88,12 +98,20 @@ class TrainerCheckpointMixin:
                                     f"(no {STATE_FILE})")
         return path
 
+    def check_resume_model(self) -> None:
+        """Fail before any worker starts when the checkpoint to resume was trained from another model."""
+        path = self._checkpoint_to_resume()
+        if path is not None:
+            check_same_model(path, load_trainer_state(path), self.model_path,
+                             self.typed.trainer.resume_from_other_model)
+
     def load_checkpoint(self) -> Optional[Path]:
         """Resume per ``trainer.resume_mode`` (auto | disable | resume_path); return the checkpoint used."""
         path = self._checkpoint_to_resume()
         if path is None:
             return None
         state = load_trainer_state(path)
+        check_same_model(path, state, self.model_path, self.typed.trainer.resume_from_other_model)
         self.actor_rollout_wg.load_checkpoint(str(path / "actor"))
         if self.critic_wg is not None:
             if not (path / "critic").is_dir():
@@ -110,3 +128,20 @@ class TrainerCheckpointMixin:
         logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.global_steps,
                     self.train_loader.epoch, self.train_loader.batch_index)
         return path
+
+
+def check_same_model(path: Path, state: dict[str, Any], model_path: str, allow_other: bool) -> None:
+    """Refuse to resume checkpoint ``path`` (its trainer ``state``) when it was trained from another model than
+    ``model_path``, unless ``allow_other``; a checkpoint that predates the record resumes with a warning."""
+    recorded = state.get("model_path")
+    if recorded is None:
+        logger.warning("%s does not record the model it was trained from (an older checkpoint); resuming it for "
+                       "actor_rollout_ref.model.path=%s", path, model_path)
+    elif recorded != model_path:
+        if not allow_other:
+            raise ConfigError(
+                f"checkpoint {path} was trained from actor_rollout_ref.model.path={recorded!r}, but this run's "
+                f"model is {model_path!r}; use another trainer.experiment_name / trainer.default_local_dir for a "
+                f"new run, or set trainer.resume_from_other_model=true to resume it anyway")
+        logger.warning("resuming %s (trained from %s) for actor_rollout_ref.model.path=%s, as "
+                       "trainer.resume_from_other_model=true allows", path, recorded, model_path)

@@ -1,0 +1,111 @@
+# The training presets of scripts/main.sh and scripts/2ins_main.sh (sourced, not run).
+#
+# `sead_apply_preset cpu|gpu` gives every preset variable below its preset value unless the environment already
+# sets it (a non-empty value wins), and `sead_print_preset` prints them all in one block, each marked `preset`
+# or `environment`. The GPU preset reproduces the SEAD paper's training settings; the CPU preset is the
+# embedded demo (tiny model, 2 cores, minutes). Edit a preset's values in its own block below.
+
+# Every preset variable, in the order they are printed.
+SEAD_PRESET_VARS=(EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS
+                  MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE
+                  KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH TEST_FREQ SAVE_FREQ
+                  MAX_CKPT PRESET_OVERRIDES)
+declare -gA SEAD_PRESET_ORIGIN=()
+
+# Give $1 the value $2 unless the environment set it (non-empty); remember which one it got.
+_sead_default() {
+    if [[ -n "${!1:-}" ]]; then
+        SEAD_PRESET_ORIGIN[$1]=environment
+    else
+        printf -v "$1" '%s' "$2"
+        SEAD_PRESET_ORIGIN[$1]=preset
+    fi
+}
+
+# ------------------------------------------------------------------------------------------------ CPU preset
+# The embedded demo: the tiny model on 2 CPU workers, a few GRPO steps of 4 prompts x 4 dialogues. Its reward
+# also pays for well-formed turns, good state estimates and no false "done" claims (completion alone gives the
+# tiny model no signal), and its cache serves once a stage holds 2 replies (a few steps never fill 10).
+_sead_cpu_preset() {
+    _sead_default EXPERIMENT cpu_demo
+    _sead_default N_GPUS 2
+    _sead_default STEPS 4
+    _sead_default TRAIN_PROMPTS 4
+    _sead_default ROLLOUT_N 4
+    _sead_default MINI_BATCH "$TRAIN_PROMPTS"
+    _sead_default TRAIN_SAMPLES 64
+    _sead_default TEST_SAMPLES 8
+    _sead_default MAX_TURNS 4
+    _sead_default MAX_TOKENS_PER_TURN 96
+    _sead_default MAX_USER_TOKENS 128
+    _sead_default RESPONSE_LENGTH 512
+    _sead_default LR 5e-4
+    _sead_default LR_WARMUP_RATIO 0.0
+    _sead_default USE_KL_LOSS false
+    _sead_default KL_LOSS_TYPE low_var_kl
+    _sead_default KL_COEF 0.001
+    _sead_default ENTROPY_COEFF 0.0
+    _sead_default TEMPERATURE 1.0
+    _sead_default GRAD_CKPT false
+    _sead_default MICRO_BATCH 4
+    _sead_default LOGPROB_MICRO_BATCH 8
+    _sead_default TEST_FREQ 2
+    _sead_default SAVE_FREQ 2
+    _sead_default MAX_CKPT 2
+    _sead_default PRESET_OVERRIDES "reward.kwargs.weights.format=4.0 reward.kwargs.weights.profile_accuracy=1.0 \
+reward.kwargs.weights.false_positive=2.0 rollout_loop.config.cache.min_bucket_size=2"
+}
+
+# ------------------------------------------------------------------------------------------------ GPU preset
+# The SEAD paper's settings: 60 prompts x 8 dialogues per step (one optimizer step), lr 1e-6 with 10% warm-up,
+# KL loss low_var_kl 0.001, entropy bonus 0.001, temperature 1.2, 15 agent turns (12 with two simulator
+# instances: scripts/2ins_main.sh sets SEAD_GPU_MAX_TURNS=12), gradient checkpointing, 6 policy GPUs (GPUs 6,7
+# serve the simulator), 50 steps (the paper's 5 iterations of 10), 30 fixed validation profiles. The
+# per-dialogue budget of 6144 tokens fits 15 turns even at their limits (15 x (256 agent + 128 user + the role
+# markers) < 6144), so a dialogue ends by its outcome or max_turns, not by running out of tokens.
+_sead_gpu_preset() {
+    _sead_default EXPERIMENT "$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")"
+    _sead_default N_GPUS 6
+    _sead_default STEPS 50
+    _sead_default TRAIN_PROMPTS 60
+    _sead_default ROLLOUT_N 8
+    _sead_default MINI_BATCH "$TRAIN_PROMPTS"
+    _sead_default TRAIN_SAMPLES $((TRAIN_PROMPTS * STEPS))
+    _sead_default TEST_SAMPLES 30
+    _sead_default MAX_TURNS "${SEAD_GPU_MAX_TURNS:-15}"
+    _sead_default MAX_TOKENS_PER_TURN 256
+    _sead_default MAX_USER_TOKENS 128
+    _sead_default RESPONSE_LENGTH 6144
+    _sead_default LR 1e-6
+    _sead_default LR_WARMUP_RATIO 0.1
+    _sead_default USE_KL_LOSS true
+    _sead_default KL_LOSS_TYPE low_var_kl
+    _sead_default KL_COEF 0.001
+    _sead_default ENTROPY_COEFF 0.001
+    _sead_default TEMPERATURE 1.2
+    _sead_default GRAD_CKPT true
+    _sead_default MICRO_BATCH 1
+    _sead_default LOGPROB_MICRO_BATCH 2
+    _sead_default TEST_FREQ 5
+    _sead_default SAVE_FREQ 5
+    _sead_default MAX_CKPT 2
+    _sead_default PRESET_OVERRIDES ""
+}
+
+# Apply preset $1 (cpu | gpu); needs MODEL_PATH and SCENARIO set. Exits with a message on another name.
+sead_apply_preset() {
+    case "$1" in
+        cpu) _sead_cpu_preset ;;
+        gpu) _sead_gpu_preset ;;
+        *) echo "PRESET must be cpu or gpu, got '$1'" >&2; exit 2 ;;
+    esac
+}
+
+# Print the chosen preset ($1) and why ($2), then every preset variable with its value and origin.
+sead_print_preset() {
+    echo "preset: $1 ($2); any variable below can be set in the environment"
+    local name
+    for name in "${SEAD_PRESET_VARS[@]}"; do
+        printf '  %-20s %-40s (%s)\n' "$name" "${!name}" "${SEAD_PRESET_ORIGIN[$name]}"
+    done
+}

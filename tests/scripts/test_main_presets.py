@@ -1,0 +1,145 @@
+"""scripts/main.sh and scripts/2ins_main.sh presets, through their dry run (PRINT_CONFIG_ONLY=1 / --dry-run).
+
+The dry run prints the preset block and the trainer command and exits before building, starting or training
+anything. The expected values are written out here from the SEAD paper's settings and the CPU demo's, not read
+from scripts/presets.sh; every printed command must also compose and validate as a trainer config.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llm_agent.rollout.config import GenerationConfig
+from verl.trainer.config_schema import compose_config
+from verl.trainer.config_validation import build_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PRESET_VARS = ("EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS "
+               "MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE "
+               "KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH TEST_FREQ SAVE_FREQ "
+               "MAX_CKPT PRESET_OVERRIDES PRESET PRINT_CONFIG_ONLY MODEL_PATH USER_SIM_MODEL USER_SIM_URLS "
+               "SIM_INSTANCES SIM_TP SIM_GPUS SIM_BASE_PORT SCENARIO WARM_START_STEPS OUTPUT_DIR SEAD_GPU_MAX_TURNS "
+               "DATA_DIR CKPT_DIR LOG_DIR RUN_DIR ROLLOUT_LOG VAL_METRICS").split()
+
+# The paper's training settings (GPU preset of scripts/main.sh), as trainer overrides.
+GPU = {
+    "data.train_batch_size": "60", "actor_rollout_ref.rollout.n": "8", "actor_rollout_ref.actor.optim.lr": "1e-6",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "0.1", "actor_rollout_ref.actor.use_kl_loss": "true",
+    "actor_rollout_ref.actor.kl_loss_type": "low_var_kl", "actor_rollout_ref.actor.kl_loss_coef": "0.001",
+    "actor_rollout_ref.actor.entropy_coeff": "0.001", "actor_rollout_ref.rollout.temperature": "1.2",
+    "rollout_loop.config.max_turns": "15", "actor_rollout_ref.model.enable_gradient_checkpointing": "true",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "60", "data.max_response_length": "6144",
+    "rollout_loop.config.max_tokens_per_turn": "256", "trainer.n_gpus_per_node": "6",
+}
+# Today's CPU demo settings (CPU preset).
+CPU = {
+    "data.train_batch_size": "4", "actor_rollout_ref.rollout.n": "4", "actor_rollout_ref.actor.optim.lr": "5e-4",
+    "actor_rollout_ref.actor.use_kl_loss": "false", "actor_rollout_ref.actor.entropy_coeff": "0.0",
+    "actor_rollout_ref.rollout.temperature": "1.0", "rollout_loop.config.max_turns": "4",
+    "data.max_response_length": "512", "rollout_loop.config.max_tokens_per_turn": "96",
+    "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "4", "trainer.experiment_name": "cpu_demo",
+    "reward.kwargs.weights.format": "4.0", "rollout_loop.config.cache.min_bucket_size": "2",
+}
+
+
+def dry_run(tmp_path: Path, *args: str, script: str = "main.sh", flag: bool = True, **env: str):
+    """Run the script's dry run in a clean environment; return (stdout, preset block {name: (value, origin)},
+    trainer overrides {key: value}, the override list in order)."""
+    clean = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
+    clean.update(OUTPUT_DIR=str(tmp_path / "outputs"), PYTHON="python", **env)
+    argv = ["bash", str(REPO_ROOT / "scripts" / script), *(["--dry-run"] if flag else []), *args]
+    done = subprocess.run(argv, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    at = lines.index("trainer command:")
+    block = {}
+    for line in lines[1:at]:
+        if line.startswith("  ") and line.rstrip().endswith(")"):
+            name, rest = line.split(None, 1)
+            value, origin = rest.rsplit("(", 1)
+            block[name] = (value.strip(), origin.rstrip(")"))
+    words = shlex.split(" ".join(line.strip().removesuffix("\\") for line in lines[at + 1:]))
+    assert words[:5] == ["python", "-m", "verl.trainer.main_ppo", "--config-name", "sead_trainer"], words[:5]
+    overrides = words[5:]
+    return done.stdout, block, dict(o.split("=", 1) for o in overrides), overrides
+
+
+def assert_valid(overrides: list[str], model_dir: Path) -> None:
+    """The printed command composes with sead_trainer.yaml and passes the trainer's and the loop's checks."""
+    overrides = [o for o in overrides if not o.startswith("actor_rollout_ref.model.path=")]
+    config = compose_config([*overrides, f"actor_rollout_ref.model.path={model_dir}"], config_name="sead_trainer")
+    build_config(config)
+    from omegaconf import OmegaConf
+
+    cwd = os.getcwd()
+    os.chdir(REPO_ROOT)  # the scenario path is relative to the repository, where the script runs
+    try:
+        GenerationConfig.from_dict(OmegaConf.to_container(config.rollout_loop.config, resolve=True))
+    finally:
+        os.chdir(cwd)
+
+
+def test_without_model_path_the_cpu_preset_applies_and_nothing_is_built(tmp_path):
+    out, block, cmd, overrides = dry_run(tmp_path, USER_SIM_URLS="http://127.0.0.1:5000")
+    assert out.startswith("preset: cpu (no MODEL_PATH")
+    assert {k: cmd[k] for k in CPU} == CPU
+    assert cmd["actor_rollout_ref.model.path"] == f"{tmp_path / 'outputs'}/tiny_model_warm"
+    assert block["LR"] == ("5e-4", "preset") and block["MAX_TURNS"] == ("4", "preset")
+    assert not (tmp_path / "outputs").exists(), "the dry run built or wrote something"
+    assert_valid(overrides, tmp_path)
+
+
+def test_with_model_path_the_papers_gpu_preset_applies(tmp_path):
+    model = tmp_path / "models" / "Qwen2.5-14B-Instruct"
+    out, block, cmd, overrides = dry_run(tmp_path, MODEL_PATH=str(model), USER_SIM_URLS="http://127.0.0.1:5000")
+    assert out.startswith("preset: gpu (MODEL_PATH is set)")
+    assert {k: cmd[k] for k in GPU} == GPU
+    assert cmd["actor_rollout_ref.model.path"] == str(model)
+    # the experiment (checkpoints, cache, logs) is named after the model and the scenario, never cpu_demo
+    assert cmd["trainer.experiment_name"] == "Qwen2.5-14B-Instruct_outbound_ad_trial"
+    assert cmd["trainer.default_local_dir"].endswith("checkpoints/Qwen2.5-14B-Instruct_outbound_ad_trial")
+    assert "reward.kwargs.weights.format" not in cmd, "the CPU demo's reward shaping leaked into the GPU preset"
+    assert all(origin == "preset" for _, origin in block.values())
+    assert_valid(overrides, tmp_path)
+
+
+def test_environment_and_key_value_overrides_win(tmp_path):
+    _, block, cmd, overrides = dry_run(tmp_path, "trainer.save_freq=7", MODEL_PATH="/m/agent", LR="3e-6",
+                                       MAX_TURNS="12", EXPERIMENT="mine", USER_SIM_URLS="http://127.0.0.1:5000")
+    assert cmd["actor_rollout_ref.actor.optim.lr"] == "3e-6" and block["LR"] == ("3e-6", "environment")
+    assert cmd["rollout_loop.config.max_turns"] == "12" and cmd["trainer.experiment_name"] == "mine"
+    assert block["TEMPERATURE"] == ("1.2", "preset")
+    assert overrides[-1] == "trainer.save_freq=7", "a key=value argument must come last so that it wins"
+    _, _, forced, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", PRESET="cpu", USER_SIM_URLS="http://127.0.0.1:5000")
+    assert forced["actor_rollout_ref.actor.optim.lr"] == "5e-4" and forced["actor_rollout_ref.model.path"] == "/m/agent"
+
+
+def test_two_instance_script_runs_12_turns_on_the_gpu_preset(tmp_path):
+    _, _, cmd, overrides = dry_run(tmp_path, script="2ins_main.sh", MODEL_PATH="/m/agent", USER_SIM_MODEL="/m/user")
+    assert cmd["rollout_loop.config.max_turns"] == "12" and cmd["actor_rollout_ref.actor.optim.lr"] == "1e-6"
+    assert cmd["trainer.n_gpus_per_node"] == "6"
+    _, _, mine, _ = dry_run(tmp_path, script="2ins_main.sh", MODEL_PATH="/m/agent", MAX_TURNS="9")
+    assert mine["rollout_loop.config.max_turns"] == "9"
+    _, _, cpu, _ = dry_run(tmp_path, script="2ins_main.sh", flag=False, PRINT_CONFIG_ONLY="1")
+    assert cpu["rollout_loop.config.max_turns"] == "4"
+
+
+def test_unknown_preset_is_refused(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "main.sh"), "--dry-run"], cwd=tmp_path,
+                          env={**env, "PRESET": "tpu"}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "PRESET must be cpu or gpu, got 'tpu'" in done.stderr
+
+
+@pytest.mark.parametrize("preset", ["cpu", "gpu"])
+def test_every_preset_value_is_printed(tmp_path, preset):
+    _, block, _, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", PRESET=preset)
+    preset_file = (REPO_ROOT / "scripts" / "presets.sh").read_text()
+    names = preset_file.split("SEAD_PRESET_VARS=(", 1)[1].split(")", 1)[0].split()
+    assert list(block) == names
+    for name in names:  # each preset sets every variable
+        assert preset_file.count(f"_sead_default {name} ") == 2, name

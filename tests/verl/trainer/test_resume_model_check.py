@@ -1,0 +1,90 @@
+"""Resuming refuses a checkpoint trained from another actor_rollout_ref.model.path (unless forced).
+
+Real runs of the built-in task on the tiny model: train one step from model A and save; resuming that
+checkpoint with model B (a copy at another path) fails before any worker starts, naming both paths and the
+override; with trainer.resume_from_other_model=true it resumes and trains on; a checkpoint that does not record
+its model (older) resumes with a warning.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from verl.trainer.config_schema import ConfigError
+from verl.trainer.ppo.trainer_checkpoint import check_same_model
+
+
+def _overrides(model: Path, data: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.parquet'}",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "data.max_response_length=4",
+            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            f"trainer.total_training_steps={steps}", "trainer.save_freq=1", "trainer.n_gpus_per_node=1",
+            "trainer.device=cpu", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out / 'ckpt'}",
+            f"trainer.log_dir={out / f'logs_{steps}'}", "trainer.val_before_train=false", *extra]
+
+
+def _state(out: Path, step: int) -> dict:
+    return json.loads((out / "ckpt" / f"global_step_{step}" / "trainer_state.json").read_text())
+
+
+def _trained_steps(out: Path, steps: int) -> list[int]:
+    lines = (out / f"logs_{steps}" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
+def test_check_same_model_branches(tmp_path, caplog):
+    ckpt = tmp_path / "global_step_3"
+    with pytest.raises(ConfigError) as err:
+        check_same_model(ckpt, {"model_path": "/models/a"}, "/models/b", allow_other=False)
+    assert str(err.value) == (
+        f"checkpoint {ckpt} was trained from actor_rollout_ref.model.path='/models/a', but this run's model is "
+        "'/models/b'; use another trainer.experiment_name / trainer.default_local_dir for a new run, or set "
+        "trainer.resume_from_other_model=true to resume it anyway")
+    with caplog.at_level(logging.WARNING):
+        check_same_model(ckpt, {"model_path": "/models/a"}, "/models/b", allow_other=True)
+        check_same_model(ckpt, {"global_step": 3}, "/models/b", allow_other=False)
+        check_same_model(ckpt, {"model_path": "/models/b"}, "/models/b", allow_other=False)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert "trainer.resume_from_other_model=true allows" in messages[0]
+    assert "does not record the model it was trained from" in messages[1]
+
+
+@pytest.mark.slow
+def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path, ray_cluster, caplog):
+    from verl.tasks.repeat_letter import make_dataset
+    from verl.trainer.config_schema import compose_config
+    from verl.trainer.main_ppo import run_ppo
+
+    data, out = tmp_path / "data", tmp_path / "run"
+    make_dataset(data, train_size=16, val_size=4, seed=0)
+    model_a = Path(tiny_model_path)
+    model_b = tmp_path / "other_model"
+    shutil.copytree(model_a, model_b)
+
+    run_ppo(compose_config(_overrides(model_a, data, out, 1)))
+    assert _state(out, 1)["model_path"] == str(model_a.resolve())
+
+    with pytest.raises(ConfigError) as err:
+        run_ppo(compose_config(_overrides(model_b, data, out, 2)))
+    message = str(err.value)
+    assert str(model_a.resolve()) in message and str(model_b.resolve()) in message
+    assert "trainer.resume_from_other_model=true" in message
+    assert not (out / "ckpt" / "global_step_2").exists() and not (out / "logs_2").exists()
+
+    run_ppo(compose_config(_overrides(model_b, data, out, 2, "trainer.resume_from_other_model=true")))
+    assert _trained_steps(out, 2) == [2], "the forced resume must continue from step 1"
+    assert _state(out, 2)["model_path"] == str(model_b.resolve())
+
+    older = out / "ckpt" / "global_step_2" / "trainer_state.json"
+    state = json.loads(older.read_text())
+    del state["model_path"]  # what a checkpoint written before the model was recorded holds
+    older.write_text(json.dumps(state))
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo.trainer_checkpoint"):
+        run_ppo(compose_config(_overrides(model_a, data, out, 3)))
+    assert _trained_steps(out, 3) == [3]
+    assert any("does not record the model it was trained from" in r.getMessage() for r in caplog.records)
