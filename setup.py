@@ -18,7 +18,7 @@ setup(
     description="SEAD: self-evolving RL training of multi-turn service-dialogue agents (veRL-style engine)",
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["verl", "verl.*", "llm_agent", "llm_agent.*"]),
     package_data={"verl": ["trainer/config/*.yaml", "trainer/config/*/*.yaml"]},
     include_package_data=True,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import hydra
@@ -26,6 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from verl.single_controller.ray import RayResourcePool
+from verl.trainer.cli_overrides import check_overrides
 from verl.trainer.config_schema import ConfigError, PPOTrainerConfig
 from verl.trainer.config_validation import load_config
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
@@ -93,4 +95,8 @@ def main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:
+        sys.argv[1:] = check_overrides(sys.argv[1:])
+    except ConfigError as exc:
+        raise SystemExit(f"config error: {exc}") from None
     main()
