@@ -8,7 +8,6 @@ VLLM_VENV ?= .venv-vllm
 
 export OMP_NUM_THREADS ?= 1
 export TORCHDYNAMO_DISABLE ?= 1
-export WANDB_MODE ?= offline
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 

@@ -28,7 +28,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-export WANDB_MODE=${WANDB_MODE:-offline}
 
 if [[ -z "$MODEL_PATH" ]]; then
     MODEL_PATH=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" | tail -n 1)

@@ -64,7 +64,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-export WANDB_MODE=${WANDB_MODE:-offline}
 export PYTHON
 
 # The trainer command (USER_SIM_URLS must be known).

@@ -15,7 +15,7 @@ CONFIG_NAME = "ppo_trainer"
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
+LOGGERS = ("console", "jsonl", "wandb", "tensorboard", "mlflow")
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Strategy = Literal["fsdp2", "fsdp"]

@@ -53,6 +53,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
         return value
     if origin is list:
+        if isinstance(value, str) and key == "trainer.logger":  # veRL users write `logger=wandb` as well
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} must be a list, got {value!r}")
         (item_tp,) = typing.get_args(tp)

@@ -1,9 +1,11 @@
 """Experiment tracking: send each step's scalar metrics to one or more backends.
 
 Backends: "console" (one compact log line per step), "jsonl" (one JSON object per step appended to
-`<log_dir>/metrics.jsonl`), "wandb" (offline unless `WANDB_API_KEY` is set, so it never touches the network
-by accident; run files under `<log_dir>/wandb`), and "tensorboard" (event files under `<log_dir>/tensorboard`).
-wandb and tensorboard are imported only when selected.
+`<log_dir>/metrics.jsonl`), "wandb" (the user's own mode: `WANDB_MODE`, else online after `wandb login` or with
+`WANDB_API_KEY`, else offline; run files under `<log_dir>/wandb`), "tensorboard" (event files under
+`<log_dir>/tensorboard`) and "mlflow" (`MLFLOW_TRACKING_URI`, else a local store `<log_dir>/mlruns`).
+wandb, tensorboard and mlflow are imported only when selected. `log_table` records a table of text rows (e.g.
+validation dialogues) on the backends that show tables.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl.utils.tracking_backends import MlflowRun, wandb_mode
+
 logger = logging.getLogger(__name__)
 console_logger = logging.getLogger("verl.tracking")
 
-SUPPORTED_BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
+SUPPORTED_BACKENDS = ("console", "jsonl", "wandb", "tensorboard", "mlflow")
 
 
 def _to_scalar(key: str, value: Any) -> float | int:
@@ -59,6 +63,16 @@ def _format_value(value: float | int) -> str:
     return str(value) if isinstance(value, int) else f"{value:.6g}"
 
 
+def _markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table; cell text has its pipes escaped and newlines turned into <br>."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 class Tracking:
     """Log scalar metrics per step to the selected backends; call `finish()` (or use `with`) at the end."""
 
@@ -82,6 +96,7 @@ class Tracking:
         self._jsonl = None
         self._wandb_run = None
         self._tb_writer = None
+        self._mlflow: MlflowRun | None = None
         self._finished = False
         if any(b != "console" for b in self.backends):
             os.makedirs(self.log_dir, exist_ok=True)
@@ -96,6 +111,8 @@ class Tracking:
 
             self._tb_writer = SummaryWriter(log_dir=os.path.join(self.log_dir, "tensorboard"))
             self._tb_writer.add_text("config", json.dumps(self.config, indent=2, default=str))
+        if "mlflow" in self.backends:
+            self._mlflow = MlflowRun(project_name, experiment_name, self.config, self.log_dir)
 
     @staticmethod
     def _setup_console() -> None:
@@ -106,12 +123,10 @@ class Tracking:
             console_logger.addHandler(logging.StreamHandler(sys.stdout))
 
     def _init_wandb(self) -> Any:
-        """Start a wandb run under log_dir; offline (or disabled, if asked) unless WANDB_API_KEY is set."""
+        """Start a wandb run under log_dir in the user's mode (see `tracking_backends.wandb_mode`)."""
         import wandb
 
-        mode = os.environ.get("WANDB_MODE", "online")
-        if not os.environ.get("WANDB_API_KEY") and mode != "disabled":
-            mode = "offline"
+        mode = wandb_mode()
         logger.info(
             "Tracking: wandb run %s/%s in %s mode under %s", self.project_name, self.experiment_name, mode, self.log_dir
         )
@@ -137,6 +152,30 @@ class Tracking:
             for key, value in metrics.items():
                 self._tb_writer.add_scalar(key, value, global_step=step)
             self._tb_writer.flush()
+        if self._mlflow is not None:
+            self._mlflow.log(metrics, step)
+
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
+        """Record a table of text rows for step `step`: a wandb Table, a Markdown text in tensorboard, an mlflow
+        artifact and a JSON line in `<log_dir>/<name with / as _>.jsonl` with the jsonl backend (console: nothing)."""
+        if self._finished:
+            raise RuntimeError("Tracking.log_table called after finish()")
+        rows = [[str(cell) for cell in row] for row in rows]
+        if any(len(row) != len(columns) for row in rows):
+            raise ValueError(f"Tracking.log_table: every row needs {len(columns)} cells ({list(columns)})")
+        if self._jsonl is not None:
+            with open(os.path.join(self.log_dir, name.replace("/", "_") + ".jsonl"), "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": int(step), "columns": list(columns), "rows": rows}) + "\n")
+        if self._wandb_run is not None:
+            import wandb
+
+            self._wandb_run.log({name: wandb.Table(columns=list(columns), data=rows)}, step=int(step))
+        markdown = _markdown_table(columns, rows)
+        if self._tb_writer is not None:
+            self._tb_writer.add_text(name, markdown, global_step=int(step))
+            self._tb_writer.flush()
+        if self._mlflow is not None:
+            self._mlflow.log_text(markdown, f"{name}/step_{int(step)}.md")
 
     def finish(self) -> None:
         """Flush and close every backend; safe to call more than once."""
@@ -149,6 +188,8 @@ class Tracking:
             self._wandb_run.finish()
         if self._tb_writer is not None:
             self._tb_writer.close()
+        if self._mlflow is not None:
+            self._mlflow.finish()
 
     def __enter__(self) -> Tracking:
         return self
