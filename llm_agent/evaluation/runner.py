@@ -65,7 +65,7 @@ class EvalSettings:
     """What decides the dialogues: the test set, the rollout-loop settings and the decoding.
 
     `loop` is the rollout-loop config mapping (`rollout_loop.config` keys) without `user_sim.urls`; cache and
-    controller are always off. Changing any field between a run and its resume is refused.
+    controller are always off. Changing any field but `max_dialogues` between a run and its resume is refused.
     """
 
     scenario: str
@@ -87,8 +87,11 @@ class EvalSettings:
                 "cache": {"enabled": False}, "controller": {"enabled": False}}
 
     def fingerprint(self) -> dict[str, Any]:
-        """The settings as JSON-ready values (what `<name>_settings.json` holds)."""
-        return json.loads(json.dumps(asdict(self)))
+        """The settings that decide each dialogue, JSON-ready (what `<name>_settings.json` holds); `max_dialogues`
+        is left out, so a later run may extend the selection (each dialogue's profile is checked instead)."""
+        values = json.loads(json.dumps(asdict(self)))
+        values.pop("max_dialogues")
+        return values
 
 
 @dataclass
@@ -197,7 +200,7 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
                "dialogues_file": log_path.name, "outcomes": dict(Counter(r["outcome"] for r in selected)),
                "confidence": confidence, "n_resamples": n_resamples, "ci_method": "percentile bootstrap over dialogues",
                "metrics": {key: interval.to_dict() for key, interval in intervals.items()},
-               "settings": settings.fingerprint()}
+               "settings": {**settings.fingerprint(), "max_dialogues": settings.max_dialogues}}
     _write_json(results_path(out_dir, name), results)
     return EvalSummary(name=name, dialogues_file=log_path, results_file=results_path(out_dir, name),
                        n_selected=len(rows), n_run=len(todo), n_resumed=len(rows) - len(todo), results=results)
