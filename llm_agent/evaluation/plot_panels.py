@@ -47,8 +47,7 @@ def stacked_per_run_figure(series: Mapping[str, tuple[np.ndarray, Mapping[str, n
 def _heatmap(ax: Axes, labels: Sequence[str], steps: np.ndarray, matrix: np.ndarray, title: str, cmap: str,
              vmin: float, vmax: float, ylabel: str) -> None:
     masked = np.ma.masked_invalid(matrix)
-    colormap = colormaps[cmap].copy()
-    colormap.set_bad("#eeeeee")
+    colormap = colormaps[cmap].with_extremes(bad="#eeeeee")
     image = ax.imshow(masked, aspect="auto", origin="lower", cmap=colormap, vmin=vmin, vmax=vmax,
                       interpolation="nearest")
     ax.set_yticks(range(len(labels)), labels)
