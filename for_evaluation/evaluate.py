@@ -28,6 +28,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
 from llm_agent.evaluation.agents import AgentSpec, build_agent  # noqa: E402
 from llm_agent.evaluation.runner import EvalSettings, evaluate_agent  # noqa: E402
 from llm_agent.evaluation.sims import LocalSimulators  # noqa: E402
+from llm_agent.rollout.config import resolve_path  # noqa: E402
 from llm_agent.scenario import load_scenario  # noqa: E402
 from llm_agent.user_sim.client import parse_urls  # noqa: E402
 
@@ -83,9 +84,12 @@ def run(args: argparse.Namespace) -> list[Path]:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"agent names must differ, got {names}; name them with NAME=SPEC")
-    scenario = load_scenario(args.scenario)
+    scenario_path = resolve_path(args.scenario)  # the working directory, then the repository root
+    if scenario_path is None:
+        raise ValueError(f"--scenario {args.scenario!r}: file not found")
+    scenario = load_scenario(scenario_path)
     settings = EvalSettings(
-        scenario=args.scenario, test_file=args.test_file, max_dialogues=args.max_dialogues,
+        scenario=str(scenario_path), test_file=args.test_file, max_dialogues=args.max_dialogues,
         max_prompt_length=args.max_prompt_length, max_turns=args.max_turns,
         max_tokens_per_turn=args.max_tokens_per_turn, max_response_length=args.max_response_length,
         max_user_tokens=args.max_user_tokens, seed=args.seed,
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     if args.user_sim_urls:
         urls = parse_urls(args.user_sim_urls)
     else:
-        sims = LocalSimulators(args.num_sims, args.scenario, Path(args.out) / "user_sims", seed=args.seed)
+        sims = LocalSimulators(args.num_sims, str(scenario_path), Path(args.out) / "user_sims", seed=args.seed)
         urls = sims.start()
     written = []
     try:
