@@ -20,7 +20,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["verl", "verl.*", "llm_agent", "llm_agent.*"]),
-    package_data={"verl": ["trainer/config/*.yaml", "trainer/config/*/*.yaml"]},
+    package_data={"verl": ["trainer/config/*.yaml", "trainer/config/*/*.yaml"],
+                  "llm_agent": ["evaluation/report_assets/*"]},
     include_package_data=True,
     install_requires=read_requirements("requirements.txt"),
     extras_require={

@@ -227,6 +227,7 @@ class TrainerConfig:
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True
+    val_only: bool = False
     critic_warmup: int = 0
     balance_batch: bool = True
     default_local_dir: str = "checkpoints/sead/default"

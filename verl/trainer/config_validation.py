@@ -192,6 +192,8 @@ def _check_paths(cfg: PPOTrainerConfig) -> None:
     if not train:
         raise ConfigError("data.train_files is required: a parquet file or a list of them (the built-in task "
                           "writes them with `python -m verl.tasks.repeat_letter --out_dir DIR`)")
+    if cfg.trainer.val_only and not _as_list(cfg.data.val_files):
+        raise ConfigError("trainer.val_only=true needs data.val_files (the validation set to evaluate the model on)")
     for key, files in (("data.train_files", train), ("data.val_files", _as_list(cfg.data.val_files))):
         for f in files:
             if not Path(f).is_file():

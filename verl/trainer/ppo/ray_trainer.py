@@ -346,6 +346,11 @@ class RayPPOTrainer(TrainerCheckpointMixin):
             torch.manual_seed(seed)
             self.load_checkpoint()
             last_metrics: dict[str, float] = {}
+            if tcfg.val_only:  # veRL's trainer.val_only: validate the loaded model and stop
+                val_metrics = self.validate()
+                log(val_metrics, step=self.global_steps)
+                logger.info("trainer.val_only: validated the model at step %d; not training", self.global_steps)
+                return val_metrics
             if self.val_dataset is not None and tcfg.val_before_train and self.global_steps == 0:
                 val_metrics = self.validate()
                 log(val_metrics, step=0)

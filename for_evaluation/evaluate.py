@@ -1,0 +1,141 @@
+"""Evaluate agents on the fixed test set against user simulators; resumable.
+
+    python for_evaluation/evaluate.py --agent outputs/checkpoints/cpu_demo \\
+        --test-file outputs/prompt_data/cpu_demo/test.parquet --out outputs/evaluation/cpu_demo
+    python for_evaluation/evaluate.py --agent sft=models/sft --agent rl=ckpts/global_step_200 \\
+        --agent gpt=https://api.example.com --tokenizer models/sft --agent-model gpt-4o-mini \\
+        --user-sim-urls http://127.0.0.1:5000,http://127.0.0.1:5001
+
+An agent is `[NAME=]SPEC`: a Hugging Face model directory, a checkpoint (`global_step_N`, its `actor/`, or a
+checkpoint root: the latest complete step), an OpenAI-compatible endpoint `http(s)://...` (with --tokenizer), or
+`scripted:good|bad|malformed|ender` (the scripted stand-in, with --tokenizer). Without --user-sim-urls it starts
+--num-sims scripted simulators on loopback and stops exactly those. Per agent it writes
+`<out>/<name>_dialogues.jsonl` (appended chunk by chunk; a rerun runs only missing dialogues) and
+`<out>/<name>_results.json` (every metric with its bootstrap CI). Compare them with for_evaluation/metrics_table.py.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO_ROOT))
+
+from llm_agent.evaluation.agents import AgentSpec, build_agent  # noqa: E402
+from llm_agent.evaluation.runner import EvalSettings, evaluate_agent  # noqa: E402
+from llm_agent.evaluation.sims import LocalSimulators  # noqa: E402
+from llm_agent.rollout.config import resolve_path  # noqa: E402
+from llm_agent.scenario import load_scenario  # noqa: E402
+from llm_agent.user_sim.client import parse_urls  # noqa: E402
+
+DEFAULT_SCENARIO = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring); defaults mirror sead_trainer.yaml's rollout_loop.config."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--agent", action="append", required=True, metavar="[NAME=]SPEC", help="agent to evaluate (repeatable)")
+    p.add_argument("--test-file", default="outputs/prompt_data/cpu_demo/test.parquet", help="test parquet")
+    p.add_argument("--scenario", default=DEFAULT_SCENARIO, help="scenario YAML")
+    p.add_argument("--out", default="outputs/evaluation", help="output directory")
+    p.add_argument("--user-sim-urls", default=None, help="running simulators (comma-separated base URLs)")
+    p.add_argument("--num-sims", type=int, default=2, help="scripted simulators to start without --user-sim-urls")
+    p.add_argument("--max-dialogues", type=int, default=1000, help="first N test profiles")
+    p.add_argument("--chunk-size", type=int, default=64, help="dialogues run concurrently (and appended) at once")
+    p.add_argument("--max-turns", type=int, default=10)
+    p.add_argument("--max-tokens-per-turn", type=int, default=128)
+    p.add_argument("--max-response-length", type=int, default=1024, help="per-dialogue token budget")
+    p.add_argument("--max-user-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-length", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0, help="simulator request seeds and bootstrap seed")
+    p.add_argument("--sim-temperature", type=float, default=0.9)
+    p.add_argument("--sim-top-p", type=float, default=0.95)
+    p.add_argument("--sim-max-tokens", type=int, default=256)
+    p.add_argument("--sim-timeout-s", type=float, default=60.0)
+    p.add_argument("--sim-max-attempts", type=int, default=3)
+    p.add_argument("--sim-model", default=None, help="model name the simulators answer to (null: discovered)")
+    p.add_argument("--sim-api-key", default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir for endpoint and scripted agents")
+    p.add_argument("--agent-model", default=None, help="model name at the agent endpoint (null: its first)")
+    p.add_argument("--agent-api-key", default=None)
+    p.add_argument("--agent-concurrency", type=int, default=16, help="parallel requests to an agent endpoint")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per generate() of a local model")
+    p.add_argument("--retry-errors", action="store_true", help="rerun dialogues whose last run ended in error")
+    p.add_argument("--n-resamples", type=int, default=1000, help="bootstrap resamples")
+    p.add_argument("--confidence", type=float, default=0.95)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def checkpoint_step(spec: str) -> int:
+    """N of a `global_step_N` in the spec's path, else 0."""
+    match = re.search(r"global_step_(\d+)", spec)
+    return int(match.group(1)) if match else 0
+
+
+def run(args: argparse.Namespace) -> list[Path]:
+    """Evaluate every agent; returns the results files."""
+    specs = [AgentSpec.parse(a) for a in args.agent]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"agent names must differ, got {names}; name them with NAME=SPEC")
+    scenario_path = resolve_path(args.scenario)  # the working directory, then the repository root
+    if scenario_path is None:
+        raise ValueError(f"--scenario {args.scenario!r}: file not found")
+    scenario = load_scenario(scenario_path)
+    settings = EvalSettings(
+        scenario=str(scenario_path), test_file=args.test_file, max_dialogues=args.max_dialogues,
+        max_prompt_length=args.max_prompt_length, max_turns=args.max_turns,
+        max_tokens_per_turn=args.max_tokens_per_turn, max_response_length=args.max_response_length,
+        max_user_tokens=args.max_user_tokens, seed=args.seed,
+        user_sim={"temperature": args.sim_temperature, "top_p": args.sim_top_p, "max_tokens": args.sim_max_tokens,
+                  "timeout_s": args.sim_timeout_s, "max_attempts": args.sim_max_attempts, "model": args.sim_model,
+                  "api_key": args.sim_api_key})
+    sims = None
+    if args.user_sim_urls:
+        urls = parse_urls(args.user_sim_urls)
+    else:
+        sims = LocalSimulators(args.num_sims, str(scenario_path), Path(args.out) / "user_sims", seed=args.seed)
+        urls = sims.start()
+    written = []
+    try:
+        for spec in specs:
+            agent, tokenizer = build_agent(spec.spec, scenario, tokenizer_path=args.tokenizer,
+                                           agent_model=args.agent_model, api_key=args.agent_api_key,
+                                           concurrency=args.agent_concurrency, micro_batch_size=args.micro_batch_size)
+            try:
+                summary = evaluate_agent(spec.name, agent, tokenizer, settings, args.out, user_sim_urls=urls,
+                                         chunk_size=args.chunk_size, retry_errors=args.retry_errors,
+                                         n_resamples=args.n_resamples, confidence=args.confidence,
+                                         agent_description=spec.spec, step=checkpoint_step(spec.spec))
+            finally:
+                if hasattr(agent, "close"):
+                    agent.close()
+            cr = summary.results["metrics"]["completion_rate"]
+            print(f"{spec.name}: {summary.n_selected} dialogues ({summary.n_resumed} resumed, {summary.n_run} run), "
+                  f"CR {cr['value']:.3f} [{cr['low']:.3f}, {cr['high']:.3f}]")
+            print(f"  dialogues: {summary.dialogues_file}\n  results:   {summary.results_file}")
+            written.append(summary.results_file)
+    finally:
+        if sims is not None:
+            sims.stop()
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point; bad input exits with a one-line error."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(args)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise SystemExit(f"evaluate: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Write the HTML report of a run or an evaluation: plots, metrics, mistakes analysis and a dialogue browser.
+
+    python for_evaluation/report.py                                    # the latest run under outputs/
+    python for_evaluation/report.py outputs/logs/cpu_demo --out /tmp/cpu_demo.html
+    python for_evaluation/report.py outputs/evaluation/cpu_demo/rl_dialogues.jsonl
+
+The report is one self-contained file (nothing is loaded from the network; open it from disk). It prints its
+path. Default location: `<root>/reports/<experiment>.html` for a run, `<dir>/<name>_report.html` beside an
+evaluation's dialogues file.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO_ROOT))
+
+from llm_agent.evaluation.report import build_report  # noqa: E402
+from llm_agent.evaluation.run_data import find_latest_run, resolve_run  # noqa: E402
+from llm_agent.scenario import load_scenario  # noqa: E402
+
+DEFAULT_SCENARIO = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("run", nargs="?", default=None,
+                   help="a run (output root, log dir, metrics.jsonl, rollouts.jsonl or *_dialogues.jsonl); "
+                        "default: the latest run under --outputs")
+    p.add_argument("--outputs", default="outputs", help="main.sh output root searched when no run is given")
+    p.add_argument("--out", default=None, help="the HTML file to write")
+    p.add_argument("--scenario", default=str(REPO_ROOT / DEFAULT_SCENARIO),
+                   help="the run's scenario YAML (stage names, state ranges; default: the demo's)")
+    p.add_argument("--smooth", type=float, default=0.6, help="EMA weight of the training curves (0: raw)")
+    p.add_argument("--bootstrap", type=int, default=200,
+                   help="bootstrap resamples for the metric intervals (0: no intervals)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the report and print its path."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        files = resolve_run(args.run) if args.run else find_latest_run(args.outputs)
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
+    path = build_report(files, load_scenario(args.scenario), args.out, smooth=args.smooth, bootstrap=args.bootstrap)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Mistakes analysis of dialogues (the original SEAD's analyze_chatbot_mistakes): where the agent fails.
+
+Over the dialogue records of a rollout log or an evaluation (`run_data.read_dialogues`), per split:
+completion rate (CR) per initial-state value and per (cooperation, emotion, trust) combination with counts and
+Wilson 95% intervals, the hardest and easiest combinations, CR per behaviour and behaviour category, where
+the failed calls ended (highest SOP stage the agent reported, and the outcome), and the sampling weights the
+state controller's rule would set from these outcomes (computed by `llm_agent.controller.StateController`
+itself). As in `llm_agent.metrics`, dialogues with outcome `error` are counted but left out of every CR.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from llm_agent.controller import ControllerConfig, StateController
+from llm_agent.metrics import OUTCOMES, record_field, record_label, record_outcome, record_turns
+from llm_agent.scenario import STATE_DIMS, Scenario
+
+__all__ = ["Z_95", "analyze_by_split", "analyze_dialogues", "cr_by_dimension", "highest_stage", "rate",
+           "wilson_interval"]
+
+Z_95 = 1.959963984540054  # two-sided 95% normal quantile
+NO_STAGE = "none"
+
+
+def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion; (0, 1) when n is 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    low = 0.0 if successes == 0 else max(0.0, centre - half)  # exact at the ends, where rounding leaves 1e-17
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return low, high
+
+
+def rate(completed: int, n: int) -> dict[str, float]:
+    """{"n", "completed", "cr", "ci_low", "ci_high"} of `completed` out of `n` (cr 0 when n is 0)."""
+    low, high = wilson_interval(completed, n)
+    return {"n": n, "completed": completed, "cr": completed / n if n else 0.0, "ci_low": low, "ci_high": high}
+
+
+def highest_stage(turns: Sequence[Mapping[str, Any]], stage_ids: Sequence[int]) -> int | None:
+    """The latest SOP stage (in the scenario's order) the agent reported in any turn; None when it reported none
+    or only ids that are not the scenario's."""
+    order = {sid: i for i, sid in enumerate(stage_ids)}
+    reached = [order[t["agent_stage"]] for t in turns if t.get("agent_stage") in order]
+    return stage_ids[max(reached)] if reached else None
+
+
+def cr_by_dimension(records: Iterable[Mapping[str, Any]]) -> dict[str, list[dict[str, float]]]:
+    """{dimension: [{"value", "n", "completed", "cr", "ci_low", "ci_high"}, ...] by value} over the non-error
+    records (their profile's initial state)."""
+    tallies: dict[str, dict[int, list[int]]] = {d: defaultdict(lambda: [0, 0]) for d in STATE_DIMS}
+    for i, record in enumerate(records):
+        where = record_label(record, i)
+        if record_outcome(record, where) == "error":
+            continue
+        profile = _profile(record, where)
+        for dim in STATE_DIMS:
+            tally = tallies[dim][int(profile[dim])]
+            tally[0] += record["outcome"] == "completed"
+            tally[1] += 1
+    return {dim: [{"value": v, **rate(done, n)} for v, (done, n) in sorted(tallies[dim].items())]
+            for dim in STATE_DIMS}
+
+
+def _profile(record: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    profile = record_field(record, "profile", where)
+    if not isinstance(profile, Mapping) or any(isinstance(profile.get(d), bool) or not isinstance(profile.get(d), int)
+                                               for d in STATE_DIMS):
+        raise ValueError(f"{where}: 'profile' must hold integer {list(STATE_DIMS)}, got {profile!r}")
+    return profile
+
+
+def _tally_rates(tallies: Mapping[Any, list[int]]) -> dict[Any, dict[str, float]]:
+    return {key: rate(done, n) for key, (done, n) in tallies.items()}
+
+
+def _ranked(combos: list[dict[str, Any]], min_count: int, top_k: int, hardest: bool) -> list[dict[str, Any]]:
+    eligible = [c for c in combos if c["n"] >= min_count]
+    if hardest:
+        return sorted(eligible, key=lambda c: (c["cr"], c["ci_high"], c["state_key"]))[:top_k]
+    return sorted(eligible, key=lambda c: (-c["cr"], -c["ci_low"], c["state_key"]))[:top_k]
+
+
+def _recommended_weights(outcomes: list[tuple[str, bool]], scenario: Scenario,
+                         controller: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The weights one controller update from uniform would set, with smoothing 1 (the rule's own target,
+    bounded by the floor and max_ratio), by StateController's code."""
+    config = ControllerConfig.from_dict({**(controller or {}), "smoothing": 1.0}, where="controller")
+    ctl = StateController(config, scenario)
+    metrics = ctl.update(outcomes)
+    return {"config": asdict(config), "n": len(outcomes), "cr": metrics.get("controller/cr"),
+            "deviation": metrics.get("controller/deviation"), "weights": ctl.weights}
+
+
+def analyze_dialogues(records: Sequence[Mapping[str, Any]], scenario: Scenario, *,
+                      controller: Mapping[str, Any] | None = None, min_count: int = 5,
+                      top_k: int = 5) -> dict[str, Any]:
+    """The analysis of the module docstring over `records` as a JSON-ready dict.
+
+    `controller` overrides ControllerConfig keys for the recommended weights (smoothing is always 1);
+    `min_count` is the least number of dialogues a combination needs to be ranked hardest or easiest.
+    Records must hold `outcome`, `profile` and `turns`; ValueError naming the record otherwise.
+    """
+    by_combo: dict[tuple[int, int, int], list[int]] = defaultdict(lambda: [0, 0])
+    by_behavior: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    by_category: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    failures: dict[int | None, Counter] = defaultdict(Counter)
+    outcome_counts: Counter = Counter()
+    controller_outcomes: list[tuple[str, bool]] = []
+    for i, record in enumerate(records):
+        where = record_label(record, i)
+        outcome = record_outcome(record, where)
+        outcome_counts[outcome] += 1
+        if outcome == "error":
+            continue
+        profile = _profile(record, where)
+        done = outcome == "completed"
+        state = tuple(int(profile[d]) for d in STATE_DIMS)
+        for tally in [by_combo[state]] + [by_behavior[(b.get("category", "?"), b.get("behavior", "?"))]
+                                          for b in profile.get("behaviors") or []]:
+            tally[0], tally[1] = tally[0] + done, tally[1] + 1
+        for category in {b.get("category", "?") for b in profile.get("behaviors") or []}:
+            by_category[category][0] += done
+            by_category[category][1] += 1
+        controller_outcomes.append((f"c{state[0]}-e{state[1]}-t{state[2]}", done))
+        if not done:
+            failures[highest_stage(record_turns(record, where), scenario.stage_ids)][outcome] += 1
+    scored = len(controller_outcomes)
+    completed = sum(done for _, done in controller_outcomes)
+    combos = [{"state_key": f"c{c}-e{e}-t{t}", "cooperation": c, "emotion": e, "trust": t, **r}
+              for (c, e, t), r in sorted(_tally_rates(by_combo).items())]
+    stage_names = {s.id: s.name for s in scenario.stages}
+    n_failed = sum(sum(c.values()) for c in failures.values())
+    stage_rows = []
+    for stage in [*scenario.stage_ids, None]:
+        if stage in failures:
+            count = sum(failures[stage].values())
+            stage_rows.append({"stage": NO_STAGE if stage is None else stage,
+                               "name": "no stage reported" if stage is None else stage_names[stage],
+                               "n": count, "share": count / n_failed,
+                               "by_outcome": {o: failures[stage][o] for o in OUTCOMES if failures[stage][o]}})
+    return {
+        "n_dialogues": len(records), "n_errors": outcome_counts["error"], "n_scored": scored,
+        "outcomes": {o: outcome_counts[o] for o in OUTCOMES},
+        "completion": rate(completed, scored),
+        "by_dimension": cr_by_dimension(records),
+        "by_combination": combos,
+        "hardest": _ranked(combos, min_count, top_k, hardest=True),
+        "easiest": _ranked(combos, min_count, top_k, hardest=False),
+        "min_count": min_count,
+        "by_behavior": sorted(({"category": c, "behavior": b, **r} for (c, b), r in _tally_rates(by_behavior).items()),
+                              key=lambda x: (x["cr"], x["category"], x["behavior"])),
+        "by_behavior_category": sorted(({"category": c, **r} for c, r in _tally_rates(by_category).items()),
+                                       key=lambda x: (x["cr"], x["category"])),
+        "failures": {"n": n_failed,
+                     "by_outcome": {o: sum(c[o] for c in failures.values()) for o in OUTCOMES
+                                    if o not in ("completed", "error")},
+                     "by_stage": stage_rows},
+        "recommended_weights": _recommended_weights(controller_outcomes, scenario, controller),
+    }
+
+
+def analyze_by_split(records: Iterable[Mapping[str, Any]], scenario: Scenario, *, split: str | None = None,
+                     min_step: int | None = None, max_step: int | None = None, **kwargs: Any) -> dict[str, Any]:
+    """{"scenario", "splits": {split: analyze_dialogues(...)}} over records grouped by their `split` field
+    ("all" when a record has none), optionally one split and a step range only (inclusive)."""
+    groups: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for record in records:
+        step = record.get("step")
+        if min_step is not None and (step is None or step < min_step):
+            continue
+        if max_step is not None and (step is None or step > max_step):
+            continue
+        groups[str(record.get("split") or "all")].append(record)
+    if split is not None:
+        if split not in groups:
+            raise ValueError(f"no dialogues of split {split!r} (splits present: {sorted(groups) or 'none'})")
+        groups = {split: groups[split]}
+    return {"scenario": scenario.name,
+            "splits": {name: analyze_dialogues(rows, scenario, **kwargs) for name, rows in sorted(groups.items())}}

@@ -1,0 +1,147 @@
+"""The non-line figures of `plots`: stacked shares per run, the controller's heatmaps, CR by initial state
+and the cache's per-stage hit rate. Each takes the runs (`plots.RunData`) and returns a Figure, or None with a
+note appended to `notes` when no run has the data."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from llm_agent.evaluation.analysis import cr_by_dimension
+from llm_agent.evaluation.plot_style import (draw_curve, grid_figure, legend_if_useful, no_data, run_color,
+                                             style_axes)
+from llm_agent.evaluation.series import cache_stage_series, controller_matrix
+from llm_agent.scenario import STATE_DIMS
+
+__all__ = ["cache_figure", "controller_figure", "cr_by_state_figure", "stacked_per_run_figure"]
+
+_ANNOTATE_MAX_CELLS = 160  # write the value into each heatmap cell up to this many cells
+
+
+def stacked_per_run_figure(series: Mapping[str, tuple[np.ndarray, Mapping[str, np.ndarray]]],
+                           colors: Mapping[str, str], title: str, ylabel: str, fraction: bool) -> Figure:
+    """One panel per run: the parts stacked over steps (an area; bars when a run has a single step).
+    `fraction` fixes the y axis to [0, 1]."""
+    fig, axes = grid_figure(len(series), ncols=min(3, len(series)), panel_size=(5.2, 3.2), title=title)
+    for ax, (name, (steps, parts)) in zip(axes, series.items()):
+        labels = [k for k in colors if k in parts]
+        values = [parts[k] for k in labels]
+        if len(steps) > 1:
+            ax.stackplot(steps, *values, labels=labels, colors=[colors[k] for k in labels], alpha=0.85)
+        else:
+            bottom = np.zeros(len(steps))
+            for label, v in zip(labels, values):
+                ax.bar(steps, v, bottom=bottom, color=colors[label], label=label, width=0.6)
+                bottom = bottom + v
+        if fraction:
+            ax.set_ylim(0, 1)
+        style_axes(ax, name if len(series) > 1 else "", ylabel)
+        ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), framealpha=0.8)
+    return fig
+
+
+def _heatmap(ax: Axes, labels: Sequence[str], steps: np.ndarray, matrix: np.ndarray, title: str, cmap: str,
+             vmin: float, vmax: float, ylabel: str) -> None:
+    masked = np.ma.masked_invalid(matrix)
+    colormap = colormaps[cmap].with_extremes(bad="#eeeeee")
+    image = ax.imshow(masked, aspect="auto", origin="lower", cmap=colormap, vmin=vmin, vmax=vmax,
+                      interpolation="nearest")
+    ax.set_yticks(range(len(labels)), labels)
+    stride = max(1, len(steps) // 12)
+    ticks = list(range(0, len(steps), stride))
+    ax.set_xticks(ticks, [str(int(steps[t])) for t in ticks])
+    if matrix.size <= _ANNOTATE_MAX_CELLS:
+        for (i, j), value in np.ndenumerate(matrix):
+            if np.isfinite(value):
+                r, g, b, _ = image.cmap(image.norm(value))
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                        color="black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white")
+    ax.set_title(title, fontsize=10.5)
+    ax.set_xlabel("step", fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.figure.colorbar(image, ax=ax, shrink=0.85)
+
+
+def controller_figure(runs: Sequence[Any], dim: str, notes: list[str]) -> Figure | None:
+    """Per run with controller metrics: the sampling weight of each initial value of `dim` over steps, and the
+    CR per value the controller saw at that step's update (grey: no dialogue of that value)."""
+    rows = []
+    for run in runs:
+        weights = controller_matrix(run.steps, "controller/weight/", dim)
+        if weights[0]:
+            rows.append((run.name, weights, controller_matrix(run.steps, "controller/cr/", dim)))
+    if not rows:
+        notes.append(f"controller_{dim} skipped (no controller/weight/{dim}=<value> metrics: controller off?)")
+        return None
+    fig, axes = grid_figure(2 * len(rows), ncols=2, panel_size=(5.6, 2.2 + 0.25 * len(rows[0][1][0])),
+                            title=f"State controller: initial {dim}")
+    for k, (name, (labels, steps, matrix), (cr_labels, cr_steps, cr_matrix)) in enumerate(rows):
+        prefix = f"{name}: " if len(rows) > 1 else ""
+        top = float(np.nanmax(matrix)) if np.isfinite(matrix).any() else 1.0
+        _heatmap(axes[2 * k], labels, steps, matrix, f"{prefix}sampling weight", "viridis", 0.0, max(top, 1e-9),
+                 f"{dim} value")
+        if cr_labels:
+            _heatmap(axes[2 * k + 1], cr_labels, cr_steps, cr_matrix, f"{prefix}CR per value at the update",
+                     "RdYlGn", 0.0, 1.0, f"{dim} value")
+        else:
+            no_data(axes[2 * k + 1], f"no controller/cr/{dim}=<value> metrics")
+    return fig
+
+
+def cr_by_state_figure(runs: Sequence[Any], notes: list[str]) -> Figure | None:
+    """CR per initial value of each state dimension, one bar per (run, split), with Wilson 95% intervals."""
+    groups: list[tuple[str, dict[str, list[dict[str, float]]]]] = []
+    for run in runs:
+        if not run.dialogues:
+            continue
+        splits = sorted({str(d.get("split") or "all") for d in run.dialogues})
+        for split in splits:
+            records = [d for d in run.dialogues if str(d.get("split") or "all") == split]
+            label = " / ".join(x for x in (run.name if len(runs) > 1 else "", split) if x)
+            groups.append((label, cr_by_dimension(records)))
+    if not groups:
+        notes.append("cr_by_initial_state skipped (no dialogues: rollouts.jsonl not found)")
+        return None
+    fig, axes = grid_figure(len(STATE_DIMS), ncols=3, panel_size=(4.8, 3.2),
+                            title="Completion rate by initial user state (95% Wilson intervals)")
+    width = 0.8 / len(groups)
+    for ax, dim in zip(axes, STATE_DIMS):
+        values = sorted({row["value"] for _, by_dim in groups for row in by_dim[dim]})
+        position = {v: i for i, v in enumerate(values)}
+        for g, (label, by_dim) in enumerate(groups):
+            rows = by_dim[dim]
+            x = np.asarray([position[r["value"]] for r in rows], dtype=float) - 0.4 + width * (g + 0.5)
+            cr = np.asarray([r["cr"] for r in rows])
+            err = np.clip([[r["cr"] - r["ci_low"] for r in rows], [r["ci_high"] - r["cr"] for r in rows]], 0, None)
+            ax.bar(x, cr, width=width * 0.95, color=run_color(g), label=label, alpha=0.85)
+            ax.errorbar(x, cr, yerr=err, fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+            for xi, r in zip(x, rows):
+                ax.text(xi, min(r["ci_high"] + 0.02, 1.02), f"n={r['n']}", ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(values)), [str(v) for v in values])
+        ax.set_ylim(0, 1.1)
+        style_axes(ax, dim, "completion rate", xlabel=f"initial {dim}")
+        legend_if_useful(ax, len(groups))
+    return fig
+
+
+def cache_figure(runs: Sequence[Any], smooth: float, notes: list[str]) -> Figure | None:
+    """Per run, the cache hit rate (hits / eligible lookups) of each SOP stage over steps."""
+    panels = [(run.name, cache_stage_series(run.steps)) for run in runs]
+    panels = [(name, s) for name, s in panels if s]
+    if not panels:
+        notes.append("cache_hit_rate_by_stage skipped (no cache/hit_rate/stage<id> metrics: cache off?)")
+        return None
+    fig, axes = grid_figure(len(panels), ncols=min(3, len(panels)), panel_size=(5.0, 3.2),
+                            title="User-response cache: hit rate by SOP stage")
+    for ax, (name, stages) in zip(axes, panels):
+        for k, (stage, (steps, rates)) in enumerate(stages.items()):
+            draw_curve(ax, steps, rates, run_color(k), stage, smooth)
+        ax.set_ylim(-0.02, 1.02)
+        style_axes(ax, name if len(panels) > 1 else "hit rate per stage", "hits / eligible lookups")
+        legend_if_useful(ax, len(stages) + 1)
+    return fig

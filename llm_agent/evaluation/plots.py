@@ -1,0 +1,207 @@
+"""Plots of training runs: what `python for_evaluation/metrics_vis.py` draws.
+
+`plot_runs(runs, out_dir)` writes, for one run or several compared on the same axes (one colour per run):
+
+    training_curves          reward, completion rate, turns (ATT/ADT), format errors, KL, entropy, lr, throughput
+    training_outcome_mix     share of dialogues per outcome over steps (stacked area, one panel per run)
+    training_time_split      seconds per step generating vs waiting for the user simulator (stacked, per run)
+    validation_curves        the validation dialogue metrics at each validation step
+    controller_<dimension>   the controller's sampling weights and per-value CR over steps (heatmaps, per run)
+    cr_by_initial_state      CR per initial value of each state dimension with Wilson 95% intervals (dialogues)
+    cache_hit_rate_by_stage  the user-response cache's hit rate per SOP stage over steps
+
+as PNG and SVG. A figure or panel whose metrics no run has is skipped and a note says which keys were missing.
+With smoothing > 0 the lines are debiased EMAs over the raw points, which are drawn faintly.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from llm_agent.evaluation.plot_panels import (cache_figure, controller_figure, cr_by_state_figure,
+                                              stacked_per_run_figure)
+from llm_agent.evaluation.plot_style import (LINE_STYLES, draw_curve, grid_figure, legend_if_useful, run_color,
+                                             save_figure, style_axes)
+from llm_agent.evaluation.run_data import (RunFiles, read_dialogues, read_step_metrics, read_val_metrics)
+from llm_agent.evaluation.series import OUTCOME_RATE_KEYS, metric_series, outcome_mix, present_keys
+from llm_agent.reward import COMPONENTS
+from llm_agent.scenario import STATE_DIMS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FIGURE_NAMES", "PlotResult", "RunData", "TRAINING_PANELS", "VALIDATION_PANELS", "build_figures",
+           "load_run", "plot_runs"]
+
+# (panel title, y label, metric keys drawn in it); a panel is drawn when any run has any of its keys
+TRAINING_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("reward (sequence score)", "mean per dialogue", ("critic/score/mean", "critic/rewards/mean")),
+    ("reward components (weighted)", "mean per dialogue", tuple(f"reward/{c}" for c in COMPONENTS)),
+    ("completion rate (CR)", "share of dialogues", ("dialogue/completion_rate",)),
+    ("turns per dialogue", "turns", ("dialogue/att", "dialogue/adt")),
+    ("format errors", "errors per turn", ("dialogue/format_error_rate",)),
+    ("KL", "", ("actor/kl_loss", "actor/ppo_kl", "actor/reward_kl_penalty")),
+    ("entropy", "nats per token", ("actor/entropy",)),
+    ("learning rate", "lr", ("actor/lr",)),
+    ("throughput", "tokens / s", ("perf/tokens_per_s",)),
+)
+VALIDATION_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("completion rate (CR)", "share", ("val/dialogue/completion_rate",)),
+    ("false-positive rate", "share of done claims", ("val/dialogue/false_positive_rate",)),
+    ("turns per dialogue", "turns", ("val/dialogue/att", "val/dialogue/adt")),
+    ("user-state accuracy (UPA)", "1 - normalised error", ("val/dialogue/upa",)),
+    ("state change (EI / TI / CI)", "last - first", ("val/dialogue/ei", "val/dialogue/ti", "val/dialogue/ci")),
+    ("format errors / stage completeness", "share",
+     ("val/dialogue/format_error_rate", "val/dialogue/stage_completeness")),
+    ("reward (sequence score)", "mean per dialogue", ("val/reward/total",)),
+)
+TIME_KEYS = {"generation": "rollout/time_generate_s", "user simulator": "rollout/time_user_sim_s"}
+FIGURE_NAMES: tuple[str, ...] = ("training_curves", "training_outcome_mix", "training_time_split",
+                                 "validation_curves", *(f"controller_{d}" for d in STATE_DIMS),
+                                 "cr_by_initial_state", "cache_hit_rate_by_stage")
+OUTCOME_COLORS = {"completed": "#2ca02c", "hung_up": "#d62728", "agent_ended": "#ff7f0e", "timeout": "#9467bd",
+                  "truncated": "#8c564b", "error": "#7f7f7f"}
+
+
+@dataclass
+class RunData:
+    """One run's data for plotting: tracked training rows, validation rows (with `val/` keys) and dialogues."""
+
+    name: str
+    steps: list[dict[str, float]] = field(default_factory=list)
+    val: list[dict[str, float]] = field(default_factory=list)
+    dialogues: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class PlotResult:
+    """Written files (in figure order) and the notes on what was skipped and why."""
+
+    files: list[Path]
+    notes: list[str]
+
+
+def load_run(files: RunFiles, with_dialogues: bool = True) -> RunData:
+    """Read a run's files. Validation rows come from the tracked `val/` keys; when metrics.jsonl has none,
+    from val_metrics.jsonl."""
+    steps = read_step_metrics(files.metrics) if files.metrics is not None and files.metrics.is_file() else []
+    val = [{k: v for k, v in row.items() if k == "step" or k.startswith("val/")}
+           for row in steps if any(k.startswith("val/") for k in row)]
+    if not val and files.val_metrics is not None:
+        val = read_val_metrics(files.val_metrics)
+    train = [{k: v for k, v in row.items() if not k.startswith("val/")} for row in steps]
+    train = [row for row in train if len(row) > 1]
+    dialogues = read_dialogues(files.dialogues) if with_dialogues and files.dialogues is not None else None
+    return RunData(name=files.name, steps=train, val=val, dialogues=dialogues)
+
+
+def _short_names(keys: Sequence[str]) -> dict[str, str]:
+    """Each key without the path segments all keys share at the front ("critic/score/mean" -> "score/mean")."""
+    parts = [k.split("/") for k in keys]
+    common = 0
+    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    return {k: "/".join(p[common:]) for k, p in zip(keys, parts)}
+
+
+def _curves_figure(runs: Sequence[RunData], panels: Sequence[tuple[str, str, tuple[str, ...]]], rows_of: str,
+                   title: str, smooth: float, notes: list[str], figure: str) -> Figure | None:
+    """A grid of line panels, one per entry of `panels` that some run has data for."""
+    keys_present = set().union(*(present_keys(getattr(r, rows_of)) for r in runs))
+    used = []
+    for panel in panels:
+        have = [k for k in panel[2] if k in keys_present]
+        if have:
+            used.append((panel[0], panel[1], have))
+        else:
+            notes.append(f"{figure}: panel {panel[0]!r} skipped (no {', '.join(panel[2])} in any run)")
+    if not used:
+        return None
+    fig, axes = grid_figure(len(used), ncols=4 if len(used) > 6 else 3, title=title)
+    for ax, (panel_title, ylabel, keys) in zip(axes, used):
+        if len(keys) > 2:  # many-key panels (reward components): leave out keys that are 0 throughout
+            keys = [k for k in keys if any(metric_series(getattr(r, rows_of), k)[1].any() for r in runs)] or keys
+        short = _short_names(keys)
+        n_labels = 0
+        for i, run in enumerate(runs):
+            for j, key in enumerate(keys):
+                steps, values = metric_series(getattr(run, rows_of), key)
+                if len(steps) == 0:
+                    continue
+                label = " / ".join(x for x in (run.name if len(runs) > 1 else "", short[key]
+                                               if len(keys) > 1 else "") if x) or run.name
+                # one run: a colour per key; several: a colour per run and a line style per key
+                color, style = ((run_color(j), "-") if len(runs) == 1
+                                else (run_color(i), LINE_STYLES[j % len(LINE_STYLES)]))
+                draw_curve(ax, steps, values, color, label, 0.0 if rows_of == "val" else smooth,
+                           linestyle=style, markers=rows_of == "val")
+                n_labels += 1
+        style_axes(ax, panel_title, ylabel)
+        legend_if_useful(ax, n_labels)
+    return fig
+
+
+def _outcome_mix_figure(runs: Sequence[RunData], notes: list[str]) -> Figure | None:
+    series = {}
+    for run in runs:
+        steps, shares = outcome_mix(run.steps, "dialogue/")
+        if len(steps):
+            series[run.name] = (steps, shares)
+    if not series:
+        notes.append("training_outcome_mix skipped (no run has all of "
+                     f"{', '.join('dialogue/' + k for k in OUTCOME_RATE_KEYS.values())})")
+        return None
+    return stacked_per_run_figure(series, OUTCOME_COLORS, "Outcome mix of training dialogues",
+                                  "share of dialogues", fraction=True)
+
+
+def _time_split_figure(runs: Sequence[RunData], notes: list[str]) -> Figure | None:
+    series = {}
+    for run in runs:
+        parts = {label: metric_series(run.steps, key) for label, key in TIME_KEYS.items()}
+        if all(len(s) for s, _ in parts.values()):
+            steps = parts["generation"][0]
+            series[run.name] = (steps, {label: v for label, (_, v) in parts.items()})
+    if not series:
+        notes.append(f"training_time_split skipped (no run has {' and '.join(TIME_KEYS.values())})")
+        return None
+    return stacked_per_run_figure(series, {"generation": "#1f77b4", "user simulator": "#ff7f0e"},
+                                  "Rollout time per step: generation vs user simulator", "seconds", fraction=False)
+
+
+def build_figures(runs: Sequence[RunData], smooth: float = 0.6) -> tuple[dict[str, Figure], list[str]]:
+    """Every figure of the module docstring that has data, by file stem, and notes on what was skipped."""
+    if not runs:
+        raise ValueError("build_figures needs at least one run")
+    notes: list[str] = []
+    figures: dict[str, Figure | None] = {
+        "training_curves": _curves_figure(runs, TRAINING_PANELS, "steps", "Training", smooth, notes,
+                                          "training_curves"),
+        "training_outcome_mix": _outcome_mix_figure(runs, notes),
+        "training_time_split": _time_split_figure(runs, notes),
+        "validation_curves": _curves_figure(runs, VALIDATION_PANELS, "val", "Validation", smooth, notes,
+                                            "validation_curves"),
+    }
+    for dim in STATE_DIMS:
+        figures[f"controller_{dim}"] = controller_figure(runs, dim, notes)
+    figures["cr_by_initial_state"] = cr_by_state_figure(runs, notes)
+    figures["cache_hit_rate_by_stage"] = cache_figure(runs, smooth, notes)
+    if not any(run.steps for run in runs):
+        notes.insert(0, "no training metrics found (metrics.jsonl missing or empty): training figures skipped")
+    return {name: fig for name, fig in figures.items() if fig is not None}, notes
+
+
+def plot_runs(runs: Sequence[RunData], out_dir: str | Path, smooth: float = 0.6,
+              formats: Sequence[str] = ("png", "svg")) -> PlotResult:
+    """Build and write every figure of `runs` under `out_dir`; returns the files and the skip notes."""
+    figures, notes = build_figures(runs, smooth)
+    files: list[Path] = []
+    for name, fig in figures.items():
+        files.extend(save_figure(fig, Path(out_dir), name, formats))
+    for note in notes:
+        logger.info("plots: %s", note)
+    return PlotResult(files=files, notes=notes)

@@ -1,0 +1,129 @@
+"""The run report: one self-contained HTML file with the plots, the metrics table, the mistakes analysis and a
+dialogue browser over every dialogue of the run (or of an evaluation).
+
+The page loads nothing from anywhere: the plots are PNG data URIs, the CSS and JavaScript (`report_assets/`)
+are inlined, and the dialogues are one embedded JSON document that the browser's script renders a page at a
+time. Groups of dialogues: training dialogues over all steps and at the last step; every other split
+(validation, an evaluation) at its last step, since each of its steps meets the same users again.
+"""
+from __future__ import annotations
+
+import datetime
+import html
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from llm_agent.evaluation.analysis import analyze_dialogues
+from llm_agent.evaluation.browser_data import browser_payload, embed_json
+from llm_agent.evaluation.plots import RunData, build_figures, load_run
+from llm_agent.evaluation.report_sections import analysis_html, metrics_html, plots_html
+from llm_agent.evaluation.run_data import RunFiles, output_root
+from llm_agent.evaluation.stats import metric_intervals
+from llm_agent.metrics import dialogue_metrics
+from llm_agent.scenario import Scenario
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DialogueGroup", "build_report", "default_report_path", "dialogue_groups", "render_report"]
+
+ASSETS = "report_assets"  # package data of llm_agent.evaluation: the page template, its CSS and JavaScript
+
+
+@dataclass
+class DialogueGroup:
+    """A named set of dialogues of one split: its label, what it covers, and the records."""
+
+    split: str
+    label: str
+    scope: str
+    records: list[Mapping[str, Any]]
+
+
+def dialogue_groups(records: Sequence[Mapping[str, Any]]) -> tuple[list[DialogueGroup], list[DialogueGroup]]:
+    """(metric-table groups, analysis groups) of `records` by split (see the module docstring); `train` first."""
+    by_split: dict[str, list[Mapping[str, Any]]] = {}
+    for record in records:
+        by_split.setdefault(str(record.get("split") or "all"), []).append(record)
+    table, analysis = [], []
+    for split in sorted(by_split, key=lambda s: (s != "train", s)):
+        rows = by_split[split]
+        steps = sorted({r["step"] for r in rows if isinstance(r.get("step"), int)})
+        last = [r for r in rows if r.get("step") == steps[-1]] if steps else rows
+        last_group = DialogueGroup(split, f"{split} (step {steps[-1]})" if steps else split,
+                                   f"step {steps[-1]}" if steps else "all dialogues", last)
+        if split == "train" and len(steps) > 1:
+            everything = DialogueGroup(split, f"{split} (steps {steps[0]}-{steps[-1]})",
+                                       f"all {len(steps)} steps", rows)
+            table += [everything, last_group]
+            analysis.append(everything)
+        else:
+            table.append(last_group)
+            analysis.append(last_group)
+    return table, analysis
+
+
+def _metric_columns(groups: Sequence[DialogueGroup], scenario: Scenario, bootstrap: int) -> list[tuple[str, Any]]:
+    columns = []
+    for group in groups:
+        if bootstrap > 0:
+            intervals = metric_intervals(group.records, scenario, n_resamples=bootstrap)
+            columns.append((group.label, {k: iv.to_dict() for k, iv in intervals.items()}))
+        else:
+            columns.append((group.label, dialogue_metrics(group.records, scenario)))
+    return columns
+
+
+def _asset(name: str) -> str:
+    return resources.files("llm_agent.evaluation").joinpath(ASSETS, name).read_text(encoding="utf-8")
+
+
+def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float = 0.6, bootstrap: int = 200,
+                  controller: Mapping[str, Any] | None = None) -> str:
+    """The report page of `run` as HTML text. `bootstrap` resamples per metric interval (0: no intervals);
+    `controller` overrides ControllerConfig keys for the recommended weights."""
+    has_plot_data = bool(run.steps or run.val or run.dialogues)
+    figures, notes = build_figures([run], smooth) if has_plot_data else ({}, [])
+    records = run.dialogues or []
+    table_groups, analysis_groups = dialogue_groups(records)
+    columns = _metric_columns(table_groups, scenario, bootstrap)
+    ci_note = (f"Brackets: percentile bootstrap 95% intervals over dialogues ({bootstrap} resamples, "
+               "llm_agent.evaluation.stats)." if bootstrap > 0 else "No intervals (bootstrap off).")
+    analyses = [(g.label, g.scope, analyze_dialogues(g.records, scenario, controller=controller))
+                for g in analysis_groups]
+    title = f"SEAD report: {run.name}"
+    generated = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return Template(_asset("report.html")).substitute(
+        title=html.escape(title),
+        sources=html.escape(f"{sources} · scenario {scenario.name} · {len(records)} dialogues · "
+                            f"generated {generated}"),
+        css=_asset("report.css"),
+        plots=plots_html(figures, notes),
+        metrics=metrics_html(columns, "Every metric as defined in llm_agent/metrics.py. " + ci_note),
+        mistakes=analysis_html(analyses),
+        data=embed_json(browser_payload(records, scenario)),
+        js=_asset("report.js"))
+
+
+def default_report_path(files: RunFiles) -> Path:
+    """`<root>/reports/<name>.html` for a training run, `<dir>/<name>_report.html` beside an evaluation's
+    dialogues file."""
+    if files.metrics is None and files.dialogues is not None and files.dialogues.name.endswith("_dialogues.jsonl"):
+        return files.dialogues.parent / f"{files.name}_report.html"
+    return output_root(files) / "reports" / f"{files.name}.html"
+
+
+def build_report(files: RunFiles, scenario: Scenario, out: str | Path | None = None, **kwargs: Any) -> Path:
+    """Read the run, render its report and write it to `out` (default `default_report_path`); returns the path."""
+    path = Path(out) if out is not None else default_report_path(files)
+    page = render_report(load_run(files), scenario, files.describe(), **kwargs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)
+    logger.info("report: %s (%.1f MB)", path, path.stat().st_size / 1e6)
+    return path

@@ -1,0 +1,204 @@
+"""Find a run's files and read them: per-step training metrics, validation metrics and dialogue logs.
+
+A *run* is what `scripts/main.sh` leaves under its output directory (default `outputs/`) for one experiment:
+
+    outputs/logs/<experiment>/metrics.jsonl         one JSON object per training step (the jsonl tracking backend)
+    outputs/evaluation/val_metrics.jsonl            one {"step", "n_dialogues", "metrics"} line per validation
+    outputs/rollouts/<experiment>/rollouts.jsonl    one line per dialogue (llm_agent.rollout.records.log_lines)
+
+`resolve_run` accepts that output root (its most recently written experiment is taken), a log directory, a
+`metrics.jsonl`, a rollout log or an evaluation's `<name>_dialogues.jsonl` (same line format as the rollout
+log), or a directory holding one of those. Every reader names the file and line of a bad line.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from llm_agent.evaluation.dialogue_log import latest_per_dialogue, read_dialogue_log
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunFiles", "default_plot_dir", "find_latest_run", "output_root", "read_dialogues", "read_jsonl",
+           "read_step_metrics", "read_val_metrics", "resolve_run"]
+
+METRICS_FILE = "metrics.jsonl"
+ROLLOUT_FILE = "rollouts.jsonl"
+VAL_FILE = "val_metrics.jsonl"
+DIALOGUES_SUFFIX = "_dialogues.jsonl"
+_PROGRESS_BYTES = 32 << 20  # show a progress bar when reading files larger than this
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The files of one run (any may be None) and the name plots and reports call it by."""
+
+    name: str
+    metrics: Path | None = None
+    val_metrics: Path | None = None
+    dialogues: Path | None = None
+
+    def describe(self) -> str:
+        """One line per file that was found, for logs and the report header."""
+        parts = [f"{label}: {path}" for label, path in (("training metrics", self.metrics),
+                 ("validation metrics", self.val_metrics), ("dialogues", self.dialogues)) if path is not None]
+        return "; ".join(parts) if parts else "no files"
+
+
+def _first_existing(*candidates: Path) -> Path | None:
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def _run_from_log_dir(log_dir: Path) -> RunFiles:
+    """A main.sh log directory `<root>/logs/<experiment>` and the sibling files main.sh writes for it."""
+    name = log_dir.name
+    root = log_dir.parent.parent
+    rollouts = _first_existing(log_dir / ROLLOUT_FILE, root / "rollouts" / name / ROLLOUT_FILE)
+    val = _first_existing(log_dir / VAL_FILE, root / "evaluation" / name / VAL_FILE, root / "evaluation" / VAL_FILE)
+    return RunFiles(name=name, metrics=log_dir / METRICS_FILE, val_metrics=val, dialogues=rollouts)
+
+
+def _run_from_dialogues(path: Path) -> RunFiles:
+    """A rollout log or an evaluation's dialogues file; a rollout log under `<root>/rollouts/<experiment>/`
+    brings that experiment's metrics along."""
+    if path.name.endswith(DIALOGUES_SUFFIX):
+        return RunFiles(name=path.name[:-len(DIALOGUES_SUFFIX)], dialogues=path)
+    name = path.parent.name
+    log_dir = path.parent.parent.parent / "logs" / name
+    if path.parent.parent.name == "rollouts" and (log_dir / METRICS_FILE).is_file():
+        return _run_from_log_dir(log_dir)
+    return RunFiles(name=name, dialogues=path)
+
+
+def find_latest_run(root: str | Path = "outputs") -> RunFiles:
+    """The experiment under a main.sh output root whose metrics.jsonl was written last.
+
+    FileNotFoundError saying what was looked for when there is none (e.g. before `make demo`).
+    """
+    root = Path(root)
+    candidates = sorted(root.glob(f"logs/*/{METRICS_FILE}"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        rollouts = sorted(root.glob(f"rollouts/*/{ROLLOUT_FILE}"), key=lambda p: p.stat().st_mtime)
+        if rollouts:
+            return _run_from_dialogues(rollouts[-1])
+        raise FileNotFoundError(f"no run under {root}/: looked for {root}/logs/<experiment>/{METRICS_FILE} and "
+                                f"{root}/rollouts/<experiment>/{ROLLOUT_FILE}; run `make demo` first or pass --run")
+    return _run_from_log_dir(candidates[-1].parent)
+
+
+def resolve_run(path: str | Path) -> RunFiles:
+    """The run that `path` names (see the module docstring); FileNotFoundError naming what was looked for."""
+    path = Path(path)
+    if path.is_file():
+        if path.name == METRICS_FILE:
+            return _run_from_log_dir(path.parent)
+        if path.suffix == ".jsonl":
+            return _run_from_dialogues(path)
+        raise FileNotFoundError(f"{path} is neither a {METRICS_FILE}, a {ROLLOUT_FILE} nor a *{DIALOGUES_SUFFIX}")
+    if not path.is_dir():
+        raise FileNotFoundError(f"run {path} does not exist")
+    if (path / METRICS_FILE).is_file():
+        return _run_from_log_dir(path)
+    if (path / ROLLOUT_FILE).is_file():
+        return _run_from_dialogues(path / ROLLOUT_FILE)
+    evaluations = sorted(path.glob(f"*{DIALOGUES_SUFFIX}"))
+    if len(evaluations) == 1:
+        return _run_from_dialogues(evaluations[0])
+    if len(evaluations) > 1:
+        raise FileNotFoundError(f"{path} holds several evaluations ({', '.join(p.name for p in evaluations)}); "
+                                "name one file")
+    return find_latest_run(path)
+
+
+def read_jsonl(path: str | Path, desc: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line; ValueError naming file and line for a bad one.
+
+    A last line without its newline that does not parse is skipped with a warning: it is a write that a
+    killed run left half done.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, encoding="utf-8") as f, tqdm(total=size, unit="B", unit_scale=True, desc=desc or path.name,
+                                                 disable=size < _PROGRESS_BYTES, leave=False) as bar:
+        for number, line in enumerate(f, start=1):
+            bar.update(len(line.encode("utf-8")))
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                if not line.endswith("\n"):
+                    logger.warning("%s:%d: skipped an incomplete last line (%s)", path, number, exc)
+                    return
+                raise ValueError(f"{path}:{number}: not valid JSON ({exc})") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
+            yield number, value
+
+
+def read_step_metrics(path: str | Path) -> list[dict[str, float]]:
+    """The tracked metrics as one dict per step, sorted by step. A step logged twice (a resumed run) keeps
+    its last line; non-numeric values are errors naming file, line and key."""
+    by_step: dict[int, dict[str, float]] = {}
+    for number, row in read_jsonl(path):
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"{path}:{number}: 'step' must be an integer, got {step!r}")
+        for key, value in row.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{path}:{number}: metric {key!r} must be a number, got {value!r}")
+        by_step[step] = {k: float(v) for k, v in row.items()}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def read_val_metrics(path: str | Path) -> list[dict[str, float]]:
+    """val_metrics.jsonl as one dict per validation, `step` plus the dialogue metrics under `val/dialogue/`
+    (the names the trainer tracks them by), sorted by step; the last line of a repeated step wins."""
+    by_step: dict[int, dict[str, float]] = {}
+    for number, row in read_jsonl(path):
+        step, metrics = row.get("step"), row.get("metrics")
+        if isinstance(step, bool) or not isinstance(step, int) or not isinstance(metrics, dict):
+            raise ValueError(f"{path}:{number}: expected {{'step': int, 'metrics': {{...}}}}, got keys {sorted(row)}")
+        by_step[step] = {"step": float(step), **{f"val/dialogue/{k}": float(v) for k, v in metrics.items()}}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def read_dialogues(path: str | Path) -> list[dict[str, Any]]:
+    """Every dialogue of a rollout log or an evaluation's dialogues file (read by `dialogue_log`, which skips a
+    torn last line). In an evaluation's file a dialogue run again (an error retried on resume) counts once, as its
+    last record. Lines must hold `outcome`, `profile` and `turns` (log_lines' format); ValueError naming file and
+    line otherwise."""
+    path = Path(path)
+    records = read_dialogue_log(path).records
+    for number, row in enumerate(records, start=1):
+        missing = [k for k in ("outcome", "profile", "turns") if k not in row]
+        if missing:
+            raise ValueError(f"{path}: dialogue {number} (dialogue_id {row.get('dialogue_id')!r}) has no {missing} "
+                             "(see llm_agent/rollout/records.py)")
+    if path.name.endswith(DIALOGUES_SUFFIX):
+        records = list(latest_per_dialogue(records).values())
+    return records
+
+
+def output_root(files: RunFiles) -> Path:
+    """Where derived files (plots, reports) of a run go: the main.sh output root of its metrics
+    (`<root>/logs/<experiment>/metrics.jsonl`), else the directory of its dialogues file."""
+    if files.metrics is not None:
+        return files.metrics.parent.parent.parent
+    if files.dialogues is not None:
+        return files.dialogues.parent
+    return Path("outputs")
+
+
+def default_plot_dir(runs: list[RunFiles]) -> Path:
+    """`<root>/plots/<name>` for one run, `<root>/plots/compare_<a>_vs_<b>...` for several (root of the first)."""
+    if not runs:
+        raise ValueError("default_plot_dir needs at least one run")
+    name = runs[0].name if len(runs) == 1 else "compare_" + "_vs_".join(r.name for r in runs)
+    return output_root(runs[0]) / "plots" / name

@@ -1,0 +1,164 @@
+"""Live evaluation (slow): an agent served over a real OpenAI-compatible HTTP endpoint, evaluate.py on a model
+directory against simulators it starts itself (interrupted and resumed), and a simulator killed mid-evaluation."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from llm_agent.evaluation.agents import OpenAIChatAgent, resolve_model_dir
+from llm_agent.evaluation.runner import EvalSettings, dialogues_path, evaluate_agent
+from llm_agent.evaluation.sims import LocalSimulators, free_port
+from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
+from llm_agent.stand_ins.scripted_policy import ScriptedAgent, ScriptedPolicyWorkerGroup
+from llm_agent.user_sim.backend import BackendResult, Completion
+from llm_agent.user_sim.server import ServerConfig, build_app
+from tests.llm_agent.gen_loop_helpers import REPO, SCENARIO_PATH
+from utils.create_prompt_data import create_prompt_data
+
+pytestmark = pytest.mark.slow
+
+
+class ScriptedAgentBackend:
+    """Serves the scripted agent as a chat model: the messages after the system prompt are its history."""
+
+    def __init__(self, scenario):
+        self.agent = ScriptedAgent(scenario, quality="good")
+
+    def complete(self, messages, params):
+        text = self.agent.respond([(m["role"], m["content"]) for m in messages[1:]])
+        return BackendResult([Completion(text, "stop", len(text.split()))], prompt_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def test_file(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prompt_data")
+    return str(create_prompt_data(SCENARIO_PATH, out, train_samples=1, test_samples=8, seed=5)["test"])
+
+
+def settings(test_file, **overrides):
+    values = dict(scenario=str(SCENARIO_PATH), test_file=test_file, max_dialogues=8, max_turns=8,
+                  max_tokens_per_turn=256, max_response_length=3072)
+    values.update(overrides)
+    return EvalSettings(**values)
+
+
+def lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_an_agent_behind_an_openai_endpoint_holds_the_same_dialogues(tok, scenario, test_file, tmp_path):
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(ScriptedAgentBackend(scenario), ServerConfig(
+        served_model_name="scripted-agent", api_key="k")), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        agent = OpenAIChatAgent(f"http://127.0.0.1:{port}", tok, api_key="k", concurrency=4)
+        assert agent.model == "scripted-agent"  # discovered from /v1/models
+        evaluate_agent("endpoint", agent, tok, settings(test_file), tmp_path, client=InProcessUserSim(scenario),
+                       chunk_size=4, n_resamples=50)
+        agent.close()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    direct = ScriptedPolicyWorkerGroup(tok, scenario, world_size=1)
+    evaluate_agent("direct", direct, tok, settings(test_file), tmp_path, client=InProcessUserSim(scenario),
+                   chunk_size=4, n_resamples=50)
+    via_http, local = lines(dialogues_path(tmp_path, "endpoint")), lines(dialogues_path(tmp_path, "direct"))
+    assert agent.requests == sum(r["num_turns"] for r in via_http) > 8
+    assert "completed" in {r["outcome"] for r in via_http}
+    for got, want in zip(via_http, local):
+        assert (got["dialogue_id"], got["outcome"]) == (want["dialogue_id"], want["outcome"])
+        assert [t["agent_text"] for t in got["turns"]] == [t["agent_text"] for t in want["turns"]]
+
+
+def test_killing_one_of_two_simulators_loses_no_dialogue(tok, scenario, test_file, tmp_path):
+    reference = ScriptedPolicyWorkerGroup(tok, scenario, world_size=1)
+    evaluate_agent("reference", reference, tok, settings(test_file), tmp_path, client=InProcessUserSim(scenario),
+                   chunk_size=2, n_resamples=20)
+    sims = LocalSimulators(2, str(SCENARIO_PATH), tmp_path / "sims")
+    sims.start()
+    log = dialogues_path(tmp_path, "killed")
+    try:
+        def kill_after_first_chunk():
+            while not log.exists():
+                time.sleep(0.02)
+            proc = sims.procs[sims.urls[0]]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+        killer = threading.Thread(target=kill_after_first_chunk)
+        killer.start()
+        summary = evaluate_agent("killed", ScriptedPolicyWorkerGroup(tok, scenario, world_size=1), tok,
+                                 settings(test_file, user_sim={"timeout_s": 5.0, "max_attempts": 3}), tmp_path,
+                                 user_sim_urls=sims.urls, chunk_size=2, n_resamples=20)
+        killer.join(timeout=30)
+    finally:
+        sims.stop()
+    assert sims.procs[sims.urls[0]].returncode == -signal.SIGKILL, "the first simulator was killed mid-run"
+    got, want = lines(log), lines(dialogues_path(tmp_path, "reference"))
+    assert summary.n_run == 8 and [r["dialogue_id"] for r in got] == [f"test{i}#0" for i in range(8)]
+    assert [r["outcome"] for r in got] == [r["outcome"] for r in want], "no dialogue lost or mislabelled"
+    assert all(r["error"] is None for r in got)
+
+
+def _evaluate_cmd(model, test_file, out):
+    return [sys.executable, str(REPO / "for_evaluation" / "evaluate.py"), "--agent", f"warm={model}",
+            "--test-file", test_file, "--out", str(out), "--max-turns", "3", "--max-tokens-per-turn", "48",
+            "--max-response-length", "400", "--chunk-size", "2", "--n-resamples", "50", "--num-sims", "2"]
+
+
+def test_evaluate_cli_on_a_model_dir_is_resumed_after_a_kill(warm_model_path, test_file, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = tmp_path / "eval"
+    log = dialogues_path(out, "warm")
+    first = subprocess.Popen(_evaluate_cmd(warm_model_path, test_file, out), cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not (log.exists() and len(log.read_text().splitlines()) >= 2) and first.poll() is None:
+        assert time.monotonic() < deadline, "no chunk finished in 240 s"
+        time.sleep(0.1)
+    first.send_signal(signal.SIGINT)
+    text = first.communicate(timeout=60)[0]
+    assert "scripted simulators" in text, text[-3000:]
+    pids = [int(p) for p in re.findall(r"\d+", re.search(r"scripted simulators: .*\(PIDs \[(.*)\]\)", text).group(1))]
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in pids), "the started simulators must be stopped"
+    done_before = lines(log)
+    assert 2 <= len(done_before) < 8, "the interrupt came after the first chunk and before the end"
+
+    second = subprocess.run(_evaluate_cmd(warm_model_path, test_file, out), cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    n = len(done_before)
+    assert f"warm: 8 dialogues ({n} resumed, {8 - n} run)" in second.stdout
+    final = lines(log)
+    assert final[:n] == done_before and [r["dialogue_id"] for r in final] == [f"test{i}#0" for i in range(8)]
+    results = json.loads((out / "warm_results.json").read_text())
+    assert results["n_dialogues"] == 8 and set(results["metrics"]) >= {"completion_rate", "upa", "att"}
+    assert all(r["num_turns"] == len(r["turns"]) >= 1 and r["split"] == "eval" for r in final)
+
+
+def test_model_directories_resolve_to_the_actor_export(tiny_model_path, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for step in (1, 2):
+        (ckpt / f"global_step_{step}" / "actor").mkdir(parents=True)
+        (ckpt / f"global_step_{step}" / "actor" / "config.json").write_text("{}")
+        (ckpt / f"global_step_{step}" / "trainer_state.json").write_text("{}")  # what marks a step complete
+    (ckpt / "global_step_3.partial" / "actor").mkdir(parents=True)  # an interrupted save: ignored
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    assert resolve_model_dir(tiny_model_path) == type(ckpt)(tiny_model_path)
+    assert resolve_model_dir(ckpt) == ckpt / "global_step_2" / "actor"
+    assert resolve_model_dir(ckpt / "global_step_1") == ckpt / "global_step_1" / "actor"
+    with pytest.raises(ValueError, match="not a model directory"):
+        resolve_model_dir(tmp_path / "nothing")

@@ -1,0 +1,117 @@
+"""The HTML report: one self-contained file, its plots, metrics table, analysis section and embedded dialogues."""
+from __future__ import annotations
+
+import html
+import json
+import re
+
+import pytest
+from report_fixtures import synthetic_dialogues, write_run
+
+from for_evaluation import report as report_cli
+from llm_agent.evaluation.browser_data import embed_json
+from llm_agent.evaluation.plots import FIGURE_NAMES
+from llm_agent.evaluation.report import build_report, default_report_path, dialogue_groups
+from llm_agent.evaluation.run_data import resolve_run
+from llm_agent.metrics import dialogue_metrics
+
+DATA_RE = re.compile(r'<script id="dialogue-data" type="application/json">(.*?)</script>', re.S)
+
+
+def _embedded(page: str) -> dict:
+    return json.loads(DATA_RE.search(page).group(1))
+
+
+def _metric_row(page: str, key: str) -> list[str]:
+    row = re.search(rf"<tr><td><code>{key}</code></td>(.*?)</tr>", page).group(1)
+    return [html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+
+
+def test_report_is_one_self_contained_file(tmp_path, scenario):
+    written = write_run(tmp_path / "outputs", "exp", scenario)
+    files = resolve_run(tmp_path / "outputs")
+    path = build_report(files, scenario, bootstrap=0)
+    assert path == tmp_path / "outputs" / "reports" / "exp.html" == default_report_path(files)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["exp.html"]  # nothing beside it
+    page = path.read_text()
+    assert "http://" not in page and "https://" not in page
+    assert not re.search(r"<(link|iframe)\b", page) and not re.search(r"<script[^>]*\bsrc=", page)
+    assert all(src.startswith("data:image/png;base64,") for src in re.findall(r'\bsrc="([^"]*)"', page))
+    assert len(re.findall(r'<figure id="plot-', page)) == len(FIGURE_NAMES) - 1  # all but the time split
+    data = _embedded(page)
+    assert [d["id"] for d in data["dialogues"]] == [d["dialogue_id"] for d in written["dialogues"]]
+    assert data["stages"] == {str(s.id): s.name for s in scenario.stages}
+
+
+def test_metrics_table_columns_are_the_last_steps_and_all_training(tmp_path, scenario):
+    written = write_run(tmp_path, "exp", scenario, steps=6, n_dialogues=150)
+    page = build_report(resolve_run(tmp_path / "logs" / "exp"), scenario, tmp_path / "r.html", bootstrap=0) \
+        .read_text()
+    dialogues = written["dialogues"]
+    train = [d for d in dialogues if d["split"] == "train"]
+    last_train = [d for d in train if d["step"] == 6]
+    last_val = [d for d in dialogues if d["split"] == "val" and d["step"] == max(
+        x["step"] for x in dialogues if x["split"] == "val")]
+    header = re.search(r"<section id=\"metrics\">.*?<thead><tr>(.*?)</tr>", page, re.S).group(1)
+    labels = [html.unescape(x) for x in re.findall(r"<th[^>]*>(.*?)</th>", header)]
+    assert labels[0] == "metric" and labels[1:3] == ["train (steps 1-6)", "train (step 6)"]
+    assert labels[3].startswith("val (step ")
+    expected = [dialogue_metrics(g, scenario)["completion_rate"] for g in (train, last_train, last_val)]
+    assert _metric_row(page, "completion_rate") == [f"{v:.3f}" for v in expected]
+    assert int(_metric_row(page, "n_dialogues")[0]) == len(train)
+
+
+def test_metric_intervals_come_from_the_bootstrap(tmp_path, scenario):
+    write_run(tmp_path, "exp", scenario, steps=2, n_dialogues=40)
+    page = build_report(resolve_run(tmp_path / "logs" / "exp"), scenario, tmp_path / "r.html", bootstrap=30) \
+        .read_text()
+    cell = _metric_row(page, "completion_rate")[0]
+    value, low, high = (float(x) for x in re.fullmatch(r"([\d.]+) \[([\d.]+), ([\d.]+)\]", cell).groups())
+    assert low <= value <= high and low < high
+    assert "30 resamples" in page
+
+
+def test_analysis_section_per_split(tmp_path, scenario):
+    write_run(tmp_path, "exp", scenario, steps=4)
+    page = build_report(resolve_run(tmp_path / "logs" / "exp"), scenario, tmp_path / "r.html", bootstrap=0) \
+        .read_text()
+    section = re.search(r'<section id="mistakes">(.*?)</section>', page, re.S).group(1)
+    assert "train (steps 1-4)" in section and "val (step 4)" in section
+    assert section.count("Where failed calls end") == 2
+    assert "Weights the controller's rule recommends" in section
+
+
+def test_dialogue_groups():
+    rows = [{"split": "train", "step": s} for s in (1, 2, 2)] + [{"split": "val", "step": s} for s in (0, 2)] + \
+        [{"split": None, "step": None}]
+    table, analysis = dialogue_groups(rows)
+    assert [(g.label, len(g.records)) for g in table] == [("train (steps 1-2)", 3), ("train (step 2)", 2),
+                                                          ("all", 1), ("val (step 2)", 1)]
+    assert [g.label for g in analysis] == ["train (steps 1-2)", "all", "val (step 2)"]
+
+
+def test_embedded_text_cannot_close_the_script():
+    text = embed_json({"t": "</script><script>alert(1)</script> <!-- & \u2028"})
+    assert "</" not in text and "<!--" not in text and "\u2028" not in text
+    assert json.loads(text)["t"] == "</script><script>alert(1)</script> <!-- & \u2028"
+
+
+def test_evaluation_dialogues_report_and_cli(tmp_path, scenario, capsys):
+    path = tmp_path / "rl_dialogues.jsonl"
+    dialogues = synthetic_dialogues(scenario, 30, seed=3, steps=1)
+    for d in dialogues:
+        d["split"] = "test"
+    path.write_text("".join(json.dumps(d) + "\n" for d in dialogues))
+    assert report_cli.main([str(path), "--bootstrap", "0"]) == 0
+    out = tmp_path / "rl_report.html"
+    assert capsys.readouterr().out.strip() == str(out)
+    page = out.read_text()
+    assert len(_embedded(page)["dialogues"]) == 30
+    assert "No plots" not in page and '<figure id="plot-cr_by_initial_state"' in page
+
+
+def test_bad_dialogue_line_names_the_file(tmp_path, scenario):
+    path = tmp_path / "x_dialogues.jsonl"
+    path.write_text('{"outcome": "completed", "profile": {}}\n')
+    with pytest.raises(ValueError, match="x_dialogues.jsonl: dialogue 1 .* has no \\['turns'\\]"):
+        build_report(resolve_run(path), scenario, bootstrap=0)
