@@ -90,6 +90,7 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = 0.2
     clip_ratio_c: float = 3.0
     loss_agg_mode: LossAggMode = "token-mean"
+    loss_scale_factor: Optional[float] = None
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -168,6 +169,7 @@ class CriticConfig:
     shuffle: bool = False
     cliprange_value: float = 0.5
     loss_agg_mode: LossAggMode = "token-mean"
+    loss_scale_factor: Optional[float] = None
     grad_clip: float = 1.0
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

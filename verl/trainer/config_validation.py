@@ -211,6 +211,10 @@ def _check_choices(cfg: PPOTrainerConfig) -> None:
         if value.rstrip("+") not in KL_ESTIMATORS:
             raise ConfigError(f"{key} must be one of {list(KL_ESTIMATORS)} (optionally with a '+' suffix), "
                               f"got {value!r}")
+    for key, factor in (("actor_rollout_ref.actor.loss_scale_factor", actor.loss_scale_factor),
+                        ("critic.loss_scale_factor", cfg.critic.loss_scale_factor)):
+        if factor is not None and not factor > 0:
+            raise ConfigError(f"{key} must be > 0 or null (the padded response length), got {factor}")
     for i, name in enumerate(cfg.trainer.logger):
         if name not in LOGGERS:
             raise ConfigError(f"trainer.logger[{i}] must be one of {list(LOGGERS)}, got {name!r}")
