@@ -185,8 +185,17 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """``algorithm.filter_groups.*``: dynamic sampling of prompt groups with a signal (DAPO)."""
+
+    enable: bool = False
+    metric: str = "seq_reward"
+    max_num_gen_batches: int = 0
+
+
+@dataclass
 class AlgorithmConfig:
-    """``algorithm.*``: advantage estimation and KL shaping."""
+    """``algorithm.*``: advantage estimation, KL shaping and dynamic sampling."""
 
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -195,6 +204,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass

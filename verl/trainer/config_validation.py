@@ -241,11 +241,29 @@ def _check_choices(cfg: PPOTrainerConfig) -> None:
                        "the KL is penalised twice")
 
 
+def _check_filter_groups(cfg: PPOTrainerConfig) -> None:
+    filt = cfg.algorithm.filter_groups
+    if filt.max_num_gen_batches < 0:
+        raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), got "
+                          f"{filt.max_num_gen_batches}")
+    if not filt.enable:
+        return
+    if cfg.actor_rollout_ref.rollout.n < 2:
+        raise ConfigError("algorithm.filter_groups.enable keeps prompt groups whose samples differ: set "
+                          f"actor_rollout_ref.rollout.n >= 2 (got {cfg.actor_rollout_ref.rollout.n})")
+    if not filt.metric:
+        raise ConfigError("algorithm.filter_groups.metric must name a per-sample value, e.g. seq_reward")
+    if filt.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: "
+                          "groups are filtered before the KL penalty is computed; use seq_reward")
+
+
 def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     """Cross-field checks (required paths, divisibility by mini-batch and DP world size, enumerations)."""
     if check_paths:
         _check_paths(cfg)
     _check_choices(cfg)
+    _check_filter_groups(cfg)
     _check_batch_sizes(cfg)
 
 
