@@ -183,7 +183,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     Scanning right to left, a loss-carrying token's return is its reward plus gamma times the running return;
     a masked token (a user/observation turn inside a dialogue, or right padding) adds no reward, is not
     discounted and carries the running return through unchanged, so an outcome reward at the last agent turn
-    reaches the earlier agent turns (as veRL >= 0.10, whose GAE treats masked tokens the same way). Returns are
+    reaches the earlier agent turns (as veRL >= 0.9.0, whose GAE treats masked tokens the same way). Returns are
     0 at masked tokens. ``gamma`` falls back to ``config.gamma`` (veRL passes the algorithm config). Returns
     ``(masked_whiten(returns) * mask, returns)``.
     """

@@ -120,7 +120,7 @@ def agg_loss(
     - ``seq-mean-token-sum-norm`` (Dr.GRPO): the ``seq-mean-token-sum`` value divided by ``loss_scale_factor``
       (default the horizon T = loss_mask.shape[-1], the padded response length; set a constant for a scale
       that does not follow the padding), i.e. the mean over sequences of token sums / T, as in the Dr.GRPO
-      paper and veRL >= 0.10.
+      paper and veRL >= 0.8.0.
 
     With the global counts, the micro-batch losses of each rank summed, then averaged over ranks, equal the
     loss of the whole mini-batch. Empty denominators count as 1 (their numerators are 0). Values at masked

@@ -1,5 +1,5 @@
 """``seq-mean-token-sum-norm`` (Dr.GRPO) loss aggregation by hand: the mean over sequences of the per-sequence
-token sums divided by the horizon T (veRL >= 0.10), also split across ranks with the global sequence count."""
+token sums divided by the horizon T (veRL >= 0.8.0), also split across ranks with the global sequence count."""
 
 from __future__ import annotations
 
