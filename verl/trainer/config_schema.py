@@ -90,6 +90,7 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = 0.2
     clip_ratio_c: float = 3.0
     loss_agg_mode: LossAggMode = "token-mean"
+    loss_scale_factor: Optional[float] = None
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -168,6 +169,7 @@ class CriticConfig:
     shuffle: bool = False
     cliprange_value: float = 0.5
     loss_agg_mode: LossAggMode = "token-mean"
+    loss_scale_factor: Optional[float] = None
     grad_clip: float = 1.0
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -183,8 +185,17 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """``algorithm.filter_groups.*``: dynamic sampling of prompt groups with a signal (DAPO)."""
+
+    enable: bool = False
+    metric: str = "seq_reward"
+    max_num_gen_batches: int = 0
+
+
+@dataclass
 class AlgorithmConfig:
-    """``algorithm.*``: advantage estimation and KL shaping."""
+    """``algorithm.*``: advantage estimation, KL shaping and dynamic sampling."""
 
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -193,6 +204,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass

@@ -215,6 +215,10 @@ def _check_choices(cfg: PPOTrainerConfig) -> None:
         if value.rstrip("+") not in KL_ESTIMATORS:
             raise ConfigError(f"{key} must be one of {list(KL_ESTIMATORS)} (optionally with a '+' suffix), "
                               f"got {value!r}")
+    for key, factor in (("actor_rollout_ref.actor.loss_scale_factor", actor.loss_scale_factor),
+                        ("critic.loss_scale_factor", cfg.critic.loss_scale_factor)):
+        if factor is not None and not factor > 0:
+            raise ConfigError(f"{key} must be > 0 or null (the padded response length), got {factor}")
     for i, name in enumerate(cfg.trainer.logger):
         if name not in LOGGERS:
             raise ConfigError(f"trainer.logger[{i}] must be one of {list(LOGGERS)}, got {name!r}")
@@ -241,11 +245,29 @@ def _check_choices(cfg: PPOTrainerConfig) -> None:
                        "the KL is penalised twice")
 
 
+def _check_filter_groups(cfg: PPOTrainerConfig) -> None:
+    filt = cfg.algorithm.filter_groups
+    if filt.max_num_gen_batches < 0:
+        raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), got "
+                          f"{filt.max_num_gen_batches}")
+    if not filt.enable:
+        return
+    if cfg.actor_rollout_ref.rollout.n < 2:
+        raise ConfigError("algorithm.filter_groups.enable keeps prompt groups whose samples differ: set "
+                          f"actor_rollout_ref.rollout.n >= 2 (got {cfg.actor_rollout_ref.rollout.n})")
+    if not filt.metric:
+        raise ConfigError("algorithm.filter_groups.metric must name a per-sample value, e.g. seq_reward")
+    if filt.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: "
+                          "groups are filtered before the KL penalty is computed; use seq_reward")
+
+
 def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     """Cross-field checks (required paths, divisibility by mini-batch and DP world size, enumerations)."""
     if check_paths:
         _check_paths(cfg)
     _check_choices(cfg)
+    _check_filter_groups(cfg)
     _check_batch_sizes(cfg)
 
 

@@ -25,8 +25,9 @@ def dp_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def global_loss_info(response_mask: torch.Tensor) -> dict[str, Any]:
-    """``agg_loss`` keyword arguments for one mini-batch: its loss tokens and non-empty rows over all ranks.
+def global_loss_info(response_mask: torch.Tensor, loss_scale_factor: float | None = None) -> dict[str, Any]:
+    """``agg_loss`` keyword arguments for one mini-batch: its loss tokens and non-empty rows over all ranks, and
+    the ``seq-mean-token-sum-norm`` divisor ``loss_scale_factor`` (None: the padded response length).
 
     A collective when torch.distributed is initialised: every rank must call it for every mini-batch.
     """
@@ -34,7 +35,8 @@ def global_loss_info(response_mask: torch.Tensor) -> dict[str, Any]:
     dp_size = dp_world_size()
     if dp_size > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    return {"dp_size": dp_size, "batch_num_tokens": counts[0].item(), "global_batch_size": counts[1].item()}
+    return {"dp_size": dp_size, "batch_num_tokens": counts[0].item(), "global_batch_size": counts[1].item(),
+            "loss_scale_factor": loss_scale_factor}
 
 
 def mask_padding_rows(data: DataProto, where: str) -> DataProto:

@@ -161,3 +161,10 @@ def test_resume_path_needs_a_path(paths):
 def test_rollout_lengths_must_match_data_lengths(paths):
     with pytest.raises(ConfigError, match=r"rollout\.response_length \(7\) must equal data\.max_response_length"):
         load_config(compose_config(paths + ["actor_rollout_ref.rollout.response_length=7"]))
+
+
+def test_loss_scale_factor_must_be_positive_and_the_critic_inherits_it(paths):
+    cfg = load_config(compose_config(paths + ["actor_rollout_ref.actor.loss_scale_factor=512"]))
+    assert cfg.actor_rollout_ref.actor.loss_scale_factor == cfg.critic.loss_scale_factor == 512.0
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.loss_scale_factor must be > 0 or null"):
+        load_config(compose_config(paths + ["actor_rollout_ref.actor.loss_scale_factor=0"]))

@@ -19,7 +19,9 @@ from verl.workers.batching import (
 
 def test_global_loss_info_without_distributed_counts_tokens_and_non_empty_rows():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
-    assert global_loss_info(mask) == {"dp_size": 1, "batch_num_tokens": 3.0, "global_batch_size": 2.0}
+    assert global_loss_info(mask) == {"dp_size": 1, "batch_num_tokens": 3.0, "global_batch_size": 2.0,
+                                      "loss_scale_factor": None}
+    assert global_loss_info(mask, 512.0)["loss_scale_factor"] == 512.0
 
 
 def test_iter_mini_batches_epochs_and_shuffle():

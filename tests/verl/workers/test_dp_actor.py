@@ -72,7 +72,8 @@ def test_update_policy_changes_weights_and_reports_metrics(base_model):
     assert metrics["actor/kl_loss"][0] > 0 and metrics["actor/entropy"][0] > 0
 
 
-@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                           "seq-mean-token-sum-norm"])
 def test_update_is_invariant_to_micro_batch_split(base_model, loss_agg_mode):
     """One mini-batch of 6 rows: 1 x 6, 2 x 3 and 6 x 1 micro-batches give the same gradient step (SGD, so
     the parameter change is the clipped gradient itself, not Adam's sign-like normalised step)."""
@@ -135,3 +136,23 @@ def test_dp_padding_rows_carry_no_loss(base_model):
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-5)
     assert torch.equal(padded.batch["response_mask"][3], data.batch["response_mask"][0])  # input left untouched
+
+
+@pytest.mark.parametrize("micro", [6, 3])
+def test_dr_grpo_policy_loss_is_the_mean_sequence_token_sum_over_the_horizon(base_model, micro):
+    """seq-mean-token-sum-norm at ratio 1 (old log-probs from the same weights): the per-token loss is -A, so
+    the mini-batch pg_loss is the mean over sequences of sum(-A) / T (T = RESPONSE_LEN, or loss_scale_factor),
+    computed here in float64 from the batch, whatever the micro-batch split."""
+    data = make_ppo_batch(6, base_model.config.vocab_size, seed=5)
+    data.batch["response_mask"][2] = 0  # an empty row: not a sequence of the mean
+    adv, mask = data.batch["advantages"].double(), data.batch["response_mask"].double()
+    row_sums = [float(-(a * m).sum()) for a, m in zip(adv, mask) if m.sum() > 0]
+    expected = sum(row_sums) / len(row_sums) / RESPONSE_LEN
+    for factor, want in ((None, expected), (4 * RESPONSE_LEN, expected / 4)):
+        actor = _actor(base_model, sgd=True, ppo_mini_batch_size=6, ppo_micro_batch_size_per_gpu=micro,
+                       loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=factor, entropy_coeff=0.0,
+                       use_kl_loss=False)
+        data.meta_info["micro_batch_size"] = 6
+        data.batch["old_log_probs"], _ = actor.compute_log_prob(data)
+        metrics = actor.update_policy(data)
+        assert metrics["actor/pg_loss"][0] == pytest.approx(want, rel=1e-5, abs=1e-7)

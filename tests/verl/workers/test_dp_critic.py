@@ -23,11 +23,11 @@ def value_model(tiny_model_path):
     return AutoModelForTokenClassification.from_pretrained(tiny_model_path, config=config, dtype=torch.float32)
 
 
-def _critic(value_model, rows: int, micro: int) -> DataParallelPPOCritic:
+def _critic(value_model, rows: int, micro: int, **overrides) -> DataParallelPPOCritic:
     """A critic with plain SGD (its step is lr * gradient) on a private copy of the value model."""
     cfg = OmegaConf.create(
         {"ppo_mini_batch_size": rows, "ppo_micro_batch_size_per_gpu": micro, "ppo_epochs": 1, "shuffle": False,
-         "cliprange_value": 0.2, "loss_agg_mode": "token-mean", "grad_clip": 1.0}
+         "cliprange_value": 0.2, "loss_agg_mode": "token-mean", "grad_clip": 1.0, **overrides}
     )  # fmt: skip
     module = copy.deepcopy(value_model)
     return DataParallelPPOCritic(cfg, module, torch.optim.SGD(module.parameters(), lr=0.1))
@@ -66,3 +66,18 @@ def test_dp_padding_rows_carry_no_loss(value_model):
         assert got_metrics[name][0] == pytest.approx(expected_metrics[name][0], rel=1e-5, abs=1e-7), name
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-5)
+
+
+def test_dr_grpo_value_loss_is_the_mean_sequence_token_sum_over_the_horizon(value_model):
+    """seq-mean-token-sum-norm value loss: 0.5 * mean over sequences of the token sums of the (unclipped at the
+    old values) squared errors / T, computed here from the critic's own values; loss_scale_factor replaces T."""
+    data = make_ppo_batch(4, value_model.config.vocab_size, seed=4)
+    data.meta_info["micro_batch_size"] = 4
+    critic = _critic(value_model, rows=4, micro=2, loss_agg_mode="seq-mean-token-sum-norm")
+    data.batch["values"] = critic.compute_values(data)  # v_pred == v_old at the first step: no clipping
+    errors = ((data.batch["values"].double() - data.batch["returns"].double()) ** 2) * data.batch["response_mask"]
+    expected = 0.5 * float(errors.sum(-1).mean()) / RESPONSE_LEN
+    assert critic.update_critic(data)["critic/vf_loss"][0] == pytest.approx(expected, rel=1e-5)
+    scaled = _critic(value_model, rows=4, micro=2, loss_agg_mode="seq-mean-token-sum-norm",
+                     loss_scale_factor=2 * RESPONSE_LEN)
+    assert scaled.update_critic(data)["critic/vf_loss"][0] == pytest.approx(expected / 2, rel=1e-5)

@@ -178,11 +178,14 @@ def compute_reinforce_plus_plus_outcome_advantage(
     config: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ advantage: discounted return-to-go, whitened over the batch's loss-carrying tokens.
+    """REINFORCE++ advantage: discounted return-to-go over the loss-carrying tokens, whitened over the batch.
 
-    Scanning right to left, the running return is multiplied by the mask after each position, so it restarts
-    at every masked token (padding, user turns). ``gamma`` falls back to ``config.gamma`` (veRL passes the
-    algorithm config). Returns ``(masked_whiten(returns) * mask, returns)``.
+    Scanning right to left, a loss-carrying token's return is its reward plus gamma times the running return;
+    a masked token (a user/observation turn inside a dialogue, or right padding) adds no reward, is not
+    discounted and carries the running return through unchanged, so an outcome reward at the last agent turn
+    reaches the earlier agent turns (as veRL >= 0.9.0, whose GAE treats masked tokens the same way). Returns are
+    0 at masked tokens. ``gamma`` falls back to ``config.gamma`` (veRL passes the algorithm config). Returns
+    ``(masked_whiten(returns) * mask, returns)``.
     """
     _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
     if gamma is None:
@@ -194,9 +197,9 @@ def compute_reinforce_plus_plus_outcome_advantage(
         returns = torch.zeros_like(token_level_rewards)
         running = torch.zeros_like(token_level_rewards[:, 0])
         for t in reversed(range(token_level_rewards.shape[1])):
-            running = token_level_rewards[:, t] + gamma * running
-            returns[:, t] = running
-            running = running * mask[:, t]
+            here = token_level_rewards[:, t] + gamma * running
+            returns[:, t] = torch.where(mask[:, t] > 0, here, torch.zeros_like(here))
+            running = torch.where(mask[:, t] > 0, here, running)
         advantages = verl_F.masked_whiten(returns, mask) * mask
     return advantages, returns
 

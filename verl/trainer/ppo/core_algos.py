@@ -117,9 +117,10 @@ def agg_loss(
     - ``seq-mean-token-sum``: each row's token sum, summed over non-empty rows, / global_batch_size * dp_size
       (global_batch_size: the mini-batch's non-empty rows over all ranks; default the local count).
     - ``seq-mean-token-mean``: as above with each row's token mean.
-    - ``seq-mean-token-sum-norm`` (Dr.GRPO): sum(loss * mask) / loss_scale_factor * dp_size (default
-      T = loss_mask.shape[-1]; pass a constant for a length-independent scale). veRL omits ``* dp_size``
-      here; with it this mode, like the others, is invariant to the DP split (identical for dp_size=1).
+    - ``seq-mean-token-sum-norm`` (Dr.GRPO): the ``seq-mean-token-sum`` value divided by ``loss_scale_factor``
+      (default the horizon T = loss_mask.shape[-1], the padded response length; set a constant for a scale
+      that does not follow the padding), i.e. the mean over sequences of token sums / T, as in the Dr.GRPO
+      paper and veRL >= 0.8.0.
 
     With the global counts, the micro-batch losses of each rank summed, then averaged over ranks, equal the
     loss of the whole mini-batch. Empty denominators count as 1 (their numerators are 0). Values at masked
@@ -135,17 +136,20 @@ def agg_loss(
     if loss_agg_mode == "token-mean":
         num_tokens = mask.sum() if batch_num_tokens is None else batch_num_tokens
         return verl_F.masked_sum(loss_mat, mask) / _nonzero(num_tokens, loss_mat) * dp_size
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         row_tokens = mask.sum(dim=-1)
         row_losses = verl_F.masked_sum(loss_mat, mask, axis=-1)
         if loss_agg_mode == "seq-mean-token-mean":
             row_losses = row_losses / _nonzero(row_tokens, loss_mat)
         non_empty = (row_tokens > 0).to(loss_mat.dtype)
         num_rows = non_empty.sum() if global_batch_size is None else global_batch_size
-        return (row_losses * non_empty).sum() / _nonzero(num_rows, loss_mat) * dp_size
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        return verl_F.masked_sum(loss_mat, mask) / scale * dp_size
+        loss = (row_losses * non_empty).sum() / _nonzero(num_rows, loss_mat) * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+            if not scale > 0:
+                raise ValueError(f"loss_scale_factor must be > 0, got {scale}")
+            loss = loss / scale
+        return loss
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {list(LOSS_AGG_MODES)}")
 
 

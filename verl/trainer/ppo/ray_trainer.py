@@ -1,10 +1,12 @@
 """The PPO/GRPO driver: RayPPOTrainer.fit() and the driver-side maths of one step (veRL names).
 
 One training step: uid per prompt -> ``repeat(rollout.n, interleave=True)`` -> generation (worker group, or the
-``rollout_loop`` plug-in) -> ``response_mask`` -> balance rows across DP ranks (``DataProto.reorder`` moves
-every per-row field together) -> reward plug-in -> old log-probs -> reference log-probs -> values -> KL in
-reward -> advantages (driver) -> critic update -> actor update -> metrics; validation every ``test_freq`` and a
-checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`).
+``rollout_loop`` plug-in) -> ``response_mask`` -> reward plug-in -> (with ``algorithm.filter_groups``: drop the
+groups without a signal and generate more prompt batches until the train batch is full; see
+:mod:`verl.trainer.ppo.trainer_rollout`) -> balance rows across DP ranks (``DataProto.reorder`` moves every
+per-row field together) -> old log-probs -> reference log-probs -> values -> KL in reward -> advantages
+(driver) -> critic update -> actor update -> metrics (with the rollout's ``rollout/*``); validation every
+``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,13 @@ from verl.trainer.config_validation import load_config
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch
 from verl.trainer.ppo.trainer_checkpoint import TrainerCheckpointMixin
+from verl.trainer.ppo.trainer_rollout import (
+    GEN_INPUT_KEYS,
+    TrainerRolloutMixin,
+    compute_response_mask,
+    merge_rollout_metrics,
+    pop_metrics,
+)
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -43,7 +52,8 @@ from verl.utils.tracking import Tracking
 
 logger = logging.getLogger(__name__)
 
-GEN_INPUT_KEYS = ["input_ids", "attention_mask", "position_ids"]
+__all__ = ["GEN_INPUT_KEYS", "RayPPOTrainer", "Role", "apply_kl_penalty", "compute_advantage",
+           "compute_response_mask", "import_dotted"]
 
 
 class Role(str, Enum):
@@ -65,12 +75,6 @@ def import_dotted(path: str, key: str) -> Any:
     if not hasattr(module, attr):
         raise AttributeError(f"{key}={path!r}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)
-
-
-def compute_response_mask(data: DataProto) -> torch.Tensor:
-    """The response part of ``attention_mask`` (1 on generated tokens up to and including EOS)."""
-    response_length = data.batch["responses"].shape[-1]
-    return data.batch["attention_mask"][:, -response_length:]
 
 
 def apply_kl_penalty(data: DataProto, kl_ctrl: Any, kl_penalty: str = "kl") -> tuple[DataProto, dict[str, float]]:
@@ -113,13 +117,7 @@ def compute_advantage(data: DataProto, adv_estimator: str, gamma: float = 1.0, l
     return data
 
 
-def _pop_metrics(out: DataProto) -> dict[str, Any]:
-    metrics = out.meta_info.pop("metrics", {}) or {}
-    out.meta_info.clear()
-    return metrics
-
-
-class RayPPOTrainer(TrainerCheckpointMixin):
+class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
     """Drives PPO/GRPO training of the worker groups on ``resource_pool`` (see the module docstring).
 
     Args:
@@ -205,59 +203,20 @@ class RayPPOTrainer(TrainerCheckpointMixin):
                 wg.shutdown()
         self.actor_rollout_wg = self.critic_wg = None
 
-    # ------------------------------------------------------------------------------------------- generation
-    def _generate(self, batch: DataProto, meta_info: dict[str, Any], validation: bool) -> DataProto:
-        """Generate for the rows of ``batch`` and merge the generation keys into it (in place); return it."""
-        loop = self.val_rollout_loop if validation else self.rollout_loop
-        tensors = batch.pop(batch_keys=GEN_INPUT_KEYS)
-        if loop is None:
-            gen_batch = DataProto(batch=tensors.batch, meta_info=dict(meta_info))
-            out = self.actor_rollout_wg.generate_sequences(gen_batch)
-        else:
-            gen_batch = DataProto(batch=tensors.batch, non_tensor_batch=dict(batch.non_tensor_batch),
-                                  meta_info=dict(meta_info))
-            out = loop.run_llm_loop(gen_batch)
-        if len(out) != len(batch):
-            raise ValueError(f"the rollout returned {len(out)} rows for {len(batch)} prompts")
-        _pop_metrics(out)
-        batch.union(DataProto(batch=out.batch))
-        batch.non_tensor_batch.update(out.non_tensor_batch)
-        if "response_mask" not in batch.batch.keys():
-            batch.batch["response_mask"] = compute_response_mask(batch)
-        return batch
-
-    def _add_uids(self, batch: DataProto, tag: str) -> None:
-        batch.non_tensor_batch["uid"] = np.array([f"{tag}_{i}" for i in range(len(batch))], dtype=object)
-
     # --------------------------------------------------------------------------------------------- one step
-    def _compute_remax_baselines(self, batch: DataProto) -> None:
-        """ReMax: the reward of a greedy response per row, stored as ``reward_baselines``."""
-        greedy = DataProto(batch=batch.batch.clone(), non_tensor_batch=dict(batch.non_tensor_batch))
-        self._generate(greedy, {"do_sample": False}, validation=False)
-        scores, _ = self.reward_fn(greedy)
-        batch.batch["reward_baselines"] = scores.sum(dim=-1)
-
     def train_step(self, batch: DataProto) -> dict[str, float]:
-        """Run one PPO step on a prompt batch (its rows are consumed); return the step's metrics."""
+        """Run one PPO step on a prompt batch (its rows are consumed; with ``algorithm.filter_groups`` further
+        prompt batches may be drawn from the loader); return the step's metrics."""
         cfg, timing, metrics = self.typed, {}, {}
         n = cfg.actor_rollout_ref.rollout.n
         with timer("step", timing):
-            self._add_uids(batch, f"s{self.global_steps}")
-            batch = batch.repeat(repeat_times=n, interleave=True)
-            if cfg.algorithm.adv_estimator == "remax":
-                with timer("gen_max", timing):
-                    self._compute_remax_baselines(batch)
-            with timer("gen", timing):
-                self._generate(batch, {}, validation=False)
+            batch, rollout_metrics = self.generate_train_batch(batch, timing)
+            metrics.update(rollout_metrics)
             if cfg.trainer.balance_batch:
                 metrics.update(balance_batch(batch, self.actor_rollout_wg.world_size))
-            with timer("reward", timing):
-                scores, reward_metrics = self.reward_fn(batch)
-                batch.batch["token_level_scores"] = scores.to(torch.float32)
-                metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
             with timer("old_log_prob", timing):
                 out = self.actor_rollout_wg.compute_log_prob(batch)
-                _pop_metrics(out)
+                pop_metrics(out)
                 entropys = out.batch.pop("entropys")
                 metrics["actor/entropy"] = float(masked_mean(entropys, batch.batch["response_mask"]))
                 batch.union(out)
@@ -278,10 +237,10 @@ class RayPPOTrainer(TrainerCheckpointMixin):
                                   config=cfg.algorithm)
             if self.use_critic:
                 with timer("update_critic", timing):
-                    metrics.update(reduce_metrics(_pop_metrics(self.critic_wg.update_critic(batch))))
+                    metrics.update(reduce_metrics(pop_metrics(self.critic_wg.update_critic(batch))))
             if self.global_steps > cfg.trainer.critic_warmup:
                 with timer("update_actor", timing):
-                    metrics.update(reduce_metrics(_pop_metrics(self.actor_rollout_wg.update_actor(batch))))
+                    metrics.update(reduce_metrics(pop_metrics(self.actor_rollout_wg.update_actor(batch))))
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughput_metrics(batch, timing["step"], self.actor_rollout_wg.world_size))
@@ -303,10 +262,11 @@ class RayPPOTrainer(TrainerCheckpointMixin):
         reward_metrics: dict[str, list[float]] = {}
         lengths = []
         scored_batches: list[DataProto] = []
+        rollout_metrics: list[dict[str, float]] = []
         for i, batch in enumerate(loader):
             self._add_uids(batch, f"val{self.global_steps}_{i}")
             batch = batch.repeat(repeat_times=val_kwargs.n, interleave=True)
-            self._generate(batch, meta, validation=True)
+            rollout_metrics.append(self._generate(batch, meta, validation=True))
             scores, extra = self.val_reward_fn(batch)
             sources = batch.non_tensor_batch.get("data_source", np.array(["unknown"] * len(batch), dtype=object))
             for source, score in zip(sources, scores.sum(dim=-1).tolist()):
@@ -318,6 +278,7 @@ class RayPPOTrainer(TrainerCheckpointMixin):
         metrics = {f"val/test_score/{s}": float(np.mean(v)) for s, v in scores_by_source.items()}
         metrics.update({f"val/reward/{k}": float(np.mean(v)) for k, v in reward_metrics.items()})
         metrics["val/response_length/mean"] = float(np.mean(lengths))
+        metrics.update({f"val/{k}": v for k, v in merge_rollout_metrics(rollout_metrics).items()})
         if hasattr(self.val_rollout_loop, "on_validation_end"):
             loop_metrics = self.val_rollout_loop.on_validation_end(scored_batches, self.global_steps)
             metrics.update({f"val/{k}": v for k, v in loop_metrics.items()})
@@ -359,24 +320,21 @@ class RayPPOTrainer(TrainerCheckpointMixin):
                 logger.info("already at step %d of %d: nothing to train", self.global_steps, self.total_training_steps)
             progress = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="training steps")
             while self.global_steps < self.total_training_steps:
-                for batch in self.train_loader:
-                    self.global_steps += 1
-                    last = self.global_steps >= self.total_training_steps
-                    metrics = self.train_step(batch)
-                    metrics["training/epoch"] = self.train_loader.epoch
-                    if self.val_dataset is not None and tcfg.test_freq > 0 and (
-                            last or self.global_steps % tcfg.test_freq == 0):
-                        metrics.update(self.validate())
-                    if tcfg.save_freq > 0 and (last or self.global_steps % tcfg.save_freq == 0):
-                        timing: dict[str, float] = {}
-                        with timer("save_checkpoint", timing):
-                            self.save_checkpoint()
-                        metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
-                    log(metrics, step=self.global_steps)
-                    progress.update(1)
-                    last_metrics = metrics
-                    if last:
-                        break
+                self.global_steps += 1
+                last = self.global_steps >= self.total_training_steps
+                metrics = self.train_step(self._next_prompt_batch())
+                metrics["training/epoch"] = self.train_loader.epoch
+                if self.val_dataset is not None and tcfg.test_freq > 0 and (
+                        last or self.global_steps % tcfg.test_freq == 0):
+                    metrics.update(self.validate())
+                if tcfg.save_freq > 0 and (last or self.global_steps % tcfg.save_freq == 0):
+                    timing: dict[str, float] = {}
+                    with timer("save_checkpoint", timing):
+                        self.save_checkpoint()
+                    metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+                log(metrics, step=self.global_steps)
+                progress.update(1)
+                last_metrics = metrics
             progress.close()
             return last_metrics
         finally:

@@ -164,7 +164,7 @@ class DataParallelPPOActor:
         self.actor_optimizer.zero_grad(set_to_none=True)
         for mini in iter_mini_batches(batch, mini_batch_size, epochs, bool(cfg.get("shuffle", False))):
             mini = mini.to(self.device)
-            loss_info = global_loss_info(mini["response_mask"])
+            loss_info = global_loss_info(mini["response_mask"], cfg.get("loss_scale_factor", None))
             totals: dict[str, float] = {}
             for micro in mini.split(micro_batch_size):
                 loss, micro_metrics = self._micro_batch_loss(micro, temperature, loss_info)

@@ -114,7 +114,7 @@ class DataParallelPPOCritic:
         epochs, shuffle = int(cfg.get("ppo_epochs", 1)), bool(cfg.get("shuffle", False))
         for mini in iter_mini_batches(batch, mini_batch_size, epochs, shuffle):
             mini = mini.to(self.device)
-            loss_info = global_loss_info(mini["response_mask"])
+            loss_info = global_loss_info(mini["response_mask"], cfg.get("loss_scale_factor", None))
             vf_loss_total = 0.0
             for micro in mini.split(micro_batch_size):
                 vpreds = self._forward_micro_batch(micro)

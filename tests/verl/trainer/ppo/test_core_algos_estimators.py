@@ -216,18 +216,26 @@ def test_rloo_matches_leave_one_out_reference(rng):
     assert torch.equal(adv, ret)
 
 
-@pytest.mark.parametrize("gamma", [1.0, 0.9])
-def test_reinforce_plus_plus_matches_reference(rng, gamma):
-    mask = random_mask(rng)
-    rewards = random_matrix(rng, scale=0.5)
+def ref_reinforce_returns(rewards: list[list[float]], mask: list[list[int]], gamma: float) -> list[list[float]]:
+    """Discounted reward-to-go over each row's agent tokens only, walking them right to left; 0 elsewhere."""
     returns = []
     for r, m in zip(rewards, mask):
-        running, row = 0.0, [0.0] * len(r)
-        for t in reversed(range(len(r))):
-            running = r[t] + gamma * running
-            row[t] = running
-            running = running * m[t]
+        row, following = [0.0] * len(r), 0.0
+        for t in sorted((t for t in range(len(r)) if m[t]), reverse=True):
+            following = r[t] + gamma * following
+            row[t] = following
         returns.append(row)
+    return returns
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_matches_reference(rng, gamma):
+    """Random rewards on every position (also on user turns and padding, which must be ignored) with user-turn
+    spans in the middle of the rows: each agent token gets the discounted sum of the later agent tokens'
+    rewards, across the user turns."""
+    mask = random_mask(rng)
+    rewards = random_matrix(rng, scale=0.5)
+    returns = ref_reinforce_returns(rewards, mask, gamma)
     whitened = ref_whiten(returns, mask)
     expected_adv = [[w * m for w, m in zip(wrow, mrow)] for wrow, mrow in zip(whitened, mask)]
     adv, ret = compute_reinforce_plus_plus_outcome_advantage(t64(rewards), torch.tensor(mask), gamma)
@@ -237,6 +245,16 @@ def test_reinforce_plus_plus_matches_reference(rng, gamma):
         t64(rewards), torch.tensor(mask), config={"gamma": gamma}
     )
     torch.testing.assert_close(adv_cfg, adv, rtol=0, atol=0)
+
+
+def test_reinforce_plus_plus_outcome_reward_reaches_earlier_agent_turns_by_hand():
+    """Two agent turns around a user turn, outcome reward 1 on the last agent token, gamma 0.5: the first
+    turn's tokens get 0.5^3 and 0.5^2 (the user turn is neither rewarded nor discounted); before the fix they
+    got 0."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]])
+    rewards = t64([[0.0, 0.0, 7.0, 7.0, 0.0, 1.0, 5.0]])  # rewards on masked tokens are ignored
+    _, returns = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, 0.5)
+    assert_matches(returns, [[0.125, 0.25, 0.0, 0.0, 0.5, 1.0, 0.0]])
 
 
 def test_reinforce_plus_plus_needs_gamma():

@@ -71,11 +71,12 @@ def ref_agg(loss, mask, mode, dp_size=1, num_tokens=None, num_rows=None, scale=N
     if mode == "token-mean":
         n = sum(row_counts) if num_tokens is None else num_tokens
         return sum(row_sums) / (n or 1) * dp_size
-    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        per_row = [s if mode == "seq-mean-token-sum" else s / c for s, c in zip(row_sums, row_counts) if c > 0]
-        n = len(per_row) if num_rows is None else num_rows
-        return sum(per_row) / (n or 1) * dp_size
-    return sum(row_sums) / (len(mask[0]) if scale is None else scale) * dp_size
+    per_row = [s if mode != "seq-mean-token-mean" else s / c for s, c in zip(row_sums, row_counts) if c > 0]
+    n = len(per_row) if num_rows is None else num_rows
+    seq_mean = sum(per_row) / (n or 1) * dp_size
+    if mode == "seq-mean-token-sum-norm":  # Dr.GRPO: the mean token sum over sequences / the horizon
+        return seq_mean / (len(mask[0]) if scale is None else scale)
+    return seq_mean
 
 
 @pytest.fixture(params=[0, 1, 2])
