@@ -101,6 +101,7 @@ class LLMGenerationManager:
         self.controller = StateController(self.config.controller, self.scenario) if use_controller else None
         self._calls = 0
         self._group_profiles: dict[str, UserProfile] = {}  # uid -> profile, previous call only
+        self._step_outcomes: list[tuple[str, bool]] = []  # (state key, completed) of this step's sampled dialogues
         logger.info("rollout loop (%s): scenario %r, max_turns=%d, per-turn %d / per-trajectory %d tokens, "
                     "cache %s, controller %s", "validation" if self.is_validation else "training",
                     self.scenario.name, self.config.max_turns, self.config.max_tokens_per_turn,
@@ -185,6 +186,9 @@ class LLMGenerationManager:
         for d in dialogues:
             if d.active:
                 raise RuntimeError(f"dialogue {d.dialogue_id} has no outcome after {d.num_turns} turns")
+        if not self.is_validation and gen_batch.meta_info.get("do_sample", True):  # not a greedy ReMax baseline
+            self._step_outcomes += [(d.profile.state_key, d.outcome == "completed") for d in dialogues
+                                    if d.outcome != "error"]
         return self._output(dialogues, buffer, timing)
 
     def _generate(self, rows: list[int], buffer: TokenBuffer, meta: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
@@ -372,12 +376,16 @@ class LLMGenerationManager:
 
     # ------------------------------------------------------------------------------------------ hooks
     def on_train_step_end(self, batch: DataProto, step: int) -> dict[str, float]:
-        """After a training step: update the controller from non-error rows, append the rollout log, and return
-        dialogue (`dialogue/`), cache (`cache/`), controller (`controller/`) and client (`user_sim/`) metrics."""
+        """After a training step: update the controller from every non-error dialogue sampled in the step (also
+        those dynamic sampling left out of `batch`, so its completion rates are not biased toward mixed groups),
+        append the rollout log, and return dialogue (`dialogue/`, over the trained `batch`), cache (`cache/`),
+        controller (`controller/`) and client (`user_sim/`) metrics."""
         records = records_from_batch(batch, RECORD_COLUMNS)
         metrics = prefixed(dialogue_metrics(records, self.scenario), "dialogue/")
+        outcomes = self._step_outcomes or [(r["state_key"], r["outcome"] == "completed") for r in records
+                                           if r["outcome"] != "error"]
+        self._step_outcomes = []
         if self.controller is not None:
-            outcomes = [(r["state_key"], r["outcome"] == "completed") for r in records if r["outcome"] != "error"]
             metrics.update(prefixed(self.controller.update(outcomes), "controller/"))
         if self.cache is not None:
             metrics.update(prefixed(self.cache.metrics(reset=True), "cache/"))

@@ -115,3 +115,22 @@ def test_row_alignment_check_catches_records_moved_without_their_tensors(tok, sc
     for key, column in moved.non_tensor_batch.items():
         moved.non_tensor_batch[key] = column[[1, 2, 0]]
     assert misaligned_rows(moved, tok) == [0, 1, 2]
+
+
+def test_controller_learns_from_every_sampled_dialogue_of_the_step_not_only_the_trained_batch(tok, scenario,
+                                                                                               tmp_path):
+    """With dynamic sampling the trained batch holds only mixed-outcome groups; the controller must still see the
+    all-completed and all-failed groups (else its per-state completion rates are biased). A greedy ReMax baseline
+    call (do_sample=False) is not a sampled dialogue and does not count."""
+    keys = ["a", "b", "c"]
+    scripts = {k: [agent_text(scenario, "Hello.")] for k in keys}
+    loop = LLMGenerationManager(tok, ProgrammedPolicy(tok, scripts), _config(tmp_path, controller={"enabled": True}),
+                                is_validation=False, client=FlakySim(scenario, {}))
+    first = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=["g1", "g2", "g3"]))
+    loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=["g4", "g5", "g6"]))
+    loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=["g4", "g5", "g6"], meta={"do_sample": False}))
+    trained = first.select_idxs([0])  # what a filter kept
+    metrics = loop.on_train_step_end(trained, step=1)
+    assert metrics["controller/n"] == 6.0 and metrics["dialogue/n_dialogues"] == 1.0
+    metrics = loop.on_train_step_end(trained, step=2)  # nothing generated since: falls back to the batch
+    assert metrics["controller/n"] == 1.0
