@@ -16,10 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,17 +27,16 @@ from llm_agent.cache import CachedReply, UserResponseCache
 from llm_agent.controller import StateController
 from llm_agent.rollout.dialogue import ChatMarkers, Dialogue, TokenBuffer
 from llm_agent.rollout.config import ROOT_KEY, ConfigError, GenerationConfig
-from llm_agent.metrics import dialogue_metrics, records_from_batch
-from llm_agent.rollout.records import RECORD_COLUMNS, append_jsonl, log_lines, object_column, prefixed
+from llm_agent.metrics import dialogue_metrics
+from llm_agent.rollout.records import RECORD_COLUMNS, object_column, prefixed
+from llm_agent.rollout.trainer_hooks import CACHE_SNAPSHOT, TrainerHooksMixin
 from llm_agent.scenario import AgentTurn, STATUS_COMPLETED, STATUS_ENDED, UserProfile, load_scenario
-from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure, UserSimClient
+from llm_agent.user_sim.client import ChatReply, ChatRequest, SimulatorCheckError, TurnFailure, UserSimClient
 from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CACHE_SNAPSHOT", "LLMGenerationManager"]
-
-CACHE_SNAPSHOT = "user_response_cache.jsonl"  # the cache's replies, in a checkpoint's rollout_loop/ directory
 
 
 def _stable_seed(*parts: Any) -> int:
@@ -64,7 +61,7 @@ def _profile_from_row(value: Any, row: int, uid: str) -> UserProfile:
         raise ValueError(f"{where}: {exc}") from None
 
 
-class LLMGenerationManager:
+class LLMGenerationManager(TrainerHooksMixin):
     """Runs SEAD dialogues for a generation batch; see the module docstring.
 
     `client` may inject any object with `complete_batch(list[ChatRequest]) -> list[ChatReply | TurnFailure]`
@@ -102,6 +99,9 @@ class LLMGenerationManager:
         self._calls = 0
         self._group_profiles: dict[str, UserProfile] = {}  # uid -> profile, previous call only
         self._step_outcomes: list[tuple[str, bool]] = []  # (state key, completed) of this step's sampled dialogues
+        self._step_errors: list[str] = []  # error reasons of this step's sampled dialogues
+        self._step_dialogues = 0
+        self._error_steps = 0  # consecutive steps above user_sim.max_error_rate
         logger.info("rollout loop (%s): scenario %r, max_turns=%d, per-turn %d / per-trajectory %d tokens, "
                     "cache %s, controller %s", "validation" if self.is_validation else "training",
                     self.scenario.name, self.config.max_turns, self.config.max_tokens_per_turn,
@@ -112,8 +112,17 @@ class LLMGenerationManager:
         sim = self.config.user_sim
         if not sim.urls:
             raise ConfigError(f"{ROOT_KEY}.user_sim.urls is required (the simulator instances' base URLs)")
-        return UserSimClient(sim.urls, model=sim.model, api_key=sim.api_key, timeout_s=sim.timeout_s,
-                             max_attempts=sim.max_attempts, deadline_s=sim.deadline_s)
+        client = UserSimClient(sim.urls, model=sim.model, api_key=sim.api_key, timeout_s=sim.timeout_s,
+                               max_attempts=sim.max_attempts, deadline_s=sim.deadline_s)
+        if sim.check_at_start:
+            try:
+                served = client.check_instances()
+            except SimulatorCheckError as exc:
+                client.close()
+                raise SimulatorCheckError(f"{exc}. Start the simulators (scripts/start_user_sims.sh) or fix "
+                                          f"{ROOT_KEY}.user_sim.urls / .model") from None
+            logger.info("user simulators ready: %s", served)
+        return client
 
     # ------------------------------------------------------------------------------------------ set-up
     def _profiles(self, gen_batch: DataProto, uids: Sequence[str]) -> list[UserProfile]:
@@ -189,6 +198,8 @@ class LLMGenerationManager:
         if not self.is_validation and gen_batch.meta_info.get("do_sample", True):  # not a greedy ReMax baseline
             self._step_outcomes += [(d.profile.state_key, d.outcome == "completed") for d in dialogues
                                     if d.outcome != "error"]
+            self._step_errors += [d.error or "error" for d in dialogues if d.outcome == "error"]
+            self._step_dialogues += len(dialogues)
         return self._output(dialogues, buffer, timing)
 
     def _generate(self, rows: list[int], buffer: TokenBuffer, meta: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
@@ -373,83 +384,6 @@ class LLMGenerationManager:
                     "simulator", self._calls, "val" if self.is_validation else "train", len(dialogues),
                     dict(sorted(outcomes.items())), timing["generate"], timing["user_sim"])
         return DataProto.from_dict(tensors=tensors, non_tensors=columns, meta_info={"metrics": metrics})
-
-    # ------------------------------------------------------------------------------------------ hooks
-    def on_train_step_end(self, batch: DataProto, step: int) -> dict[str, float]:
-        """After a training step: update the controller from every non-error dialogue sampled in the step (also
-        those dynamic sampling left out of `batch`, so its completion rates are not biased toward mixed groups),
-        append the rollout log, and return dialogue (`dialogue/`, over the trained `batch`), cache (`cache/`),
-        controller (`controller/`) and client (`user_sim/`) metrics."""
-        records = records_from_batch(batch, RECORD_COLUMNS)
-        metrics = prefixed(dialogue_metrics(records, self.scenario), "dialogue/")
-        outcomes = self._step_outcomes or [(r["state_key"], r["outcome"] == "completed") for r in records
-                                           if r["outcome"] != "error"]
-        self._step_outcomes = []
-        if self.controller is not None:
-            metrics.update(prefixed(self.controller.update(outcomes), "controller/"))
-        if self.cache is not None:
-            metrics.update(prefixed(self.cache.metrics(reset=True), "cache/"))
-        if hasattr(self.client, "stats"):
-            metrics.update(prefixed(self.client.stats(), "user_sim/"))
-            if hasattr(self.client, "reset_stats"):
-                self.client.reset_stats()
-        if self.config.rollout_log_path:
-            append_jsonl(self.config.rollout_log_path, log_lines(records, step, "train"))
-        return metrics
-
-    def on_validation_end(self, batches: Sequence[DataProto], step: int) -> dict[str, float]:
-        """After validation: metrics over all validation dialogues (`dialogue/`) and the validation client's
-        (`user_sim/`; the trainer adds `val/`), one `{"step", "n_dialogues", "metrics"}` line appended to
-        `val_metrics_path`, rollout-log lines (split val)."""
-        records = [r for batch in batches for r in records_from_batch(batch, RECORD_COLUMNS)]
-        raw = dialogue_metrics(records, self.scenario)
-        client_stats = prefixed(self.client.stats(), "user_sim/") if hasattr(self.client, "stats") else {}
-        if hasattr(self.client, "reset_stats"):
-            self.client.reset_stats()
-        if self.config.val_metrics_path:
-            line = json.dumps({"step": step, "n_dialogues": len(records), "metrics": raw})
-            append_jsonl(self.config.val_metrics_path, [line])
-        if self.config.rollout_log_path:
-            append_jsonl(self.config.rollout_log_path, log_lines(records, step, "val"))
-        return {**prefixed(raw, "dialogue/"), **client_stats}
-
-    # -------------------------------------------------------------------------------------- lifecycle
-    def state_dict(self) -> dict[str, Any]:
-        """What the trainer checkpoints: the controller's and the cache's state (None without them; the cached
-        replies themselves are in the cache file) and the loop's call count."""
-        return {"controller": None if self.controller is None else self.controller.state_dict(),
-                "cache": None if self.cache is None else self.cache.state_dict(), "calls": self._calls}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore `state_dict()`; ValueError when it holds a controller state this loop has no controller for."""
-        if not isinstance(state, Mapping) or "calls" not in state:
-            raise ValueError(f"rollout-loop state must be a mapping with 'controller' and 'calls', got {state!r}")
-        if state.get("controller") is not None:
-            if self.controller is None:
-                raise ValueError("the checkpoint holds a controller state but this loop has no controller "
-                                 f"({ROOT_KEY}.controller.enabled=false or validation)")
-            self.controller.load_state_dict(state["controller"])
-        if state.get("cache") is not None and self.cache is not None:  # a cache turned off since is fine
-            self.cache.load_state_dict(state["cache"])
-        self._calls = int(state["calls"])
-
-    def save_checkpoint(self, directory: str | os.PathLike) -> None:
-        """Write into a checkpoint's `directory` what `state_dict()` does not hold: the cache's replies."""
-        if self.cache is not None:
-            count = self.cache.save_snapshot(Path(directory) / CACHE_SNAPSHOT)
-            logger.info("cache snapshot: %d replies in %s", count, directory)
-
-    def load_checkpoint(self, directory: str | os.PathLike) -> None:
-        """Restore the cache's replies to exactly those of the checkpoint (replies added after it, still in the
-        live cache file, are dropped), so a resumed run draws as an uninterrupted one."""
-        if self.cache is None:
-            return
-        path = Path(directory) / CACHE_SNAPSHOT
-        if path.is_file():
-            self.cache.restore_snapshot(path)
-        else:
-            logger.warning("checkpoint directory %s has no cache snapshot (%s): the cache keeps the replies of its "
-                           "live file, which may hold replies added after that checkpoint", directory, CACHE_SNAPSHOT)
 
     def close(self) -> None:
         """Close the simulator client this loop built (an injected one is left to its owner) and flush the cache."""

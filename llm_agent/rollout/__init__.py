@@ -2,5 +2,6 @@
 
 `config.py`: `GenerationConfig`, the typed `rollout_loop.config` block. `dialogue.py`: one dialogue's state, the
 shared token buffer and the chat template's role markers. `records.py`: per-dialogue `non_tensor_batch` columns
-and rollout-log lines.
+and rollout-log lines. `trainer_hooks.py`: the hooks the trainer calls (step end, validation end, checkpoint
+state) and the simulator error-rate guard.
 """

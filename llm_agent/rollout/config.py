@@ -69,6 +69,22 @@ def _number(data: Mapping[str, Any], key: str, default: Any, where: str, *, kind
     return value
 
 
+def _flag(data: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    """Read `data[key]` as a bool."""
+    value = data.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}.{key} must be true or false, got {value!r}")
+    return value
+
+
+def _fraction(data: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    """Read `data[key]` as a number in [0, 1]."""
+    value = _number(data, key, default, where, kind=float, minimum=0.0)
+    if value > 1:
+        raise ConfigError(f"{where}.{key} must be in [0, 1], got {value}")
+    return value
+
+
 def _optional_str(data: Mapping[str, Any], key: str, where: str) -> str | None:
     """Read `data[key]` as a non-empty string or None."""
     value = data.get(key)
@@ -91,6 +107,9 @@ class UserSimConfig:
     top_p: float = 1.0
     max_tokens: int = 256
     reply_retries: int = 2
+    check_at_start: bool = True
+    max_error_rate: float = 0.5
+    error_patience: int = 3
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "UserSimConfig":
@@ -115,7 +134,10 @@ class UserSimConfig:
                    max_attempts=_number(data, "max_attempts", 3, where, minimum=1), deadline_s=deadline,
                    temperature=_number(data, "temperature", 1.0, where, kind=float, minimum=0.0),
                    top_p=top_p, max_tokens=_number(data, "max_tokens", 256, where, minimum=1),
-                   reply_retries=_number(data, "reply_retries", 2, where, minimum=0))
+                   reply_retries=_number(data, "reply_retries", 2, where, minimum=0),
+                   check_at_start=_flag(data, "check_at_start", True, where),
+                   max_error_rate=_fraction(data, "max_error_rate", 0.5, where),
+                   error_patience=_number(data, "error_patience", 3, where, minimum=1))
 
 
 @dataclass

@@ -8,6 +8,9 @@ An instance with ``down_after_failures`` consecutive failures is marked down and
 every ``probe_interval_s`` until it answers; the client never restarts or kills a server. A turn that cannot
 be answered within ``max_attempts`` attempts and the batch deadline comes back as a :class:`TurnFailure`,
 never as a made-up reply. Every wait is bounded: one attempt by ``timeout_s``, a batch by ``deadline_s``.
+``check_instances()`` verifies every instance before training (health and served model). A model name that was
+discovered (not configured) is looked up again when an instance answers 404, so a server restarted under
+another served name keeps working.
 """
 from __future__ import annotations
 
@@ -17,15 +20,16 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import httpx
 
 from llm_agent.user_sim.client_stats import ClientStats, InstanceState
+from llm_agent.user_sim.client_wire import (AttemptError, SimulatorCheckError, completion_text, instance_name,
+                                            parse_urls, raise_for_status, served_model_ids)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChatReply", "ChatRequest", "TurnFailure", "UserSimClient", "parse_urls"]
+__all__ = ["ChatReply", "ChatRequest", "SimulatorCheckError", "TurnFailure", "UserSimClient", "parse_urls"]
 
 
 @dataclass(frozen=True)
@@ -78,71 +82,6 @@ class TurnFailure:
     errors: list[str] = field(default_factory=list)
 
 
-class _AttemptError(Exception):
-    """One failed attempt; `kind` is timeout | connection | http | garbage | rejected | unavailable | deadline."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(detail)
-        self.kind = kind
-
-
-def parse_urls(urls: str | list[str]) -> list[str]:
-    """Normalise a comma-separated string or a list of base URLs.
-
-    Blank entries (a trailing comma) are skipped; whitespace, trailing '/' and a '/v1' suffix are removed, so
-    `http://h:5000/v1/` and `http://h:5000` name the same instance. Raises ValueError on a malformed or
-    repeated URL, naming its position.
-    """
-    items = urls.split(",") if isinstance(urls, str) else list(urls)
-    parsed: list[str] = []
-    for position, raw in enumerate(items):
-        if not isinstance(raw, str):
-            raise ValueError(f"user-simulator url #{position} must be a string, got {raw!r}")
-        if not raw.strip():
-            continue
-        url = raw.strip().rstrip("/")
-        if url.endswith("/v1"):
-            url = url[: -len("/v1")]
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"user-simulator url #{position} {raw!r} is not an http(s)://host:port URL")
-        if url in parsed:
-            raise ValueError(f"user-simulator url #{position} {raw!r} is listed twice")
-        parsed.append(url)
-    if not parsed:
-        raise ValueError("no user-simulator url given")
-    return parsed
-
-
-def _instance_name(url: str) -> str:
-    """The instance's label in replies and metrics: host:port, plus the path when the URL has one."""
-    parts = urlsplit(url)
-    return parts.netloc + parts.path
-
-
-def _raise_for_status(response: httpx.Response) -> None:
-    """Raise `_AttemptError` for a non-200: 'http' (worth retrying elsewhere) for 5xx, 408 and 429, else
-    'rejected' (the request itself is wrong: bad model name, missing API key, too long)."""
-    if response.status_code == 200:
-        return
-    retryable = response.status_code >= 500 or response.status_code in (408, 429)
-    request = response.request
-    detail = f"{request.method} {request.url.path}: HTTP {response.status_code}: {response.text[:200]!r}"
-    raise _AttemptError("http" if retryable else "rejected", detail)
-
-
-def _completion_text(response: httpx.Response) -> str:
-    """The first choice's message content of a chat-completion response, or raise `_AttemptError('garbage')`."""
-    try:
-        body = response.json()
-        content = body["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
-        raise _AttemptError("garbage", f"200 with a body that is not a chat completion ({exc!r})") from None
-    if not isinstance(content, str):
-        raise _AttemptError("garbage", f"200 with non-string message content {content!r}")
-    return content
-
-
 class UserSimClient:
     """Sends dialogue turns to N simulator instances with least-in-flight routing, retries and health probes."""
 
@@ -177,7 +116,8 @@ class UserSimClient:
         self.probe_interval_s = float(probe_interval_s)
         self.backoff_s = float(backoff_s)
         self.max_in_flight = max_in_flight
-        self._instances = [InstanceState(url=u, name=_instance_name(u), model=model) for u in parse_urls(urls)]
+        self._instances = [InstanceState(url=u, name=instance_name(u), model=model) for u in parse_urls(urls)]
+        self._configured_model = model
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._stats = ClientStats(self._instances)
         self._closed = False
@@ -190,6 +130,39 @@ class UserSimClient:
     def instances(self) -> list[str]:
         """The instances' names (host:port), in the order given."""
         return [inst.name for inst in self._instances]
+
+    def check_instances(self, timeout_s: float = 10.0) -> dict[str, str]:
+        """Check every instance now: `GET /health` answers 200 and `GET /v1/models` lists the configured model (or
+        any model when none is configured). Returns {instance: served model}; SimulatorCheckError names every
+        instance that failed and why."""
+        return self._call(self._check_all(timeout_s))
+
+    async def _check_all(self, timeout_s: float) -> dict[str, str]:
+        problems, served = [], {}
+        for inst in self._instances:
+            try:
+                health = await self._http.get(f"{inst.url}/health", timeout=timeout_s)
+                if health.status_code != 200:
+                    raise AttemptError("http", f"GET /health answered HTTP {health.status_code}")
+                listed = await self._http.get(f"{inst.url}/v1/models", timeout=timeout_s)
+                raise_for_status(listed)
+                try:
+                    ids = served_model_ids(listed.json())
+                except ValueError:
+                    ids = []
+                if not ids:
+                    raise AttemptError("garbage", "GET /v1/models lists no model")
+                if self._configured_model is not None and self._configured_model not in ids:
+                    raise AttemptError("rejected", f"serves {ids}, not the configured model "
+                                                   f"{self._configured_model!r} (rollout_loop.config.user_sim.model)")
+                served[inst.name] = self._configured_model or ids[0]
+            except AttemptError as exc:
+                problems.append(f"{inst.url}: {exc}")
+            except httpx.HTTPError as exc:
+                problems.append(f"{inst.url}: unreachable ({type(exc).__name__}: {exc})")
+        if problems:
+            raise SimulatorCheckError("user simulator check failed for " + "; ".join(problems))
+        return served
 
     def _call(self, coro):
         """Run a coroutine on the client's loop thread and wait for its result."""
@@ -266,9 +239,9 @@ class UserSimClient:
                 if self._pick(tried) is None:
                     wait_s = self.timeout_s if remaining is None else min(self.timeout_s, remaining)
                     if not await self._wait_until_up(wait_s):
-                        raise _AttemptError("unavailable", f"no instance up within {wait_s:.2f}s")
+                        raise AttemptError("unavailable", f"no instance up within {wait_s:.2f}s")
                 inst, text, latency = await self._send(req, tried, deadline)
-            except _AttemptError as exc:
+            except AttemptError as exc:
                 errors.append(f"attempt {attempts}: {exc}")
                 if exc.kind == "rejected":
                     return TurnFailure(req.dialogue_id, f"request rejected: {exc}", attempts, errors)
@@ -282,11 +255,11 @@ class UserSimClient:
             async with asyncio.timeout_at(deadline):  # the loop's clock is time.monotonic()
                 await self._slots.acquire()
         except TimeoutError:
-            raise _AttemptError("deadline", "deadline reached while queued for an in-flight slot") from None
+            raise AttemptError("deadline", "deadline reached while queued for an in-flight slot") from None
         try:
             inst = self._pick(tried)
             if inst is None:
-                raise _AttemptError("unavailable", "every instance went down while queued")
+                raise AttemptError("unavailable", "every instance went down while queued")
             self._stats.count_request(inst, tried[-1] if tried else None)
             tried.append(inst.name)
             remaining = self._remaining(deadline)
@@ -298,16 +271,16 @@ class UserSimClient:
                     text = await self._post(inst, req)
             except TimeoutError:
                 if budget < self.timeout_s:
-                    raise _AttemptError("deadline", f"{inst.name}: no answer before the deadline") from None
+                    raise AttemptError("deadline", f"{inst.name}: no answer before the deadline") from None
                 self._record_failure(inst, "timeout")
-                raise _AttemptError("timeout", f"{inst.name}: no answer within {budget:.2f}s") from None
+                raise AttemptError("timeout", f"{inst.name}: no answer within {budget:.2f}s") from None
             except httpx.HTTPError as exc:
                 self._record_failure(inst, "connection")
-                raise _AttemptError("connection", f"{inst.name}: {type(exc).__name__}: {exc}") from None
-            except _AttemptError as exc:
+                raise AttemptError("connection", f"{inst.name}: {type(exc).__name__}: {exc}") from None
+            except AttemptError as exc:
                 if exc.kind != "rejected":
                     self._record_failure(inst, exc.kind)
-                raise _AttemptError(exc.kind, f"{inst.name}: {exc}") from None
+                raise AttemptError(exc.kind, f"{inst.name}: {exc}") from None
             finally:
                 inst.in_flight -= 1
         finally:
@@ -326,8 +299,15 @@ class UserSimClient:
         if req.seed is not None:
             body["seed"] = req.seed
         response = await self._http.post(f"{inst.url}/v1/chat/completions", json=body)
-        _raise_for_status(response)
-        return _completion_text(response)
+        if response.status_code == 404 and self._configured_model is None:
+            old, inst.model = inst.model, None  # restarted under another served name? ask again, send once more
+            await self._discover_model(inst)
+            if inst.model != old:
+                logger.warning("user simulator %s now serves %r (was %r)", inst.name, inst.model, old)
+                body["model"] = inst.model
+                response = await self._http.post(f"{inst.url}/v1/chat/completions", json=body)
+        raise_for_status(response)
+        return completion_text(response)
 
     async def _discover_model(self, inst: InstanceState) -> None:
         """Ask `GET /v1/models` once for the instance's served model name."""
@@ -335,13 +315,13 @@ class UserSimClient:
             if inst.model is not None:
                 return
             response = await self._http.get(f"{inst.url}/v1/models")
-            _raise_for_status(response)
+            raise_for_status(response)
             try:
                 model = response.json()["data"][0]["id"]
             except (ValueError, KeyError, IndexError, TypeError):
                 model = None
             if not isinstance(model, str):
-                raise _AttemptError("garbage", "GET /v1/models answered 200 without a model id")
+                raise AttemptError("garbage", "GET /v1/models answered 200 without a model id")
             inst.model = model
             logger.info("user simulator %s serves model %r", inst.name, model)
 

@@ -134,3 +134,48 @@ def test_controller_learns_from_every_sampled_dialogue_of_the_step_not_only_the_
     assert metrics["controller/n"] == 6.0 and metrics["dialogue/n_dialogues"] == 1.0
     metrics = loop.on_train_step_end(trained, step=2)  # nothing generated since: falls back to the batch
     assert metrics["controller/n"] == 1.0
+
+
+def test_the_loop_refuses_to_start_on_a_dead_simulator_url(tok, scenario, tmp_path):
+    from llm_agent.user_sim.client import SimulatorCheckError
+    from tests.llm_agent.sim_servers import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg = _config(tmp_path, user_sim={"urls": dead, "timeout_s": 2})
+    with pytest.raises(SimulatorCheckError, match=rf"{dead}: unreachable.*user_sim.urls"):
+        LLMGenerationManager(tok, ProgrammedPolicy(tok, {}), cfg, is_validation=False)
+
+
+class DeadSim:
+    """Every turn fails, as with a wrong or dead simulator URL."""
+
+    def complete_batch(self, requests):
+        from llm_agent.user_sim.client import TurnFailure
+
+        return [TurnFailure(r.dialogue_id, "connection refused", 3, ["refused"]) for r in requests]
+
+
+def test_training_stops_when_simulator_errors_persist(tok, scenario, tmp_path):
+    keys = ["a", "b"]
+    scripts = {k: [agent_text(scenario, "Hello.")] for k in keys}
+    cfg = _config(tmp_path, user_sim={"max_error_rate": 0.5, "error_patience": 2})
+    loop = LLMGenerationManager(tok, ProgrammedPolicy(tok, scripts), cfg, is_validation=False, client=DeadSim())
+    out = loop.run_llm_loop(make_gen_batch(tok, scenario, keys))
+    metrics = loop.on_train_step_end(out, step=1)
+    assert metrics["user_sim/step_error_rate"] == 1.0 and metrics["user_sim/error_steps_in_a_row"] == 1.0
+    out = loop.run_llm_loop(make_gen_batch(tok, scenario, keys))
+    with pytest.raises(RuntimeError, match=r"stopping at step 2: 100% of the step's 2 dialogues.*"
+                                           r"error_patience=2.*connection refused"):
+        loop.on_train_step_end(out, step=2)
+
+
+def test_one_bad_step_does_not_stop_training(tok, scenario, tmp_path):
+    keys = ["a", "b"]
+    scripts = {k: [agent_text(scenario, "Hello.")] for k in keys}
+    cfg = _config(tmp_path, user_sim={"max_error_rate": 0.5, "error_patience": 2})
+    bad = LLMGenerationManager(tok, ProgrammedPolicy(tok, scripts), cfg, is_validation=False, client=DeadSim())
+    good_client = FlakySim(scenario, {})
+    for step, client in enumerate([DeadSim(), good_client, DeadSim(), good_client], start=1):
+        bad.client = client
+        out = bad.run_llm_loop(make_gen_batch(tok, scenario, keys))
+        bad.on_train_step_end(out, step=step)  # never two bad steps in a row: no stop
