@@ -70,6 +70,15 @@ class LLMGenerationManager(TrainerHooksMixin):
     row's profile from the dataset's `user_profile` column.
     """
 
+    # What the trainer's per-step console line shows first for dialogue runs (metric, label).
+    console_metrics = (
+        ("dialogue/completion_rate", "CR%"),
+        (("dialogue/completion_rate", "dialogue/hang_up_rate", "dialogue/agent_ended_rate",
+          "dialogue/timeout_rate", "dialogue/truncated_rate", "dialogue/error_rate"), "done/hang/quit/time/trunc/err%"),
+        ("val/dialogue/completion_rate", "val CR%"),
+        ("rollout/time_generate_s", "gen_s"), ("rollout/time_user_sim_s", "sim_s"),
+    )
+
     def __init__(self, tokenizer: Any, actor_rollout_wg: Any, config: Mapping[str, Any], is_validation: bool,
                  client: Any = None) -> None:
         self.config = GenerationConfig.from_dict(config)

@@ -32,6 +32,7 @@ from verl.trainer.config_schema import ConfigError, PPOTrainerConfig
 from verl.trainer.config_validation import load_config
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
 from verl.utils.dataset import load_tokenizer
+from verl.utils.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,11 @@ def run_ppo(config: DictConfig) -> dict[str, Any]:
     started_ray = False
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS") or typed.trainer.nnodes > 1:
-            ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))  # join the running (multi-node) cluster
+            ray.init(address=os.environ.get("RAY_ADDRESS", "auto"),  # join the running (multi-node) cluster
+                     logging_level=logging.WARNING)
         else:
-            ray.init(address="local", num_cpus=ray_cpus(typed), include_dashboard=False)
+            ray.init(address="local", num_cpus=ray_cpus(typed), include_dashboard=False,
+                     logging_level=logging.WARNING)
         started_ray = True
     from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
@@ -86,8 +89,7 @@ def run_ppo(config: DictConfig) -> dict[str, Any]:
 @hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
     """Hydra entry point."""
-    logging.basicConfig(level=os.environ.get("SEAD_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         run_ppo(config)
     except ConfigError as exc:

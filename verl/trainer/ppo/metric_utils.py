@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -111,10 +111,23 @@ def _short(value: float) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def format_console_line(step: int, total_steps: int, metrics: Mapping[str, Any]) -> str:
-    """One compact line: ``step 3/20 | score 0.41 | ... | val/<source> 0.5`` with the key metrics present."""
+def format_console_line(step: int, total_steps: int, metrics: Mapping[str, Any],
+                        first: Sequence[tuple[str, str]] = ()) -> str:
+    """One compact line: ``step 3/20 | <first> | score 0.41 | ... | val/<source> 0.5`` with the metrics present.
+
+    `first` are (metric, label) pairs shown right after the step, e.g. a rollout-loop plug-in's own
+    `console_metrics` (what people watch in that kind of run); a label ending in "%" shows the value as a
+    percentage, and a pair whose metric is a tuple of keys shows them together ("a/b/c" style)."""
     parts = [f"step {step}/{total_steps}"]
-    parts += [f"{label} {_short(metrics[key])}" for key, label in CONSOLE_METRICS if key in metrics]
+    for key, label in [*first, *CONSOLE_METRICS]:
+        keys = key if isinstance(key, tuple) else (key,)
+        if not all(k in metrics for k in keys):
+            continue
+        values = [metrics[k] for k in keys]
+        if label.endswith("%"):
+            parts.append(f"{label[:-1]} {'/'.join(f'{100 * v:.0f}' for v in values)}%")
+        else:
+            parts.append(f"{label} {'/'.join(_short(v) for v in values)}")
     prefix = "val/test_score/"
     parts += [f"val/{key[len(prefix):]} {_short(value)}" for key, value in metrics.items() if key.startswith(prefix)]
     return " | ".join(parts)

@@ -299,7 +299,8 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
         def log(metrics: dict[str, float], step: int) -> None:
             tracking.log(metrics, step=step)
             if console is not None:
-                console.info(format_console_line(step, self.total_training_steps, metrics))
+                first = getattr(self.rollout_loop, "console_metrics", ())
+                console.info(format_console_line(step, self.total_training_steps, metrics, first))
         try:
             seed = tcfg.seed
             random.seed(seed)
