@@ -102,6 +102,7 @@ trainer_command() {
         trainer.test_freq="$TEST_FREQ"
         trainer.save_freq="$SAVE_FREQ"
         trainer.max_ckpt_to_keep="$MAX_CKPT"
+        trainer.save_hf_model="$SAVE_HF_MODEL"
         trainer.logger='[console,jsonl,tensorboard]'
         trainer.default_local_dir="$CKPT_DIR"
         trainer.log_dir="$LOG_DIR"

@@ -9,7 +9,7 @@
 SEAD_PRESET_VARS=(EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS
                   MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE
                   KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH TEST_FREQ SAVE_FREQ
-                  MAX_CKPT PRESET_OVERRIDES)
+                  MAX_CKPT SAVE_HF_MODEL PRESET_OVERRIDES)
 declare -gA SEAD_PRESET_ORIGIN=()
 
 # Give $1 the value $2 unless the environment set it (non-empty); remember which one it got.
@@ -52,6 +52,7 @@ _sead_cpu_preset() {
     _sead_default TEST_FREQ 2
     _sead_default SAVE_FREQ 2
     _sead_default MAX_CKPT 2
+    _sead_default SAVE_HF_MODEL every
     _sead_default PRESET_OVERRIDES "reward.kwargs.weights.format=4.0 reward.kwargs.weights.profile_accuracy=1.0 \
 reward.kwargs.weights.false_positive=2.0 rollout_loop.config.cache.min_bucket_size=2"
 }
@@ -62,7 +63,9 @@ reward.kwargs.weights.false_positive=2.0 rollout_loop.config.cache.min_bucket_si
 # instances: scripts/2ins_main.sh sets SEAD_GPU_MAX_TURNS=12), gradient checkpointing, 6 policy GPUs (GPUs 6,7
 # serve the simulator), 50 steps (the paper's 5 iterations of 10), 30 fixed validation profiles. The
 # per-dialogue budget of 6144 tokens fits 15 turns even at their limits (15 x (256 agent + 128 user + the role
-# markers) < 6144), so a dialogue ends by its outcome or max_turns, not by running out of tokens.
+# markers) < 6144), so a dialogue ends by its outcome or max_turns, not by running out of tokens. Checkpoints
+# keep the HF export only in the last one (a 14B fp32 export is ~56 GB; `python -m verl.model_merger` exports
+# any other later).
 _sead_gpu_preset() {
     _sead_default EXPERIMENT "$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")"
     _sead_default N_GPUS 6
@@ -89,6 +92,7 @@ _sead_gpu_preset() {
     _sead_default TEST_FREQ 5
     _sead_default SAVE_FREQ 5
     _sead_default MAX_CKPT 2
+    _sead_default SAVE_HF_MODEL last
     _sead_default PRESET_OVERRIDES ""
 }
 

@@ -247,6 +247,7 @@ class TrainerConfig:
     resume_from_path: Optional[str] = None
     resume_from_other_model: bool = False
     max_ckpt_to_keep: Optional[int] = None
+    save_hf_model: Literal["every", "last", "never"] = "every"
     seed: int = 1
     ray_num_cpus: Optional[int] = None
 

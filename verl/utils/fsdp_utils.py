@@ -222,6 +222,17 @@ def save_hf_pretrained(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
         generation_config.save_pretrained(str(path))
 
 
+def save_hf_config(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Write the model's HF ``config.json`` (naming its HF class) and generation config, without weights."""
+    model = unwrap_model(model)
+    config = model.config
+    config.architectures = [_hf_class(model).__name__]
+    config.save_pretrained(str(path))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(str(path))
+
+
 def _hf_class(model: torch.nn.Module) -> type:
     """The HF model class of ``model``, looking through FSDP2's dynamically created ``FSDP<Class>`` subclass."""
     cls = type(model)

@@ -2,8 +2,10 @@
 
 Layout of ``local_path`` (written by every rank together; the trainer makes the step directory atomic):
 
-- ``config.json``, ``model.safetensors``, tokenizer files: rank 0's HF ``save_pretrained`` export of the full
-  fp32 weights, loadable with ``AutoModelForCausalLM.from_pretrained`` (or the critic's class);
+- ``config.json``, tokenizer files and (when the HF export is asked for) ``model.safetensors``: rank 0's HF
+  ``save_pretrained`` export of the full weights in the training dtype (``export_dtype``), loadable with
+  ``AutoModelForCausalLM.from_pretrained`` (or the critic's class); without the export, ``python -m
+  verl.model_merger`` writes it later from the sharded state;
 - ``sharded_state/``: torch.distributed.checkpoint of the sharded model and optimizer state (exact restore);
 - ``extra_state_rank_{r}.pt``: rank r's LR-scheduler state and torch / numpy / python RNG states.
 """
@@ -20,7 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from verl.utils.fsdp_utils import full_state_dict, load_sharded_state, save_hf_pretrained, save_sharded_state
+from verl.utils.fsdp_utils import (full_state_dict, load_sharded_state, save_hf_config, save_hf_pretrained,
+                                   save_sharded_state)
 
 logger = logging.getLogger(__name__)
 
@@ -61,30 +64,37 @@ class FSDPCheckpointManager:
         optimizer: torch.optim.Optimizer,
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
         tokenizer: Any | None = None,
+        export_dtype: torch.dtype = torch.float32,
     ):
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.tokenizer = tokenizer
+        self.export_dtype = export_dtype
 
     @staticmethod
     def _rank() -> int:
         """This process's rank in the default process group (0 without torch.distributed)."""
         return dist.get_rank() if dist.is_initialized() else 0
 
-    def save_checkpoint(self, local_path: str | os.PathLike) -> None:
-        """Write the HF export (rank 0), the sharded model/optimizer state and this rank's extra state.
+    def save_checkpoint(self, local_path: str | os.PathLike, hf_model: bool = True) -> None:
+        """Write the sharded model/optimizer state, this rank's extra state, the model config and tokenizer (rank 0)
+        and, with ``hf_model``, rank 0's HF export of the full weights in ``export_dtype``.
 
-        A collective: every rank must call it with the same ``local_path``.
+        A collective: every rank must call it with the same ``local_path`` and ``hf_model``.
         """
         path = Path(local_path)
         path.mkdir(parents=True, exist_ok=True)
-        state_dict = full_state_dict(self.model)
-        if self._rank() == 0:
-            save_hf_pretrained(self.model, state_dict, path)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(str(path))
-        del state_dict
+        if hf_model:
+            state_dict = full_state_dict(self.model)
+            if self._rank() == 0:
+                save_hf_pretrained(self.model, {k: v.to(self.export_dtype) if v.is_floating_point() else v
+                                                for k, v in state_dict.items()}, path)
+            del state_dict
+        elif self._rank() == 0:
+            save_hf_config(self.model, path)
+        if self._rank() == 0 and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(path))
         save_sharded_state(self.model, self.optimizer, path)
         extra = {"lr_scheduler": self.lr_scheduler.state_dict(), "rng": _rng_state()}
         torch.save(extra, path / f"extra_state_rank_{self._rank()}.pt")

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from verl.protocol import DataProto
 from verl.single_controller.base import Dispatch, Worker, register
 from verl.utils.device import get_device_name
-from verl.utils.fsdp_utils import build_fsdp_model, check_strategy, create_device_mesh
+from verl.utils.fsdp_utils import build_fsdp_model, check_strategy, create_device_mesh, resolve_param_dtype
 from verl.utils.optim import build_lr_scheduler, build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
@@ -127,7 +127,10 @@ class ActorRolloutRefWorker(Worker):
             if self._is_actor:
                 optimizer = build_optimizer(module.parameters(), cfg.actor.optim)
                 self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim)
-                self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer)
+                export_dtype = resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
+                                                   mesh.device_type)
+                self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
+                                                                export_dtype=export_dtype)
             self.actor = DataParallelPPOActor(actor_cfg, module, optimizer)
             if self._is_rollout:
                 self.rollout = HFRollout(module, cfg.rollout)
@@ -189,15 +192,17 @@ class ActorRolloutRefWorker(Worker):
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        """Write the actor's HF export and resume state into ``local_path`` (see :mod:`verl.workers.fsdp_checkpoint`).
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None,
+                        save_hf_model: bool = True) -> None:
+        """Write the actor's resume state and, with ``save_hf_model``, its HF export into ``local_path`` (see
+        :mod:`verl.workers.fsdp_checkpoint`).
 
         ``global_step`` is logged; ``max_ckpt_to_keep`` is accepted for veRL compatibility, retention of step
         directories being the trainer's job (``verl.utils.checkpoint``).
         """
         self._require(self._is_actor, "save_checkpoint", "actor")
         logger.info("rank %d: saving actor checkpoint of step %d to %s", self.rank, global_step, local_path)
-        self.checkpoint_manager.save_checkpoint(local_path)
+        self.checkpoint_manager.save_checkpoint(local_path, hf_model=save_hf_model)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str) -> None:
@@ -253,7 +258,9 @@ class CriticWorker(Worker):
         )
         optimizer = build_optimizer(module.parameters(), cfg.optim)
         self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
-        self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer)
+        export_dtype = resolve_param_dtype(cfg.get("fsdp_config", {}).get("param_dtype", "auto"), mesh.device_type)
+        self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
+                                                        export_dtype=export_dtype)
         self.critic = DataParallelPPOCritic(critic_cfg, module, optimizer)
         torch.manual_seed(seed + self.rank)
         logger.info("rank %d: CriticWorker ready", self.rank)
@@ -276,11 +283,13 @@ class CriticWorker(Worker):
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        """Write the critic's HF export and resume state into ``local_path`` (``max_ckpt_to_keep``: see actor)."""
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None,
+                        save_hf_model: bool = True) -> None:
+        """Write the critic's resume state and, with ``save_hf_model``, its HF export into ``local_path``
+        (``max_ckpt_to_keep``: see actor)."""
         self._require_init("save_checkpoint")
         logger.info("rank %d: saving critic checkpoint of step %d to %s", self.rank, global_step, local_path)
-        self.checkpoint_manager.save_checkpoint(local_path)
+        self.checkpoint_manager.save_checkpoint(local_path, hf_model=save_hf_model)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str) -> None:

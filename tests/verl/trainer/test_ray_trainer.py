@@ -361,7 +361,8 @@ def test_gae_run_trains_critic_uses_reference_kl_validates_and_saves(tiny_model_
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
         "actor_rollout_ref.actor.use_kl_loss=true", "trainer.critic_warmup=1", "trainer.total_training_steps=2",
-        "trainer.test_freq=2", "trainer.save_freq=2", "trainer.logger=[jsonl,console]", "trainer.device=cpu",
+        "trainer.test_freq=2", "trainer.save_freq=1", "trainer.save_hf_model=last", "trainer.logger=[jsonl,console]",
+        "trainer.device=cpu",
         f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'logs'}",
     ]
     with caplog.at_level(logging.INFO, logger="verl.trainer.console"):
@@ -376,6 +377,9 @@ def test_gae_run_trains_critic_uses_reference_kl_validates_and_saves(tiny_model_
     assert "actor/pg_loss" in metrics[2] and "actor/kl_loss" in metrics[2] and "critic/values/mean" in metrics[2]
     assert metrics[1]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.001)
     assert metrics[2]["actor/reward_kl_penalty_coeff"] < 0.001, "adaptive controller: KL below target lowers beta"
+    first = tmp_path / "ckpt" / "global_step_1"  # save_hf_model=last: resume state only, then the export
+    assert (first / "actor" / "sharded_state").is_dir() and not (first / "actor" / "model.safetensors").exists()
+    assert not (first / "critic" / "model.safetensors").exists()
     ckpt = tmp_path / "ckpt" / "global_step_2"
     assert sorted(p.name for p in ckpt.iterdir()) == ["actor", "critic", "trainer_state.json"]
     model = AutoModelForCausalLM.from_pretrained(ckpt / "actor")

@@ -60,9 +60,11 @@ class TrainerCheckpointMixin:
         """Write ``global_step_N`` atomically: worker states, then trainer_state.json, then the commit rename."""
         root, step = self.checkpoint_root, self.global_steps
         partial = begin_checkpoint(root, step)
-        self.actor_rollout_wg.save_checkpoint(str(partial / "actor"), global_step=step)
+        mode = self.typed.trainer.save_hf_model
+        hf_model = mode == "every" or (mode == "last" and step >= self.total_training_steps)
+        self.actor_rollout_wg.save_checkpoint(str(partial / "actor"), global_step=step, save_hf_model=hf_model)
         if self.critic_wg is not None:
-            self.critic_wg.save_checkpoint(str(partial / "critic"), global_step=step)
+            self.critic_wg.save_checkpoint(str(partial / "critic"), global_step=step, save_hf_model=hf_model)
         loop_state = None
         if self.rollout_loop is not None and hasattr(self.rollout_loop, "state_dict"):
             loop_state = self.rollout_loop.state_dict()
