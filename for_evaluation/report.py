@@ -11,6 +11,7 @@ evaluation's dialogues file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -35,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default: the latest run under --outputs")
     p.add_argument("--outputs", default="outputs", help="main.sh output root searched when no run is given")
     p.add_argument("--out", default=None, help="the HTML file to write")
+    p.add_argument("--dialogues", default=None,
+                   help="the run's rollout log when it is not where main.sh puts it (<root>/rollouts/<experiment>)")
     p.add_argument("--scenario", default=str(REPO_ROOT / DEFAULT_SCENARIO),
                    help="the run's scenario YAML (stage names, state ranges; default: the demo's)")
     p.add_argument("--smooth", type=float, default=0.6, help="EMA weight of the training curves (0: raw)")
@@ -51,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         files = resolve_run(args.run) if args.run else find_latest_run(args.outputs)
     except FileNotFoundError as exc:
         raise SystemExit(str(exc)) from None
+    if args.dialogues:
+        files = dataclasses.replace(files, dialogues=Path(args.dialogues))
     path = build_report(files, load_scenario(args.scenario), args.out, smooth=args.smooth, bootstrap=args.bootstrap)
     print(path)
     return 0
