@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DialogueGroup", "build_report", "default_report_path", "dialogue_groups", "render_report"]
 
+DEFAULT_BROWSER_LIMIT = 20_000  # dialogues embedded for the browser (about 15 MB of page)
 ASSETS = "report_assets"  # package data of llm_agent.evaluation: the page template, its CSS and JavaScript
 
 
@@ -83,9 +84,12 @@ def _asset(name: str) -> str:
 
 
 def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float = 0.6, bootstrap: int = 200,
-                  controller: Mapping[str, Any] | None = None) -> str:
+                  controller: Mapping[str, Any] | None = None, browser_limit: int = DEFAULT_BROWSER_LIMIT) -> str:
     """The report page of `run` as HTML text. `bootstrap` resamples per metric interval (0: no intervals);
-    `controller` overrides ControllerConfig keys for the recommended weights."""
+    `controller` overrides ControllerConfig keys for the recommended weights; the dialogue browser holds the
+    last `browser_limit` dialogues (metrics and analysis always use all)."""
+    if browser_limit < 1:
+        raise ValueError(f"browser_limit must be >= 1, got {browser_limit}")
     has_plot_data = bool(run.steps or run.val or run.dialogues)
     figures, notes = build_figures([run], smooth) if has_plot_data else ({}, [])
     records = run.dialogues or []
@@ -105,7 +109,9 @@ def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float 
         plots=plots_html(figures, notes),
         metrics=metrics_html(columns, "Every metric as defined in llm_agent/metrics.py. " + ci_note),
         mistakes=analysis_html(analyses),
-        data=embed_json(browser_payload(records, scenario)),
+        browser_note=html.escape(f"The browser holds the last {browser_limit} of the {len(records)} dialogues."
+                                 if len(records) > browser_limit else ""),
+        data=embed_json(browser_payload(records[-browser_limit:], scenario)),
         js=_asset("report.js"))
 
 
@@ -120,7 +126,7 @@ def default_report_path(files: RunFiles) -> Path:
 def build_report(files: RunFiles, scenario: Scenario, out: str | Path | None = None, **kwargs: Any) -> Path:
     """Read the run, render its report and write it to `out` (default `default_report_path`); returns the path."""
     path = Path(out) if out is not None else default_report_path(files)
-    page = render_report(load_run(files), scenario, files.describe(), **kwargs)
+    page = render_report(load_run(files, dialogues="full"), scenario, files.describe(), **kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(page, encoding="utf-8")

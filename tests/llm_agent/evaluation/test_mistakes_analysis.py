@@ -14,7 +14,8 @@ from llm_agent.evaluation.analysis import analyze_by_split, analyze_dialogues, h
 def _dialogue(state, outcome, stages=(), behaviors=("A",), step=1, split="train"):
     c, e, t = state
     turns = [{"agent_stage": s} for s in stages]
-    return {"step": step, "split": split, "dialogue_id": f"{split}{step}-{c}{e}{t}-{outcome}-{''.join(map(str, stages))}",
+    dialogue_id = f"{split}{step}-{c}{e}{t}-{outcome}-{''.join(map(str, stages))}"
+    return {"step": step, "split": split, "dialogue_id": dialogue_id,
             "profile": {"cooperation": c, "emotion": e, "trust": t,
                         "behaviors": [{"category": f"cat_{b}", "behavior": f"behaviour {b}"} for b in behaviors]},
             "outcome": outcome, "num_turns": len(turns), "turns": turns}
