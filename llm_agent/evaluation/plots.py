@@ -129,10 +129,9 @@ def _curves_figure(runs: Sequence[RunData], panels: Sequence[tuple[str, str, tup
         return None
     fig, axes = grid_figure(len(used), ncols=4 if len(used) > 6 else 3, title=title)
     for ax, (panel_title, ylabel, keys) in zip(axes, used):
-        if len(keys) > 2:  # many-key panels (reward components): leave out keys that are 0 throughout
+        if len(keys) > 3:  # many-key panels (reward components): leave out keys that are 0 throughout
             keys = [k for k in keys if any(metric_series(getattr(r, rows_of), k)[1].any() for r in runs)] or keys
         short = _short_names(keys)
-        n_labels = 0
         for i, run in enumerate(runs):
             for j, key in enumerate(keys):
                 steps, values = metric_series(getattr(run, rows_of), key)
@@ -145,9 +144,8 @@ def _curves_figure(runs: Sequence[RunData], panels: Sequence[tuple[str, str, tup
                                 else (run_color(i), LINE_STYLES[j % len(LINE_STYLES)]))
                 draw_curve(ax, steps, values, color, label, 0.0 if rows_of == "val" else smooth,
                            linestyle=style, markers=rows_of == "val")
-                n_labels += 1
         style_axes(ax, panel_title, ylabel)
-        legend_if_useful(ax, n_labels)
+        legend_if_useful(ax)
     return fig
 
 

@@ -73,9 +73,15 @@ def browser(tmp_path_factory):
 
 
 def _wait(driver, condition, timeout=30.0):
+    """Wait for `condition()`; on timeout fail with what the page's count line says."""
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition())
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition())
+    except TimeoutException:
+        pytest.fail(f"the page did not get there in {timeout} s; its count line says: "
+                    f"{driver.find_element('id', 'count').text!r}")
 
 
 def _rows(driver):
