@@ -43,6 +43,7 @@ class DialogueGroup:
     label: str
     scope: str
     records: list[Mapping[str, Any]]
+    pooled: bool = False  # several steps of a changing policy pooled: no confidence interval
 
 
 def dialogue_groups(records: Sequence[Mapping[str, Any]]) -> tuple[list[DialogueGroup], list[DialogueGroup]]:
@@ -59,7 +60,7 @@ def dialogue_groups(records: Sequence[Mapping[str, Any]]) -> tuple[list[Dialogue
                                    f"step {steps[-1]}" if steps else "all dialogues", last)
         if split == "train" and len(steps) > 1:
             everything = DialogueGroup(split, f"{split} (steps {steps[0]}-{steps[-1]})",
-                                       f"all {len(steps)} steps", rows)
+                                       f"all {len(steps)} steps", rows, pooled=True)
             table += [everything, last_group]
             analysis.append(everything)
         else:
@@ -71,7 +72,7 @@ def dialogue_groups(records: Sequence[Mapping[str, Any]]) -> tuple[list[Dialogue
 def _metric_columns(groups: Sequence[DialogueGroup], scenario: Scenario, bootstrap: int) -> list[tuple[str, Any]]:
     columns = []
     for group in groups:
-        if bootstrap > 0:
+        if bootstrap > 0 and not group.pooled:
             intervals = metric_intervals(group.records, scenario, n_resamples=bootstrap)
             columns.append((group.label, {k: iv.to_dict() for k, iv in intervals.items()}))
         else:
@@ -96,7 +97,8 @@ def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float 
     table_groups, analysis_groups = dialogue_groups(records)
     columns = _metric_columns(table_groups, scenario, bootstrap)
     ci_note = (f"Brackets: percentile bootstrap 95% intervals over dialogues ({bootstrap} resamples, "
-               "llm_agent.evaluation.stats)." if bootstrap > 0 else "No intervals (bootstrap off).")
+               "llm_agent.evaluation.stats); none for training pooled over steps, whose policy changed from step "
+               "to step." if bootstrap > 0 else "No intervals (bootstrap off).")
     analyses = [(g.label, g.scope, analyze_dialogues(g.records, scenario, controller=controller))
                 for g in analysis_groups]
     title = f"SEAD report: {run.name}"

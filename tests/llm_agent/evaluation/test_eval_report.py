@@ -65,7 +65,8 @@ def test_metric_intervals_come_from_the_bootstrap(tmp_path, scenario):
     write_run(tmp_path, "exp", scenario, steps=2, n_dialogues=40)
     page = build_report(resolve_run(tmp_path / "logs" / "exp"), scenario, tmp_path / "r.html", bootstrap=30) \
         .read_text()
-    cell = _metric_row(page, "completion_rate")[0]
+    pooled, cell = _metric_row(page, "completion_rate")[:2]
+    assert re.fullmatch(r"[\d.]+", pooled)  # training pooled over steps: no interval
     value, low, high = (float(x) for x in re.fullmatch(r"([\d.]+) \[([\d.]+), ([\d.]+)\]", cell).groups())
     assert low <= value <= high and low < high
     assert "30 resamples" in page
