@@ -17,13 +17,11 @@ import logging
 import sys
 from pathlib import Path
 
-import yaml
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
-from llm_agent.evaluation.analysis import analyze_by_split  # noqa: E402
+from llm_agent.evaluation.analysis import analyze_by_split, parse_controller_overrides  # noqa: E402
 from llm_agent.evaluation.run_data import read_dialogues, resolve_run  # noqa: E402
 from llm_agent.scenario import load_scenario  # noqa: E402
 
@@ -48,16 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _overrides(items: list[str]) -> dict[str, object]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--controller needs KEY=VALUE, got {item!r}")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     """Analyse and print or write the JSON."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -66,11 +54,18 @@ def main(argv: list[str] | None = None) -> int:
         files = resolve_run(args.source)
     except FileNotFoundError as exc:
         raise SystemExit(str(exc)) from None
+    try:
+        controller = parse_controller_overrides(args.controller)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if files.dialogues is None:
         raise SystemExit(f"{args.source}: no dialogues found (rollouts.jsonl or *_dialogues.jsonl)")
-    result = analyze_by_split(read_dialogues(files.dialogues), load_scenario(args.scenario), split=args.split,
-                              min_step=args.min_step, max_step=args.max_step, min_count=args.min_count,
-                              top_k=args.top, controller=_overrides(args.controller))
+    try:
+        result = analyze_by_split(read_dialogues(files.dialogues), load_scenario(args.scenario), split=args.split,
+                                  min_step=args.min_step, max_step=args.max_step, min_count=args.min_count,
+                                  top_k=args.top, controller=controller)
+    except ValueError as exc:  # a bad line, split or controller key: the message names it
+        raise SystemExit(str(exc)) from None
     text = json.dumps({"source": str(files.dialogues), **result}, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")

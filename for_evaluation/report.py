@@ -11,6 +11,7 @@ evaluation's dialogues file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
-from llm_agent.evaluation.report import build_report  # noqa: E402
+from llm_agent.evaluation.analysis import parse_controller_overrides  # noqa: E402
+from llm_agent.evaluation.report import DEFAULT_BROWSER_LIMIT, build_report  # noqa: E402
 from llm_agent.evaluation.run_data import find_latest_run, resolve_run  # noqa: E402
 from llm_agent.scenario import load_scenario  # noqa: E402
 
@@ -35,11 +37,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default: the latest run under --outputs")
     p.add_argument("--outputs", default="outputs", help="main.sh output root searched when no run is given")
     p.add_argument("--out", default=None, help="the HTML file to write")
+    p.add_argument("--dialogues", default=None,
+                   help="the run's rollout log when it is not where main.sh puts it (<root>/rollouts/<experiment>)")
     p.add_argument("--scenario", default=str(REPO_ROOT / DEFAULT_SCENARIO),
                    help="the run's scenario YAML (stage names, state ranges; default: the demo's)")
     p.add_argument("--smooth", type=float, default=0.6, help="EMA weight of the training curves (0: raw)")
     p.add_argument("--bootstrap", type=int, default=200,
                    help="bootstrap resamples for the metric intervals (0: no intervals)")
+    p.add_argument("--controller", action="append", default=[], metavar="KEY=VALUE",
+                   help="ControllerConfig override for the recommended weights, e.g. target_completion_rate=0.6")
+    p.add_argument("--browser-limit", type=int, default=DEFAULT_BROWSER_LIMIT,
+                   help="the dialogue browser holds the last N dialogues (metrics and analysis use all)")
     return p.parse_args(argv)
 
 
@@ -51,7 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         files = resolve_run(args.run) if args.run else find_latest_run(args.outputs)
     except FileNotFoundError as exc:
         raise SystemExit(str(exc)) from None
-    path = build_report(files, load_scenario(args.scenario), args.out, smooth=args.smooth, bootstrap=args.bootstrap)
+    try:
+        controller = parse_controller_overrides(args.controller)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if args.dialogues:
+        files = dataclasses.replace(files, dialogues=Path(args.dialogues))
+    path = build_report(files, load_scenario(args.scenario), args.out, smooth=args.smooth, bootstrap=args.bootstrap,
+                        browser_limit=args.browser_limit, controller=controller)
     print(path)
     return 0
 

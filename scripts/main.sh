@@ -12,7 +12,7 @@
 # with two minutes of supervised fine-tuning on scripted calls (outputs/tiny_model_warm; WARM_START_STEPS=0
 # skips it), writes the prompt data (outputs/prompt_data), starts two scripted user simulators on loopback,
 # trains a few steps on Ray with 2 FSDP workers on gloo, validates and checkpoints, stops the simulators it
-# started and prints where everything went. About 5 minutes on 2 cores.
+# started, writes the HTML report (outputs/reports/) and prints where everything went. About 5 minutes on 2 cores.
 #
 # On a GPU box, point it at real models; the simulators are then vLLM servers (requirements_vllm.txt env):
 #
@@ -167,3 +167,6 @@ echo "training metrics (one JSON line per step):        $LOG_DIR/metrics.jsonl"
 echo "validation metrics (one JSON line per validation): $VAL_METRICS"
 echo "rollout log (every dialogue of every step):        $ROLLOUT_LOG"
 echo "user-response cache:                              $CKPT_DIR/user_response_cache.jsonl"
+REPORT=$("$PYTHON" for_evaluation/report.py "$LOG_DIR" --dialogues "$ROLLOUT_LOG" --scenario "$SCENARIO" \
+    --out "$OUTPUT_DIR/reports/$EXPERIMENT.html")
+echo "report (plots, metrics, mistakes, dialogues; open in a browser): $REPORT"

@@ -15,12 +15,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+import yaml
+
 from llm_agent.controller import ControllerConfig, StateController
 from llm_agent.metrics import OUTCOMES, record_field, record_label, record_outcome, record_turns
 from llm_agent.scenario import STATE_DIMS, Scenario
 
-__all__ = ["Z_95", "analyze_by_split", "analyze_dialogues", "cr_by_dimension", "highest_stage", "rate",
-           "wilson_interval"]
+__all__ = ["Z_95", "analyze_by_split", "analyze_dialogues", "cr_by_dimension", "highest_stage",
+           "parse_controller_overrides", "rate", "wilson_interval"]
 
 Z_95 = 1.959963984540054  # two-sided 95% normal quantile
 NO_STAGE = "none"
@@ -165,6 +167,18 @@ def analyze_dialogues(records: Sequence[Mapping[str, Any]], scenario: Scenario, 
                      "by_stage": stage_rows},
         "recommended_weights": _recommended_weights(controller_outcomes, scenario, controller),
     }
+
+
+def parse_controller_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """["key=value", ...] (command-line overrides of ControllerConfig keys) as a dict, values read as YAML
+    scalars; ValueError naming an item without "=". The keys are checked by ControllerConfig.from_dict."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"a controller override must be KEY=VALUE, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 def analyze_by_split(records: Iterable[Mapping[str, Any]], scenario: Scenario, *, split: str | None = None,

@@ -125,7 +125,7 @@ def cr_by_state_figure(runs: Sequence[Any], notes: list[str]) -> Figure | None:
         ax.set_xticks(range(len(values)), [str(v) for v in values])
         ax.set_ylim(0, 1.1)
         style_axes(ax, dim, "completion rate", xlabel=f"initial {dim}")
-        legend_if_useful(ax, len(groups))
+        legend_if_useful(ax)
     return fig
 
 
@@ -143,5 +143,5 @@ def cache_figure(runs: Sequence[Any], smooth: float, notes: list[str]) -> Figure
             draw_curve(ax, steps, rates, run_color(k), stage, smooth)
         ax.set_ylim(-0.02, 1.02)
         style_axes(ax, name if len(panels) > 1 else "hit rate per stage", "hits / eligible lookups")
-        legend_if_useful(ax, len(stages) + 1)
+        legend_if_useful(ax, min_labels=1)  # name the stage even when only one has data
     return fig

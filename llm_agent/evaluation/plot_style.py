@@ -80,9 +80,9 @@ def style_axes(ax: Axes, title: str, ylabel: str = "", xlabel: str = "step") -> 
         ax.xaxis.get_major_locator().set_params(integer=True)
 
 
-def legend_if_useful(ax: Axes, n_labels: int) -> None:
-    """A small legend when more than one labelled line shares the axes."""
-    if n_labels > 1:
+def legend_if_useful(ax: Axes, min_labels: int = 2) -> None:
+    """A small legend when at least `min_labels` labelled lines share the axes."""
+    if len(ax.get_legend_handles_labels()[1]) >= min_labels:
         ax.legend(fontsize=7.5, loc="best", framealpha=0.8)
 
 

@@ -27,7 +27,8 @@ from llm_agent.evaluation.plot_panels import (cache_figure, controller_figure, c
                                               stacked_per_run_figure)
 from llm_agent.evaluation.plot_style import (LINE_STYLES, draw_curve, grid_figure, legend_if_useful, run_color,
                                              save_figure, style_axes)
-from llm_agent.evaluation.run_data import (RunFiles, read_dialogues, read_step_metrics, read_val_metrics)
+from llm_agent.evaluation.run_data import (RunFiles, read_dialogue_summaries, read_dialogues, read_step_metrics,
+                                           read_val_metrics)
 from llm_agent.evaluation.series import OUTCOME_RATE_KEYS, metric_series, outcome_mix, present_keys
 from llm_agent.reward import COMPONENTS
 from llm_agent.scenario import STATE_DIMS
@@ -85,9 +86,12 @@ class PlotResult:
     notes: list[str]
 
 
-def load_run(files: RunFiles, with_dialogues: bool = True) -> RunData:
+def load_run(files: RunFiles, dialogues: str = "summary") -> RunData:
     """Read a run's files. Validation rows come from the tracked `val/` keys; when metrics.jsonl has none,
-    from val_metrics.jsonl."""
+    from val_metrics.jsonl. `dialogues`: "summary" (outcome, split, step, initial state: what the plots need,
+    read line by line), "full" (every field, for the report) or "none"."""
+    if dialogues not in ("summary", "full", "none"):
+        raise ValueError(f"dialogues must be 'summary', 'full' or 'none', got {dialogues!r}")
     steps = read_step_metrics(files.metrics) if files.metrics is not None and files.metrics.is_file() else []
     val = [{k: v for k, v in row.items() if k == "step" or k.startswith("val/")}
            for row in steps if any(k.startswith("val/") for k in row)]
@@ -95,8 +99,10 @@ def load_run(files: RunFiles, with_dialogues: bool = True) -> RunData:
         val = read_val_metrics(files.val_metrics)
     train = [{k: v for k, v in row.items() if not k.startswith("val/")} for row in steps]
     train = [row for row in train if len(row) > 1]
-    dialogues = read_dialogues(files.dialogues) if with_dialogues and files.dialogues is not None else None
-    return RunData(name=files.name, steps=train, val=val, dialogues=dialogues)
+    records = None
+    if files.dialogues is not None and dialogues != "none":
+        records = (read_dialogues if dialogues == "full" else read_dialogue_summaries)(files.dialogues)
+    return RunData(name=files.name, steps=train, val=val, dialogues=records)
 
 
 def _short_names(keys: Sequence[str]) -> dict[str, str]:
@@ -123,10 +129,9 @@ def _curves_figure(runs: Sequence[RunData], panels: Sequence[tuple[str, str, tup
         return None
     fig, axes = grid_figure(len(used), ncols=4 if len(used) > 6 else 3, title=title)
     for ax, (panel_title, ylabel, keys) in zip(axes, used):
-        if len(keys) > 2:  # many-key panels (reward components): leave out keys that are 0 throughout
+        if len(keys) > 3:  # many-key panels (reward components): leave out keys that are 0 throughout
             keys = [k for k in keys if any(metric_series(getattr(r, rows_of), k)[1].any() for r in runs)] or keys
         short = _short_names(keys)
-        n_labels = 0
         for i, run in enumerate(runs):
             for j, key in enumerate(keys):
                 steps, values = metric_series(getattr(run, rows_of), key)
@@ -139,9 +144,8 @@ def _curves_figure(runs: Sequence[RunData], panels: Sequence[tuple[str, str, tup
                                 else (run_color(i), LINE_STYLES[j % len(LINE_STYLES)]))
                 draw_curve(ax, steps, values, color, label, 0.0 if rows_of == "val" else smooth,
                            linestyle=style, markers=rows_of == "val")
-                n_labels += 1
         style_axes(ax, panel_title, ylabel)
-        legend_if_useful(ax, n_labels)
+        legend_if_useful(ax)
     return fig
 
 

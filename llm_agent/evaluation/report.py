@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DialogueGroup", "build_report", "default_report_path", "dialogue_groups", "render_report"]
 
+DEFAULT_BROWSER_LIMIT = 20_000  # dialogues embedded for the browser (about 15 MB of page)
 ASSETS = "report_assets"  # package data of llm_agent.evaluation: the page template, its CSS and JavaScript
 
 
@@ -42,6 +43,7 @@ class DialogueGroup:
     label: str
     scope: str
     records: list[Mapping[str, Any]]
+    pooled: bool = False  # several steps of a changing policy pooled: no confidence interval
 
 
 def dialogue_groups(records: Sequence[Mapping[str, Any]]) -> tuple[list[DialogueGroup], list[DialogueGroup]]:
@@ -58,7 +60,7 @@ def dialogue_groups(records: Sequence[Mapping[str, Any]]) -> tuple[list[Dialogue
                                    f"step {steps[-1]}" if steps else "all dialogues", last)
         if split == "train" and len(steps) > 1:
             everything = DialogueGroup(split, f"{split} (steps {steps[0]}-{steps[-1]})",
-                                       f"all {len(steps)} steps", rows)
+                                       f"all {len(steps)} steps", rows, pooled=True)
             table += [everything, last_group]
             analysis.append(everything)
         else:
@@ -70,7 +72,7 @@ def dialogue_groups(records: Sequence[Mapping[str, Any]]) -> tuple[list[Dialogue
 def _metric_columns(groups: Sequence[DialogueGroup], scenario: Scenario, bootstrap: int) -> list[tuple[str, Any]]:
     columns = []
     for group in groups:
-        if bootstrap > 0:
+        if bootstrap > 0 and not group.pooled:
             intervals = metric_intervals(group.records, scenario, n_resamples=bootstrap)
             columns.append((group.label, {k: iv.to_dict() for k, iv in intervals.items()}))
         else:
@@ -83,16 +85,20 @@ def _asset(name: str) -> str:
 
 
 def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float = 0.6, bootstrap: int = 200,
-                  controller: Mapping[str, Any] | None = None) -> str:
+                  controller: Mapping[str, Any] | None = None, browser_limit: int = DEFAULT_BROWSER_LIMIT) -> str:
     """The report page of `run` as HTML text. `bootstrap` resamples per metric interval (0: no intervals);
-    `controller` overrides ControllerConfig keys for the recommended weights."""
+    `controller` overrides ControllerConfig keys for the recommended weights; the dialogue browser holds the
+    last `browser_limit` dialogues (metrics and analysis always use all)."""
+    if browser_limit < 1:
+        raise ValueError(f"browser_limit must be >= 1, got {browser_limit}")
     has_plot_data = bool(run.steps or run.val or run.dialogues)
     figures, notes = build_figures([run], smooth) if has_plot_data else ({}, [])
     records = run.dialogues or []
     table_groups, analysis_groups = dialogue_groups(records)
     columns = _metric_columns(table_groups, scenario, bootstrap)
     ci_note = (f"Brackets: percentile bootstrap 95% intervals over dialogues ({bootstrap} resamples, "
-               "llm_agent.evaluation.stats)." if bootstrap > 0 else "No intervals (bootstrap off).")
+               "llm_agent.evaluation.stats); none for training pooled over steps, whose policy changed from step "
+               "to step." if bootstrap > 0 else "No intervals (bootstrap off).")
     analyses = [(g.label, g.scope, analyze_dialogues(g.records, scenario, controller=controller))
                 for g in analysis_groups]
     title = f"SEAD report: {run.name}"
@@ -105,7 +111,9 @@ def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float 
         plots=plots_html(figures, notes),
         metrics=metrics_html(columns, "Every metric as defined in llm_agent/metrics.py. " + ci_note),
         mistakes=analysis_html(analyses),
-        data=embed_json(browser_payload(records, scenario)),
+        browser_note=html.escape(f"The browser holds the last {browser_limit} of the {len(records)} dialogues."
+                                 if len(records) > browser_limit else ""),
+        data=embed_json(browser_payload(records[-browser_limit:], scenario)),
         js=_asset("report.js"))
 
 
@@ -120,7 +128,7 @@ def default_report_path(files: RunFiles) -> Path:
 def build_report(files: RunFiles, scenario: Scenario, out: str | Path | None = None, **kwargs: Any) -> Path:
     """Read the run, render its report and write it to `out` (default `default_report_path`); returns the path."""
     path = Path(out) if out is not None else default_report_path(files)
-    page = render_report(load_run(files), scenario, files.describe(), **kwargs)
+    page = render_report(load_run(files, dialogues="full"), scenario, files.describe(), **kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(page, encoding="utf-8")

@@ -22,11 +22,12 @@ from typing import Any
 from tqdm import tqdm
 
 from llm_agent.evaluation.dialogue_log import latest_per_dialogue, read_dialogue_log
+from llm_agent.scenario import STATE_DIMS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunFiles", "default_plot_dir", "find_latest_run", "output_root", "read_dialogues", "read_jsonl",
-           "read_step_metrics", "read_val_metrics", "resolve_run"]
+__all__ = ["RunFiles", "default_plot_dir", "find_latest_run", "output_root", "read_dialogue_summaries",
+           "read_dialogues", "read_jsonl", "read_step_metrics", "read_val_metrics", "resolve_run"]
 
 METRICS_FILE = "metrics.jsonl"
 ROLLOUT_FILE = "rollouts.jsonl"
@@ -184,6 +185,24 @@ def read_dialogues(path: str | Path) -> list[dict[str, Any]]:
     if path.name.endswith(DIALOGUES_SUFFIX):
         records = list(latest_per_dialogue(records).values())
     return records
+
+
+def read_dialogue_summaries(path: str | Path) -> list[dict[str, Any]]:
+    """What the plots need of each dialogue (`dialogue_id`, `step`, `split`, `outcome`, and the profile's initial
+    state without its behaviours), read line by line so a long run's rollout log is never held whole.
+    Deduplicated like `read_dialogues`; ValueError naming file and line for a line without outcome or profile."""
+    path = Path(path)
+    out = []
+    for number, row in read_jsonl(path, desc="reading dialogues"):
+        profile = row.get("profile")
+        if "outcome" not in row or not isinstance(profile, dict):
+            raise ValueError(f"{path}:{number}: a dialogue line needs 'outcome' and a 'profile' object "
+                             "(see llm_agent/rollout/records.py)")
+        out.append({"dialogue_id": row.get("dialogue_id"), "step": row.get("step"), "split": row.get("split"),
+                    "outcome": row["outcome"], "profile": {d: profile.get(d) for d in STATE_DIMS}})
+    if path.name.endswith(DIALOGUES_SUFFIX):
+        out = list(latest_per_dialogue(out).values())
+    return out
 
 
 def output_root(files: RunFiles) -> Path:

@@ -65,7 +65,8 @@ def test_metric_intervals_come_from_the_bootstrap(tmp_path, scenario):
     write_run(tmp_path, "exp", scenario, steps=2, n_dialogues=40)
     page = build_report(resolve_run(tmp_path / "logs" / "exp"), scenario, tmp_path / "r.html", bootstrap=30) \
         .read_text()
-    cell = _metric_row(page, "completion_rate")[0]
+    pooled, cell = _metric_row(page, "completion_rate")[:2]
+    assert re.fullmatch(r"[\d.]+", pooled)  # training pooled over steps: no interval
     value, low, high = (float(x) for x in re.fullmatch(r"([\d.]+) \[([\d.]+), ([\d.]+)\]", cell).groups())
     assert low <= value <= high and low < high
     assert "30 resamples" in page
@@ -115,3 +116,13 @@ def test_bad_dialogue_line_names_the_file(tmp_path, scenario):
     path.write_text('{"outcome": "completed", "profile": {}}\n')
     with pytest.raises(ValueError, match="x_dialogues.jsonl: dialogue 1 .* has no \\['turns'\\]"):
         build_report(resolve_run(path), scenario, bootstrap=0)
+
+
+def test_browser_holds_the_last_dialogues_and_the_metrics_all(tmp_path, scenario):
+    written = write_run(tmp_path, "exp", scenario, steps=2, n_dialogues=40)
+    page = build_report(resolve_run(tmp_path / "logs" / "exp"), scenario, tmp_path / "r.html", bootstrap=0,
+                        browser_limit=10).read_text()
+    assert [d["id"] for d in _embedded(page)["dialogues"]] == [d["dialogue_id"] for d in written["dialogues"][-10:]]
+    assert "The browser holds the last 10 of the 40 dialogues." in page
+    train = [d for d in written["dialogues"] if d["split"] == "train"]
+    assert int(_metric_row(page, "n_dialogues")[0]) == len(train)

@@ -8,13 +8,15 @@ import math
 import pytest
 
 from for_evaluation import analyze_mistakes
-from llm_agent.evaluation.analysis import analyze_by_split, analyze_dialogues, highest_stage, wilson_interval
+from llm_agent.evaluation.analysis import (analyze_by_split, analyze_dialogues, highest_stage,
+                                           parse_controller_overrides, wilson_interval)
 
 
 def _dialogue(state, outcome, stages=(), behaviors=("A",), step=1, split="train"):
     c, e, t = state
     turns = [{"agent_stage": s} for s in stages]
-    return {"step": step, "split": split, "dialogue_id": f"{split}{step}-{c}{e}{t}-{outcome}-{''.join(map(str, stages))}",
+    dialogue_id = f"{split}{step}-{c}{e}{t}-{outcome}-{''.join(map(str, stages))}"
+    return {"step": step, "split": split, "dialogue_id": dialogue_id,
             "profile": {"cooperation": c, "emotion": e, "trust": t,
                         "behaviors": [{"category": f"cat_{b}", "behavior": f"behaviour {b}"} for b in behaviors]},
             "outcome": outcome, "num_turns": len(turns), "turns": turns}
@@ -142,3 +144,15 @@ def test_cli_writes_json(tmp_path, capsys):
     assert result["source"] == str(path) and result["scenario"] == "outbound_ad_trial"
     assert result["splits"]["train"]["recommended_weights"]["config"]["target_completion_rate"] == 0.9
     assert capsys.readouterr().out.strip() == str(out)
+
+
+def test_cli_errors_name_the_problem(tmp_path):
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        analyze_mistakes.main([str(path), "--controller", "target"])
+    with pytest.raises(SystemExit, match="target_cr"):
+        analyze_mistakes.main([str(path), "--controller", "target_cr=0.5"])
+    with pytest.raises(SystemExit, match="no dialogues of split 'val'"):
+        analyze_mistakes.main([str(path), "--split", "val"])
+    assert parse_controller_overrides(["joint=true", "floor=0.01"]) == {"joint": True, "floor": 0.01}
