@@ -240,6 +240,7 @@ class TrainerConfig:
     test_freq: int = -1
     val_before_train: bool = True
     val_only: bool = False
+    log_val_generations: int = 0
     critic_warmup: int = 0
     balance_batch: bool = True
     default_local_dir: str = "checkpoints/sead/default"

@@ -204,6 +204,8 @@ def _check_choices(cfg: PPOTrainerConfig) -> None:
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
 
     algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    if cfg.trainer.log_val_generations < 0:
+        raise ConfigError(f"trainer.log_val_generations must be >= 0, got {cfg.trainer.log_val_generations}")
     if algo.adv_estimator not in ADV_ESTIMATOR_REGISTRY:
         raise ConfigError(f"algorithm.adv_estimator must be one of {sorted(ADV_ESTIMATOR_REGISTRY)}, "
                           f"got {algo.adv_estimator!r}")

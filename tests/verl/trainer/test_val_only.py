@@ -58,10 +58,25 @@ def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(tiny_model
     lines_before = log.read_text().splitlines()
 
     result = _fit(tiny_model_path, tmp_path / "data", tmp_path, ["trainer.val_only=true", "trainer.resume_mode=auto",
-                                                                 "trainer.save_freq=1"])
+                                                                 "trainer.save_freq=1", "trainer.logger=jsonl",
+                                                                 "trainer.log_val_generations=3"])
     assert result["step"] == 1, "val_only must validate the resumed step-1 model, not train on"
     assert "val/response_length/mean" in result["metrics"] and not any(k.startswith("actor/") for k in result["metrics"])
     new = [json.loads(line) for line in log.read_text().splitlines()[len(lines_before):]]
     assert [entry["step"] for entry in new] == [1], "exactly one log line, the validation at the resumed step"
     assert any(k.startswith("val/") for k in new[0]) and not any(k.startswith("actor/") for k in new[0])
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["global_step_1"]
+
+    # trainer.logger given as a string; the first 3 validation samples logged as a table (veRL's
+    # log_val_generations), each input being one of the validation prompts, decoded independently here
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    table = [json.loads(line) for line in (tmp_path / "logs" / "val_generations.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in table] == [1] and table[0]["columns"] == ["input", "output", "score"]
+    rows = table[0]["rows"]
+    assert len(rows) == 3 and all(float(score) in (0.0, 1.0) for _, _, score in rows)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    prompts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+               for p in pq.read_table(tmp_path / "data" / "val.parquet").column("prompt").to_pylist()]
+    assert all(row[0] in prompts for row in rows)

@@ -170,6 +170,7 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
         self.critic_wg: Optional[RayWorkerGroup] = None
         self.rollout_loop = None
         self.val_rollout_loop = None
+        self._val_generations: list[list[str]] = []  # rows of the last validation's sample table
         self.last_batch: Optional[DataProto] = None  # the last trained batch (inspection and tests)
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -262,6 +263,7 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
         reward_metrics: dict[str, list[float]] = {}
         lengths = []
         scored_batches: list[DataProto] = []
+        sample_scores: list[float] = []
         rollout_metrics: list[dict[str, float]] = []
         for i, batch in enumerate(loader):
             self._add_uids(batch, f"val{self.global_steps}_{i}")
@@ -271,6 +273,7 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
             sources = batch.non_tensor_batch.get("data_source", np.array(["unknown"] * len(batch), dtype=object))
             for source, score in zip(sources, scores.sum(dim=-1).tolist()):
                 scores_by_source.setdefault(str(source), []).append(score)
+                sample_scores.append(score)
             for key, value in extra.items():
                 reward_metrics.setdefault(key, []).extend([value] * len(batch))
             lengths.extend(batch.batch["response_mask"].sum(-1).tolist())
@@ -282,7 +285,24 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
         if hasattr(self.val_rollout_loop, "on_validation_end"):
             loop_metrics = self.val_rollout_loop.on_validation_end(scored_batches, self.global_steps)
             metrics.update({f"val/{k}": v for k, v in loop_metrics.items()})
+        self._val_generations = self._generation_rows(scored_batches, sample_scores,
+                                                      self.typed.trainer.log_val_generations)
         return metrics
+
+    def _generation_rows(self, batches: list[DataProto], scores: list[float], limit: int) -> list[list[str]]:
+        """The first `limit` validation samples as [input, output, score] text rows (veRL's log_val_generations):
+        the prompt and the whole response (a dialogue's both sides, role markers included) without padding."""
+        rows: list[list[str]] = []
+        for batch in batches:
+            for i in range(len(batch)):
+                if len(rows) >= limit:
+                    return rows
+                b = batch.batch
+                prompt = b["prompts"][i][b["attention_mask"][i, :b["prompts"].size(1)].bool()]
+                response = b["responses"][i][b["attention_mask"][i, b["prompts"].size(1):].bool()]
+                rows.append([self.tokenizer.decode(prompt.tolist()), self.tokenizer.decode(response.tolist()),
+                             f"{scores[len(rows)]:.4g}"])
+        return rows
 
     # ---------------------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
@@ -298,6 +318,9 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
 
         def log(metrics: dict[str, float], step: int) -> None:
             tracking.log(metrics, step=step)
+            if self._val_generations:
+                tracking.log_table("val/generations", ["input", "output", "score"], self._val_generations, step)
+                self._val_generations = []
             if console is not None:
                 first = getattr(self.rollout_loop, "console_metrics", ())
                 console.info(format_console_line(step, self.total_training_steps, metrics, first))
