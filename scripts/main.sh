@@ -25,7 +25,7 @@
 # trainer refuses to resume a checkpoint of another model (trainer.resume_from_other_model=true forces it).
 # Environment besides the preset variables: PRESET, PRINT_CONFIG_ONLY, MODEL_PATH (the tiny model),
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
-# (1; 2 vLLM), SIM_GPUS (6,7 vLLM), SIM_BASE_PORT (a free port; 5000 vLLM), SCENARIO, WARM_START_STEPS (80, tiny
+# (1; 2 vLLM), SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free port; 5000 vLLM), SCENARIO, WARM_START_STEPS (80, tiny
 # model only), OUTPUT_DIR (outputs), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +53,20 @@ if [[ -n "$USER_SIM_MODEL" ]]; then  # GPU box: one vLLM instance on GPUs 6,7 (T
 else                                 # CPU: two scripted instances
     SIM_INSTANCES=${SIM_INSTANCES:-2}; SIM_TP=${SIM_TP:-1}; SIM_GPUS=${SIM_GPUS:-}
 fi
+if [[ "$POLICY_GPUS" != none ]]; then  # the trainer sees only its GPUs: no worker can land on a simulator's
+    IFS=, read -r -a _policy <<< "$POLICY_GPUS"
+    IFS=, read -r -a _sims <<< "$SIM_GPUS"
+    if (( ${#_policy[@]} != N_GPUS )); then
+        echo "POLICY_GPUS=$POLICY_GPUS lists ${#_policy[@]} GPUs but N_GPUS=$N_GPUS (trainer.n_gpus_per_node)" >&2
+        exit 2
+    fi
+    for _gpu in "${_sims[@]}"; do
+        if [[ ",$POLICY_GPUS," == *",$_gpu,"* ]]; then
+            echo "GPU $_gpu is in both POLICY_GPUS=$POLICY_GPUS and SIM_GPUS=$SIM_GPUS" >&2
+            exit 2
+        fi
+    done
+fi
 DATA_DIR=${DATA_DIR:-$OUTPUT_DIR/prompt_data/$EXPERIMENT}
 CKPT_DIR=${CKPT_DIR:-$OUTPUT_DIR/checkpoints/$EXPERIMENT}
 LOG_DIR=${LOG_DIR:-$OUTPUT_DIR/logs/$EXPERIMENT}
@@ -70,7 +84,9 @@ export PYTHON
 trainer_command() {
     local -a extra
     read -r -a extra <<< "$PRESET_OVERRIDES"
-    TRAIN_CMD=("$PYTHON" -m verl.trainer.main_ppo --config-name sead_trainer
+    TRAIN_CMD=()
+    if [[ "$POLICY_GPUS" != none ]]; then TRAIN_CMD=(env CUDA_VISIBLE_DEVICES="$POLICY_GPUS"); fi
+    TRAIN_CMD+=("$PYTHON" -m verl.trainer.main_ppo --config-name sead_trainer
         actor_rollout_ref.model.path="$MODEL_PATH"
         actor_rollout_ref.model.enable_gradient_checkpointing="$GRAD_CKPT"
         data.train_files="$DATA_DIR/train.parquet"
@@ -112,12 +128,14 @@ ARGS=("$@")
 
 sead_print_preset "$PRESET" "$WHY"
 echo "model: $MODEL_PATH"
+echo "placement: trainer on GPUs ${POLICY_GPUS/none/(CPU workers)}; simulators ${SIM_GPUS:-on CPU (scripted)}"
 if [[ "$DRY_RUN" == 1 ]]; then
     USER_SIM_URLS=${USER_SIM_URLS:-<the $SIM_INSTANCES simulator(s) this script starts>}
     trainer_command
     echo "trainer command:"
-    line="  ${TRAIN_CMD[*]:0:5}"
-    for arg in "${TRAIN_CMD[@]:5}"; do  # one key=value per line, single-quoted where the shell needs it
+    head=5; if [[ "${TRAIN_CMD[0]}" == env ]]; then head=7; fi  # [env CUDA_VISIBLE_DEVICES=...] python -m ...
+    line="  ${TRAIN_CMD[*]:0:head}"
+    for arg in "${TRAIN_CMD[@]:head}"; do  # one key=value per line, single-quoted where the shell needs it
         [[ "$arg" =~ ^[A-Za-z0-9_./:=,@+-]*$ ]] || arg="'${arg//\'/\'\\\'\'}'"
         printf '%s \\\n' "$line"
         line="    $arg"

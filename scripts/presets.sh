@@ -9,7 +9,7 @@
 SEAD_PRESET_VARS=(EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS
                   MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE
                   KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH TEST_FREQ SAVE_FREQ
-                  MAX_CKPT SAVE_HF_MODEL PRESET_OVERRIDES)
+                  MAX_CKPT SAVE_HF_MODEL POLICY_GPUS PRESET_OVERRIDES)
 declare -gA SEAD_PRESET_ORIGIN=()
 
 # Give $1 the value $2 unless the environment set it (non-empty); remember which one it got.
@@ -53,6 +53,7 @@ _sead_cpu_preset() {
     _sead_default SAVE_FREQ 2
     _sead_default MAX_CKPT 2
     _sead_default SAVE_HF_MODEL every
+    _sead_default POLICY_GPUS none
     _sead_default PRESET_OVERRIDES "reward.kwargs.weights.format=4.0 reward.kwargs.weights.profile_accuracy=1.0 \
 reward.kwargs.weights.false_positive=2.0 rollout_loop.config.cache.min_bucket_size=2"
 }
@@ -93,6 +94,7 @@ _sead_gpu_preset() {
     _sead_default SAVE_FREQ 5
     _sead_default MAX_CKPT 2
     _sead_default SAVE_HF_MODEL last
+    _sead_default POLICY_GPUS "$(seq -s, 0 $((N_GPUS - 1)))"
     _sead_default PRESET_OVERRIDES ""
 }
 

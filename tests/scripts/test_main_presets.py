@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_VARS = ("EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS "
                "MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE "
                "KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH TEST_FREQ SAVE_FREQ "
-               "MAX_CKPT PRESET_OVERRIDES PRESET PRINT_CONFIG_ONLY MODEL_PATH USER_SIM_MODEL USER_SIM_URLS "
+               "MAX_CKPT SAVE_HF_MODEL POLICY_GPUS PRESET_OVERRIDES PRESET PRINT_CONFIG_ONLY MODEL_PATH USER_SIM_MODEL USER_SIM_URLS "
                "SIM_INSTANCES SIM_TP SIM_GPUS SIM_BASE_PORT SCENARIO WARM_START_STEPS OUTPUT_DIR SEAD_GPU_MAX_TURNS "
                "DATA_DIR CKPT_DIR LOG_DIR RUN_DIR ROLLOUT_LOG VAL_METRICS").split()
 
@@ -63,6 +63,8 @@ def dry_run(tmp_path: Path, *args: str, script: str = "main.sh", flag: bool = Tr
             value, origin = rest.rsplit("(", 1)
             block[name] = (value.strip(), origin.rstrip(")"))
     words = shlex.split(" ".join(line.strip().removesuffix("\\") for line in lines[at + 1:]))
+    if words[0] == "env":  # the GPU preset runs the trainer with CUDA_VISIBLE_DEVICES=<its GPUs>
+        words = words[2:]
     assert words[:5] == ["python", "-m", "verl.trainer.main_ppo", "--config-name", "sead_trainer"], words[:5]
     overrides = words[5:]
     return done.stdout, block, dict(o.split("=", 1) for o in overrides), overrides
@@ -143,3 +145,33 @@ def test_every_preset_value_is_printed(tmp_path, preset):
     assert list(block) == names
     for name in names:  # each preset sets every variable
         assert preset_file.count(f"_sead_default {name} ") == 2, name
+
+
+def _command_line(out: str) -> str:
+    lines = out.splitlines()
+    return lines[lines.index("trainer command:") + 1]
+
+
+def test_gpu_placement_the_trainer_sees_only_its_gpus(tmp_path):
+    env = {"MODEL_PATH": str(tmp_path / "m"), "USER_SIM_MODEL": "/models/sim"}
+    out, block, _, _ = dry_run(tmp_path, **env)
+    assert block["POLICY_GPUS"] == ("0,1,2,3,4,5", "preset")
+    assert _command_line(out).split()[:2] == ["env", "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5"]
+    assert "placement: trainer on GPUs 0,1,2,3,4,5; simulators 6,7" in out
+    out, block, _, _ = dry_run(tmp_path, N_GPUS="4", POLICY_GPUS="2,3,4,5", SIM_GPUS="0,1", **env)
+    assert _command_line(out).split()[1] == "CUDA_VISIBLE_DEVICES=2,3,4,5"
+    cpu_out, _, _, _ = dry_run(tmp_path, USER_SIM_URLS="http://127.0.0.1:5000")
+    assert not _command_line(cpu_out).strip().startswith("env")
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"POLICY_GPUS": "0,1,2,3,4,6"}, "GPU 6 is in both POLICY_GPUS=0,1,2,3,4,6 and SIM_GPUS=6,7"),
+    ({"POLICY_GPUS": "0,1,2"}, "POLICY_GPUS=0,1,2 lists 3 GPUs but N_GPUS=6"),
+])
+def test_overlapping_or_miscounted_gpus_are_refused(tmp_path, settings, message):
+    clean = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
+    clean.update(OUTPUT_DIR=str(tmp_path / "o"), PYTHON="python", MODEL_PATH=str(tmp_path / "m"),
+                 USER_SIM_MODEL="/models/sim", **settings)
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "main.sh"), "--dry-run"], cwd=tmp_path, env=clean,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr
