@@ -10,38 +10,57 @@ Per-row data (uids, profiles, messages, outcomes) belongs in `batch` or `non_ten
 `meta_info`: every row operation (select, reorder, repeat, chunk, concat) moves the first two together and
 only copies `meta_info` along unchanged, so per-row lists kept there silently fall out of step with the rows.
 
-The DataProto-free helpers (value comparison, meta_info merging, index validation, `union_tensor_dict`) live in
-`verl.protocol_utils`; `union_tensor_dict` is re-exported here.
+Contract violations raise `verl.errors.ContractError`, both a ValueError and an AssertionError (veRL's type).
+The parts live in sibling modules and are re-exported here under their veRL names: DataProto-free helpers
+(`union_tensor_dict`, `union_numpy_dict`) in `verl.protocol_utils`, row operations and `DataProtoConfig` in
+`verl.protocol_rows`, padding/folding functions in `verl.protocol_ops`, tensor (de)serialisation in
+`verl.protocol_serialization`, and `DataProtoFuture` in `verl.protocol_future`.
 """
 
 from __future__ import annotations
 
 import copy
-import pickle
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
-from torch.utils.data import DataLoader
 
+from verl.errors import ContractError
+from verl.protocol_future import DataProtoFuture
+from verl.protocol_ops import (
+    DP_PAD_ROWS_KEY,
+    fold_batch_dim,
+    pad_dataproto_to_divisor,
+    unfold_batch_dim,
+    unpad_dataproto,
+)
+from verl.protocol_rows import DataProtoConfig, RowOpsMixin
+from verl.protocol_serialization import (
+    TensorDictIOMixin,
+    deserialize_single_tensor,
+    deserialize_tensordict,
+    serialize_single_tensor,
+    serialize_tensordict,
+)
 from verl.protocol_utils import (
     IndexLike,
     as_index_array,
     merge_meta_info,
-    rows_to_index,
     to_row_array,
+    union_numpy_dict,
     union_tensor_dict,
     values_equal,
 )
 
 __all__ = [
-    "DP_PAD_ROWS_KEY", "DataProto", "DataProtoItem", "collate_fn", "pad_dataproto_to_divisor", "union_tensor_dict",
+    "DP_PAD_ROWS_KEY", "DataProto", "DataProtoConfig", "DataProtoFuture", "DataProtoItem", "collate_fn",
+    "deserialize_single_tensor", "deserialize_tensordict", "fold_batch_dim", "pad_dataproto_to_divisor",
+    "serialize_single_tensor", "serialize_tensordict", "unfold_batch_dim", "union_numpy_dict", "union_tensor_dict",
     "unpad_dataproto",
-]
-
+]  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -54,7 +73,7 @@ class DataProtoItem:
 
 
 @dataclass(eq=False, repr=False)
-class DataProto:
+class DataProto(RowOpsMixin, TensorDictIOMixin):
     """A batch of rows: tensors (`batch`), per-row numpy arrays (`non_tensor_batch`) and batch-wide `meta_info`.
 
     Equality is identity (comparing tensors/arrays has no single truth value); `repr` is a one-line summary.
@@ -70,17 +89,15 @@ class DataProto:
         self.check_consistency()
 
     def check_consistency(self) -> None:
-        """Raise unless `batch` is a TensorDict with batch dims and each non-tensor an ndarray of the batch length."""
+        """Raise unless `batch` is a TensorDict with one batch dim and each non-tensor an ndarray of the batch length."""
         length = None
         if self.batch is not None:
             if not isinstance(self.batch, TensorDict):
                 raise TypeError(f"DataProto.batch must be a TensorDict or None, got {type(self.batch).__name__}")
-            if len(self.batch.batch_size) == 0:
-                raise ValueError("DataProto.batch must have at least one batch dimension (the rows)")
-            if self.non_tensor_batch and len(self.batch.batch_size) != 1:
-                raise ValueError(
-                    "DataProto with non_tensor_batch needs exactly 1 batch dim, "
-                    f"batch has {tuple(self.batch.batch_size)}"
+            if len(self.batch.batch_size) != 1:
+                raise ContractError(
+                    f"DataProto.batch must have exactly one batch dim (the rows), got {tuple(self.batch.batch_size)}; "
+                    "use fold_batch_dim to group rows"
                 )
             length = self.batch.batch_size[0]
         if not isinstance(self.meta_info, dict):
@@ -89,16 +106,18 @@ class DataProto:
             if not isinstance(value, np.ndarray):
                 raise TypeError(f"non_tensor_batch[{key!r}] must be an np.ndarray, got {type(value).__name__}")
             if value.ndim == 0:
-                raise ValueError(f"non_tensor_batch[{key!r}] is a 0-d array; it needs one entry per row")
+                raise ContractError(f"non_tensor_batch[{key!r}] is a 0-d array; it needs one entry per row")
             if length is None:
                 length = value.shape[0]
             elif value.shape[0] != length:
-                raise ValueError(
+                raise ContractError(
                     f"non_tensor_batch[{key!r}] has length {value.shape[0]}, but the batch size is {length}"
                 )
 
     @classmethod
-    def from_single_dict(cls, data: Mapping[str, Any], meta_info: dict | None = None) -> DataProto:
+    def from_single_dict(
+        cls, data: Mapping[str, Any], meta_info: dict | None = None, auto_padding: bool = False
+    ) -> DataProto:
         """Build from one dict, sorting values into tensors (-> batch) and ndarrays (-> non_tensor_batch)."""
         tensors, non_tensors = {}, {}
         for key, value in data.items():
@@ -108,7 +127,7 @@ class DataProto:
                 non_tensors[key] = value
             else:
                 raise TypeError(f"from_single_dict: key {key!r} has unsupported type {type(value).__name__}")
-        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info, auto_padding=auto_padding)
 
     @classmethod
     def from_dict(
@@ -117,13 +136,16 @@ class DataProto:
         non_tensors: Mapping[str, Any] | None = None,
         meta_info: dict | None = None,
         num_batch_dims: int = 1,
+        auto_padding: bool = False,
     ) -> DataProto:
-        """Build from tensors sharing their first `num_batch_dims` dims, per-row arrays and meta_info.
+        """Build from tensors sharing their first dim (the rows), per-row arrays and meta_info.
 
-        A list or tuple in `non_tensors` becomes a 1-D object array with one element per row.
+        A list or tuple in `non_tensors` becomes a 1-D object array with one element per row. `num_batch_dims`
+        (veRL's argument) must be 1: a DataProto has exactly one batch dim. `auto_padding=True` lets `chunk`
+        split this DataProto unevenly (see `DataProtoConfig`).
         """
-        if num_batch_dims < 1:
-            raise ValueError(f"num_batch_dims must be >= 1, got {num_batch_dims}")
+        if num_batch_dims != 1:
+            raise ContractError(f"from_dict: a DataProto has exactly one batch dim; num_batch_dims={num_batch_dims}")
         tensors = dict(tensors or {})
         non_tensors = {key: to_row_array(value, key) for key, value in (non_tensors or {}).items()}
         batch = None
@@ -134,18 +156,21 @@ class DataProto:
                     raise TypeError(f"from_dict: tensors[{key!r}] is a {type(tensor).__name__}, not a torch.Tensor")
                 shape = tuple(tensor.shape[:num_batch_dims])
                 if len(shape) < num_batch_dims:
-                    raise ValueError(
+                    raise ContractError(
                         f"from_dict: tensors[{key!r}] has {tensor.dim()} dims < num_batch_dims={num_batch_dims}"
                     )
                 if batch_size is None:
                     batch_size, first_key = shape, key
                 elif shape != batch_size:
-                    raise ValueError(
+                    raise ContractError(
                         f"from_dict: tensors[{key!r}] has batch shape {shape}, "
                         f"but tensors[{first_key!r}] has {batch_size}"
                     )
             batch = TensorDict(tensors, batch_size=batch_size)
-        return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(meta_info or {}))
+        meta_info = dict(meta_info or {})
+        if auto_padding:
+            meta_info[DataProtoConfig.auto_padding_key] = True
+        return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=meta_info)
 
     def __len__(self) -> int:
         if self.batch is not None:
@@ -264,12 +289,12 @@ class DataProto:
     def union(self, other: DataProto) -> DataProto:
         """Merge `other` into self (in place) and return self; keys present in both must hold equal values."""
         if self._has_rows() and other._has_rows() and len(self) != len(other):
-            raise ValueError(f"union: batch sizes differ: {len(self)} vs {len(other)}")
+            raise ContractError(f"union: batch sizes differ: {len(self)} vs {len(other)}")
         if other.batch is not None:
             self.batch = other.batch.copy() if self.batch is None else union_tensor_dict(self.batch, other.batch)
         for key, value in other.non_tensor_batch.items():
             if key in self.non_tensor_batch and not values_equal(self.non_tensor_batch[key], value):
-                raise ValueError(f"union: non_tensor_batch key {key!r} is in both batches with different values")
+                raise ContractError(f"union: non_tensor_batch key {key!r} is in both batches with different values")
             self.non_tensor_batch[key] = value
         merge_meta_info(self.meta_info, other.meta_info, "union")
         self.check_consistency()
@@ -289,44 +314,6 @@ class DataProto:
         non_tensor_batch = {key: value[rows] for key, value in self.non_tensor_batch.items()}
         return type(self)(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=dict(self.meta_info))
 
-    def reorder(self, indices: IndexLike) -> None:
-        """Permute the rows in place (tensors and non-tensors alike); `indices` must be a permutation of range(len)."""
-        index = as_index_array(indices, len(self))
-        if not np.array_equal(np.sort(index), np.arange(len(self))):
-            raise ValueError(
-                f"reorder: indices must be a permutation of range({len(self)}); got {len(index)} indices, "
-                f"{len(np.unique(index))} distinct"
-            )
-        if self.batch is not None:
-            self.batch = self.batch[torch.from_numpy(index)]
-        self.non_tensor_batch = {key: value[index] for key, value in self.non_tensor_batch.items()}
-
-    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
-        """Repeat every row `repeat_times` times: interleaved (a a b b) or tiled (a b a b)."""
-        if repeat_times < 1:
-            raise ValueError(f"repeat: repeat_times must be >= 1, got {repeat_times}")
-        rows = np.arange(len(self))
-        index = np.repeat(rows, repeat_times) if interleave else np.tile(rows, repeat_times)
-        return self.select_idxs(index)
-
-    def chunk(self, chunks: int) -> list[DataProto]:
-        """Split into `chunks` equal consecutive parts; the batch size must be divisible by `chunks`."""
-        if chunks < 1:
-            raise ValueError(f"chunk: chunks must be >= 1, got {chunks}")
-        if len(self) % chunks != 0:
-            raise ValueError(
-                f"chunk: batch size {len(self)} is not divisible by chunks={chunks} "
-                "(pad first with pad_dataproto_to_divisor)"
-            )
-        size = len(self) // chunks
-        return [self.slice(i * size, (i + 1) * size) for i in range(chunks)]
-
-    def split(self, split_size: int) -> list[DataProto]:
-        """Split into consecutive parts of `split_size` rows (the last part may be smaller)."""
-        if split_size < 1:
-            raise ValueError(f"split: split_size must be >= 1, got {split_size}")
-        return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
-
     @staticmethod
     def concat(data: Sequence[DataProto]) -> DataProto:
         """Concatenate along rows (all parts need the same keys); merge meta_info, gathering `metrics` into lists.
@@ -335,19 +322,19 @@ class DataProto:
         list of dicts per part; the result maps each name to the list of all values (list values are extended).
         """
         if not data:
-            raise ValueError("concat: needs at least one DataProto")
+            raise ContractError("concat: needs at least one DataProto")
         has_batch = [d.batch is not None for d in data]
         if any(has_batch) and not all(has_batch):
-            raise ValueError("concat: some parts have a tensor batch and some do not")
+            raise ContractError("concat: some parts have a tensor batch and some do not")
         batch_keys = set(data[0].batch.keys()) if all(has_batch) else set()
         keys = set(data[0].non_tensor_batch)
         for i, d in enumerate(data):
             if d.batch is not None and set(d.batch.keys()) != batch_keys:
-                raise ValueError(
+                raise ContractError(
                     f"concat: part {i} has batch keys {sorted(d.batch.keys())}, part 0 has {sorted(batch_keys)}"
                 )
             if set(d.non_tensor_batch) != keys:
-                raise ValueError(
+                raise ContractError(
                     f"concat: part {i} has non_tensor_batch keys {sorted(d.non_tensor_batch)}, "
                     f"part 0 has {sorted(keys)}"
                 )
@@ -366,76 +353,6 @@ class DataProto:
         if gathered:
             meta_info["metrics"] = gathered
         return type(data[0])(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
-
-    def make_iterator(
-        self, mini_batch_size: int, epochs: int, seed: int | None = None, dataloader_kwargs: dict | None = None
-    ) -> Iterator[DataProto]:
-        """Yield mini-batches of `mini_batch_size` rows for `epochs` passes.
-
-        `dataloader_kwargs` go to the torch DataLoader over the row numbers (e.g. `{"shuffle": True}`); `seed`
-        seeds its generator, so the shuffled order is reproducible. Each mini-batch carries a copy of meta_info.
-        """
-        if mini_batch_size < 1 or len(self) % mini_batch_size != 0:
-            raise ValueError(
-                f"make_iterator: batch size {len(self)} is not divisible by mini_batch_size={mini_batch_size}"
-            )
-        generator = None
-        if seed is not None:
-            generator = torch.Generator()
-            generator.manual_seed(seed)
-        loader = DataLoader(
-            range(len(self)),
-            batch_size=mini_batch_size,
-            collate_fn=rows_to_index,
-            generator=generator,
-            **(dataloader_kwargs or {}),
-        )
-
-        def iterate() -> Iterator[DataProto]:
-            for _ in range(epochs):
-                for index in loader:
-                    yield self.select_idxs(index)
-
-        return iterate()
-
-    def save_to_disk(self, filepath: str) -> None:
-        """Pickle this DataProto to `filepath`."""
-        with open(filepath, "wb") as f:
-            pickle.dump(self, f)
-
-    @staticmethod
-    def load_from_disk(filepath: str) -> DataProto:
-        """Load a DataProto written by `save_to_disk` (pickle: only load files you trust)."""
-        with open(filepath, "rb") as f:
-            data = pickle.load(f)
-        if not isinstance(data, DataProto):
-            raise TypeError(f"{filepath} does not hold a DataProto but a {type(data).__name__}")
-        return data
-
-
-DP_PAD_ROWS_KEY = "dp_pad_rows"
-"""meta_info key set by the `DP_COMPUTE_PROTO` dispatch on a chunk that ends with padding rows: how many."""
-
-
-def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
-    """Pad `data` to a multiple of `size_divisor` rows by repeating its leading rows; return (padded, pad_size)."""
-    if size_divisor < 1:
-        raise ValueError(f"pad_dataproto_to_divisor: size_divisor must be >= 1, got {size_divisor}")
-    length = len(data)
-    pad_size = (size_divisor - length % size_divisor) % size_divisor
-    if pad_size == 0:
-        return data, 0
-    if length == 0:
-        raise ValueError("pad_dataproto_to_divisor: cannot pad an empty DataProto")
-    return data.select_idxs(np.arange(length + pad_size) % length), pad_size
-
-
-def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
-    """Drop the last `pad_size` rows added by `pad_dataproto_to_divisor`."""
-    if not 0 <= pad_size <= len(data):
-        raise ValueError(f"unpad_dataproto: pad_size {pad_size} is outside [0, {len(data)}]")
-    return data if pad_size == 0 else data.slice(0, len(data) - pad_size)
-
 
 def collate_fn(items: Sequence[DataProtoItem | Mapping[str, Any]]) -> DataProto:
     """Stack rows (dicts or DataProtoItems) into a DataProto: tensors are stacked, other values kept per row."""

@@ -58,11 +58,13 @@ def test_from_dict_rejects_mismatched_tensor_batch():
         DataProto.from_dict(tensors={"a": torch.zeros(3, 2), "b": torch.zeros(4, 2)})
 
 
-def test_from_dict_num_batch_dims_two():
-    data = DataProto.from_dict(tensors={"a": torch.zeros(2, 3, 4)}, num_batch_dims=2)
-    assert data.batch.batch_size == torch.Size([2, 3])
-    with pytest.raises(ValueError, match="exactly 1 batch dim"):
-        DataProto.from_dict(tensors={"a": torch.zeros(2, 3, 4)}, non_tensors={"u": np.zeros(2)}, num_batch_dims=2)
+def test_from_dict_needs_one_batch_dim_as_in_verl():
+    # veRL's DataProto has exactly one batch dim; a second one is a contract error (ValueError and AssertionError)
+    for error in (ValueError, AssertionError):
+        with pytest.raises(error, match="exactly one batch dim"):
+            DataProto.from_dict(tensors={"a": torch.zeros(2, 3, 4)}, num_batch_dims=2)
+    with pytest.raises(ValueError, match="exactly one batch dim"):
+        DataProto(batch=TensorDict({"a": torch.zeros(2, 3)}, batch_size=[2, 3]))
 
 
 def test_from_single_dict_splits_types():

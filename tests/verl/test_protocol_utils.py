@@ -22,7 +22,7 @@ def test_values_equal_handles_nan_containers_and_type_mismatches():
 def test_merge_meta_info_names_the_conflicting_key():
     target = {"temperature": 1.0}
     assert merge_meta_info(target, {"temperature": 1.0, "n": 2}, "here") == {"temperature": 1.0, "n": 2}
-    with pytest.raises(ValueError, match=r"here: meta_info key 'temperature' conflicts: 1.0 != 0.5"):
+    with pytest.raises(ValueError, match=r"here: Conflicting values for meta_info key 'temperature': 1.0 != 0.5"):
         merge_meta_info(target, {"temperature": 0.5}, "here")
 
 

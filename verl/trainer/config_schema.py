@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
 CONFIG_NAME = "ppo_trainer"
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_vectorized", "rloo_vectorized")
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard", "mlflow")
 

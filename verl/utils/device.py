@@ -17,6 +17,11 @@ def get_device_name() -> str:
     return "cuda" if is_cuda_available() else "cpu"
 
 
+def get_nccl_backend() -> str:
+    """veRL's name for `get_dist_backend()`: the collective backend of this device ("nccl" on CUDA, "gloo" on CPU)."""
+    return get_dist_backend()
+
+
 def get_dist_backend() -> str:
     """The torch.distributed backend matching `get_device_name()`: "nccl" on CUDA, "gloo" on CPU."""
     return "nccl" if is_cuda_available() else "gloo"

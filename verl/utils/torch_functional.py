@@ -14,6 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from verl.utils.torch_functional_extra import (  # noqa: F401  (veRL's names, re-exported)
+    calculate_sum_pi_squared_from_logits,
+    distributed_masked_mean,
+    distributed_mean_max_min_std,
+    expand_as_nested,
+)
+
 # Elements of one (rows, vocab) chunk processed at a time: 2**24 float32 values = 64 MiB.
 _CHUNK_ELEMENTS = 2**24
 
@@ -152,12 +159,22 @@ class _Entropy(torch.autograd.Function):
         return grad_logits, None
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True, *, chunk_size: int | None = None
+) -> torch.Tensor:
     """Log-probability of `labels` (...,) under softmax(`logits`) (..., V); differentiable w.r.t. logits.
 
-    Rows are processed `chunk_size` at a time (default: about 2**24 logits per chunk); the result is float32
-    (float64 for float64 logits).
+    Positional order as veRL: `(logits, labels, inplace_backward)`. `inplace_backward` is accepted for veRL
+    compatibility and changes nothing: veRL uses it to let flash-attn's kernel overwrite the logits with their
+    gradient; here the backward already builds the gradient chunk by chunk without a second full-vocab buffer.
+    Rows are processed `chunk_size` (keyword-only) at a time (default: about 2**24 logits per chunk); the result
+    is float32 (float64 for float64 logits).
     """
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(
+            "logprobs_from_logits: the 3rd positional argument is `inplace_backward` (veRL's order), got "
+            f"{inplace_backward!r}; pass chunk_size as a keyword"
+        )
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logprobs_from_logits: logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}"

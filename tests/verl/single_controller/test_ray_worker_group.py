@@ -11,8 +11,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-from verl.protocol import DataProto
-from verl.single_controller.base import Dispatch, Execute, PendingResult, Worker, WorkerGroupError, register
+from verl.protocol import DataProto, DataProtoFuture
+from verl.single_controller.base import Dispatch, Execute, Worker, WorkerGroupError, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
 pytestmark = pytest.mark.slow
@@ -183,7 +183,7 @@ def test_execute_helpers_and_non_blocking(group):
     assert ray.get(group.execute_all_async("plain", 1)) == [1, 2]
     assert group.execute_rank_zero_sync("plain", 3) == 3
     pending = group.square_later(4)
-    assert isinstance(pending, PendingResult)
+    assert isinstance(pending, DataProtoFuture)
     assert pending.get() == [16, 17]
     with pytest.raises(AttributeError, match="has no method 'missing'"):
         group.execute_all_sync("missing")

@@ -104,7 +104,7 @@ def test_logprob_and_entropy_gradients_match_autograd_reference(chunk_size):
     weights = torch.randn(3, 4, dtype=torch.float64)
 
     ours = base.clone().requires_grad_(True)
-    loss = (verl_F.logprobs_from_logits(ours, labels, chunk_size) * weights).sum()
+    loss = (verl_F.logprobs_from_logits(ours, labels, chunk_size=chunk_size) * weights).sum()
     loss = loss + (verl_F.entropy_from_logits(ours, chunk_size) * weights.flip(0)).sum()
     loss.backward()
 
@@ -121,7 +121,7 @@ def test_gradcheck_float64():
     torch.manual_seed(4)
     logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 6, (5,))
-    assert torch.autograd.gradcheck(lambda z: verl_F.logprobs_from_logits(z, labels, 2), (logits,))
+    assert torch.autograd.gradcheck(lambda z: verl_F.logprobs_from_logits(z, labels, chunk_size=2), (logits,))
     assert torch.autograd.gradcheck(lambda z: verl_F.entropy_from_logits(z, 2), (logits,))
 
 

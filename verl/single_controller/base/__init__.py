@@ -2,6 +2,6 @@
 
 from verl.single_controller.base.decorator import Dispatch, Execute, register
 from verl.single_controller.base.worker import Worker
-from verl.single_controller.base.worker_group import PendingResult, WorkerGroup, WorkerGroupError
+from verl.single_controller.base.worker_group import WorkerGroup, WorkerGroupError
 
-__all__ = ["Dispatch", "Execute", "PendingResult", "Worker", "WorkerGroup", "WorkerGroupError", "register"]
+__all__ = ["Dispatch", "Execute", "Worker", "WorkerGroup", "WorkerGroupError", "register"]

@@ -27,56 +27,68 @@ Padding repeats the batch's leading rows, so with `DP_COMPUTE_PROTO` a batch tha
 size gets a few rows computed twice. For inference that is harmless (the duplicates are dropped at collection).
 So that an update does not train on them twice, the chunk of a rank that holds padding rows says how many in
 `meta_info[DP_PAD_ROWS_KEY]` (they are always its last rows); the PPO actor and critic give them no loss.
+
+veRL's extension API is supported: `register_dispatch_mode(name, dispatch_fn, collect_fn)` adds `Dispatch.<name>`,
+`update_dispatch_mode` replaces a mode's functions, `get_predefined_dispatch_fn(mode)` returns them, and
+`register(dispatch_mode={"dispatch_fn": ..., "collect_fn": ...})` (e.g. `make_nd_compute_dataproto_dispatch_fn`)
+uses a pair directly. Such user functions follow veRL's calling convention: `dispatch_fn(worker_group, *args,
+**kwargs) -> (args, kwargs)`, where an argument that is a list of world-size items is split over the ranks
+(when all are) and `collect_fn(worker_group, outputs)`. The built-in functions (`verl.single_controller.base.
+dispatch_fns`) are pure functions of the world size instead, marked as such in `DISPATCH_MODE_FN_REGISTRY`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-from verl.protocol import DP_PAD_ROWS_KEY, DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl.errors import ContractError
+from verl.protocol import DP_PAD_ROWS_KEY
+from verl.single_controller.base.dispatch_fns import (
+    CollectFn,
+    DispatchFn,
+    DispatchPlan,
+    collect_all,
+    collect_dp_compute_proto,
+    collect_rank_zero,
+    dispatch_all_to_all,
+    dispatch_dp_compute,
+    dispatch_dp_compute_metric,
+    dispatch_dp_compute_proto,
+    dispatch_one_to_all,
+    dispatch_rank_zero,
+)
+from verl.single_controller.base.dynamic_enum import DynamicEnum
+from verl.single_controller.base.nd_dispatch import make_nd_compute_dataproto_dispatch_fn
 
 __all__ = [
-    "DP_PAD_ROWS_KEY",
-    "REGISTER_ATTR",
-    "Dispatch",
-    "DispatchPlan",
-    "Execute",
-    "RegisterSpec",
-    "collect_all",
-    "collect_dp_compute_proto",
-    "collect_rank_zero",
-    "dispatch_all_to_all",
-    "dispatch_dp_compute",
-    "dispatch_dp_compute_metric",
-    "dispatch_dp_compute_proto",
-    "dispatch_one_to_all",
-    "dispatch_rank_zero",
-    "get_dispatch_fns",
-    "get_register_spec",
-    "register",
-]
+    "DISPATCH_MODE_FN_REGISTRY", "DP_PAD_ROWS_KEY", "REGISTER_ATTR", "Dispatch", "DispatchPlan", "Execute",
+    "RegisterSpec", "collect_all", "collect_dp_compute_proto", "collect_rank_zero", "dispatch_all_to_all",
+    "dispatch_dp_compute", "dispatch_dp_compute_metric", "dispatch_dp_compute_proto", "dispatch_one_to_all",
+    "dispatch_rank_zero", "get_dispatch_fns", "get_predefined_dispatch_fn", "get_register_spec",
+    "make_nd_compute_dataproto_dispatch_fn", "register", "register_dispatch_mode", "resolve_dispatch_fns",
+    "update_dispatch_mode",
+]  # fmt: skip
 
 REGISTER_ATTR = "_verl_register_spec"
 """Name of the attribute `register` sets on a worker method."""
 
-Call = tuple[tuple, dict]
 F = TypeVar("F", bound=Callable[..., Any])
-DispatchFn = Callable[[int, tuple, dict], "DispatchPlan"]
-CollectFn = Callable[[Sequence[Any], "DispatchPlan"], Any]
+FnPair = Mapping[str, Callable[..., Any]]
 
 
-class Dispatch(Enum):
-    """How a worker-group call is split over the ranks and how the results are gathered (see the module docstring)."""
+class Dispatch(DynamicEnum):
+    """How a worker-group call is split over the ranks and how the results are gathered (see the module docstring).
 
-    RANK_ZERO = "rank_zero"
-    ONE_TO_ALL = "one_to_all"
-    ALL_TO_ALL = "all_to_all"
-    DP_COMPUTE = "dp_compute"
-    DP_COMPUTE_PROTO = "dp_compute_proto"
-    DP_COMPUTE_METRIC = "dp_compute_metric"
+    Members: RANK_ZERO, ONE_TO_ALL, ALL_TO_ALL, DP_COMPUTE, DP_COMPUTE_PROTO, DP_COMPUTE_METRIC, plus those added
+    by `register_dispatch_mode`.
+    """
+
+
+for _name in ("RANK_ZERO", "ONE_TO_ALL", "ALL_TO_ALL", "DP_COMPUTE", "DP_COMPUTE_PROTO", "DP_COMPUTE_METRIC"):
+    Dispatch.register(_name)
 
 
 class Execute(Enum):
@@ -86,11 +98,83 @@ class Execute(Enum):
     RANK_ZERO = "rank_zero"
 
 
+def _builtin(dispatch_fn: DispatchFn, collect_fn: CollectFn) -> dict[str, Any]:
+    """A registry entry of built-in (world-size based, `DispatchPlan`) functions."""
+    return {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn, "plan_style": True}
+
+
+DISPATCH_MODE_FN_REGISTRY: dict[Dispatch, dict[str, Any]] = {
+    Dispatch.RANK_ZERO: _builtin(dispatch_rank_zero, collect_rank_zero),
+    Dispatch.ONE_TO_ALL: _builtin(dispatch_one_to_all, collect_all),
+    Dispatch.ALL_TO_ALL: _builtin(dispatch_all_to_all, collect_all),
+    Dispatch.DP_COMPUTE: _builtin(dispatch_dp_compute, collect_all),
+    Dispatch.DP_COMPUTE_PROTO: _builtin(dispatch_dp_compute_proto, collect_dp_compute_proto),
+    Dispatch.DP_COMPUTE_METRIC: _builtin(dispatch_dp_compute_metric, collect_all),
+}
+"""`{mode: {"dispatch_fn", "collect_fn"[, "plan_style"]}}`; entries without `plan_style` use veRL's convention."""
+
+
+def _check_dispatch_mode(dispatch_mode: Any) -> None:
+    """Raise TypeError unless `dispatch_mode` is a registered Dispatch member or a dispatch/collect function pair."""
+    if isinstance(dispatch_mode, Mapping):
+        missing = {"dispatch_fn", "collect_fn"} - set(dispatch_mode)
+        if missing or not all(callable(dispatch_mode[k]) for k in ("dispatch_fn", "collect_fn")):
+            raise TypeError(f"register: a dispatch_mode dict needs callable 'dispatch_fn' and 'collect_fn', got "
+                            f"{sorted(dispatch_mode)}")
+    elif not (isinstance(dispatch_mode, Dispatch) and dispatch_mode in Dispatch):
+        raise TypeError(f"register: dispatch_mode must be a Dispatch member (or a dispatch/collect dict), "
+                        f"got {dispatch_mode!r}")
+
+
+def register_dispatch_mode(name: str, dispatch_fn: Callable[..., Any], collect_fn: Callable[..., Any]) -> None:
+    """Add `Dispatch.<name>` with user functions (veRL's convention, see the module docstring)."""
+    if not (callable(dispatch_fn) and callable(collect_fn)):
+        raise TypeError("register_dispatch_mode: dispatch_fn and collect_fn must be callable")
+    mode = Dispatch.register(name)
+    DISPATCH_MODE_FN_REGISTRY[mode] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
+
+
+def update_dispatch_mode(
+    dispatch_mode: Dispatch, dispatch_fn: Callable[..., Any], collect_fn: Callable[..., Any]
+) -> None:
+    """Replace the functions of an existing mode by user functions (veRL's convention)."""
+    _check_dispatch_mode(dispatch_mode)
+    if not (callable(dispatch_fn) and callable(collect_fn)):
+        raise TypeError("update_dispatch_mode: dispatch_fn and collect_fn must be callable")
+    DISPATCH_MODE_FN_REGISTRY[dispatch_mode] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
+
+
+def get_predefined_dispatch_fn(dispatch_mode: Dispatch) -> dict[str, Callable[..., Any]]:
+    """`{"dispatch_fn": ..., "collect_fn": ...}` of a registered mode."""
+    _check_dispatch_mode(dispatch_mode)
+    if dispatch_mode not in DISPATCH_MODE_FN_REGISTRY:
+        raise ContractError(f"dispatch mode {dispatch_mode!r} has no registered functions")
+    entry = DISPATCH_MODE_FN_REGISTRY[dispatch_mode]
+    return {"dispatch_fn": entry["dispatch_fn"], "collect_fn": entry["collect_fn"]}
+
+
+def resolve_dispatch_fns(dispatch_mode: Dispatch | FnPair) -> tuple[Callable[..., Any], Callable[..., Any], bool]:
+    """`(dispatch_fn, collect_fn, plan_style)` for a mode or a function pair; plan_style marks the built-ins."""
+    _check_dispatch_mode(dispatch_mode)
+    entry = dispatch_mode if isinstance(dispatch_mode, Mapping) else DISPATCH_MODE_FN_REGISTRY.get(dispatch_mode)
+    if entry is None:
+        raise ContractError(f"dispatch mode {dispatch_mode!r} has no registered functions")
+    return entry["dispatch_fn"], entry["collect_fn"], bool(entry.get("plan_style", False))
+
+
+def get_dispatch_fns(mode: Dispatch) -> tuple[DispatchFn, CollectFn]:
+    """Return the built-in `(dispatch_fn, collect_fn)` pair (world-size based) of a built-in dispatch mode."""
+    dispatch_fn, collect_fn, plan_style = resolve_dispatch_fns(mode)
+    if not plan_style:
+        raise ValueError(f"dispatch mode {mode!r} uses user functions (veRL's convention), not built-in ones")
+    return dispatch_fn, collect_fn
+
+
 @dataclass(frozen=True)
 class RegisterSpec:
     """What `register` attached to a worker method: its dispatch mode, execute mode and blocking flag."""
 
-    dispatch_mode: Dispatch
+    dispatch_mode: Dispatch | FnPair
     execute_mode: Execute
     blocking: bool
 
@@ -101,15 +185,19 @@ class RegisterSpec:
 
 
 def register(
-    dispatch_mode: Dispatch = Dispatch.ALL_TO_ALL, execute_mode: Execute = Execute.ALL, blocking: bool = True
+    dispatch_mode: Dispatch | FnPair = Dispatch.ALL_TO_ALL,
+    execute_mode: Execute = Execute.ALL,
+    blocking: bool = True,
+    materialize_futures: bool = True,
 ) -> Callable[[F], F]:
     """Mark a worker method for binding onto its worker group with the given dispatch/execute modes.
 
     The method itself is returned unchanged (it still runs as written inside the worker); only a `RegisterSpec`
-    is attached to it. With `blocking=False` the group method returns a `PendingResult` whose `get()` waits.
+    is attached to it. With `blocking=False` the group method returns a `DataProtoFuture` whose `get()` waits.
+    `dispatch_mode` may also be a `{"dispatch_fn", "collect_fn"}` dict. `materialize_futures` (veRL's flag) is
+    accepted; a `DataProtoFuture` argument is always waited for on the driver before dispatch.
     """
-    if not isinstance(dispatch_mode, Dispatch):
-        raise TypeError(f"register: dispatch_mode must be a Dispatch member, got {dispatch_mode!r}")
+    _check_dispatch_mode(dispatch_mode)
     if not isinstance(execute_mode, Execute):
         raise TypeError(f"register: execute_mode must be an Execute member, got {execute_mode!r}")
     if not isinstance(blocking, bool):
@@ -129,190 +217,3 @@ def get_register_spec(method: Any) -> RegisterSpec | None:
     """Return the `RegisterSpec` attached by `register` to `method`, or None if it was not registered."""
     spec = getattr(method, REGISTER_ATTR, None)
     return spec if isinstance(spec, RegisterSpec) else None
-
-
-@dataclass
-class DispatchPlan:
-    """The per-rank calls produced by a dispatch function, plus what its collect function needs.
-
-    `calls[r]` is the `(args, kwargs)` for rank `r`; `pad_size` is the number of padding rows appended to the
-    batch by `DP_COMPUTE_PROTO` and `padded_rows` the batch size after padding (both 0 for other modes).
-    """
-
-    calls: list[Call]
-    pad_size: int = 0
-    padded_rows: int = 0
-
-
-def _check_world_size(world_size: int) -> None:
-    """Raise unless `world_size` is a positive int."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"dispatch: world_size must be a positive int, got {world_size!r}")
-
-
-def dispatch_rank_zero(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
-    """`Dispatch.RANK_ZERO`: a single call, for rank 0, with the arguments as given."""
-    _check_world_size(world_size)
-    return DispatchPlan(calls=[(tuple(args), dict(kwargs))])
-
-
-def dispatch_one_to_all(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
-    """`Dispatch.ONE_TO_ALL`: every rank receives the same arguments."""
-    _check_world_size(world_size)
-    return DispatchPlan(calls=[(tuple(args), dict(kwargs)) for _ in range(world_size)])
-
-
-def _split_lists(mode: str, world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
-    """Give rank `r` item `r` of every argument; each argument must be a list/tuple of `world_size` items."""
-    _check_world_size(world_size)
-    named: list[tuple[str, Any]] = [(f"positional argument {i}", a) for i, a in enumerate(args)]
-    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
-    for where, value in named:
-        if not isinstance(value, (list, tuple)) or len(value) != world_size:
-            got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else repr(type(value))
-            raise ValueError(
-                f"{mode}: {where} must be a list of world_size={world_size} items (one per rank), got {got}"
-            )
-    return DispatchPlan(
-        calls=[(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world_size)]
-    )
-
-
-def dispatch_all_to_all(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
-    """`Dispatch.ALL_TO_ALL`: rank `r` receives item `r` of every argument (each a list of `world_size` items)."""
-    return _split_lists("ALL_TO_ALL", world_size, args, kwargs)
-
-
-def dispatch_dp_compute(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
-    """`Dispatch.DP_COMPUTE`: rank `r` receives item `r` of every argument (each a list of `world_size` items)."""
-    return _split_lists("DP_COMPUTE", world_size, args, kwargs)
-
-
-def _chunk_protos(mode: str, world_size: int, args: tuple, kwargs: dict, pad: bool) -> DispatchPlan:
-    """Chunk every DataProto argument over the ranks (padding first if `pad`); other arguments go to all ranks."""
-    _check_world_size(world_size)
-    named: list[tuple[str, Any]] = [(f"positional argument {i}", a) for i, a in enumerate(args)]
-    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
-    protos = [(where, value) for where, value in named if isinstance(value, DataProto)]
-    if not protos:
-        raise TypeError(f"{mode}: expects at least one DataProto argument, got types {[type(v).__name__ for _, v in named]}")
-    first_where, first = protos[0]
-    for where, value in protos[1:]:
-        if len(value) != len(first):
-            raise ValueError(
-                f"{mode}: all DataProto arguments need the same batch size; {first_where} has {len(first)} rows, "
-                f"{where} has {len(value)}"
-            )
-    if len(first) == 0:
-        raise ValueError(f"{mode}: {first_where} is an empty DataProto; there is nothing to split over the ranks")
-
-    pad_size = 0
-    padded_rows = len(first)
-    chunks: dict[str, list[DataProto]] = {}
-    for where, value in protos:
-        value = _without_pad_marker(value)
-        if pad:
-            value, pad_size = pad_dataproto_to_divisor(value, world_size)
-            padded_rows = len(value)
-        elif len(value) % world_size != 0:
-            raise ValueError(
-                f"{mode}: {where} has {len(value)} rows, not divisible by world_size={world_size} "
-                "(this mode does not pad, so that metrics are not skewed by repeated rows)"
-            )
-        chunks[where] = value.chunk(world_size)
-        if pad_size:
-            _mark_padding_rows(chunks[where], padded_rows - pad_size)
-
-    def pick(where: str, value: Any, rank: int) -> Any:
-        return chunks[where][rank] if where in chunks else value
-
-    n_args = len(args)
-    calls = []
-    for rank in range(world_size):
-        rank_args = tuple(pick(where, value, rank) for where, value in named[:n_args])
-        rank_kwargs = {key: pick(where, value, rank) for key, (where, value) in zip(kwargs, named[n_args:])}
-        calls.append((rank_args, rank_kwargs))
-    return DispatchPlan(calls=calls, pad_size=pad_size, padded_rows=padded_rows)
-
-
-def _mark_padding_rows(chunks: list[DataProto], real_rows: int) -> None:
-    """Set `meta_info[DP_PAD_ROWS_KEY]` on each chunk holding rows past the first `real_rows` (the padding)."""
-    start = 0
-    for chunk in chunks:
-        end = start + len(chunk)
-        padding = end - max(start, real_rows)
-        if padding > 0:
-            chunk.meta_info = {**chunk.meta_info, DP_PAD_ROWS_KEY: padding}
-        start = end
-
-
-def dispatch_dp_compute_proto(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
-    """`Dispatch.DP_COMPUTE_PROTO`: pad each DataProto argument to a multiple of the world size, give rank `r` chunk `r`."""
-    return _chunk_protos("DP_COMPUTE_PROTO", world_size, args, kwargs, pad=True)
-
-
-def dispatch_dp_compute_metric(world_size: int, args: tuple, kwargs: dict) -> DispatchPlan:
-    """`Dispatch.DP_COMPUTE_METRIC`: give rank `r` chunk `r` of each DataProto argument (sizes must divide evenly)."""
-    return _chunk_protos("DP_COMPUTE_METRIC", world_size, args, kwargs, pad=False)
-
-
-def collect_all(outputs: Sequence[Any], plan: DispatchPlan) -> list[Any]:
-    """Return the per-rank results as a list in rank order."""
-    return list(outputs)
-
-
-def collect_rank_zero(outputs: Sequence[Any], plan: DispatchPlan) -> Any:
-    """Return rank 0's result."""
-    if not outputs:
-        raise ValueError("collect_rank_zero: no result to collect (rank 0 did not run)")
-    return outputs[0]
-
-
-def _without_pad_marker(data: DataProto) -> DataProto:
-    """`data` without `meta_info[DP_PAD_ROWS_KEY]` (a worker may echo its input's meta_info), sharing the rows."""
-    if DP_PAD_ROWS_KEY not in data.meta_info:
-        return data
-    meta_info = {key: value for key, value in data.meta_info.items() if key != DP_PAD_ROWS_KEY}
-    return DataProto(batch=data.batch, non_tensor_batch=data.non_tensor_batch, meta_info=meta_info)
-
-
-def collect_dp_compute_proto(outputs: Sequence[Any], plan: DispatchPlan) -> DataProto:
-    """Concatenate the per-rank DataProto results in rank order and drop the padding rows added at dispatch.
-
-    A result with row data must hold one row per (padded) input row whenever padding was added, since otherwise
-    the padding rows cannot be located; results holding only `meta_info` (e.g. update metrics) are merged as is.
-    """
-    for rank, output in enumerate(outputs):
-        if not isinstance(output, DataProto):
-            raise TypeError(
-                f"DP_COMPUTE_PROTO: rank {rank} returned a {type(output).__name__}; a method with this dispatch mode "
-                "must return a DataProto"
-            )
-    merged = DataProto.concat([_without_pad_marker(output) for output in outputs])
-    has_rows = merged.batch is not None or bool(merged.non_tensor_batch)
-    if plan.pad_size == 0 or not has_rows:
-        return merged
-    if len(merged) != plan.padded_rows:
-        raise ValueError(
-            f"DP_COMPUTE_PROTO: the workers returned {len(merged)} rows for {plan.padded_rows} input rows (of which "
-            f"{plan.pad_size} are padding); with padding each input row must give exactly one output row. "
-            "Pass a batch whose size divides by the world size."
-        )
-    return unpad_dataproto(merged, plan.pad_size)
-
-
-_DISPATCH_FNS: dict[Dispatch, tuple[DispatchFn, CollectFn]] = {
-    Dispatch.RANK_ZERO: (dispatch_rank_zero, collect_rank_zero),
-    Dispatch.ONE_TO_ALL: (dispatch_one_to_all, collect_all),
-    Dispatch.ALL_TO_ALL: (dispatch_all_to_all, collect_all),
-    Dispatch.DP_COMPUTE: (dispatch_dp_compute, collect_all),
-    Dispatch.DP_COMPUTE_PROTO: (dispatch_dp_compute_proto, collect_dp_compute_proto),
-    Dispatch.DP_COMPUTE_METRIC: (dispatch_dp_compute_metric, collect_all),
-}
-
-
-def get_dispatch_fns(mode: Dispatch) -> tuple[DispatchFn, CollectFn]:
-    """Return the `(dispatch_fn, collect_fn)` pair of a dispatch mode."""
-    if mode not in _DISPATCH_FNS:
-        raise ValueError(f"unknown dispatch mode {mode!r}; known: {[m.name for m in _DISPATCH_FNS]}")
-    return _DISPATCH_FNS[mode]

@@ -4,6 +4,10 @@ The worker group starts each worker process with its place in the group in the e
 names): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`. `Worker.__init__` reads and checks
 them; it does not start torch.distributed, which the subclasses do when they need it, via `init_distributed()`
 (the FSDP workers call it before building their device mesh).
+
+For dispatch by mesh (`make_nd_compute_dataproto_dispatch_fn`) a worker records, per mesh name, its
+data-parallel rank and whether its results are collected (`_register_dispatch_collect_info`); a worker hosting
+several roles copies another's records (`get_dispatch_collect` / `set_dispatch_collect`). veRL's names.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import ray
 import torch
 import torch.distributed as dist
 
+from verl.errors import ContractError
+from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.device import get_dist_backend
 
 __all__ = ["Worker", "get_free_port", "get_node_ip"]
@@ -67,6 +73,49 @@ class Worker:
         self._master_addr = os.environ.get("MASTER_ADDR") or None
         port = os.environ.get("MASTER_PORT")
         self._master_port = _int_env("MASTER_PORT", default=0, minimum=1) if port else None
+        self._dispatch_dp_rank: dict[str, int] = {}
+        self._collect_dp_rank: dict[str, bool] = {}
+
+    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
+        """Record this worker's data-parallel rank in mesh `mesh_name` and whether its results are collected."""
+        if mesh_name in self._dispatch_dp_rank:
+            raise ContractError(f"mesh_name {mesh_name!r} is already registered on {type(self).__name__}")
+        if not isinstance(dp_rank, int) or dp_rank < 0:
+            raise ContractError(f"dp_rank must be a non-negative int, got {dp_rank!r}")
+        self._dispatch_dp_rank[mesh_name] = dp_rank
+        self._collect_dp_rank[mesh_name] = bool(is_collect)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _query_dispatch_info(self, mesh_name: str) -> int:
+        """This worker's data-parallel rank in mesh `mesh_name` (bound on the group: one per rank)."""
+        if mesh_name not in self._dispatch_dp_rank:
+            raise ContractError(f"mesh {mesh_name!r} is not registered on {type(self).__name__}; "
+                                f"registered: {sorted(self._dispatch_dp_rank)}")
+        return self._dispatch_dp_rank[mesh_name]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _query_collect_info(self, mesh_name: str) -> bool:
+        """Whether this worker's results are collected for mesh `mesh_name` (bound on the group: one per rank)."""
+        if mesh_name not in self._collect_dp_rank:
+            raise ContractError(f"mesh {mesh_name!r} is not registered on {type(self).__name__}; "
+                                f"registered: {sorted(self._collect_dp_rank)}")
+        return self._collect_dp_rank[mesh_name]
+
+    def get_dispatch_collect(self) -> dict[str, dict]:
+        """`{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank": {mesh: is_collect}}` (copies)."""
+        return {"dispatch_dp_rank": dict(self._dispatch_dp_rank), "collect_dp_rank": dict(self._collect_dp_rank)}
+
+    def set_dispatch_collect(
+        self, mesh_name: str, dispatch_dp_rank: dict[str, int], collect_dp_rank: dict[str, bool]
+    ) -> None:
+        """Record under `mesh_name` the single mesh entry of another worker's `get_dispatch_collect()`."""
+        if mesh_name in self._dispatch_dp_rank:
+            raise ContractError(f"mesh_name {mesh_name!r} is already registered: {sorted(self._dispatch_dp_rank)}")
+        if len(dispatch_dp_rank) != 1 or len(collect_dp_rank) != 1:
+            raise ContractError("set_dispatch_collect: expects the records of exactly one mesh, got "
+                                f"{sorted(dispatch_dp_rank)} / {sorted(collect_dp_rank)}")
+        self._dispatch_dp_rank[mesh_name] = next(iter(dispatch_dp_rank.values()))
+        self._collect_dp_rank[mesh_name] = bool(next(iter(collect_dp_rank.values())))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self._rank}, world_size={self._world_size})"

@@ -3,6 +3,7 @@
 A concrete group (e.g. `RayWorkerGroup`) says how to start calls on its ranks (`_launch`) and how to wait for
 them (`_wait`); this base class binds every `@register`ed method of the worker class onto the group as a method
 that dispatches the arguments, launches the per-rank calls, waits (when blocking) and collects the results.
+A non-blocking call returns a `DataProtoFuture`; a `DataProtoFuture` passed as an argument is waited for first.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from verl.single_controller.base.decorator import DispatchPlan, RegisterSpec, get_dispatch_fns, get_register_spec
+from verl.protocol import DataProtoFuture
+from verl.single_controller.base.decorator import RegisterSpec, get_register_spec, resolve_dispatch_fns
 
-__all__ = ["PendingResult", "WorkerGroup", "WorkerGroupError"]
+__all__ = ["WorkerGroup", "WorkerGroupError"]
 
 
 class WorkerGroupError(RuntimeError):
@@ -26,22 +28,6 @@ class WorkerGroupError(RuntimeError):
         self.rank = rank
         self.cause = cause
         super().__init__(f"{group}: {method}() failed on rank {rank}: {type(cause).__name__}: {cause}")
-
-
-class PendingResult:
-    """The result of a non-blocking worker-group call; `get()` waits for the ranks and returns the collected value."""
-
-    def __init__(self, finish: Callable[[], Any]) -> None:
-        self._finish = finish
-        self._done = False
-        self._value: Any = None
-
-    def get(self) -> Any:
-        """Wait for every rank (on the first call) and return the collected result."""
-        if not self._done:
-            self._value = self._finish()
-            self._done = True
-        return self._value
 
 
 class WorkerGroup(ABC):
@@ -93,26 +79,42 @@ class WorkerGroup(ABC):
 
     def _make_group_method(self, name: str, spec: RegisterSpec) -> Callable[..., Any]:
         """Build the group method for worker method `name`: dispatch, launch, wait (if blocking), collect."""
-        dispatch_fn, collect_fn = get_dispatch_fns(spec.dispatch_mode)
 
         def group_method(*args: Any, **kwargs: Any) -> Any:
             self._check_method(name)
-            plan: DispatchPlan = dispatch_fn(self.world_size, args, kwargs)
-            calls = plan.calls[:1] if spec.rank_zero_only else plan.calls
-            handles = self._launch(name, calls)
-
-            def finish() -> Any:
-                outputs = self._wait(name, handles)
-                if spec.rank_zero_only:
-                    return outputs[0]
-                return collect_fn(outputs, plan)
-
-            return finish() if spec.blocking else PendingResult(finish)
+            args = tuple(a.get() if isinstance(a, DataProtoFuture) else a for a in args)
+            kwargs = {k: v.get() if isinstance(v, DataProtoFuture) else v for k, v in kwargs.items()}
+            calls, collect = self._plan_calls(spec, args, kwargs)
+            handles = self._launch(name, calls[:1] if spec.rank_zero_only else calls)
+            finish = (lambda outputs: outputs[0]) if spec.rank_zero_only else collect
+            future = DataProtoFuture(collect_fn=finish, futures=handles, wait_fn=lambda refs: self._wait(name, refs))
+            return future.get() if spec.blocking else future
 
         group_method.__name__ = name
         group_method.__qualname__ = f"{type(self).__name__}.{name}"
+        mode = getattr(spec.dispatch_mode, "name", "custom dispatch")
         group_method.__doc__ = (
-            f"Run the worker method {name!r} on the group ({spec.dispatch_mode.name}, {spec.execute_mode.name}, "
-            f"blocking={spec.blocking})."
+            f"Run the worker method {name!r} on the group ({mode}, {spec.execute_mode.name}, blocking={spec.blocking})."
         )
         return group_method
+
+    def _plan_calls(
+        self, spec: RegisterSpec, args: tuple, kwargs: dict
+    ) -> tuple[list[tuple[tuple, dict]], Callable[[list[Any]], Any]]:
+        """The per-rank `(args, kwargs)` of a call and the function collecting the per-rank results.
+
+        Built-in modes plan from the world size; user functions (veRL's convention) get the group itself, and
+        the arguments they return are split over the ranks when every one is a list of world-size items.
+        """
+        dispatch_fn, collect_fn, plan_style = resolve_dispatch_fns(spec.dispatch_mode)
+        if plan_style:
+            plan = dispatch_fn(self.world_size, args, kwargs)
+            return plan.calls, lambda outputs: collect_fn(outputs, plan)
+        rank_args, rank_kwargs = dispatch_fn(self, *args, **kwargs)
+        values = [*rank_args, *rank_kwargs.values()]
+        n = self.world_size
+        if values and all(isinstance(v, (list, tuple)) and len(v) == n for v in values):
+            calls = [(tuple(a[r] for a in rank_args), {k: v[r] for k, v in rank_kwargs.items()}) for r in range(n)]
+        else:
+            calls = [(tuple(rank_args), dict(rank_kwargs))] * n
+        return calls, lambda outputs: collect_fn(self, outputs)

@@ -108,9 +108,13 @@ class RayResourcePool:
 
 
 class RayClassWithInitArgs:
-    """A `Worker` subclass together with the arguments for its constructor, instantiated once per rank."""
+    """A `Worker` subclass together with the arguments for its constructor, instantiated once per rank.
+
+    `cls` may also be the class wrapped by `@ray.remote` (as veRL's examples write it); the class inside is used.
+    """
 
     def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        cls = getattr(cls, "__ray_actor_class__", cls)
         if not isinstance(cls, type) or not issubclass(cls, Worker):
             raise TypeError(f"RayClassWithInitArgs: cls must be a subclass of verl Worker, got {cls!r}")
         self.cls = cls

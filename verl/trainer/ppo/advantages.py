@@ -37,6 +37,8 @@ class AdvantageEstimator(str, Enum):
     REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
     REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
     REMAX = "remax"
+    GRPO_VECTORIZED = "grpo_vectorized"
+    RLOO_VECTORIZED = "rloo_vectorized"
 
 
 ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -59,7 +61,7 @@ def get_adv_estimator_fn(name_or_enum: str | AdvantageEstimator) -> Callable[...
     """Return the advantage estimator registered as ``name_or_enum``; ValueError listing the known names if none."""
     name = _registry_name(name_or_enum)
     if name not in ADV_ESTIMATOR_REGISTRY:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADV_ESTIMATOR_REGISTRY)}")
+        raise ValueError(f"Unknown advantage estimator simply: {name} (registered: {sorted(ADV_ESTIMATOR_REGISTRY)})")
     return ADV_ESTIMATOR_REGISTRY[name]
 
 

@@ -31,14 +31,17 @@ from verl.trainer.ppo._checks import _cfg_get, _check_same_shape, _registering_d
 from verl.trainer.ppo.advantages import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageEstimator,
+    _registry_name,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
-    get_adv_estimator_fn,
-    register_adv_est,
+)
+from verl.trainer.ppo.advantages_vectorized import (
+    compute_grpo_vectorized_outcome_advantage,
+    compute_rloo_vectorized_outcome_advantage,
 )
 from verl.trainer.ppo.kl import (
     KL_ESTIMATORS,
@@ -52,7 +55,8 @@ from verl.trainer.ppo.kl import (
 __all__ = [
     "ADV_ESTIMATOR_REGISTRY", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSS_REGISTRY", "AdaptiveKLController",
     "AdvantageEstimator", "FixedKLController", "agg_loss", "compute_entropy_loss", "compute_gae_advantage_return",
-    "compute_grpo_outcome_advantage", "compute_policy_loss", "compute_policy_loss_vanilla",
+    "compute_grpo_outcome_advantage", "compute_grpo_vectorized_outcome_advantage", "compute_policy_loss",
+    "compute_policy_loss_vanilla", "compute_rloo_vectorized_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage", "compute_rewards", "compute_rloo_outcome_advantage", "compute_value_loss",
     "get_adv_estimator_fn", "get_kl_controller", "get_policy_loss_fn", "kl_penalty", "kl_penalty_forward",
@@ -62,7 +66,25 @@ __all__ = [
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-# ------------------------------------------------------------------------------------------ policy-loss registry
+# ------------------------------------------------------------------------------------------------- registries
+
+
+def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable[[Callable], Callable]:
+    """Decorator registering an advantage estimator under ``name_or_enum`` (in this module's
+    ``ADV_ESTIMATOR_REGISTRY``, the dict of :mod:`~verl.trainer.ppo.advantages`, looked up at call time).
+
+    Registering a different function under a taken name raises ValueError.
+    """
+    return _registering_decorator(ADV_ESTIMATOR_REGISTRY, _registry_name(name_or_enum), "advantage estimator")
+
+
+def get_adv_estimator_fn(name_or_enum: str | AdvantageEstimator) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Return the advantage estimator registered as ``name_or_enum``; ValueError listing the known names if none."""
+    name = _registry_name(name_or_enum)
+    if name not in ADV_ESTIMATOR_REGISTRY:
+        raise ValueError(f"Unknown advantage estimator simply: {name} (registered: {sorted(ADV_ESTIMATOR_REGISTRY)})")
+    return ADV_ESTIMATOR_REGISTRY[name]
+
 
 
 POLICY_LOSS_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
@@ -78,6 +100,16 @@ def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, dict[str,
     if name not in POLICY_LOSS_REGISTRY:
         raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSS_REGISTRY)}")
     return POLICY_LOSS_REGISTRY[name]
+
+
+def _check_loss_config(config: Any, where: str) -> None:
+    """Raise TypeError when ``config`` is a number: a clip ratio passed where veRL's order puts ``config``."""
+    if isinstance(config, (int, float)) and not isinstance(config, bool):
+        raise TypeError(
+            f"{where}: the 6th positional argument is `config` (veRL's order: old_log_prob, log_prob, advantages, "
+            f"response_mask, loss_agg_mode, config, rollout_is_weights), got the number {config!r}; pass clip "
+            "ratios as keywords (clip_ratio_low=..., clip_ratio_high=..., clip_ratio_c=...) or in config"
+        )
 
 
 def _first_set(*candidates: Any) -> Any:
@@ -194,23 +226,26 @@ def compute_policy_loss_vanilla(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
     clip_ratio_c: float | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    config: Any = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped PPO policy loss with asymmetric clip and dual clip.
+    """Clipped PPO policy loss with asymmetric clip and dual clip; positional order as veRL (>= 0.5):
+    ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)``.
 
     ratio = exp(clamp(log_prob - old_log_prob, -20, 20)); per token max(-A*ratio, -A*clip(ratio, 1-low,
     1+high)), and for A < 0 additionally min(that, -A*clip_ratio_c) (dual clip, clip_ratio_c > 1). Optional
-    ``rollout_is_weights`` multiply the per-token losses. ``agg_kwargs`` (dp_size, batch_num_tokens,
-    global_batch_size, loss_scale_factor) go to :func:`agg_loss`. Clip settings left None come from ``config``
-    (an actor config with clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c, as veRL passes it),
-    else default to 0.2 / 0.2 / 3.0. Returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl",
-    "actor/pg_clipfrac_lower"})``.
+    ``rollout_is_weights`` multiply the per-token losses. ``config`` is the actor config (clip_ratio,
+    clip_ratio_low, clip_ratio_high, clip_ratio_c; ``global_batch_info``: the :func:`agg_loss` counts, as veRL
+    sets them). The keyword-only clip settings override it, else 0.2 / 0.2 / 3.0; ``agg_kwargs`` (dp_size,
+    batch_num_tokens, global_batch_size, loss_scale_factor) override ``config.global_batch_info``. Returns
+    ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})``.
     """
+    _check_loss_config(config, "compute_policy_loss_vanilla")
     base = _first_set(_cfg_get(config, "clip_ratio"), 0.2)
     clip_ratio_low = _first_set(clip_ratio_low, _cfg_get(config, "clip_ratio_low"), base)
     clip_ratio_high = _first_set(clip_ratio_high, _cfg_get(config, "clip_ratio_high"), base)
@@ -220,6 +255,7 @@ def compute_policy_loss_vanilla(
     )
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
+    agg_kwargs = {**(_cfg_get(config, "global_batch_info") or {}), **agg_kwargs}
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
     metrics = {
         "actor/pg_clipfrac": clipfrac.item(),

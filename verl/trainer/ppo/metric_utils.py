@@ -2,8 +2,11 @@
 
 Names follow veRL: ``critic/score/mean`` (sequence scores), ``critic/rewards/mean`` (after KL shaping),
 ``critic/advantages/*``, ``critic/returns/*``, ``critic/values/*``, ``response_length/{mean,max,min,clip_ratio}``,
-``prompt_length/*``, ``timing_s/<phase>``, ``perf/*``. :func:`format_console_line` is the compact per-step
-console summary (the full set goes to the other tracking backends).
+``prompt_length/*``, ``timing_s/<phase>``, ``timing_per_token_ms/<phase>``, ``perf/*``.
+:func:`format_console_line` is the compact per-step console summary (the full set goes to the other tracking
+backends). ``reduce_metrics`` (veRL's max/min/mean rule) lives in :mod:`verl.utils.metric`, the validation
+metrics (``bootstrap_metric``, ``calc_maj_val``, ``process_validation_metrics``) in
+:mod:`verl.trainer.ppo.validation_metrics`; both are re-exported here.
 """
 from __future__ import annotations
 
@@ -17,6 +20,14 @@ import numpy as np
 import torch
 
 from verl.protocol import DataProto
+from verl.trainer.ppo.validation_metrics import bootstrap_metric, calc_maj_val, process_validation_metrics
+from verl.utils.metric import reduce_metrics
+
+__all__ = [
+    "bootstrap_metric", "calc_maj_val", "compute_data_metrics", "compute_throughout_metrics",
+    "compute_timing_metrics", "format_console_line", "process_validation_metrics", "reduce_metrics",
+    "setup_console_logger", "timer",
+]  # fmt: skip
 
 console_logger = logging.getLogger("verl.trainer.console")
 
@@ -38,21 +49,6 @@ def timer(name: str, timing: dict[str, float]) -> Iterator[None]:
         yield
     finally:
         timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
-
-
-def reduce_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Mean of every metric (lists of per-micro-batch or per-rank values become their mean)."""
-    out = {}
-    for key, value in metrics.items():
-        if isinstance(value, (list, tuple)):
-            values = [float(v.item() if isinstance(v, torch.Tensor) else v) for v in value]
-            if values:
-                out[key] = float(np.mean(values))
-        elif isinstance(value, torch.Tensor):
-            out[key] = float(value.float().mean().item())
-        else:
-            out[key] = float(value)
-    return out
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -77,33 +73,59 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
     metrics.update(_stats("critic/advantages", torch.masked_select(batch.batch["advantages"], response_mask)))
     metrics.update(_stats("critic/returns", torch.masked_select(batch.batch["returns"], response_mask)))
     if use_critic and "values" in batch.batch.keys():
-        metrics.update(_stats("critic/values", torch.masked_select(batch.batch["values"], response_mask)))
+        values = torch.masked_select(batch.batch["values"], response_mask).float()
+        returns = torch.masked_select(batch.batch["returns"], response_mask).float()
+        metrics.update(_stats("critic/values", values))
+        metrics["critic/vf_explained_var"] = float(1.0 - (returns - values).var() / (returns.var() + 1e-5))
     metrics.update(_stats("response_length", response_length))
     metrics["response_length/clip_ratio"] = float((response_length >= max_response_length).float().mean())
     metrics.update(_stats("prompt_length", prompt_length))
     return metrics
 
 
-def compute_timing_metrics(batch: DataProto, timing: Mapping[str, float]) -> dict[str, float]:
-    """``timing_s/<phase>`` plus ``timing_per_token_ms/<phase>`` (per response token for gen, per token else)."""
-    response_tokens = float(batch.batch["response_mask"].sum())
-    all_tokens = float(batch.batch["attention_mask"].sum())
-    metrics = {f"timing_s/{name}": value for name, value in timing.items()}
-    for name, value in timing.items():
+def _compute_response_info(batch: DataProto) -> dict[str, torch.Tensor]:
+    """Per row: ``prompt_length`` and ``response_length`` (float token counts) and the ``response_mask`` (bs, R)
+    (``batch['response_mask']`` when present: loss-carrying tokens; else the attention mask's response part)."""
+    response_width = batch.batch["responses"].shape[-1]
+    attention_mask = batch.batch["attention_mask"]
+    if "response_mask" in batch.batch.keys():
+        response_mask = batch.batch["response_mask"]
+    else:
+        response_mask = attention_mask[:, -response_width:]
+    return {
+        "prompt_length": attention_mask[:, :-response_width].sum(-1).float(),
+        "response_length": response_mask.sum(-1).float(),
+        "response_mask": response_mask,
+    }
+
+
+def compute_timing_metrics(batch: DataProto, timing_raw: Mapping[str, float]) -> dict[str, float]:
+    """``timing_s/<phase>`` plus ``timing_per_token_ms/<phase>`` for every phase but ``step``: per response token
+    for ``gen``, per prompt+response token otherwise; 0.0 when the batch has no such tokens."""
+    info = _compute_response_info(batch)
+    response_tokens = float(info["response_length"].sum())
+    all_tokens = response_tokens + float(info["prompt_length"].sum())
+    metrics = {f"timing_s/{name}": value for name, value in timing_raw.items()}
+    for name, value in timing_raw.items():
         tokens = response_tokens if name == "gen" else all_tokens
-        if tokens > 0 and name != "step":
-            metrics[f"timing_per_token_ms/{name}"] = 1000.0 * value / tokens
+        if name != "step":
+            metrics[f"timing_per_token_ms/{name}"] = 1000.0 * value / tokens if tokens > 0 else 0.0
     return metrics
 
 
-def compute_throughput_metrics(batch: DataProto, step_time: float, n_workers: int) -> dict[str, float]:
-    """Tokens processed per step (prompt + response), per second overall and per worker."""
-    total_tokens = float(batch.batch["attention_mask"].sum())
+def compute_throughout_metrics(batch: DataProto, timing_raw: Mapping[str, float], n_gpus: int) -> dict[str, float]:
+    """veRL's throughput metrics (its spelling): tokens of the step (``meta_info['global_token_num']`` summed,
+    else the attention-mask total), ``timing_raw['step']``, tokens per second overall and per worker (n_gpus)."""
+    if "global_token_num" in batch.meta_info:
+        total_tokens = float(np.sum(batch.meta_info["global_token_num"]))
+    else:
+        total_tokens = float(batch.batch["attention_mask"].sum())
+    step_time = float(timing_raw["step"])
     return {
         "perf/total_num_tokens": total_tokens,
         "perf/time_per_step": step_time,
         "perf/tokens_per_s": total_tokens / step_time if step_time > 0 else 0.0,
-        "perf/throughput": total_tokens / (step_time * n_workers) if step_time > 0 else 0.0,
+        "perf/throughput": total_tokens / (step_time * n_gpus) if step_time > 0 else 0.0,
     }
 
 

@@ -39,7 +39,7 @@ from verl.trainer.ppo.trainer_rollout import (
 )
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
-    compute_throughput_metrics,
+    compute_throughout_metrics,
     compute_timing_metrics,
     format_console_line,
     reduce_metrics,
@@ -244,7 +244,7 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
                     metrics.update(reduce_metrics(pop_metrics(self.actor_rollout_wg.update_actor(batch))))
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(compute_timing_metrics(batch, timing))
-        metrics.update(compute_throughput_metrics(batch, timing["step"], self.actor_rollout_wg.world_size))
+        metrics.update(compute_throughout_metrics(batch, timing, self.actor_rollout_wg.world_size))
         if hasattr(self.rollout_loop, "on_train_step_end"):
             metrics.update(self.rollout_loop.on_train_step_end(batch, self.global_steps))
         self.last_batch = batch

@@ -309,6 +309,8 @@ def test_registry_maps_every_estimator_name():
         "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
         "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
         "remax": compute_remax_outcome_advantage,
+        "grpo_vectorized": core_algos.compute_grpo_vectorized_outcome_advantage,
+        "rloo_vectorized": core_algos.compute_rloo_vectorized_outcome_advantage,
     }
     assert {e.value for e in AdvantageEstimator} == set(expected)
     for name, fn in expected.items():
@@ -317,7 +319,7 @@ def test_registry_maps_every_estimator_name():
 
 
 def test_unknown_estimator_lists_registered_names():
-    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo_magic'.*grpo"):
+    with pytest.raises(ValueError, match="Unknown advantage estimator simply: ppo_magic.*grpo"):
         get_adv_estimator_fn("ppo_magic")
 
 
