@@ -125,5 +125,8 @@ def enable_packed_attention(model: torch.nn.Module, where: str) -> str:
         raise ValueError(f"{where}: padding-free forward needs sdpa, eager or flash_attention_2 attention, the model "
                          f"uses {current!r}")
     hf_model.set_attn_implementation(PACKED_SDPA)
+    if config._attn_implementation != PACKED_SDPA:
+        raise RuntimeError(f"{where}: {type(hf_model).__name__} did not switch to the packed attention "
+                           f"(still {config._attn_implementation!r}); it cannot run padding-free")
     logger.info("%s: attention %s -> %s (packed rows keep sequences apart)", where, current, PACKED_SDPA)
     return PACKED_SDPA
