@@ -137,6 +137,10 @@ def token_budget_partition(lengths: Sequence[int], max_token_len: int, key: str)
     balanced split respects the budget, then the largest such count over all DP ranks, so every rank runs the
     same number of forward/backward passes (FSDP's collectives pair up). A collective under torch.distributed.
     ``key`` names the budget's config key in errors.
+
+    As in veRL (0.10.0.dev, ``rearrange_micro_batches``) the count starts at ceil(tokens / budget), is synced to
+    the maximum over DP ranks and the rows are balanced by size; unlike it, the balance is on token counts (not
+    a FLOPs estimate) and the count grows until every micro-batch fits the budget.
     """
     if max_token_len < 1:
         raise ValueError(f"{key} must be >= 1, got {max_token_len}")
