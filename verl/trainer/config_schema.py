@@ -52,6 +52,7 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None
     enable_gradient_checkpointing: bool = False
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    use_remove_padding: bool = False
 
 
 @dataclass
@@ -77,12 +78,37 @@ class FSDPConfig:
 
 
 @dataclass
+class ActorFSDPConfig(FSDPConfig):
+    """``actor_rollout_ref.actor.fsdp_config.*``: FSDP wrapping plus CPU offload (GPU only)."""
+
+    param_offload: bool = False
+    optimizer_offload: bool = False
+
+
+@dataclass
+class RefFSDPConfig:
+    """``actor_rollout_ref.ref.fsdp_config.*``: CPU offload of the reference parameters (GPU only)."""
+
+    param_offload: bool = False
+
+
+@dataclass
+class CriticFSDPOffloadConfig:
+    """``critic.model.fsdp_config.*``: CPU offload of the value model (GPU only)."""
+
+    param_offload: bool = False
+    optimizer_offload: bool = False
+
+
+@dataclass
 class ActorConfig:
     """``actor_rollout_ref.actor.*``: the policy update."""
 
     strategy: Strategy = "fsdp2"
     ppo_mini_batch_size: int = 4
     ppo_micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     shuffle: bool = False
     clip_ratio: float = 0.2
@@ -97,7 +123,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
     optim: OptimConfig = field(default_factory=OptimConfig)
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    fsdp_config: ActorFSDPConfig = field(default_factory=ActorFSDPConfig)
     seed: int = 42
 
 
@@ -106,6 +132,9 @@ class RefConfig:
     """``actor_rollout_ref.ref.*``: the frozen reference policy."""
 
     log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
 
 
 @dataclass
@@ -132,6 +161,8 @@ class RolloutConfig:
     prompt_length: int = 128
     response_length: int = 16
     log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
     micro_batch_size_per_gpu: int = 16
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
@@ -152,6 +183,8 @@ class CriticModelConfig:
 
     path: Optional[str] = None
     enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = False
+    fsdp_config: CriticFSDPOffloadConfig = field(default_factory=CriticFSDPOffloadConfig)
 
 
 @dataclass
@@ -165,6 +198,9 @@ class CriticConfig:
     ppo_mini_batch_size: int = 4
     ppo_micro_batch_size_per_gpu: int = 4
     forward_micro_batch_size_per_gpu: int = 8
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = 32768
     ppo_epochs: int = 1
     shuffle: bool = False
     cliprange_value: float = 0.5

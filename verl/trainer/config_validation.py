@@ -158,9 +158,11 @@ def _check_batch_sizes(cfg: PPOTrainerConfig) -> None:
         f"actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n ({mini_rows}) must be divisible by the DP world "
         f"size ({world})"))
     per_rank = mini_rows // world
-    _check_divisible(per_rank, actor.ppo_micro_batch_size_per_gpu, (
-        f"the actor mini-batch per rank ({mini_rows}/{world}={per_rank} rows) must be divisible by "
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu})"))
+    _check_token_budgets(cfg)
+    if not actor.use_dynamic_bsz:
+        _check_divisible(per_rank, actor.ppo_micro_batch_size_per_gpu, (
+            f"the actor mini-batch per rank ({mini_rows}/{world}={per_rank} rows) must be divisible by "
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu})"))
     if cfg.need_critic:
         critic = cfg.critic
         if critic.rollout_n != n:
@@ -171,9 +173,29 @@ def _check_batch_sizes(cfg: PPOTrainerConfig) -> None:
             f"rollout.n ({critic.ppo_mini_batch_size}*{n}={c_rows})"))
         _check_divisible(c_rows, world, f"critic.ppo_mini_batch_size * rollout.n ({c_rows}) must be divisible by "
                                         f"the DP world size ({world})")
-        _check_divisible(c_rows // world, critic.ppo_micro_batch_size_per_gpu, (
-            f"the critic mini-batch per rank ({c_rows}/{world}={c_rows // world} rows) must be divisible by "
-            f"critic.ppo_micro_batch_size_per_gpu ({critic.ppo_micro_batch_size_per_gpu})"))
+        if not critic.use_dynamic_bsz:
+            _check_divisible(c_rows // world, critic.ppo_micro_batch_size_per_gpu, (
+                f"the critic mini-batch per rank ({c_rows}/{world}={c_rows // world} rows) must be divisible by "
+                f"critic.ppo_micro_batch_size_per_gpu ({critic.ppo_micro_batch_size_per_gpu})"))
+
+
+def _check_token_budgets(cfg: PPOTrainerConfig) -> None:
+    """Token budgets (use_dynamic_bsz) must be positive where they are used."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    budgets = [(arr.actor.use_dynamic_bsz, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                arr.actor.ppo_max_token_len_per_gpu),
+               (arr.rollout.log_prob_use_dynamic_bsz, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                arr.rollout.log_prob_max_token_len_per_gpu),
+               (arr.ref.log_prob_use_dynamic_bsz, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                arr.ref.log_prob_max_token_len_per_gpu)]
+    if cfg.need_critic:
+        budgets += [(critic.use_dynamic_bsz, "critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu),
+                    (critic.use_dynamic_bsz, "critic.forward_max_token_len_per_gpu",
+                     critic.forward_max_token_len_per_gpu)]
+    for used, key, value in budgets:
+        if used and value <= 0:
+            raise ConfigError(f"{key} must be a positive number of tokens when dynamic batch sizes are on, "
+                              f"got {value}")
 
 
 def _check_paths(cfg: PPOTrainerConfig) -> None:

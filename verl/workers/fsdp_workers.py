@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from verl.protocol import DataProto
 from verl.single_controller.base import Dispatch, Worker, register
 from verl.utils.device import get_device_name
+from verl.utils.fsdp_offload import FSDPOffloader
 from verl.utils.fsdp_utils import build_fsdp_model, check_strategy, create_device_mesh, resolve_param_dtype
 from verl.utils.optim import build_lr_scheduler, build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
@@ -90,6 +91,8 @@ class ActorRolloutRefWorker(Worker):
         self.ref_policy: DataParallelPPOActor | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.checkpoint_manager: FSDPCheckpointManager | None = None
+        self.actor_offload: FSDPOffloader | None = None
+        self.ref_offload: FSDPOffloader | None = None
 
     def _require(self, enabled: bool, method: str, needed: str) -> None:
         """Raise naming ``method`` unless this worker's role includes ``needed`` and init_model has run."""
@@ -111,6 +114,7 @@ class ActorRolloutRefWorker(Worker):
                 cfg.actor.ppo_mini_batch_size, cfg.rollout.get("n", 1), self.world_size,
                 "actor_rollout_ref.actor.ppo_mini_batch_size",
             )  # fmt: skip
+            actor_cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
         seed = int(cfg.actor.get("seed", DEFAULT_SEED))
         model_args = {
             "model_path": cfg.model.path,
@@ -132,19 +136,32 @@ class ActorRolloutRefWorker(Worker):
                 self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
                                                                 export_dtype=export_dtype)
             self.actor = DataParallelPPOActor(actor_cfg, module, optimizer)
+            fsdp_cfg = cfg.actor.get("fsdp_config", {})
+            self.actor_offload = FSDPOffloader(
+                module, optimizer, fsdp_cfg.get("param_offload", False), fsdp_cfg.get("optimizer_offload", False),
+                "actor_rollout_ref.actor.fsdp_config",
+            )  # fmt: skip
+            self.actor_offload.offload()
             if self._is_rollout:
                 self.rollout = HFRollout(module, cfg.rollout)
         if self._is_ref:
             ref_module = build_fsdp_model(AutoModelForCausalLM, **model_args)
             ref_module.requires_grad_(False)
             self.ref_policy = DataParallelPPOActor(actor_cfg, ref_module)
+            ref_param_offload = cfg.ref.get("fsdp_config", {}).get("param_offload", False)
+            self.ref_offload = FSDPOffloader(ref_module, None, ref_param_offload, False,
+                                             "actor_rollout_ref.ref.fsdp_config")
+            self.ref_offload.offload()
         torch.manual_seed(seed + self.rank)
         logger.info("rank %d: ActorRolloutRefWorker(%s) ready", self.rank, self.role)
 
-    def _log_prob_defaults(self, micro_batch_size: int | None) -> dict[str, Any]:
-        """meta_info defaults of a log-prob pass: rows per forward and the rollout temperature."""
-        micro = micro_batch_size or self.config.actor.ppo_micro_batch_size_per_gpu
-        return {"micro_batch_size": micro, "temperature": self.config.rollout.get("temperature", 1.0)}
+    def _log_prob_defaults(self, section: DictConfig) -> dict[str, Any]:
+        """meta_info defaults of a log-prob pass configured by ``section`` (rollout or ref): rows (or, with
+        ``log_prob_use_dynamic_bsz``, tokens) per forward and the rollout temperature."""
+        micro = section.get("log_prob_micro_batch_size_per_gpu") or self.config.actor.ppo_micro_batch_size_per_gpu
+        return {"micro_batch_size": micro, "temperature": self.config.rollout.get("temperature", 1.0),
+                "use_dynamic_bsz": bool(section.get("log_prob_use_dynamic_bsz", False)),
+                "max_token_len": section.get("log_prob_max_token_len_per_gpu", None)}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -152,16 +169,17 @@ class ActorRolloutRefWorker(Worker):
         self._require(self._is_rollout, "generate_sequences", "rollout")
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         prompts = _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
-        return self.rollout.generate_sequences(prompts)
+        with self.actor_offload.on_device():
+            return self.rollout.generate_sequences(prompts)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Current-policy log-probs and entropies of ``responses``: ``old_log_probs``, ``entropys``."""
         self._require(self._is_actor, "compute_log_prob", "actor")
         start = time.perf_counter()
-        defaults = self._log_prob_defaults(self.config.rollout.get("log_prob_micro_batch_size_per_gpu"))
-        data = _with_meta_defaults(data, defaults)
-        log_probs, entropys = self.actor.compute_log_prob(data, calculate_entropy=True)
+        data = _with_meta_defaults(data, self._log_prob_defaults(self.config.rollout))
+        with self.actor_offload.on_device():
+            log_probs, entropys = self.actor.compute_log_prob(data, calculate_entropy=True)
         metrics = {"timing_s/worker_compute_log_prob": time.perf_counter() - start}
         return DataProto.from_dict(
             tensors={"old_log_probs": log_probs, "entropys": entropys}, meta_info={"metrics": metrics}
@@ -171,9 +189,9 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Reference-policy log-probs of ``responses``: ``ref_log_prob``."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
-        defaults = self._log_prob_defaults(self.config.ref.get("log_prob_micro_batch_size_per_gpu"))
-        data = _with_meta_defaults(data, defaults)
-        log_probs, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False)
+        data = _with_meta_defaults(data, self._log_prob_defaults(self.config.ref))
+        with self.ref_offload.on_device():
+            log_probs, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -185,7 +203,8 @@ class ActorRolloutRefWorker(Worker):
         self._require(self._is_actor, "update_actor", "actor")
         start = time.perf_counter()
         data = _with_meta_defaults(data, {"temperature": self.config.rollout.get("temperature", 1.0)})
-        metrics = self.actor.update_policy(data)
+        with self.actor_offload.on_device(with_optimizer=True):
+            metrics = self.actor.update_policy(data)
         metrics["actor/lr"] = [self.lr_scheduler.get_last_lr()[0]]
         self.lr_scheduler.step()
         metrics["timing_s/worker_update_actor"] = [time.perf_counter() - start]
@@ -202,13 +221,15 @@ class ActorRolloutRefWorker(Worker):
         """
         self._require(self._is_actor, "save_checkpoint", "actor")
         logger.info("rank %d: saving actor checkpoint of step %d to %s", self.rank, global_step, local_path)
-        self.checkpoint_manager.save_checkpoint(local_path, hf_model=save_hf_model)
+        with self.actor_offload.on_device(with_optimizer=True):
+            self.checkpoint_manager.save_checkpoint(local_path, hf_model=save_hf_model)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str) -> None:
         """Restore the actor's weights, optimizer, LR schedule and RNG states from ``local_path``."""
         self._require(self._is_actor, "load_checkpoint", "actor")
-        self.checkpoint_manager.load_checkpoint(local_path)
+        with self.actor_offload.on_device(with_optimizer=True):
+            self.checkpoint_manager.load_checkpoint(local_path)
 
 
 class CriticWorker(Worker):
@@ -226,6 +247,7 @@ class CriticWorker(Worker):
         self.critic: DataParallelPPOCritic | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.checkpoint_manager: FSDPCheckpointManager | None = None
+        self.critic_offload: FSDPOffloader | None = None
 
     def _require_init(self, method: str) -> None:
         """Raise naming ``method`` if init_model has not run."""
@@ -244,6 +266,7 @@ class CriticWorker(Worker):
             critic_cfg.ppo_mini_batch_size = _rows_per_rank(
                 cfg.ppo_mini_batch_size, cfg.get("rollout_n", 1), self.world_size, "critic.ppo_mini_batch_size"
             )
+            critic_cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
         seed = int(cfg.get("seed", DEFAULT_SEED))
         module = build_fsdp_model(
             AutoModelForTokenClassification,
@@ -262,6 +285,12 @@ class CriticWorker(Worker):
         self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
                                                         export_dtype=export_dtype)
         self.critic = DataParallelPPOCritic(critic_cfg, module, optimizer)
+        offload_cfg = cfg.model.get("fsdp_config", {})
+        self.critic_offload = FSDPOffloader(
+            module, optimizer, offload_cfg.get("param_offload", False), offload_cfg.get("optimizer_offload", False),
+            "critic.model.fsdp_config",
+        )  # fmt: skip
+        self.critic_offload.offload()
         torch.manual_seed(seed + self.rank)
         logger.info("rank %d: CriticWorker ready", self.rank)
 
@@ -270,14 +299,18 @@ class CriticWorker(Worker):
         """Values (bs, R) of the states preceding each response token: ``values``."""
         self._require_init("compute_values")
         micro = self.config.get("forward_micro_batch_size_per_gpu", None) or self.config.ppo_micro_batch_size_per_gpu
-        values = self.critic.compute_values(_with_meta_defaults(data, {"micro_batch_size": micro}))
+        defaults = {"micro_batch_size": micro, "use_dynamic_bsz": bool(self.config.get("use_dynamic_bsz", False)),
+                    "max_token_len": self.config.get("forward_max_token_len_per_gpu", None)}
+        with self.critic_offload.on_device():
+            values = self.critic.compute_values(_with_meta_defaults(data, defaults))
         return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         """One value-function training step; returns ``meta_info['metrics']`` (lists) incl. ``critic/lr``."""
         self._require_init("update_critic")
-        metrics = self.critic.update_critic(data)
+        with self.critic_offload.on_device(with_optimizer=True):
+            metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = [self.lr_scheduler.get_last_lr()[0]]
         self.lr_scheduler.step()
         return DataProto(meta_info={"metrics": metrics})
@@ -289,10 +322,12 @@ class CriticWorker(Worker):
         (``max_ckpt_to_keep``: see actor)."""
         self._require_init("save_checkpoint")
         logger.info("rank %d: saving critic checkpoint of step %d to %s", self.rank, global_step, local_path)
-        self.checkpoint_manager.save_checkpoint(local_path, hf_model=save_hf_model)
+        with self.critic_offload.on_device(with_optimizer=True):
+            self.checkpoint_manager.save_checkpoint(local_path, hf_model=save_hf_model)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str) -> None:
         """Restore the critic's weights, optimizer, LR schedule and RNG states from ``local_path``."""
         self._require_init("load_checkpoint")
-        self.checkpoint_manager.load_checkpoint(local_path)
+        with self.critic_offload.on_device(with_optimizer=True):
+            self.checkpoint_manager.load_checkpoint(local_path)

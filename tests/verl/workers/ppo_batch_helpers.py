@@ -105,3 +105,40 @@ def critic_config(model_path: str, strategy: str = "fsdp2") -> DictConfig:
             "fsdp_config": {"param_dtype": "auto", "reshard_after_forward": True},
         }
     )  # fmt: skip
+
+
+def make_dialogue_batch(
+    batch_size: int, vocab_size: int, prompt_len: int = 12, response_len: int = 24, seed: int = 0
+) -> DataProto:
+    """A multi-turn-like update batch of mixed lengths: left-padded prompts (2..prompt_len tokens), right-padded
+    responses (1..response_len tokens) whose ``response_mask`` is 0 on up to two user-turn spans inside the
+    response, and one row without any loss token."""
+    gen = torch.Generator().manual_seed(seed)
+    p_lens = torch.randint(2, prompt_len + 1, (batch_size,), generator=gen)
+    r_lens = torch.randint(1, response_len + 1, (batch_size,), generator=gen)
+    r_lens[0] = response_len  # one full-length response
+    prompt_mask = (torch.arange(prompt_len).unsqueeze(0) >= prompt_len - p_lens.unsqueeze(1)).long()
+    attended = (torch.arange(response_len).unsqueeze(0) < r_lens.unsqueeze(1)).long()
+    response_mask = attended.clone()
+    for row in range(batch_size):
+        for _ in range(int(torch.randint(0, 3, (1,), generator=gen))):
+            start = int(torch.randint(0, response_len, (1,), generator=gen))
+            response_mask[row, start : start + int(torch.randint(1, 6, (1,), generator=gen))] = 0
+    response_mask[-1] = 0  # e.g. a padding row of the DP dispatch
+    attention_mask = torch.cat([prompt_mask, attended], dim=1)
+    input_ids = torch.randint(4, vocab_size, attention_mask.shape, generator=gen)
+    input_ids = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, 3))
+    shape = (batch_size, response_len)
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "responses": input_ids[:, prompt_len:].clone(),
+        "response_mask": response_mask,
+        "advantages": torch.randn(shape, generator=gen) * response_mask,
+        "old_log_probs": -7.0 + 0.3 * torch.randn(shape, generator=gen),
+        "ref_log_prob": -7.0 + 0.3 * torch.randn(shape, generator=gen),
+        "returns": torch.randn(shape, generator=gen) * response_mask,
+        "values": 0.1 * torch.randn(shape, generator=gen) * response_mask,
+    }
+    return DataProto.from_dict(tensors=tensors, meta_info={"temperature": 1.0})

@@ -13,6 +13,7 @@ from tensordict import TensorDict
 from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
 from verl.utils.fsdp_utils import clip_grad_norm
+from verl.utils.packed_attention import enable_packed_attention
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from verl.workers.batching import (
     append_metrics,
@@ -21,8 +22,11 @@ from verl.workers.batching import (
     iter_mini_batches,
     mask_padding_rows,
     response_logits,
+    restore_row_order,
     select_batch,
+    split_micro_batches,
 )
+from verl.workers.packing import packed_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,9 @@ class DataParallelPPOActor:
     ``config`` is the ``actor_rollout_ref.actor`` block, with ``ppo_mini_batch_size`` already converted to rows
     per mini-batch *on this rank* (the worker multiplies by ``rollout.n`` and divides by the DP size).
     ``module`` is a causal LM (plain, FSDP2- or FSDP1-sharded); ``optimizer`` is only needed for :meth:`update_policy`.
+    ``config.use_remove_padding`` runs every forward on packed rows (:mod:`verl.workers.packing`; the worker
+    copies it from ``actor_rollout_ref.model.use_remove_padding``); ``config.use_dynamic_bsz`` forms the update's
+    micro-batches by ``ppo_max_token_len_per_gpu`` tokens instead of ``ppo_micro_batch_size_per_gpu`` rows.
     """
 
     def __init__(self, config: DictConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
@@ -47,6 +54,10 @@ class DataParallelPPOActor:
             raise ValueError(
                 f"actor.loss_agg_mode={self.loss_agg_mode!r}; expected one of {list(core_algos.LOSS_AGG_MODES)}"
             )
+        self.use_remove_padding = bool(config.get("use_remove_padding", False))
+        self.use_dynamic_bsz = bool(config.get("use_dynamic_bsz", False))
+        if self.use_remove_padding:
+            enable_packed_attention(module, "actor_rollout_ref.model.use_remove_padding")
 
     @property
     def device(self) -> torch.device:
@@ -58,14 +69,18 @@ class DataParallelPPOActor:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (bs, R) of ``responses`` under the model, and their entropies when asked.
 
-        The entropy carries gradient only with ``entropy_grad`` (when it is part of the loss).
+        The entropy carries gradient only with ``entropy_grad`` (when it is part of the loss). Padded: logits
+        of the last R + 1 positions only; packed: of the scored response positions only.
         """
+        if self.use_remove_padding:
+            return packed_log_probs(self.actor_module, micro, temperature, calculate_entropy, entropy_grad)
         responses = micro["responses"]
         output = self.actor_module(
             input_ids=micro["input_ids"],
             attention_mask=micro["attention_mask"],
             position_ids=micro["position_ids"],
             use_cache=False,
+            logits_to_keep=responses.size(-1) + 1,
         )
         logits = response_logits(output.logits, responses.size(-1), temperature)
         log_probs = logprobs_from_logits(logits, responses)
@@ -81,25 +96,32 @@ class DataParallelPPOActor:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (bs, R) of ``data.batch['responses']`` (and entropies when asked), micro-batched, no grad.
 
-        ``meta_info``: ``micro_batch_size`` (rows per forward, required) and ``temperature`` (default 1.0).
+        ``meta_info``: ``micro_batch_size`` (rows per forward) or, with ``use_dynamic_bsz`` true,
+        ``max_token_len`` (tokens per forward; rows are regrouped and their order restored), and
+        ``temperature`` (default 1.0).
         """
-        if "micro_batch_size" not in data.meta_info:
+        meta = data.meta_info
+        max_token_len = int(meta["max_token_len"]) if meta.get("use_dynamic_bsz", False) else None
+        if max_token_len is None and "micro_batch_size" not in meta:
             raise KeyError("compute_log_prob: meta_info['micro_batch_size'] (rows per forward pass) is required")
-        micro_batch_size = int(data.meta_info["micro_batch_size"])
-        temperature = float(data.meta_info.get("temperature", 1.0))
+        temperature = float(meta.get("temperature", 1.0))
         batch = select_batch(data, MODEL_INPUT_KEYS, "compute_log_prob")
+        micros, parts = split_micro_batches(
+            batch, int(meta.get("micro_batch_size", 0)), max_token_len, "log_prob_max_token_len_per_gpu"
+        )
         was_training = self.actor_module.training
         self.actor_module.eval()
         log_probs, entropies = [], []
         try:
-            for micro in batch.split(micro_batch_size):
+            for micro in micros:
                 log_prob, entropy = self._forward_micro_batch(micro.to(self.device), temperature, calculate_entropy)
                 log_probs.append(log_prob.float().cpu())
                 if entropy is not None:
                     entropies.append(entropy.float().cpu())
         finally:
             self.actor_module.train(was_training)
-        return torch.cat(log_probs), (torch.cat(entropies) if calculate_entropy else None)
+        entropy = restore_row_order(entropies, parts) if calculate_entropy else None
+        return restore_row_order(log_probs, parts), entropy
 
     def _micro_batch_loss(
         self, micro: TensorDict, temperature: float, loss_info: dict[str, Any]
@@ -140,10 +162,11 @@ class DataParallelPPOActor:
         """Run ``ppo_epochs`` passes of clipped-PPO over ``data`` and return the metrics as lists.
 
         Each mini-batch (``ppo_mini_batch_size`` rows on this rank) is one optimizer step, accumulated over
-        micro-batches of ``ppo_micro_batch_size_per_gpu`` rows. The loss is policy loss - entropy_coeff *
-        entropy (+ kl_loss_coef * KL to ``ref_log_prob`` with ``use_kl_loss``), normalised by the mini-batch's
-        token/sequence counts over all ranks; padding rows of the DP dispatch carry no loss. A step whose
-        gradient norm is not finite is skipped and counted in ``actor/grad_norm_nonfinite``.
+        micro-batches of ``ppo_micro_batch_size_per_gpu`` rows (``use_dynamic_bsz``: of at most
+        ``ppo_max_token_len_per_gpu`` tokens; the same gradient, the normalisation being global). The loss is
+        policy loss - entropy_coeff * entropy (+ kl_loss_coef * KL to ``ref_log_prob`` with ``use_kl_loss``),
+        normalised by the mini-batch's token/sequence counts over all ranks; padding rows of the DP dispatch carry
+        no loss. A step whose gradient norm is not finite is skipped and counted in ``actor/grad_norm_nonfinite``.
         ``meta_info['temperature']`` divides the logits (default 1.0).
         ``actor/pg_loss``, ``actor/entropy`` and ``actor/kl_loss`` get one value per mini-batch: this rank's
         share of it, so their mean over ranks is the mini-batch's value; the clip/KL fractions one per micro-batch.
@@ -154,9 +177,11 @@ class DataParallelPPOActor:
         keys = UPDATE_KEYS + (("ref_log_prob",) if cfg.get("use_kl_loss", False) else ())
         batch = select_batch(mask_padding_rows(data, "update_policy"), keys, "update_policy")
         mini_batch_size = int(cfg.ppo_mini_batch_size)
-        micro_batch_size = int(cfg.ppo_micro_batch_size_per_gpu)
+        micro_batch_size = int(cfg.get("ppo_micro_batch_size_per_gpu", 0) or 0)
+        max_token_len = int(cfg.ppo_max_token_len_per_gpu) if self.use_dynamic_bsz else None
         check_divisible(batch.batch_size[0], mini_batch_size, "ppo_mini_batch_size (rows per rank)", "update_policy")
-        check_divisible(mini_batch_size, micro_batch_size, "ppo_micro_batch_size_per_gpu", "update_policy")
+        if max_token_len is None:
+            check_divisible(mini_batch_size, micro_batch_size, "ppo_micro_batch_size_per_gpu", "update_policy")
         temperature = float(data.meta_info.get("temperature", 1.0))
         epochs = int(cfg.get("ppo_epochs", 1))
         metrics: dict[str, list[float]] = {}
@@ -166,7 +191,8 @@ class DataParallelPPOActor:
             mini = mini.to(self.device)
             loss_info = global_loss_info(mini["response_mask"], cfg.get("loss_scale_factor", None))
             totals: dict[str, float] = {}
-            for micro in mini.split(micro_batch_size):
+            micros, _ = split_micro_batches(mini, micro_batch_size, max_token_len, "actor.ppo_max_token_len_per_gpu")
+            for micro in micros:
                 loss, micro_metrics = self._micro_batch_loss(micro, temperature, loss_info)
                 loss.backward()
                 for name in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):

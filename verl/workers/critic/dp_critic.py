@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
 from verl.utils.fsdp_utils import clip_grad_norm
+from verl.utils.packed_attention import enable_packed_attention
 from verl.utils.torch_functional import masked_mean
 from verl.workers.batching import (
     append_metrics,
@@ -19,8 +20,11 @@ from verl.workers.batching import (
     global_loss_info,
     iter_mini_batches,
     mask_padding_rows,
+    restore_row_order,
     select_batch,
+    split_micro_batches,
 )
+from verl.workers.packing import packed_values
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +38,9 @@ class DataParallelPPOCritic:
     ``module`` maps tokens to one scalar per position (e.g. ``AutoModelForTokenClassification`` with
     ``num_labels=1``). The value of response token t is read at the position preceding it, i.e. the value of
     the state from which that token is generated. ``config`` is the ``critic`` block with
-    ``ppo_mini_batch_size`` already in rows per mini-batch on this rank.
+    ``ppo_mini_batch_size`` already in rows per mini-batch on this rank. ``config.use_remove_padding`` (copied
+    by the worker from ``critic.model.use_remove_padding``) runs the forwards on packed rows;
+    ``config.use_dynamic_bsz`` forms the update's micro-batches by ``ppo_max_token_len_per_gpu`` tokens.
     """
 
     def __init__(self, config: DictConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
@@ -46,6 +52,10 @@ class DataParallelPPOCritic:
             raise ValueError(
                 f"critic.loss_agg_mode={self.loss_agg_mode!r}; expected one of {list(core_algos.LOSS_AGG_MODES)}"
             )
+        self.use_remove_padding = bool(config.get("use_remove_padding", False))
+        self.use_dynamic_bsz = bool(config.get("use_dynamic_bsz", False))
+        if self.use_remove_padding:
+            enable_packed_attention(module, "critic.model.use_remove_padding")
 
     @property
     def device(self) -> torch.device:
@@ -54,6 +64,8 @@ class DataParallelPPOCritic:
 
     def _forward_micro_batch(self, micro: TensorDict) -> torch.Tensor:
         """Values (bs, R) of the states preceding each response token, zeroed outside ``response_mask``."""
+        if self.use_remove_padding:
+            return packed_values(self.critic_module, micro)
         response_length = micro["responses"].size(-1)
         output = self.critic_module(
             input_ids=micro["input_ids"],
@@ -66,20 +78,23 @@ class DataParallelPPOCritic:
 
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> torch.Tensor:
-        """Values (bs, R) for ``data``, micro-batched by ``meta_info['micro_batch_size']``, no grad."""
-        if "micro_batch_size" not in data.meta_info:
+        """Values (bs, R) for ``data``, no grad, micro-batched by ``meta_info['micro_batch_size']`` rows or, with
+        ``meta_info['use_dynamic_bsz']``, by ``meta_info['max_token_len']`` tokens (row order restored)."""
+        meta = data.meta_info
+        max_token_len = int(meta["max_token_len"]) if meta.get("use_dynamic_bsz", False) else None
+        if max_token_len is None and "micro_batch_size" not in meta:
             raise KeyError("compute_values: meta_info['micro_batch_size'] (rows per forward pass) is required")
         batch = select_batch(data, MODEL_INPUT_KEYS, "compute_values")
+        micros, parts = split_micro_batches(
+            batch, int(meta.get("micro_batch_size", 0)), max_token_len, "critic.forward_max_token_len_per_gpu"
+        )
         was_training = self.critic_module.training
         self.critic_module.eval()
         try:
-            values = [
-                self._forward_micro_batch(micro.to(self.device)).cpu()
-                for micro in batch.split(int(data.meta_info["micro_batch_size"]))
-            ]
+            values = [self._forward_micro_batch(micro.to(self.device)).cpu() for micro in micros]
         finally:
             self.critic_module.train(was_training)
-        return torch.cat(values)
+        return restore_row_order(values, parts)
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip gradients to ``grad_clip`` and step, unless the norm is not finite; returns (norm, stepped)."""
@@ -95,18 +110,21 @@ class DataParallelPPOCritic:
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """Run ``ppo_epochs`` passes of the clipped value loss over ``data``; return the metrics as lists.
 
-        Needs ``values`` (the old values), ``returns`` and ``response_mask``. Mini-/micro-batching, global
-        normalisation, DP padding rows and non-finite-gradient skipping work as in the actor. ``critic/vf_loss`` gets one value
-        per mini-batch (this rank's share; the mean over ranks is the mini-batch loss).
+        Needs ``values`` (the old values), ``returns`` and ``response_mask``. Mini-/micro-batching (token budgets
+        included), global normalisation, DP padding rows and non-finite-gradient skipping work as in the actor.
+        ``critic/vf_loss`` gets one value per mini-batch (this rank's share; the mean over ranks is the mini-batch
+        loss).
         """
         if self.critic_optimizer is None:
             raise RuntimeError("update_critic: this critic was built without an optimizer")
         cfg = self.config
         batch = select_batch(mask_padding_rows(data, "update_critic"), UPDATE_KEYS, "update_critic")
         mini_batch_size = int(cfg.ppo_mini_batch_size)
-        micro_batch_size = int(cfg.ppo_micro_batch_size_per_gpu)
+        micro_batch_size = int(cfg.get("ppo_micro_batch_size_per_gpu", 0) or 0)
+        max_token_len = int(cfg.ppo_max_token_len_per_gpu) if self.use_dynamic_bsz else None
         check_divisible(batch.batch_size[0], mini_batch_size, "ppo_mini_batch_size (rows per rank)", "update_critic")
-        check_divisible(mini_batch_size, micro_batch_size, "ppo_micro_batch_size_per_gpu", "update_critic")
+        if max_token_len is None:
+            check_divisible(mini_batch_size, micro_batch_size, "ppo_micro_batch_size_per_gpu", "update_critic")
         cliprange_value = float(cfg.get("cliprange_value", 0.5))
         metrics: dict[str, list[float]] = {}
         self.critic_module.train()
@@ -116,7 +134,8 @@ class DataParallelPPOCritic:
             mini = mini.to(self.device)
             loss_info = global_loss_info(mini["response_mask"], cfg.get("loss_scale_factor", None))
             vf_loss_total = 0.0
-            for micro in mini.split(micro_batch_size):
+            micros, _ = split_micro_batches(mini, micro_batch_size, max_token_len, "critic.ppo_max_token_len_per_gpu")
+            for micro in micros:
                 vpreds = self._forward_micro_batch(micro)
                 vf_loss, vf_clipfrac = core_algos.compute_value_loss(
                     vpreds, micro["returns"], micro["values"], micro["response_mask"],

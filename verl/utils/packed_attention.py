@@ -1,0 +1,132 @@
+"""Attention for padding-free (packed) forward passes of Hugging Face decoder models.
+
+A packed row holds several sequences back to back: ``input_ids`` (1, T), ``position_ids`` restarting at 0 for
+each sequence, and the sequence boundaries as ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, (n + 1,)) with
+``max_length_q`` / ``max_length_k``, the keyword arguments transformers' flash-attention path reads. Each
+sequence must attend only to itself, causally.
+
+``flash_attention_2`` / ``flash_attention_3`` handle such rows in transformers itself (``flash_attn_varlen_func``).
+For ``sdpa`` and ``eager`` models this module registers the attention implementation :data:`PACKED_SDPA`:
+
+- with ``cu_seq_lens_q`` in the call (packed rows): on CUDA in fp16/bf16, PyTorch's variable-length flash kernel
+  (``torch.nn.attention.varlen.varlen_attn``); elsewhere (CPU, fp32) ``scaled_dot_product_attention`` with
+  ``is_causal`` on each sequence's slice, so no (T, T) mask is ever built and the work is that of the sequences;
+- without it (padded batches, generation with a KV cache): transformers' own ``sdpa`` attention and masks, so
+  the same model also serves the padded path and the rollout unchanged.
+
+:func:`enable_packed_attention` switches a loaded model to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+logger = logging.getLogger(__name__)
+
+PACKED_SDPA = "sead_packed_sdpa"
+# Implementations that already run packed rows (transformers' varlen flash-attention path).
+NATIVE_PACKED = ("flash_attention_2", "flash_attention_3", PACKED_SDPA)
+_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _varlen_cuda(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Causal varlen flash attention on CUDA; (1, H, T, D) inputs, (1, T, H, D) output."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+    out = varlen_attn(
+        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scaling, window_size=(-1, 0),
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+    return out.unsqueeze(0)
+
+
+def _per_sequence_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Causal SDPA on each sequence's slice of the packed row; (1, H, T, D) inputs, (1, T, H, D) output."""
+    gqa = query.shape[1] != key.shape[1]
+    pieces = [
+        F.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+            dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa,
+        )  # fmt: skip
+        for start, end in zip(bounds[:-1], bounds[1:])
+        if end > start
+    ]
+    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous()
+
+
+def packed_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of :data:`PACKED_SDPA`: per-sequence causal attention for packed rows, HF ``sdpa`` otherwise."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one packed row, got a batch of {query.shape[0]}")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("packed attention does not support sliding-window layers; use flash_attention_2")
+    if int(cu_seqlens[-1]) != query.shape[2]:
+        raise ValueError(f"cu_seq_lens_q ends at {int(cu_seqlens[-1])} but the packed row has {query.shape[2]} tokens")
+    if query.is_cuda and query.dtype in _VARLEN_DTYPES and dropout == 0.0:
+        max_len = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+        return _varlen_cuda(query, key, value, cu_seqlens.to(torch.int32), max_len, scaling), None
+    return _per_sequence_sdpa(query, key, value, cu_seqlens.tolist(), scaling, dropout), None
+
+
+def packed_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """Mask of :data:`PACKED_SDPA`: none for a single mask-less row (the attention keeps sequences apart from
+    ``cu_seq_lens_q``, or is plainly causal), HF's ``sdpa`` mask otherwise."""
+    batch_size = kwargs.get("batch_size", args[0] if args else None)
+    if kwargs.get("attention_mask") is None and batch_size == 1:
+        q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
+        if q_length is not None and q_length == kv_length:
+            return None
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+AttentionMaskInterface.register(PACKED_SDPA, packed_sdpa_mask)
+
+
+def enable_packed_attention(model: torch.nn.Module, where: str) -> str:
+    """Make ``model`` (an HF model, possibly FSDP-wrapped) accept packed rows; return its attention implementation.
+
+    ``sdpa`` and ``eager`` models switch to :data:`PACKED_SDPA` (same results on padded batches);
+    flash-attention models are left as they are. ``where`` names the config key in errors.
+    """
+    hf_model = getattr(model, "module", model)
+    config = getattr(hf_model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current in NATIVE_PACKED:
+        return current
+    if current not in ("sdpa", "eager"):
+        raise ValueError(f"{where}: padding-free forward needs sdpa, eager or flash_attention_2 attention, the model "
+                         f"uses {current!r}")
+    hf_model.set_attn_implementation(PACKED_SDPA)
+    if config._attn_implementation != PACKED_SDPA:
+        raise RuntimeError(f"{where}: {type(hf_model).__name__} did not switch to the packed attention "
+                           f"(still {config._attn_implementation!r}); it cannot run padding-free")
+    logger.info("%s: attention %s -> %s (packed rows keep sequences apart)", where, current, PACKED_SDPA)
+    return PACKED_SDPA
