@@ -66,7 +66,7 @@ reward.kwargs.weights.false_positive=2.0 rollout_loop.config.cache.min_bucket_si
 # per-dialogue budget of 6144 tokens fits 15 turns even at their limits (15 x (256 agent + 128 user + the role
 # markers) < 6144), so a dialogue ends by its outcome or max_turns, not by running out of tokens. Checkpoints
 # keep the HF export only in the last one (a 14B fp32 export is ~56 GB; `python -m verl.model_merger` exports
-# any other later).
+# any other later). As the original: padding-free forwards and the reference model's parameters offloaded.
 _sead_gpu_preset() {
     _sead_default EXPERIMENT "$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")"
     _sead_default N_GPUS 6
@@ -95,7 +95,8 @@ _sead_gpu_preset() {
     _sead_default MAX_CKPT 2
     _sead_default SAVE_HF_MODEL last
     _sead_default POLICY_GPUS "$(seq -s, 0 $((N_GPUS - 1)))"
-    _sead_default PRESET_OVERRIDES ""
+    _sead_default PRESET_OVERRIDES "actor_rollout_ref.model.use_remove_padding=true \
+actor_rollout_ref.ref.fsdp_config.param_offload=true"
 }
 
 # Apply preset $1 (cpu | gpu); needs MODEL_PATH and SCENARIO set. Exits with a message on another name.

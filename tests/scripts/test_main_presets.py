@@ -34,6 +34,8 @@ GPU = {
     "rollout_loop.config.max_turns": "15", "actor_rollout_ref.model.enable_gradient_checkpointing": "true",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "60", "data.max_response_length": "6144",
     "rollout_loop.config.max_tokens_per_turn": "256", "trainer.n_gpus_per_node": "6",
+    "trainer.save_hf_model": "last", "actor_rollout_ref.model.use_remove_padding": "true",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "true",
 }
 # Today's CPU demo settings (CPU preset).
 CPU = {

@@ -126,7 +126,7 @@ def test_all_instances_dead_gives_turn_failures_within_deadline():
         results = client.complete_batch(requests)
         elapsed = time.monotonic() - start
         stats = client.stats()
-    assert elapsed < 1.5 + 0.5, elapsed
+    assert elapsed < 1.5 + 1.0, elapsed  # without the deadline: up to 20 attempts x 0.5 s
     assert all(isinstance(r, TurnFailure) for r in results)
     assert [r.dialogue_id for r in results] == [r.dialogue_id for r in requests]
     assert all(r.attempts >= 1 and len(r.errors) == r.attempts for r in results)
