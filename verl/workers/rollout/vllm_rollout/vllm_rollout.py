@@ -124,6 +124,9 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
         self.calculate_log_probs = bool(config.get("calculate_log_probs", False))
         self.llm = LLM(**engine_kwargs(config, model_path, tokenizer_path, dtype, device_type))
         self.tp_group = parallel_state.get_tp_group()
+        if self.tp_group.world_size != int(config.get("tensor_model_parallel_size", 1)):
+            raise RuntimeError(f"vLLM built a TP group of {self.tp_group.world_size} ranks for "
+                               f"rollout.tensor_model_parallel_size={config.get('tensor_model_parallel_size', 1)}")
         self._sleep_enabled = device_type == "cuda" and bool(config.get("free_cache_engine", True))
         self._asleep: set[str] = set()
         if bool(config.get("free_cache_engine", True)) and not self._sleep_enabled:
@@ -200,13 +203,19 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
         return [r for part in parts for r in part[0]], [s for part in parts for s in part[1]], start
 
     def _run(self, rows: list[list[int]], seeds: list[int | None], params: dict[str, Any]) -> list[Any]:
-        """One ``LLM.generate`` over token-id prompts (one request per row, its own seed); outputs in row order."""
+        """One ``LLM.generate`` over token-id prompts (one request per row, its own seed); outputs in row order.
+
+        A row never runs past ``max_model_len``: its ``max_tokens`` is cut to the room its prompt leaves (a
+        multi-turn loop asks every row for the longest row's budget and cuts each row to its own afterwards).
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self._wake(SLEEP_TAGS)
         requests = [TokensPrompt(prompt_token_ids=row) for row in rows]
-        sampling = [SamplingParams(seed=seed, **params) for seed in seeds]
+        sampling = [SamplingParams(seed=seed, **{**params, "max_tokens": min(params["max_tokens"],
+                                                                             self.max_model_len - len(row))})
+                    for row, seed in zip(rows, seeds)]
         return [out.outputs[0] for out in self.llm.generate(requests, sampling, use_tqdm=False)]
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -221,11 +230,10 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
             input_ids, prompt_mask, positions = (t.repeat_interleave(n, dim=0) for t in (input_ids, prompt_mask,
                                                                                            positions))
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, prompt_mask)]
-        longest = max(len(row) for row in rows) + response_length
-        if longest > self.max_model_len:
-            raise ValueError(f"generate_sequences: a prompt of {longest - response_length} tokens plus "
-                             f"response_length {response_length} exceeds actor_rollout_ref.rollout.max_model_len "
-                             f"({self.max_model_len}); raise it")
+        too_long = [i for i, row in enumerate(rows) if len(row) >= self.max_model_len]
+        if too_long:
+            raise ValueError(f"generate_sequences: rows {too_long[:8]} have prompts of at least "
+                             f"actor_rollout_ref.rollout.max_model_len ({self.max_model_len}) tokens; raise it")
         sampled = params["temperature"] > 0
         seeds = torch.randint(0, MAX_SEED, (len(rows),)).tolist() if sampled else [None] * len(rows)
         all_rows, all_seeds, start = self._tp_gather(rows, seeds)

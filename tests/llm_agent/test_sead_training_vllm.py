@@ -1,0 +1,87 @@
+"""SEAD training with the policy generating through vLLM (``rollout.name=vllm``): the real trainer on Ray with 2
+FSDP workers, each holding a vLLM engine, against two scripted simulator servers.
+
+A run of two GRPO steps that checkpoints after each step is compared with a second run resumed from the step-1
+checkpoint: the resumed step 2 must reproduce the first run's step 2 (its rollouts token for token, its loss and
+its final weights), which needs the checkpoint's weights to reach the vLLM engines on resume and the vLLM
+sampling seeds to come from the restored RNG states. Needs the vLLM environment (``make vllm-env``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from test_sead_training import PROMPTS, _config, _trainer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="needs vLLM: run with the vLLM environment's python (make vllm-env)")]
+
+STEPS = 2
+VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_num_seqs=32",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=2048", "actor_rollout_ref.rollout.calculate_log_probs=true"]
+
+
+@pytest.fixture()
+def sims(tmp_path):
+    from tests.llm_agent.sim_servers import SimServers
+    from test_sead_training import SCENARIO
+
+    servers = SimServers(tmp_path)
+    urls = [servers.start("--scenario", str(SCENARIO)) for _ in range(2)]
+    try:
+        servers.wait_ready(*urls)
+        yield urls
+    finally:
+        servers.stop_all()
+
+
+def _run(model: str, out, urls: list[str], extra: list[str]) -> tuple[dict, dict]:
+    """Train (resuming from out/ckpt if told so) and return (metrics per step, rollout-log lines per step)."""
+    from omegaconf import OmegaConf
+
+    config = _config(model, out, urls, STEPS)
+    config = OmegaConf.merge(config, OmegaConf.from_dotlist(VLLM + ["trainer.test_freq=-1"] + extra))
+    trainer, pool = _trainer(config)
+    try:
+        trainer.init_workers()
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+        pool.remove()
+    metrics = {m["step"]: m for m in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())}
+    lines: dict[int, list] = {}
+    for line in map(json.loads, (out / "rollouts.jsonl").read_text().splitlines()):
+        lines.setdefault(line["step"], []).append(line)
+    return metrics, lines
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "actor" / "model.safetensors"))
+
+
+def test_sead_training_with_vllm_rollout_checkpoints_and_resumes_exactly(warm_model_path, tmp_path, sims,
+                                                                           ray_cluster):
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    metrics, lines = _run(warm_model_path, first, sims, [])
+    assert sorted(metrics) == [1, 2]
+    for step in (1, 2):
+        assert metrics[step]["dialogue/n_dialogues"] == PROMPTS * 4
+        assert metrics[step]["timing_s/weight_sync"] > 0
+        assert metrics[step]["rollout/weight_sync_mb"] > 0
+    assert sum(t["user_source"] == "simulator" for line in lines[1] for t in line["turns"]) > 0
+
+    again, again_lines = _run(warm_model_path, resumed, sims, [
+        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={first / 'ckpt' / 'global_step_1'}"])
+    assert sorted(again) == [2], "the resumed run must start at step 2"
+    assert [line["turns"] for line in again_lines[2]] == [line["turns"] for line in lines[2]]
+    for key in ("actor/pg_loss", "actor/grad_norm", "response_length/mean", "reward/total/mean"):
+        if key in metrics[2]:
+            assert again[2][key] == pytest.approx(metrics[2][key], rel=1e-5, abs=1e-6), key
+    first_w, again_w = _weights(first / "ckpt" / "global_step_2"), _weights(resumed / "ckpt" / "global_step_2")
+    for name in first_w:
+        assert torch.allclose(first_w[name], again_w[name], atol=1e-6, rtol=0), name
