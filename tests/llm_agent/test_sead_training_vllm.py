@@ -2,9 +2,10 @@
 FSDP workers, each holding a vLLM engine, against two scripted simulator servers.
 
 A run of two GRPO steps that checkpoints after each step is compared with a second run resumed from the step-1
-checkpoint: the resumed step 2 must reproduce the first run's step 2 (its rollouts token for token, its loss and
-its final weights), which needs the checkpoint's weights to reach the vLLM engines on resume and the vLLM
-sampling seeds to come from the restored RNG states. Needs the vLLM environment (``make vllm-env``).
+checkpoint: right after the resume, vLLM's log-probs of the tokens it samples must equal the actor's (the
+checkpoint's weights reached the engines; the initial weights would be measurably off), and the resumed step 2
+must reproduce the first run's step 2 (its rollouts token for token, its loss and its final weights), which
+also needs the vLLM sampling seeds to come from the restored RNG states. Needs the vLLM environment (``make vllm-env``).
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
                                  reason="needs vLLM: run with the vLLM environment's python (make vllm-env)")]
 
 STEPS = 2
+# lr 2e-2: step 1 must move the policy enough that an engine left with the initial weights is measurably off
 VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_num_seqs=32",
-        "actor_rollout_ref.rollout.max_num_batched_tokens=2048", "actor_rollout_ref.rollout.calculate_log_probs=true"]
+        "actor_rollout_ref.rollout.max_num_batched_tokens=2048", "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.actor.optim.lr=2e-2"]
 
 
 @pytest.fixture()
@@ -38,15 +41,45 @@ def sims(tmp_path):
         servers.stop_all()
 
 
-def _run(model: str, out, urls: list[str], extra: list[str]) -> tuple[dict, dict]:
-    """Train (resuming from out/ckpt if told so) and return (metrics per step, rollout-log lines per step)."""
+def _engine_gap(trainer, initial_model: str) -> tuple[float, float]:
+    """(max |vLLM - actor| log-prob, mean |initial weights - actor| log-prob) over tokens vLLM samples now for
+    random probe prompts: the first is ~0 only if the engine holds the actor's current weights."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.protocol import DataProto
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 1000, (4, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    probe = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
+                                         "position_ids": torch.arange(12).expand(4, -1).clone()},
+                                meta_info={"response_length": 8, "do_sample": True})
+    out = trainer.actor_rollout_wg.generate_sequences(probe)
+    actor = trainer.actor_rollout_wg.compute_log_prob(out).batch["old_log_probs"]
+    tokens = out.batch["response_mask"].bool()
+    model = AutoModelForCausalLM.from_pretrained(initial_model, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
+                       position_ids=out.batch["position_ids"]).logits[:, -9:-1]
+    initial = torch.log_softmax(logits, -1).gather(-1, out.batch["responses"].unsqueeze(-1)).squeeze(-1)
+    return (float((out.batch["rollout_log_probs"] - actor).abs()[tokens].max()),
+            float((initial - actor).abs()[tokens].mean()))
+
+
+def _run(model: str, out, urls: list[str], extra: list[str], resumed: bool = False) -> tuple[dict, dict, tuple]:
+    """Train (resuming as `extra` says) and return (metrics per step, rollout-log lines per step, engine gaps
+    right after the checkpoint was loaded: see `_engine_gap`; None when not resumed)."""
     from omegaconf import OmegaConf
 
     config = _config(model, out, urls, STEPS)
     config = OmegaConf.merge(config, OmegaConf.from_dotlist(VLLM + ["trainer.test_freq=-1"] + extra))
     trainer, pool = _trainer(config)
+    gaps = None
     try:
         trainer.init_workers()
+        if resumed:  # fit() loads the checkpoint again, restoring the RNG states this probe used
+            trainer.load_checkpoint()
+            gaps = _engine_gap(trainer, model)
         trainer.fit()
     finally:
         trainer.shutdown()
@@ -55,7 +88,7 @@ def _run(model: str, out, urls: list[str], extra: list[str]) -> tuple[dict, dict
     lines: dict[int, list] = {}
     for line in map(json.loads, (out / "rollouts.jsonl").read_text().splitlines()):
         lines.setdefault(line["step"], []).append(line)
-    return metrics, lines
+    return metrics, lines, gaps
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -67,7 +100,7 @@ def _weights(path) -> dict[str, torch.Tensor]:
 def test_sead_training_with_vllm_rollout_checkpoints_and_resumes_exactly(warm_model_path, tmp_path, sims,
                                                                            ray_cluster):
     first, resumed = tmp_path / "first", tmp_path / "resumed"
-    metrics, lines = _run(warm_model_path, first, sims, [])
+    metrics, lines, _ = _run(warm_model_path, first, sims, [])
     assert sorted(metrics) == [1, 2]
     for step in (1, 2):
         assert metrics[step]["dialogue/n_dialogues"] == PROMPTS * 4
@@ -75,8 +108,12 @@ def test_sead_training_with_vllm_rollout_checkpoints_and_resumes_exactly(warm_mo
         assert metrics[step]["rollout/weight_sync_mb"] > 0
     assert sum(t["user_source"] == "simulator" for line in lines[1] for t in line["turns"]) > 0
 
-    again, again_lines = _run(warm_model_path, resumed, sims, [
-        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={first / 'ckpt' / 'global_step_1'}"])
+    again, again_lines, (synced_gap, moved) = _run(warm_model_path, resumed, sims, [
+        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={first / 'ckpt' / 'global_step_1'}"],
+        resumed=True)
+    # the checkpoint's weights, not the model path's, are in the engines right after the resume
+    assert synced_gap < 1e-4, synced_gap
+    assert moved > 1e-2, f"step 1 barely moved the policy ({moved}): the check above would prove nothing"
     assert sorted(again) == [2], "the resumed run must start at step 2"
     assert [line["turns"] for line in again_lines[2]] == [line["turns"] for line in lines[2]]
     for key in ("actor/pg_loss", "actor/grad_norm", "response_length/mean", "reward/total/mean"):
