@@ -76,8 +76,8 @@ def turn_batches(tokenizer, dialogues: int, turns: int, context_cap: int) -> lis
         for messages in calls:
             assistant_at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
             cut = assistant_at[turn - 1] if turn <= len(assistant_at) else len(messages)
-            ids = tokenizer.apply_chat_template(messages[:cut], add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            text = tokenizer.apply_chat_template(messages[:cut], add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             rows.append(ids[-context_cap:])
         width = max(len(r) for r in rows)
         input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows])
@@ -172,7 +172,6 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
