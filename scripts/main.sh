@@ -14,7 +14,8 @@
 # trains a few steps on Ray with 2 FSDP workers on gloo, validates and checkpoints, stops the simulators it
 # started, writes the HTML report (outputs/reports/) and prints where everything went. About 5 minutes on 2 cores.
 #
-# On a GPU box, point it at real models; the simulators are then vLLM servers (requirements_vllm.txt env):
+# On a GPU box, point it at real models; the policy then generates with vLLM inside its FSDP workers (the GPU
+# preset's ROLLOUT_ENGINE=vllm) and the simulators are vLLM servers (requirements_vllm.txt env):
 #
 #   MODEL_PATH=/models/Qwen2.5-14B-Instruct USER_SIM_MODEL=/models/Qwen2.5-14B-Instruct \
 #     bash scripts/main.sh [key=value config overrides ...]
@@ -95,6 +96,9 @@ trainer_command() {
         data.max_response_length="$RESPONSE_LENGTH"
         actor_rollout_ref.rollout.n="$ROLLOUT_N"
         actor_rollout_ref.rollout.temperature="$TEMPERATURE"
+        actor_rollout_ref.rollout.name="$ROLLOUT_ENGINE"
+        actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP"
+        actor_rollout_ref.rollout.gpu_memory_utilization="$ROLLOUT_GPU_MEM"
         actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"
         actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"
         actor_rollout_ref.actor.ppo_mini_batch_size="$MINI_BATCH"

@@ -9,8 +9,14 @@
 SEAD_PRESET_VARS=(EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS
                   MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE
                   KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH TEST_FREQ SAVE_FREQ
-                  MAX_CKPT SAVE_HF_MODEL POLICY_GPUS PRESET_OVERRIDES)
+                  MAX_CKPT SAVE_HF_MODEL POLICY_GPUS ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM PRESET_OVERRIDES)
 declare -gA SEAD_PRESET_ORIGIN=()
+
+# The policy's rollout engine on CPU: vllm when $PYTHON can import vLLM (the .venv-vllm environment), else hf.
+_sead_cpu_engine() {
+    if "${PYTHON:-python}" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' \
+        2> /dev/null; then echo vllm; else echo hf; fi
+}
 
 # Give $1 the value $2 unless the environment set it (non-empty); remember which one it got.
 _sead_default() {
@@ -23,7 +29,8 @@ _sead_default() {
 }
 
 # ------------------------------------------------------------------------------------------------ CPU preset
-# The embedded demo: the tiny model on 2 CPU workers, a few GRPO steps of 4 prompts x 4 dialogues. Its reward
+# The embedded demo: the tiny model on 2 CPU workers, a few GRPO steps of 4 prompts x 4 dialogues; the policy
+# generates with vLLM when the running Python has it (make vllm-env), else with HF generate. Its reward
 # also pays for well-formed turns, good state estimates and no false "done" claims (completion alone gives the
 # tiny model no signal), and its cache serves once a stage holds 2 replies (a few steps never fill 10).
 _sead_cpu_preset() {
@@ -54,6 +61,9 @@ _sead_cpu_preset() {
     _sead_default MAX_CKPT 2
     _sead_default SAVE_HF_MODEL every
     _sead_default POLICY_GPUS none
+    _sead_default ROLLOUT_ENGINE "$(_sead_cpu_engine)"
+    _sead_default ROLLOUT_TP 1
+    _sead_default ROLLOUT_GPU_MEM 0.5
     _sead_default PRESET_OVERRIDES "reward.kwargs.weights.format=4.0 reward.kwargs.weights.profile_accuracy=1.0 \
 reward.kwargs.weights.false_positive=2.0 rollout_loop.config.cache.min_bucket_size=2"
 }
@@ -66,7 +76,9 @@ reward.kwargs.weights.false_positive=2.0 rollout_loop.config.cache.min_bucket_si
 # per-dialogue budget of 6144 tokens fits 15 turns even at their limits (15 x (256 agent + 128 user + the role
 # markers) < 6144), so a dialogue ends by its outcome or max_turns, not by running out of tokens. Checkpoints
 # keep the HF export only in the last one (a 14B fp32 export is ~56 GB; `python -m verl.model_merger` exports
-# any other later). As the original: padding-free forwards and the reference model's parameters offloaded.
+# any other later). As the original: padding-free forwards and the reference model's parameters offloaded. The
+# policy generates with vLLM (TP 2 engines colocated with the FSDP actor, 40% of each GPU while awake, asleep
+# during training).
 _sead_gpu_preset() {
     _sead_default EXPERIMENT "$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")"
     _sead_default N_GPUS 6
@@ -95,6 +107,9 @@ _sead_gpu_preset() {
     _sead_default MAX_CKPT 2
     _sead_default SAVE_HF_MODEL last
     _sead_default POLICY_GPUS "$(seq -s, 0 $((N_GPUS - 1)))"
+    _sead_default ROLLOUT_ENGINE vllm
+    _sead_default ROLLOUT_TP 2
+    _sead_default ROLLOUT_GPU_MEM 0.4
     _sead_default PRESET_OVERRIDES "actor_rollout_ref.model.use_remove_padding=true \
 actor_rollout_ref.ref.fsdp_config.param_offload=true"
 }

@@ -21,7 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_VARS = ("EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS "
                "MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE "
                "KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH TEST_FREQ SAVE_FREQ "
-               "MAX_CKPT SAVE_HF_MODEL POLICY_GPUS PRESET_OVERRIDES PRESET PRINT_CONFIG_ONLY MODEL_PATH USER_SIM_MODEL USER_SIM_URLS "
+               "MAX_CKPT SAVE_HF_MODEL POLICY_GPUS ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM PRESET_OVERRIDES PRESET "
+               "PRINT_CONFIG_ONLY MODEL_PATH USER_SIM_MODEL USER_SIM_URLS "
                "SIM_INSTANCES SIM_TP SIM_GPUS SIM_BASE_PORT SCENARIO WARM_START_STEPS OUTPUT_DIR SEAD_GPU_MAX_TURNS "
                "DATA_DIR CKPT_DIR LOG_DIR RUN_DIR ROLLOUT_LOG VAL_METRICS").split()
 
@@ -36,6 +37,7 @@ GPU = {
     "rollout_loop.config.max_tokens_per_turn": "256", "trainer.n_gpus_per_node": "6",
     "trainer.save_hf_model": "last", "actor_rollout_ref.model.use_remove_padding": "true",
     "actor_rollout_ref.ref.fsdp_config.param_offload": "true",
+    "actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size": "2",
 }
 # Today's CPU demo settings (CPU preset).
 CPU = {
@@ -130,6 +132,22 @@ def test_two_instance_script_runs_12_turns_on_the_gpu_preset(tmp_path):
     assert mine["rollout_loop.config.max_turns"] == "9"
     _, _, cpu, _ = dry_run(tmp_path, script="2ins_main.sh", flag=False, PRINT_CONFIG_ONLY="1")
     assert cpu["rollout_loop.config.max_turns"] == "4"
+
+
+def test_cpu_demo_generates_with_vllm_only_where_the_python_has_it(tmp_path):
+    no_vllm = tmp_path / "no_vllm"  # an empty directory first on the path: whatever python finds decides
+    no_vllm.mkdir()
+    stub = tmp_path / "with_vllm"
+    (stub / "vllm").mkdir(parents=True)
+    (stub / "vllm" / "__init__.py").write_text("")
+    has = subprocess.run(["python", "-c", "import vllm"], capture_output=True).returncode == 0
+    _, block, cmd, _ = dry_run(tmp_path, USER_SIM_URLS="http://x:1", PYTHONPATH=str(no_vllm))
+    assert block["ROLLOUT_ENGINE"] == ("vllm" if has else "hf", "preset")
+    assert cmd["actor_rollout_ref.rollout.name"] == block["ROLLOUT_ENGINE"][0]
+    _, block, cmd, _ = dry_run(tmp_path, USER_SIM_URLS="http://x:1", PYTHONPATH=str(stub))
+    assert block["ROLLOUT_ENGINE"] == ("vllm", "preset") and cmd["actor_rollout_ref.rollout.name"] == "vllm"
+    _, block, cmd, _ = dry_run(tmp_path, USER_SIM_URLS="http://x:1", PYTHONPATH=str(stub), ROLLOUT_ENGINE="hf")
+    assert block["ROLLOUT_ENGINE"] == ("hf", "environment") and cmd["actor_rollout_ref.rollout.name"] == "hf"
 
 
 def test_unknown_preset_is_refused(tmp_path):

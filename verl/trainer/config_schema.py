@@ -51,7 +51,7 @@ class ModelConfig:
     path: Optional[str] = None
     tokenizer_path: Optional[str] = None
     enable_gradient_checkpointing: bool = False
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     use_remove_padding: bool = False
 
 
@@ -152,7 +152,7 @@ class ValKwargsConfig:
 class RolloutConfig:
     """``actor_rollout_ref.rollout.*``: the sampling engine."""
 
-    name: Literal["hf"] = "hf"
+    name: Literal["hf", "vllm"] = "hf"
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -165,6 +165,18 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int = 16384
     micro_batch_size_per_gpu: int = 16
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    # the vLLM engine (name=vllm)
+    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = 8192
+    max_model_len: Optional[int] = None
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    seed: int = 0
+    free_cache_engine: bool = True
+    calculate_log_probs: bool = False
 
 
 @dataclass

