@@ -234,7 +234,7 @@ AgentFactory = Callable[[str, int], AgentFn]
 
 
 def scripted_policy_agents(scenario) -> AgentFactory:
-    """Agent factory of llm_agent.stand_ins.scripted_policy.ScriptedAgent: quality "good", "bad", "malformed" or "ender"."""
+    """Agent factory of llm_agent.stand_ins.scripted_policy.ScriptedAgent (qualities: its QUALITIES)."""
     from llm_agent.stand_ins.scripted_policy import ScriptedAgent
 
     def factory(quality: str, seed: int) -> AgentFn:
