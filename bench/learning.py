@@ -58,24 +58,26 @@ class LearningSettings:
     layers: int = 2
     heads: int = 4
     vocab_size: int = 2048
-    sft_dialogues: int = 96
-    sft_mix: dict[str, float] = field(default_factory=lambda: {"evasive": 0.7, "good": 0.3})
-    sft_steps: int = 200
+    sft_dialogues: int = 128
+    sft_mix: dict[str, float] = field(default_factory=lambda: {"evasive": 0.5, "good": 0.5})
+    sft_steps: int = 300
     sft_lr: float = 3e-3
     sft_batch_size: int = 8
-    max_turns: int = 8
+    max_turns: int = 10
     max_tokens_per_turn: int = 64
     max_user_tokens: int = 48
-    max_response_length: int = 640
+    max_response_length: int = 768
     steps: int = 16
     prompts_per_step: int = 4
     group_size: int = 8
-    lr: float = 5e-4
+    lr: float = 3e-4
     loss_agg_mode: str = "seq-mean-token-mean"
-    temperature: float = 1.0
+    temperature: float = 0.7
     train_samples: int = 256
     test_samples: int = 32
     test_freq: int = 4
+    val_temperature: float = 0.0  # 0: greedy validation; > 0: sampled, val_n calls per fixed profile
+    val_n: int = 1
     sim_instances: int = 2
 
 
@@ -137,7 +139,10 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         f"actor_rollout_ref.actor.loss_agg_mode={s.loss_agg_mode}", f"actor_rollout_ref.actor.seed={s.seed}",
         f"trainer.total_training_steps={s.steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
         "trainer.logger=[jsonl]", f"trainer.default_local_dir={work / 'ckpt'}", f"trainer.log_dir={work / 'logs'}",
-        "trainer.val_before_train=true", f"trainer.test_freq={s.test_freq}", "trainer.save_freq=-1",
+        f"actor_rollout_ref.rollout.val_kwargs.do_sample={s.val_temperature > 0}",
+        f"actor_rollout_ref.rollout.val_kwargs.temperature={s.val_temperature or 1.0}",
+        f"actor_rollout_ref.rollout.val_kwargs.n={s.val_n}", "trainer.val_before_train=true",
+        f"trainer.test_freq={s.test_freq}", "trainer.save_freq=-1",
         "trainer.resume_mode=disable", f"trainer.seed={s.seed}",
         f"{loop}.scenario={SCENARIO}", f"{loop}.seed={s.seed}", f"{loop}.max_turns={s.max_turns}",
         f"{loop}.max_tokens_per_turn={s.max_tokens_per_turn}", f"{loop}.max_user_tokens={s.max_user_tokens}",
@@ -212,7 +217,10 @@ def print_table(record: dict[str, Any]) -> None:
     """The CR curve and the controller check, as plain-text tables."""
     val = {v["step"]: v["completion_rate"] for v in record["val_curve"]}
     n = record["val_curve"][0]["n_dialogues"]
-    print(f"\nGreedy validation CR on {n} fixed test profiles; train CR of the step's sampled dialogues")
+    how = "greedy" if record["settings"]["val_temperature"] == 0 else \
+        f"sampled at temperature {record['settings']['val_temperature']}, {record['settings']['val_n']} per profile"
+    print(f"\nValidation CR ({how}) on {n} dialogues with the fixed test profiles; train CR of the step's "
+          "sampled dialogues (profiles from the controller)")
     print(f"{'step':>4} | {'val CR':>6} | {'train CR':>8} | {'score':>6}")
     print(f"{0:>4} | {val.get(0, float('nan')):>6.3f} | {'':>8} | {'':>6}")
     for row in record["train_steps"]:
@@ -237,10 +245,13 @@ def main(argv: list[str] | None = None) -> None:
                                 help="default %(default)s")
     parser.add_argument("--work-dir", default="outputs/bench_learning", help="models, logs and rollouts go here")
     parser.add_argument("--out", default=str(REPO / "bench/results/learning.json"), help="result JSON")
+    parser.add_argument("--warm-model", default=None,
+                        help="skip the warm start and train this model (e.g. WORK_DIR/warm_model of an earlier run)")
     args = vars(parser.parse_args(argv))
     from utils.sft_warm_start import parse_quality_mix
 
     work, out = Path(args.pop("work_dir")), Path(args.pop("out"))
+    warm_model = args.pop("warm_model")
     args["sft_mix"] = parse_quality_mix(args["sft_mix"])
     settings = LearningSettings(**args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -248,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     for stale in ("val_metrics.jsonl", "rollouts.jsonl", "logs/metrics.jsonl"):
         (work / stale).unlink(missing_ok=True)
     started = time.monotonic()
-    warm, sft_s = warm_start(settings, work)
+    warm, sft_s = (Path(warm_model), 0.0) if warm_model else warm_start(settings, work)
     grpo_s = run_grpo(settings, warm, work)
     record = {"settings": asdict(settings), "seeds": {"sft_and_scripted_calls": settings.seed,
                                                       "trainer_data_actor_controller_loop": settings.seed,
@@ -257,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
               "machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "cpus": os.cpu_count(), "python": platform.python_version(),
                           "note": "shared with other jobs: timings are noisy"},
-              "wall_s": {"warm_start": round(sft_s, 1), "grpo": round(grpo_s, 1),
+              "warm_model": str(warm), "wall_s": {"warm_start": round(sft_s, 1), "grpo": round(grpo_s, 1),
                          "total": round(time.monotonic() - started, 1)},
               **collect(settings, work)}
     out.parent.mkdir(parents=True, exist_ok=True)
