@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     args["sft_mix"] = parse_quality_mix(args["sft_mix"])
     settings = LearningSettings(**args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per simulator request otherwise
     work.mkdir(parents=True, exist_ok=True)
     for stale in ("val_metrics.jsonl", "rollouts.jsonl", "logs/metrics.jsonl"):
         (work / stale).unlink(missing_ok=True)
