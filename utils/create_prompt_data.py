@@ -73,9 +73,16 @@ def read_profiles(path: str | Path, scenario: Scenario) -> list[UserProfile]:
     return profiles
 
 
-def prompt_rows(scenario: Scenario, profiles: Iterable[UserProfile], split: str) -> list[dict]:
-    """Parquet rows: agent prompt messages, scenario name, profile JSON and an index per row."""
+def prompt_rows(scenario: Scenario, profiles: Iterable[UserProfile], split: str,
+                system_prompt: str | None = None) -> list[dict]:
+    """Parquet rows: agent prompt messages, scenario name, profile JSON and an index per row.
+
+    `system_prompt` replaces the scenario's agent system prompt (e.g. a compact one for a tiny model)."""
     messages = scenario.render_agent_messages([])
+    if system_prompt is not None:
+        if not system_prompt.strip():
+            raise ValueError("system_prompt must not be empty (None keeps the scenario's own)")
+        messages[0] = {"role": "system", "content": system_prompt}
     return [{"prompt": messages, "data_source": scenario.name, "user_profile": json.dumps(p.to_dict()),
              "extra_info": {"split": split, "index": i}} for i, p in enumerate(profiles)]
 
@@ -88,9 +95,11 @@ def write_rows(rows: list[dict], path: Path) -> Path:
 
 
 def create_prompt_data(scenario_path: str | Path, out_dir: str | Path, train_samples: int, test_samples: int,
-                       seed: int = 0, allow_extremes: bool = False, profiles_file: str | Path | None = None
-                       ) -> dict[str, Path]:
-    """Write `train.parquet` and `test.parquet` for a scenario under `out_dir`; return their paths by split."""
+                       seed: int = 0, allow_extremes: bool = False, profiles_file: str | Path | None = None,
+                       system_prompt: str | None = None) -> dict[str, Path]:
+    """Write `train.parquet` and `test.parquet` for a scenario under `out_dir`; return their paths by split.
+
+    `system_prompt` replaces the scenario's agent system prompt in every row."""
     if train_samples < 0 or test_samples < 0 or train_samples + test_samples == 0:
         raise ValueError(f"need train_samples, test_samples >= 0 and not both 0, got {train_samples}, {test_samples}")
     scenario = load_scenario(scenario_path)
@@ -106,7 +115,7 @@ def create_prompt_data(scenario_path: str | Path, out_dir: str | Path, train_sam
     paths = {}
     for split, profiles, name in (("train", train, TRAIN_FILE), ("test", test, TEST_FILE)):
         if profiles:
-            paths[split] = write_rows(prompt_rows(scenario, profiles, split), out / name)
+            paths[split] = write_rows(prompt_rows(scenario, profiles, split, system_prompt), out / name)
             logger.info("wrote %d %s prompts of scenario %s to %s", len(profiles), split, scenario.name, paths[split])
     return paths
 
@@ -122,11 +131,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random profiles")
     parser.add_argument("--allow_extremes", action="store_true", help="also draw the extreme state values")
     parser.add_argument("--profiles", default=None, help="JSONL of profiles to use instead of random ones")
+    parser.add_argument("--system_prompt", default=None,
+                        help="replace the scenario's agent system prompt (e.g. a compact one for a tiny model)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
         paths = create_prompt_data(args.scenario, args.out_dir, args.train_samples, args.test_samples, args.seed,
-                                   args.allow_extremes, args.profiles)
+                                   args.allow_extremes, args.profiles, args.system_prompt)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"create_prompt_data: {exc}") from None
     for path in paths.values():

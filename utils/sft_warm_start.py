@@ -12,7 +12,8 @@ quality against the scripted simulator (in-process) to produce such transcripts 
         --quality-mix good=0.4,bad=0.1,malformed=0.5 --max-turns 3 --system-prompt "..."]
 
 `dialogues.jsonl` holds one transcript per line: a JSON list of messages, or an object with a "messages" list.
-Settings that give the tiny model a usable warm start in ~25 s on 2 CPU cores: tests/llm_agent/test_learning.py.
+A warm start whose greedy calls rarely complete but whose samples sometimes do (what GRPO with the
+completion-only reward needs): bench/learning.py (an "evasive"/"good" quality mix on a tag-token model).
 """
 from __future__ import annotations
 
@@ -234,7 +235,7 @@ AgentFactory = Callable[[str, int], AgentFn]
 
 
 def scripted_policy_agents(scenario) -> AgentFactory:
-    """Agent factory of llm_agent.stand_ins.scripted_policy.ScriptedAgent: quality "good", "bad", "malformed" or "ender"."""
+    """Agent factory of llm_agent.stand_ins.scripted_policy.ScriptedAgent (qualities: its QUALITIES)."""
     from llm_agent.stand_ins.scripted_policy import ScriptedAgent
 
     def factory(quality: str, seed: int) -> AgentFn:

@@ -11,8 +11,11 @@ scenario's `scripted` cue words, so it works for any scenario file and never rea
 Qualities: "good" follows the SOP (introduction with the identity question, one short answer per voiced
 doubt, a pitch, one step per turn, then the confirmation question; an empathy opener every turn; never the
 same words twice); "bad" is pushy and robotic and ignores doubts; "malformed" writes the good words without the
-reply tag; "ender" writes a good first turn with status 1 (the agent ends the call). `instant=True` skips
-decoding altogether and returns a precomputed turn (constant time, for the loop benchmark).
+reply tag; "ender" writes a good first turn with status 1 (the agent ends the call); "evasive" is "good" but
+answers only the doubts of the first third of the scenario's doubt categories (file order, at least one) and
+talks past the others with the next part of the SOP, so a user with such a doubt repeats it and hangs up (a
+warm-start ingredient: mixed with "good", the greedy policy completes only calls whose doubts it knows).
+`instant=True` skips decoding altogether and returns a precomputed turn (constant time, for the loop benchmark).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["QUALITIES", "ChatLayout", "ScriptedAgent", "ScriptedPolicyWorkerGroup", "too_similar"]
 
-QUALITIES = ("good", "bad", "malformed", "ender")
+QUALITIES = ("good", "bad", "malformed", "ender", "evasive")
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 SIMILARITY_LIMIT = 0.85  # below the scripted user's 0.9 repetition threshold, with a margin
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
@@ -231,6 +234,8 @@ class ScriptedAgent:
         self._line_keys = ("ask_who", "reluctant", "overloaded", "confused", "completed", "hang_up", "greeting",
                            "agree")
         self._lines = {key: spec.lines.get(key, ()) for key in self._line_keys}
+        categories = list(spec.categories)
+        self.answered = frozenset(categories if quality != "evasive" else categories[:max(1, len(categories) // 3)])
 
     def classify(self, user_reply: str) -> tuple[str, Any]:
         """What a user reply is: ("doubt", category), ("done", step index), a `scripted.lines` key, or ("other",)."""
@@ -280,6 +285,8 @@ class ScriptedAgent:
         kind, value = last
         if kind in ("start", "ask_who"):
             return [lines.intros, lines.identity], 0
+        if kind == "doubt" and value not in self.answered:  # evasive: carry on as if nothing was asked
+            kind = "other"
         if kind == "doubt":
             answer = lines.answers.get(value) or lines.pitch or lines.identity  # no speakable answer: move on
             return [lines.openers, *([] if pitched or not lines.pitch else [lines.pitch]), answer], 1

@@ -71,3 +71,20 @@ def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
     assert (tmp_path / "train.parquet").is_file() and (tmp_path / "test.parquet").is_file()
     with pytest.raises(SystemExit, match="create_prompt_data: .*not both 0"):
         main(["--train_samples", "0", "--test_samples", "0", "--out_dir", str(tmp_path)])
+
+
+def test_system_prompt_replaces_only_the_system_message_and_keeps_the_profiles(tmp_path):
+    compact = "You are Mia from FoodLoop. Answer in the tags."
+    own = create_prompt_data(SCENARIO_PATH, tmp_path / "own", train_samples=5, test_samples=3, seed=2)
+    short = create_prompt_data(SCENARIO_PATH, tmp_path / "short", train_samples=5, test_samples=3, seed=2,
+                               system_prompt=compact)
+    for split in ("train", "test"):
+        for a, b in zip(_rows(own[split]), _rows(short[split])):
+            assert b["prompt"][0] == {"role": "system", "content": compact}
+            assert b["prompt"][1:] == a["prompt"][1:] and a["prompt"][0]["content"] != compact
+            assert b["user_profile"] == a["user_profile"]
+    with pytest.raises(ValueError, match="system_prompt must not be empty"):
+        create_prompt_data(SCENARIO_PATH, tmp_path / "empty", train_samples=1, test_samples=1, system_prompt=" ")
+    main(["--scenario", str(SCENARIO_PATH), "--train_samples", "2", "--test_samples", "1", "--out_dir",
+          str(tmp_path / "cli"), "--system_prompt", compact])
+    assert _rows(tmp_path / "cli" / "test.parquet")[0]["prompt"][0]["content"] == compact

@@ -35,3 +35,24 @@ def test_loads_with_transformers_and_chats(tiny_model_path):
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), len(tokenizer))
+
+
+def test_tag_tokens_make_each_agent_tag_one_token_and_round_trip(tmp_path):
+    from utils.make_tiny_model import TinyModelSpec, scenario_tags
+
+    tags = scenario_tags()
+    assert "<response>" in tags and "</response>" in tags and "<stage>" in tags
+    plain = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "plain", seed=0))
+    tagged = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "tagged", seed=0,
+                                                            spec=TinyModelSpec(tag_tokens=True, hidden_size=128,
+                                                                               num_attention_heads=4)))
+    text = "<stage>2</stage>\n<response>Open the app, tap Boost.</response>\n<status>0</status>"
+    ids = tagged(text, add_special_tokens=False)["input_ids"]
+    assert tagged.decode(ids, skip_special_tokens=True) == text
+    pieces = [tagged.decode([i]) for i in ids]
+    for tag in ("<stage>", "</stage>", "<response>", "</response>", "<status>", "</status>"):
+        assert pieces.count(tag) == 1, pieces
+    assert len(ids) < len(plain(text, add_special_tokens=False)["input_ids"])
+    assert "<stage>" not in [plain.decode([i]) for i in plain(text, add_special_tokens=False)["input_ids"]]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tagged")
+    assert model.config.hidden_size == 128 and model.config.vocab_size == len(tagged)

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_agent.scenario import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, UserProfile, load_scenario, \
     sample_behaviors
-from llm_agent.stand_ins.scripted_policy import ChatLayout, ScriptedPolicyWorkerGroup, too_similar
+from llm_agent.stand_ins.scripted_policy import ChatLayout, ScriptedAgent, ScriptedPolicyWorkerGroup, too_similar
 from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from verl.protocol import DataProto
@@ -230,3 +230,24 @@ def test_in_process_simulator_answers_fails_injected_ids_and_never_ends_on_reque
     assert all(p.well_formed and p.status == STATUS_CONTINUE for p in parsed)
     assert len({p.raw for p in parsed}) >= 20, "varied replies, so a deduplicating cache can fill"
     assert [r.text for r in endless.complete_batch([ChatRequest("d3", messages)])] == [replies[3].text]
+
+
+def test_evasive_agent_answers_only_the_first_third_of_the_doubt_categories(tokenizer):
+    categories = list(OUTBOUND.scripted.categories)
+    known = set(categories[: len(categories) // 3])
+    agent = ScriptedAgent(OUTBOUND, quality="evasive", seed=0)
+    good = ScriptedAgent(OUTBOUND, quality="good", seed=0)
+    opening_turn = OUTBOUND.agent_opening
+    for category, script in OUTBOUND.scripted.categories.items():
+        doubt = script.doubt[0]
+        history = [("user", opening_turn), ("assistant", good.respond([("user", opening_turn)])),
+                   ("user", f"Yes, I run the place. Go on. {doubt}")]
+        answer = OUTBOUND.parse_agent_output(agent.respond(history))
+        assert answer.well_formed and answer.status == STATUS_CONTINUE
+        if category in known:
+            assert any(a in answer.reply for a in good.lines.answers[category]), answer.reply
+        else:
+            assert not any(a in answer.reply for a in good.lines.answers[category]), answer.reply
+    status, _ = play(tokenizer, OUTBOUND, "evasive", n=40)
+    good_status, _ = play(tokenizer, OUTBOUND, "good", n=40)
+    assert status.count(STATUS_COMPLETED) < good_status.count(STATUS_COMPLETED) - 15, (status, good_status)

@@ -1,0 +1,282 @@
+"""Benchmark: does GRPO with the completion-only reward raise the completion rate (CR) of a warm-started model?
+
+    python -m bench.learning [--seed 0] [--steps 16] [--out bench/results/learning.json] [see --help]
+
+1. Warm start (utils/sft_warm_start.py): a small Qwen2 model (utils/make_tiny_model.py, scenario tags as whole
+   tokens) is fine-tuned on scripted calls of a MIXTURE of agent qualities: mostly "evasive" (follows the SOP but
+   answers only a third of the doubt categories, so most of its calls end in a hang-up) and a minority of "good"
+   (answers every doubt, completes). The warm policy is a mixture too: greedy it mostly takes the evasive mode
+   and completes only the calls whose doubts it knows (a low but non-zero CR); sampled, it sometimes answers
+   the other doubts and completes.
+2. GRPO on the real trainer (Ray, 2 FSDP workers on gloo, `python -m verl.trainer.main_ppo` code path via
+   RayPPOTrainer) against two scripted simulator servers (scripts/start_user_sims.sh), with the SEAD rollout
+   loop, the state controller on, the cache off (its state handling is being reworked and the cache does not
+   change what is learnable here) and the reward's default weights: completion only.
+3. Greedy validation on the fixed test profiles (utils/create_prompt_data.py test split) before training and
+   every `--test-freq` steps: the CR curve. The controller's per-step CR by initial-state value and its sampling
+   weights come from the trainer's metrics (`controller/*`); `controller_check` recomputes each step's weights
+   from the previous ones and the rollout log's dialogues with an independent float64 implementation of the
+   rule in llm_agent/controller.py and reports the largest difference and the direction of the move.
+
+Writes `--out` (JSON: settings, seeds, machine, wall times, val CR curve, per-step train metrics, controller
+weights and per-value CRs, the check) and prints a table. Timings are noisy on a shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.learning_check import controller_check, controller_table, valid_values  # noqa: E402
+
+logger = logging.getLogger("bench.learning")
+
+SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+COMPACT_SYSTEM_PROMPT = ("You are Mia from FoodLoop's merchant growth team. Phone the restaurant manager, get "
+                         "them to claim the free trial credit in the app, and answer in the tags.")
+
+
+@dataclass
+class LearningSettings:
+    """Everything that defines one learning run (the defaults are the benchmark's)."""
+
+    seed: int = 0
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    layers: int = 2
+    heads: int = 4
+    vocab_size: int = 2048
+    sft_dialogues: int = 128
+    sft_mix: dict[str, float] = field(default_factory=lambda: {"evasive": 0.5, "good": 0.5})
+    sft_steps: int = 300
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 8
+    max_turns: int = 10
+    max_tokens_per_turn: int = 64
+    max_user_tokens: int = 48
+    max_response_length: int = 768
+    steps: int = 16
+    prompts_per_step: int = 4
+    group_size: int = 8
+    lr: float = 3e-4
+    loss_agg_mode: str = "seq-mean-token-mean"
+    temperature: float = 0.7
+    train_samples: int = 256
+    test_samples: int = 32
+    test_freq: int = 4
+    val_temperature: float = 0.0  # 0: greedy validation; > 0: sampled, val_n calls per fixed profile
+    val_n: int = 1
+    sim_instances: int = 2
+
+
+def warm_start(s: LearningSettings, work: Path) -> tuple[Path, float]:
+    """Build the small model and fine-tune it on the scripted mixture; returns (model dir, seconds)."""
+    from utils.make_tiny_model import TinyModelSpec, build_tiny_model
+    from utils.sft_warm_start import scripted_dialogues, sft_on_dialogues
+
+    started = time.monotonic()
+    spec = TinyModelSpec(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                         num_hidden_layers=s.layers, num_attention_heads=s.heads, tag_tokens=True)
+    base = build_tiny_model(work / "base_model", seed=s.seed, spec=spec)
+    dialogues = scripted_dialogues(SCENARIO, s.sft_dialogues, s.sft_mix, seed=s.seed, max_turns=s.max_turns,
+                                   system_prompt=COMPACT_SYSTEM_PROMPT)
+    warm = sft_on_dialogues(base, work / "warm_model", dialogues, steps=s.sft_steps, lr=s.sft_lr,
+                            batch_size=s.sft_batch_size, seed=s.seed, max_length=s.max_response_length + 128)
+    return warm, time.monotonic() - started
+
+
+class ScriptedSimulators:
+    """Scripted simulator servers started with scripts/start_user_sims.sh and stopped with stop_user_sims.sh."""
+
+    def __init__(self, run_dir: Path, instances: int, seed: int) -> None:
+        self.run_dir, self.instances, self.seed = run_dir, instances, seed
+        self.urls = ""
+
+    def __enter__(self) -> str:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {**os.environ, "PYTHON": sys.executable}
+        out = subprocess.run(["bash", "scripts/start_user_sims.sh", "--backend", "scripted", "--num-instances",
+                              str(self.instances), "--base-port", str(port), "--scenario", str(SCENARIO),
+                              "--run-dir", str(self.run_dir), "--seed", str(self.seed)],
+                             cwd=REPO, env=env, check=True, capture_output=True, text=True)
+        self.urls = out.stdout.strip().splitlines()[-1]
+        return self.urls
+
+    def __exit__(self, *exc_info) -> None:
+        subprocess.run(["bash", "scripts/stop_user_sims.sh", "--run-dir", str(self.run_dir)], cwd=REPO,
+                       check=False, capture_output=True)
+
+
+def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], work: Path, urls: str) -> list[str]:
+    """The sead_trainer overrides of the GRPO run."""
+    loop = "rollout_loop.config"
+    per_rank = s.prompts_per_step * s.group_size // 2  # one micro-batch per rank: the model is small
+    return [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={data['train']}",
+        f"data.val_files={data['test']}", "data.max_prompt_length=96",
+        f"data.max_response_length={s.max_response_length}", f"data.train_batch_size={s.prompts_per_step}",
+        f"data.val_batch_size={s.test_samples}", f"data.seed={s.seed}",
+        f"actor_rollout_ref.rollout.n={s.group_size}", f"actor_rollout_ref.rollout.temperature={s.temperature}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={per_rank}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={s.prompts_per_step}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={per_rank}", f"actor_rollout_ref.actor.optim.lr={s.lr}",
+        f"actor_rollout_ref.actor.loss_agg_mode={s.loss_agg_mode}", f"actor_rollout_ref.actor.seed={s.seed}",
+        f"trainer.total_training_steps={s.steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
+        "trainer.logger=[jsonl]", f"trainer.default_local_dir={work / 'ckpt'}", f"trainer.log_dir={work / 'logs'}",
+        f"actor_rollout_ref.rollout.val_kwargs.do_sample={s.val_temperature > 0}",
+        f"actor_rollout_ref.rollout.val_kwargs.temperature={s.val_temperature or 1.0}",
+        f"actor_rollout_ref.rollout.val_kwargs.n={s.val_n}", "trainer.val_before_train=true",
+        f"trainer.test_freq={s.test_freq}", "trainer.save_freq=-1",
+        "trainer.resume_mode=disable", f"trainer.seed={s.seed}",
+        f"{loop}.scenario={SCENARIO}", f"{loop}.seed={s.seed}", f"{loop}.max_turns={s.max_turns}",
+        f"{loop}.max_tokens_per_turn={s.max_tokens_per_turn}", f"{loop}.max_user_tokens={s.max_user_tokens}",
+        f"{loop}.user_sim.urls='{urls}'", f"{loop}.cache.enabled=false", f"{loop}.controller.seed={s.seed}",
+        f"{loop}.rollout_log_path={work / 'rollouts.jsonl'}", f"{loop}.val_metrics_path={work / 'val_metrics.jsonl'}",
+    ]
+
+
+def run_grpo(s: LearningSettings, model: Path, work: Path) -> float:
+    """Write the prompt data, start the simulators and train; returns the seconds it took."""
+    import ray
+
+    from utils.create_prompt_data import create_prompt_data
+    from verl.single_controller.ray import RayResourcePool
+    from verl.trainer.config_schema import compose_config
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
+    from verl.utils.dataset import load_tokenizer
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    started = time.monotonic()
+    data = create_prompt_data(SCENARIO, work / "data", s.train_samples, s.test_samples, seed=s.seed,
+                              system_prompt=COMPACT_SYSTEM_PROMPT)
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(address="local", num_cpus=8, include_dashboard=False)
+    try:
+        with ScriptedSimulators(work / "sims", s.sim_instances, s.seed) as urls:
+            config = compose_config(trainer_overrides(s, model, data, work, urls), config_name="sead_trainer")
+            pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+            trainer = RayPPOTrainer(config, load_tokenizer(str(model)), {Role.ActorRollout: ActorRolloutRefWorker},
+                                    pool)
+            try:
+                trainer.init_workers()
+                trainer.fit()
+            finally:
+                trainer.shutdown()
+                pool.remove()
+    finally:
+        if own_ray:
+            ray.shutdown()
+    return time.monotonic() - started
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every JSON line of `path`."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def collect(s: LearningSettings, work: Path) -> dict[str, Any]:
+    """The run's record: validation curve, per-step training metrics, controller weights/CRs and the check."""
+    val = read_jsonl(work / "val_metrics.jsonl")
+    curve = [{"step": v["step"], "n_dialogues": v["n_dialogues"], "completion_rate": v["metrics"]["completion_rate"],
+              "hang_up_rate": v["metrics"].get("hang_up_rate"), "format_error_rate":
+                  v["metrics"].get("format_error_rate")} for v in val]
+    steps = [m for m in read_jsonl(work / "logs" / "metrics.jsonl") if m.get("step", 0) >= 1
+             and "dialogue/completion_rate" in m]
+    train = [{"step": m["step"], "train_cr": m["dialogue/completion_rate"], "score": m.get("critic/score/mean"),
+              "controller": {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("controller/")}}
+             for m in steps]
+    rollouts = [r for r in read_jsonl(work / "rollouts.jsonl") if r["split"] == "train"]
+    from verl.trainer.config_schema import compose_config
+
+    controller = compose_config([], config_name="sead_trainer").rollout_loop.config.controller
+    rule = {k: float(controller[k]) for k in ("target_completion_rate", "dead_band", "smoothing", "floor",
+                                                  "max_ratio")}
+    check = controller_check(train, rollouts, valid_values(SCENARIO), rule)
+    return {"val_cr_before": curve[0]["completion_rate"], "val_cr_after": curve[-1]["completion_rate"],
+            "val_curve": curve, "train_steps": train, "controller_check": check}
+
+
+def print_table(record: dict[str, Any]) -> None:
+    """The CR curve and the controller check, as plain-text tables."""
+    val = {v["step"]: v["completion_rate"] for v in record["val_curve"]}
+    n = record["val_curve"][0]["n_dialogues"]
+    how = "greedy" if record["settings"]["val_temperature"] == 0 else \
+        f"sampled at temperature {record['settings']['val_temperature']}, {record['settings']['val_n']} per profile"
+    print(f"\nValidation CR ({how}) on {n} dialogues with the fixed test profiles; train CR of the step's "
+          "sampled dialogues (profiles from the controller)")
+    print(f"{'step':>4} | {'val CR':>6} | {'train CR':>8} | {'score':>6}")
+    print(f"{0:>4} | {val.get(0, float('nan')):>6.3f} | {'':>8} | {'':>6}")
+    for row in record["train_steps"]:
+        v = f"{val[row['step']]:.3f}" if row["step"] in val else ""
+        print(f"{row['step']:>4} | {v:>6} | {row['train_cr']:>8.3f} | {row['score']:>6.3f}")
+    gain = record["val_cr_after"] - record["val_cr_before"]
+    print(f"val CR before {record['val_cr_before']:.3f} -> after {record['val_cr_after']:.3f} "
+          f"({100 * gain:+.1f} points)")
+    print(controller_table(record["controller_check"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    defaults = LearningSettings()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, value in asdict(defaults).items():
+        if isinstance(value, dict):
+            parser.add_argument(f"--{name.replace('_', '-')}", default=",".join(f"{k}={v}" for k, v in value.items()),
+                                help=f"quality=weight list (default %(default)s)")
+        else:
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
+                                help="default %(default)s")
+    parser.add_argument("--work-dir", default="outputs/bench_learning", help="models, logs and rollouts go here")
+    parser.add_argument("--out", default=str(REPO / "bench/results/learning.json"), help="result JSON")
+    parser.add_argument("--warm-model", default=None,
+                        help="skip the warm start and train this model (e.g. WORK_DIR/warm_model of an earlier run)")
+    args = vars(parser.parse_args(argv))
+    from utils.sft_warm_start import parse_quality_mix
+
+    work, out = Path(args.pop("work_dir")), Path(args.pop("out"))
+    warm_model = args.pop("warm_model")
+    args["sft_mix"] = parse_quality_mix(args["sft_mix"])
+    settings = LearningSettings(**args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per simulator request otherwise
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in ("val_metrics.jsonl", "rollouts.jsonl", "logs/metrics.jsonl"):
+        (work / stale).unlink(missing_ok=True)
+    started = time.monotonic()
+    warm, sft_s = (Path(warm_model), 0.0) if warm_model else warm_start(settings, work)
+    grpo_s = run_grpo(settings, warm, work)
+    record = {"settings": asdict(settings), "seeds": {"sft_and_scripted_calls": settings.seed,
+                                                      "trainer_data_actor_controller_loop": settings.seed,
+                                                      "simulators": settings.seed,
+                                                      "test_profiles": settings.seed + 1_000_003},
+              "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                          "cpus": os.cpu_count(), "python": platform.python_version(),
+                          "note": "shared with other jobs: timings are noisy"},
+              "warm_model": str(warm), "wall_s": {"warm_start": round(sft_s, 1), "grpo": round(grpo_s, 1),
+                         "total": round(time.monotonic() - started, 1)},
+              **collect(settings, work)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    print_table(record)
+    print(f"wall time: {record['wall_s']}; written to {out}")
+
+
+if __name__ == "__main__":
+    main()
