@@ -44,8 +44,9 @@ from bench.learning_check import controller_check, controller_table, valid_value
 logger = logging.getLogger("bench.learning")
 
 SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
-COMPACT_SYSTEM_PROMPT = ("You are Mia from FoodLoop's merchant growth team. Phone the restaurant manager, get "
-                         "them to claim the free trial credit in the app, and answer in the tags.")
+# The compact agent prompt the tiny model is warm-started and trained with (the scenario's own is ~1300 tokens);
+# scripts/main.sh's CPU demo uses the same file.
+COMPACT_SYSTEM_PROMPT = (REPO / "assets/compact_agent_prompt.txt").read_text(encoding="utf-8").strip()
 
 
 @dataclass

@@ -26,7 +26,7 @@
 # trainer refuses to resume a checkpoint of another model (trainer.resume_from_other_model=true forces it).
 # Environment besides the preset variables: PRESET, PRINT_CONFIG_ONLY, MODEL_PATH (the tiny model),
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
-# (1; 2 vLLM), SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free port; 5000 vLLM), SCENARIO, WARM_START_STEPS (80, tiny
+# (1; 2 vLLM), SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free port; 5000 vLLM), SCENARIO, WARM_START_STEPS (300, tiny
 # model only), OUTPUT_DIR (outputs), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +45,7 @@ if [[ -n "$MODEL_PATH" ]]; then
     PRESET=${PRESET:-gpu}; WHY=${WHY:-"MODEL_PATH is set"}; TINY_DEMO=0
 else                                 # the demo's tiny model (built below), warm-started unless WARM_START_STEPS=0
     PRESET=${PRESET:-cpu}; WHY=${WHY:-"no MODEL_PATH: the tiny demo model"}; TINY_DEMO=1
-    WARM_START_STEPS=${WARM_START_STEPS:-80}
+    WARM_START_STEPS=${WARM_START_STEPS:-300}
     MODEL_PATH=$OUTPUT_DIR/$( (( WARM_START_STEPS > 0 )) && echo tiny_model_warm || echo tiny_model)
 fi
 sead_apply_preset "$PRESET"
@@ -148,19 +148,23 @@ if [[ "$DRY_RUN" == 1 ]]; then
     exit 0
 fi
 
+PROMPT_ARGS=()
 if [[ "$TINY_DEMO" == 1 ]]; then
-    TINY=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" | tail -n 1)
+    COMPACT_PROMPT=$(cat assets/compact_agent_prompt.txt)  # the scenario's own prompt is ~1300 tokens
+    PROMPT_ARGS=(--system_prompt "$COMPACT_PROMPT")
+    TINY=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" --hidden-size 128 \
+        --intermediate-size 256 --layers 2 --heads 4 --vocab-size 2048 --tag-tokens | tail -n 1)
     if (( WARM_START_STEPS > 0 )); then  # a random model never writes a tagged turn: give RL something to start from
         if [[ ! -f "$MODEL_PATH/sft_log.json" || "$TINY/config.json" -nt "$MODEL_PATH/sft_log.json" ]]; then
-            echo "warm start: $WARM_START_STEPS SFT steps of the tiny model on scripted calls (one or two minutes)"
+            echo "warm start: $WARM_START_STEPS SFT steps on scripted calls, half completing (a few minutes, once)"
             "$PYTHON" utils/sft_warm_start.py --model "$TINY" --out "$MODEL_PATH" --scenario "$SCENARIO" \
-                --n-dialogues 32 --quality-mix good=1 --max-turns "$MAX_TURNS" --steps "$WARM_START_STEPS" \
-                --max-length 2048 > /dev/null
+                --n-dialogues 128 --quality-mix evasive=0.5,good=0.5 --max-turns "$MAX_TURNS" \
+                --steps "$WARM_START_STEPS" --lr 3e-3 --max-length 896 --system-prompt "$COMPACT_PROMPT" > /dev/null
         fi
     fi
 fi
 "$PYTHON" utils/create_prompt_data.py --scenario "$SCENARIO" --train_samples "$TRAIN_SAMPLES" \
-    --test_samples "$TEST_SAMPLES" --out_dir "$DATA_DIR" > /dev/null
+    --test_samples "$TEST_SAMPLES" --out_dir "$DATA_DIR" "${PROMPT_ARGS[@]}" > /dev/null
 
 STARTED_SIMS=0
 stop_sims() {
@@ -189,6 +193,7 @@ echo "training metrics (one JSON line per step):        $LOG_DIR/metrics.jsonl"
 echo "validation metrics (one JSON line per validation): $VAL_METRICS"
 echo "rollout log (every dialogue of every step):        $ROLLOUT_LOG"
 echo "user-response cache:                              $CKPT_DIR/user_response_cache.jsonl"
+"$PYTHON" utils/val_summary.py "$VAL_METRICS" || true
 REPORT=$("$PYTHON" for_evaluation/report.py "$LOG_DIR" --dialogues "$ROLLOUT_LOG" --scenario "$SCENARIO" \
     --out "$OUTPUT_DIR/reports/$EXPERIMENT.html")
 echo "report (plots, metrics, mistakes, dialogues; open in a browser): $REPORT"

@@ -29,34 +29,37 @@ _sead_default() {
 }
 
 # ------------------------------------------------------------------------------------------------ CPU preset
-# The embedded demo: the tiny model on 2 CPU workers, a few GRPO steps of 4 prompts x 4 dialogues; the policy
-# generates with vLLM when the running Python has it (make vllm-env), else with HF generate. Its reward
-# also pays for well-formed turns, good state estimates and no false "done" claims (completion alone gives the
-# tiny model no signal), and its cache serves once a stage holds 2 replies (a few steps never fill 10).
+# The embedded demo: a small model (bench/learning.py's recipe: 0.5M parameters, the scenario's tags as whole
+# tokens, a compact agent prompt) warm-started on a mixture of scripted calls that complete and calls that
+# mostly do not, then a few GRPO steps of 4 prompts x 8 dialogues with the completion-only reward, on 2 CPU
+# workers; the policy generates with vLLM when the running Python has it (make vllm-env), else with HF generate.
+# Calls last up to 10 turns of 64 agent tokens within a 768-token budget, so a call can complete; validation (16
+# fixed profiles, greedy) runs before training and after the last step. The cache serves once a stage holds 2
+# replies (a few steps never fill 10).
 _sead_cpu_preset() {
     _sead_default EXPERIMENT cpu_demo
     _sead_default N_GPUS 2
     _sead_default STEPS 4
     _sead_default TRAIN_PROMPTS 4
-    _sead_default ROLLOUT_N 4
+    _sead_default ROLLOUT_N 8
     _sead_default MINI_BATCH "$TRAIN_PROMPTS"
     _sead_default TRAIN_SAMPLES 64
-    _sead_default TEST_SAMPLES 8
-    _sead_default MAX_TURNS 4
-    _sead_default MAX_TOKENS_PER_TURN 96
-    _sead_default MAX_USER_TOKENS 128
-    _sead_default RESPONSE_LENGTH 512
-    _sead_default LR 5e-4
+    _sead_default TEST_SAMPLES 16
+    _sead_default MAX_TURNS 10
+    _sead_default MAX_TOKENS_PER_TURN 64
+    _sead_default MAX_USER_TOKENS 48
+    _sead_default RESPONSE_LENGTH 768
+    _sead_default LR 3e-4
     _sead_default LR_WARMUP_RATIO 0.0
     _sead_default USE_KL_LOSS false
     _sead_default KL_LOSS_TYPE low_var_kl
     _sead_default KL_COEF 0.001
     _sead_default ENTROPY_COEFF 0.0
-    _sead_default TEMPERATURE 1.0
+    _sead_default TEMPERATURE 0.7
     _sead_default GRAD_CKPT false
     _sead_default MICRO_BATCH 4
     _sead_default LOGPROB_MICRO_BATCH 8
-    _sead_default TEST_FREQ 2
+    _sead_default TEST_FREQ "$STEPS"
     _sead_default SAVE_FREQ 2
     _sead_default MAX_CKPT 2
     _sead_default SAVE_HF_MODEL every
@@ -64,8 +67,7 @@ _sead_cpu_preset() {
     _sead_default ROLLOUT_ENGINE "$(_sead_cpu_engine)"
     _sead_default ROLLOUT_TP 1
     _sead_default ROLLOUT_GPU_MEM 0.5
-    _sead_default PRESET_OVERRIDES "reward.kwargs.weights.format=4.0 reward.kwargs.weights.profile_accuracy=1.0 \
-reward.kwargs.weights.false_positive=2.0 rollout_loop.config.cache.min_bucket_size=2"
+    _sead_default PRESET_OVERRIDES "data.max_prompt_length=96 rollout_loop.config.cache.min_bucket_size=2"
 }
 
 # ------------------------------------------------------------------------------------------------ GPU preset

@@ -41,12 +41,12 @@ GPU = {
 }
 # Today's CPU demo settings (CPU preset).
 CPU = {
-    "data.train_batch_size": "4", "actor_rollout_ref.rollout.n": "4", "actor_rollout_ref.actor.optim.lr": "5e-4",
+    "data.train_batch_size": "4", "actor_rollout_ref.rollout.n": "8", "actor_rollout_ref.actor.optim.lr": "3e-4",
     "actor_rollout_ref.actor.use_kl_loss": "false", "actor_rollout_ref.actor.entropy_coeff": "0.0",
-    "actor_rollout_ref.rollout.temperature": "1.0", "rollout_loop.config.max_turns": "4",
-    "data.max_response_length": "512", "rollout_loop.config.max_tokens_per_turn": "96",
+    "actor_rollout_ref.rollout.temperature": "0.7", "rollout_loop.config.max_turns": "10",
+    "data.max_response_length": "768", "rollout_loop.config.max_tokens_per_turn": "64",
     "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "4", "trainer.experiment_name": "cpu_demo",
-    "reward.kwargs.weights.format": "4.0", "rollout_loop.config.cache.min_bucket_size": "2",
+    "trainer.test_freq": "4", "data.max_prompt_length": "96", "rollout_loop.config.cache.min_bucket_size": "2",
 }
 
 
@@ -94,7 +94,7 @@ def test_without_model_path_the_cpu_preset_applies_and_nothing_is_built(tmp_path
     assert out.startswith("preset: cpu (no MODEL_PATH")
     assert {k: cmd[k] for k in CPU} == CPU
     assert cmd["actor_rollout_ref.model.path"] == f"{tmp_path / 'outputs'}/tiny_model_warm"
-    assert block["LR"] == ("5e-4", "preset") and block["MAX_TURNS"] == ("4", "preset")
+    assert block["LR"] == ("3e-4", "preset") and block["MAX_TURNS"] == ("10", "preset")
     assert not (tmp_path / "outputs").exists(), "the dry run built or wrote something"
     assert_valid(overrides, tmp_path)
 
@@ -121,7 +121,7 @@ def test_environment_and_key_value_overrides_win(tmp_path):
     assert block["TEMPERATURE"] == ("1.2", "preset")
     assert overrides[-1] == "trainer.save_freq=7", "a key=value argument must come last so that it wins"
     _, _, forced, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", PRESET="cpu", USER_SIM_URLS="http://127.0.0.1:5000")
-    assert forced["actor_rollout_ref.actor.optim.lr"] == "5e-4" and forced["actor_rollout_ref.model.path"] == "/m/agent"
+    assert forced["actor_rollout_ref.actor.optim.lr"] == "3e-4" and forced["actor_rollout_ref.model.path"] == "/m/agent"
 
 
 def test_two_instance_script_runs_12_turns_on_the_gpu_preset(tmp_path):
@@ -131,7 +131,7 @@ def test_two_instance_script_runs_12_turns_on_the_gpu_preset(tmp_path):
     _, _, mine, _ = dry_run(tmp_path, script="2ins_main.sh", MODEL_PATH="/m/agent", MAX_TURNS="9")
     assert mine["rollout_loop.config.max_turns"] == "9"
     _, _, cpu, _ = dry_run(tmp_path, script="2ins_main.sh", flag=False, PRINT_CONFIG_ONLY="1")
-    assert cpu["rollout_loop.config.max_turns"] == "4"
+    assert cpu["rollout_loop.config.max_turns"] == "10"
 
 
 def test_cpu_demo_generates_with_vllm_only_where_the_python_has_it(tmp_path):
