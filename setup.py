@@ -24,7 +24,7 @@ setup(
     include_package_data=True,
     install_requires=read_requirements("requirements.txt"),
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "openai>=1.40"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "openai>=1.40", "hypothesis>=6.100,<7"],
         "gpu": ["flash-attn>=2.6"],
         "vllm": ["vllm>=0.8"],
     },

@@ -56,7 +56,7 @@ def sims(tmp_path_factory):
         "hang": servers.start("--inject-fault", "hang"),
         "garbage": servers.start("--inject-fault", "garbage"),
         "error": servers.start("--inject-fault", "error"),
-        "auth": servers.start("--api-key", "s3cret"),
+        "auth": servers.start(env={"SEAD_USER_SIM_API_KEY": "s3cret"}),
     }
     try:
         servers.wait_ready(*urls.values())
