@@ -2,10 +2,11 @@
 malformed HTTP, rate-limited logging and the uvicorn launch that uses them.
 
 uvicorn alone keeps a connection that sends a partial request open forever and answers malformed HTTP with a
-plain-text 400; :func:`guarded_protocol` builds an h11 protocol class that closes a connection over the cap at
-once, answers a connection whose request headers are not complete `header_timeout_s` after it opened (or after
-its previous response) with a JSON 408 and closes it, and sends malformed-HTTP 400s as OpenAI-shaped JSON.
-The body deadline and the in-flight cap live in the app (`server.py`). :class:`RateLimitFilter` keeps a flood
+plain-text 400; :func:`guarded_protocol` builds an h11 protocol class that, over the connection cap, closes the
+connection that has waited longest without sending a request (or refuses the new one with a JSON 503 when every
+connection is busy), answers a connection whose request headers are not complete `header_timeout_s` after it
+opened (or after its previous response) with a JSON 408 and closes it, and sends malformed-HTTP 400s as
+OpenAI-shaped JSON. The body deadline and the in-flight cap live in the app (`server.py`). :class:`RateLimitFilter` keeps a flood
 of identical warnings (e.g. asyncio's failed accepts) from filling the disk.
 """
 from __future__ import annotations
@@ -39,14 +40,32 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
         """uvicorn's h11 protocol with a connection cap, a header deadline and JSON 400s (see module docstring)."""
 
         _header_timer: asyncio.TimerHandle | None = None
+        _idle_since = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                logger.warning("connection cap of %d reached: closing a new connection", max_connections)
-                transport.close()
-                return
+            self._idle_since = time.monotonic()
             self._arm_header_timer()
+            if len(self.connections) > max_connections:
+                self._shed()
+
+        def _waiting_for_headers(self) -> bool:
+            return not self.transport.is_closing() and self.conn.their_state is h11.IDLE and (
+                self.cycle is None or self.cycle.response_complete)
+
+        def _shed(self) -> None:
+            """Over the cap: close the connection that has waited longest without sending a request (a slow or
+            idle client), else refuse this new one with a JSON 503."""
+            idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c._waiting_for_headers()]
+            oldest = min(idle, key=lambda c: c._idle_since, default=None)
+            if oldest is not None and oldest is not self:
+                logger.warning("connection cap of %d reached: closing the longest-idle connection", max_connections)
+                oldest.transport.close()
+                return
+            logger.warning("connection cap of %d reached: refusing a new connection", max_connections)
+            self.transport.write(json_error_bytes(503, "Service Unavailable", "too many open connections",
+                                                  "overloaded"))
+            self.transport.close()
 
         def _arm_header_timer(self) -> None:
             if self._header_timer is not None:
@@ -64,6 +83,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._idle_since = time.monotonic()
             if not self.transport.is_closing():
                 self._arm_header_timer()  # the next request on this keep-alive connection gets its own deadline
 

@@ -7,6 +7,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import pytest
+
 from llm_agent.scenario import UserProfile, load_scenario
 from llm_agent.user_sim.backend import SamplingParams
 from llm_agent.user_sim.scripted import REPETITION_WINDOW, ScriptedPersona, ScriptedPersonaBackend
@@ -51,6 +53,7 @@ def _request(big_turn: str) -> list[dict[str, str]]:
             {"role": "user", "content": big_turn}]
 
 
+@pytest.mark.slow
 def test_persona_cache_memory_is_bounded():
     """Distinct 900 KB agent turns were retained whole in the persona cache (60 of them: 61 MB); now <= 16 KB each."""
     backend = ScriptedPersonaBackend(SCENARIO)
