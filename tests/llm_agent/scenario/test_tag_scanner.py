@@ -62,18 +62,20 @@ def test_scanner_agrees_with_the_regex_definition(text, tag):
     assert strip_tags(text, TAGS) == reference_strip(text, TAGS)
 
 
-def test_hostile_tag_soup_parses_in_linear_time():
-    """192 KB of openings took 46 s with the lazy regexes (quadratic); the scanner needs milliseconds."""
-    for text in ("<user_reply>" * 16000, "<" + " " * 200_000, "< /" * 60_000, "<user_reply" * 16000):
+def _best_time(fn, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
         start = time.perf_counter()
-        turn = SCENARIO.parse_user_output(text)
-        SCENARIO.parse_agent_output(text)
-        assert time.perf_counter() - start < 1.0, len(text)
-        assert turn.parse_error
-    short = time.perf_counter()
-    SCENARIO.parse_user_output("<user_reply>" * 10_000)
-    short = time.perf_counter() - short
-    long = time.perf_counter()
-    SCENARIO.parse_user_output("<user_reply>" * 80_000)
-    long = time.perf_counter() - long
-    assert long < 20 * short + 0.05  # 8x the input: linear is ~8x, quadratic ~64x
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_hostile_tag_soup_parses_in_linear_time():
+    """192 KB of openings took 46 s with the lazy regexes (quadratic); the scanner needs ~30 ms."""
+    for text in ("<user_reply>" * 16000, "<" + " " * 200_000, "< /" * 60_000, "<user_reply" * 16000):
+        assert _best_time(lambda: (SCENARIO.parse_user_output(text), SCENARIO.parse_agent_output(text))) < 3.0
+        assert SCENARIO.parse_user_output(text).parse_error
+    short = _best_time(lambda: SCENARIO.parse_user_output("<user_reply>" * 10_000))
+    long = _best_time(lambda: SCENARIO.parse_user_output("<user_reply>" * 80_000))
+    assert long < 24 * short + 0.05  # 8x the input: linear is ~8x, quadratic ~64x
