@@ -33,9 +33,7 @@ Token counts (`usage`, `max_tokens` truncation with finish_reason 'length') coun
 from __future__ import annotations
 
 import copy
-import difflib
 import hashlib
-import itertools
 import logging
 import random
 import re
@@ -47,16 +45,13 @@ from pathlib import Path
 from llm_agent.scenario import (STATE_DIMS, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, Behavior, Scenario,
                                 ScriptedSpec, UserProfile, UserTurn, load_scenario)
 from llm_agent.user_sim.backend import BackendInputError, BackendResult, Completion, SamplingParams
+from llm_agent.user_sim.repetition import REPETITION_WINDOW, fingerprint, similar_to_any
 
 logger = logging.getLogger(__name__)
 
-REPETITION_SIMILARITY = 0.9
-REPETITION_MAX_TOKENS = 400
-REPETITION_WINDOW = 16
 MAX_CHARS_PER_WORD = 40  # a turn longer than max_words * this many characters is over-long, whatever its words
 PERSONA_BASE_BYTES = 2048  # a persona's fixed footprint in the cache's byte estimate
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
-_REPEAT_TOKEN_RE = re.compile(r"\w{1,40}|[^\w\s]")  # repetition tokens: a hostile 1 MB "word" is cut into pieces
 
 
 @dataclass(frozen=True)
@@ -171,10 +166,8 @@ class ScriptedPersona:
 
     def _repeats(self, text: str) -> bool:
         """Remember the agent turn `text`; True when it repeats an earlier one (see the module docstring)."""
-        tokens = _capped_tokens(text)
-        joined = _SEP.join(tokens)
-        digest = hashlib.blake2b(joined.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        repeated = digest in self.turn_digests or _similar_to_any(tokens, self.recent_turns)
+        tokens, joined, digest = fingerprint(text)
+        repeated = digest in self.turn_digests or similar_to_any(tokens, self.recent_turns)
         self.turn_digests = self.turn_digests | {digest}
         self.recent_turns = (*self.recent_turns, joined)[-REPETITION_WINDOW:]
         return repeated
@@ -262,47 +255,6 @@ def _prefix_keys(messages: list[dict[str, str]]) -> list[str]:
             hasher.update(b"%d:" % len(data) + data)
         keys.append(hasher.copy().hexdigest())
     return keys
-
-
-_SEP = "\x1f"  # joins a turn's tokens (a control character that no token contains)
-
-
-def _capped_tokens(text: str) -> list[str]:
-    """The first REPETITION_MAX_TOKENS lower-cased word/punctuation tokens of `text` (cost bounded by the cap)."""
-    return [m.group(0) for m in itertools.islice(_REPEAT_TOKEN_RE.finditer(text.lower()), REPETITION_MAX_TOKENS)]
-
-
-def _similar_tokens(ta: list[str], tb: list[str], matcher: difflib.SequenceMatcher | None = None) -> bool:
-    """True when two token lists are (nearly) the same: similarity ratio >= REPETITION_SIMILARITY.
-
-    `matcher` may already hold `tb` as its second sequence (its indexes are then reused).
-    """
-    if not ta or not tb:
-        return ta == tb
-    if matcher is None:
-        matcher = difflib.SequenceMatcher(None, autojunk=False)
-        matcher.set_seq2(tb)
-    matcher.set_seq1(ta)
-    return (matcher.real_quick_ratio() >= REPETITION_SIMILARITY and matcher.quick_ratio() >= REPETITION_SIMILARITY
-            and matcher.ratio() >= REPETITION_SIMILARITY)
-
-
-def _similar_to_any(tokens: list[str], recent: tuple[str, ...]) -> bool:
-    """True when `tokens` is (nearly) the same as one of the `recent` joined token lists."""
-    if not recent:
-        return False
-    matcher = difflib.SequenceMatcher(None, autojunk=False)
-    matcher.set_seq2(tokens)
-    return any(_similar_tokens(earlier.split(_SEP) if earlier else [], tokens, matcher) for earlier in recent)
-
-
-def _similar(a: str, b: str) -> bool:
-    """True when two agent turns are (nearly) the same: word-level similarity >= REPETITION_SIMILARITY.
-
-    Compares lower-cased word/punctuation tokens, at most REPETITION_MAX_TOKENS of each, so the cost stays
-    bounded whatever the length of the turns.
-    """
-    return _similar_tokens(_capped_tokens(a), _capped_tokens(b))
 
 
 def count_words(text: str) -> int:
