@@ -20,7 +20,8 @@ Where the reference semantics leave room, this implementation chooses:
 - steps count only after the introduction with no doubt pending (the turn that settles the last doubt may also
   guide the first step); guiding a later step before the current one is `step_out_of_order`;
 - a turn over `rules.max_words` words (or over `max_words * MAX_CHARS_PER_WORD` characters, so the cost of
-  reading a hostile turn stays small) or hitting more than `rules.max_topics` task cue lists is overloaded:
+  reading a hostile turn stays small; only that many first characters are searched for pushy or robotic cues)
+  or hitting more than `rules.max_topics` task cue lists is overloaded:
   nothing in it counts and the `overloaded` effect applies (a repeated keyword soup can never complete);
 - a step is performed only at cooperation >= `act_min_cooperation` and, when set, trust >= `act_min_trust`;
 - one step per turn: a turn that also guides a later step performs neither (`step_out_of_order`);
@@ -114,9 +115,10 @@ class ScriptedPersona:
 
     def _detect(self, text: str) -> tuple[list[str], dict[str, bool]]:
         cues, steps, rules = self.spec.cues, self.spec.steps, self.spec.rules
-        too_long = count_words(text) > rules.max_words or len(text) > rules.max_words * MAX_CHARS_PER_WORD
-        heard = ("pushy", "robotic") if too_long else tuple(cues)  # an over-long turn is not taken in
-        seen = {key: key in heard and cues[key].matches(text) for key in cues}
+        limit = rules.max_words * MAX_CHARS_PER_WORD
+        too_long = len(text) > limit or count_words(text) > rules.max_words
+        heard = ("pushy", "robotic") if too_long else tuple(cues)  # an over-long turn is not taken in: only its
+        seen = {key: key in heard and cues[key].matches(text[:limit]) for key in cues}  # start is heard
         events = [key for key in ("pushy", "robotic") if seen[key]]
         if self._repeats(text):
             events.append("repetition")
@@ -263,8 +265,10 @@ def count_words(text: str) -> int:
 
 
 def count_tokens(text: str) -> int:
-    """Approximate token count (words and punctuation marks) used for `usage` and `max_tokens`."""
-    return len(_TOKEN_RE.findall(text))
+    """Approximate token count (words and punctuation marks) used for `usage` and `max_tokens`.
+
+    Counted match by match (not one `findall` call) so a 1 MB message never holds the GIL in one go."""
+    return sum(1 for _ in _TOKEN_RE.finditer(text))
 
 
 class ScriptedPersonaBackend:
