@@ -135,6 +135,13 @@ STARTED_RECORDS=()   # "PID:TICKS" of the instances this call started
 fail() {
   echo "start_user_sims: $1" >&2
   if [[ -n "${2:-}" && -f "$2" ]]; then echo "---- last 40 lines of $2 ----" >&2; tail -n 40 "$2" >&2; fi
+  local p f child child_ticks
+  for p in "${PORT_LIST[@]}"; do   # a signal between a PID file's write and the bookkeeping below: still ours
+    f="$RUN_DIR/user_sim_${p}.pid"
+    [[ " ${STARTED_PORTS[*]} " == *" $p "* || ! -f "$f" ]] && continue
+    read -r child child_ticks < "$f" || continue
+    if [[ "$(proc_stat_field "$child" 4)" == "$$" ]]; then STARTED_PORTS+=("$p"); STARTED_RECORDS+=("$child:$child_ticks"); fi
+  done
   if (( ${#STARTED_PORTS[@]} > 0 )); then
     # The instances this call started are ours even before their exec shows the server's command line.
     RUN_DIR="$RUN_DIR" USER_SIMS_VOUCHED="${STARTED_RECORDS[*]}" bash "$REPO_ROOT/scripts/stop_user_sims.sh" \
@@ -143,7 +150,8 @@ fail() {
   exit 1
 }
 # Interrupted while starting or waiting: stop what this call started, so no instance is orphaned.
-trap 'fail "interrupted; stopping the instances this call started"' INT TERM HUP
+on_signal() { fail "interrupted; stopping the instances this call started"; }
+trap on_signal INT TERM HUP
 
 for idx in "${!PORT_LIST[@]}"; do
   port="${PORT_LIST[$idx]}"
@@ -200,10 +208,13 @@ for port in "${PORT_LIST[@]}"; do
   log_file="$RUN_DIR/user_sim_${port}.log"
   read -r pid ticks < "$pid_file"
   # Healthy means: our process is alive, answers /health, and holds the listening socket (so the answer did not
-  # come from some other process on that port while ours died with "address in use").
-  until proc_is_our_sim "$pid" "$ticks" "$port" && curl -sf -o /dev/null --max-time 5 "http://127.0.0.1:${port}/health" \
-        && proc_listens_on "$pid" "$port"; do
-    proc_is_alive_since "$pid" "$ticks" || fail "instance on port $port (PID $pid) exited before becoming healthy" "$log_file"
+  # come from some other process on that port while ours died with "address in use"). The checks run in a child
+  # bash: a signal arriving while this script parses a command substitution can trip bash's parser.
+  while :; do
+    ready=0
+    bash "$REPO_ROOT/scripts/user_sim_proc.sh" proc_instance_ready "$pid" "$ticks" "$port" || ready=$?
+    (( ready == 0 )) && break
+    (( ready != 3 )) || fail "instance on port $port (PID $pid) exited before becoming healthy" "$log_file"
     (( SECONDS < deadline )) || fail "instance on port $port not healthy within ${HEALTH_TIMEOUT}s" "$log_file"
     sleep 1
   done

@@ -4,11 +4,13 @@
 # Field N (1-based, N >= 3) of /proc/PID/stat, or "" when PID is gone. Field 2 (comm, in parentheses) may hold
 # spaces and ')' itself, so the line is split after its LAST ')': the fields after it start at field 3 (state).
 proc_stat_field() {
-  local stat rest fields
-  stat="$(cat "/proc/$1/stat" 2>/dev/null)" || { echo ""; return 0; }
+  local stat="" rest fields index
+  { IFS= read -r -d '' stat < "/proc/$1/stat"; } 2>/dev/null || true   # whole file, no fork; comm may hold \n
+  [[ -n "$stat" ]] || { echo ""; return 0; }
   rest="${stat##*) }"
   read -r -a fields <<< "$rest"
-  echo "${fields[$(( $2 - 3 ))]:-}"
+  index=$(( $2 - 3 ))
+  echo "${fields[index]:-}"
 }
 
 # The start time of PID in clock ticks since boot (field 22), or 0 when PID is gone.
@@ -90,3 +92,14 @@ proc_listens_on() {
   done
   return 1
 }
+
+# Exit status 0 when the instance (PID, TICKS) on PORT is ready (ours, answering /health, holding the port's
+# socket), 3 when it is gone, 1 when not ready yet. Run as a child (`bash user_sim_proc.sh proc_instance_ready
+# ...`) by the start script's wait loop, so a signal never lands while the script itself runs these checks.
+proc_instance_ready() {
+  proc_is_alive_since "$1" "$2" || return 3
+  proc_is_our_sim "$1" "$2" "$3" && curl -sf -o /dev/null --max-time 5 "http://127.0.0.1:$3/health" \
+    && proc_listens_on "$1" "$3"
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" && $# -gt 0 ]]; then "$@"; fi
