@@ -3,26 +3,33 @@
 #
 #   scripts/start_user_sims.sh [--num-instances N] [--base-port P | --ports P1,P2,...] [--gpus 0,1,2,3] [--tp TP]
 #                              [--model DIR] [--backend vllm|hf|scripted] [--scenario YAML] [--run-dir DIR]
-#                              [--served-model-name NAME] [--api-key K] [--timeout SECONDS] [--seed N]
+#                              [--served-model-name NAME] [--api-key-file FILE] [--timeout SECONDS] [--seed N]
 #                              [-- EXTRA SERVER ARGS]
 #
 # Every option also reads an environment variable: NUM_INSTANCES (1), BASE_PORT (5000), PORTS, GPUS, TP (1),
 # MODEL, USER_SIM_BACKEND (vllm with a MODEL, scripted without), SCENARIO, RUN_DIR (outputs/run),
-# SERVED_MODEL_NAME (user-sim), API_KEY, HEALTH_TIMEOUT (600 s for vllm, 120 s otherwise), SEED (0; the same
+# SERVED_MODEL_NAME (user-sim), API_KEY_FILE, HEALTH_TIMEOUT (600 s for vllm, 120 s otherwise), SEED (0; the same
 # for every instance, so any instance answers a given request identically and a retry elsewhere is consistent),
 # VLLM_PYTHON (.venv-vllm/bin/python), PYTHON (.venv/bin/python, else python3).
 #
 # Backends: vllm = vLLM's own OpenAI server (python -m vllm.entrypoints.openai.api_server), instance i on GPUs
 # GPUS[i*TP .. i*TP+TP-1] via CUDA_VISIBLE_DEVICES with --tensor-parallel-size TP; hf = our server's
 # transformers backend; scripted = our server's scripted persona (no model, CPU).
-# Each instance runs in its own session (setsid), so its PID is also its process-group id. For port P it writes
-# RUN_DIR/user_sim_P.pid ("PID START_TICKS", START_TICKS from /proc/PID/stat guards against PID reuse) and
-# RUN_DIR/user_sim_P.log; RUN_DIR/user_sim_urls.txt gets the comma-separated base URLs, also printed last.
+# API key: the environment variable SEAD_USER_SIM_API_KEY, or --api-key-file FILE (mode 0600, yours); it reaches
+# the servers through their environment (vLLM: VLLM_API_KEY), never a command line, and is never logged.
+# Each instance runs in its own session (setsid). For port P it writes RUN_DIR/user_sim_P.pid ("PID START_TICKS",
+# START_TICKS from /proc/PID/stat guards against PID reuse) and RUN_DIR/user_sim_P.log; RUN_DIR/user_sim_urls.txt
+# gets the comma-separated base URLs, also printed last. Every file it writes is readable by its owner only.
+# One start or stop at a time per RUN_DIR (a lock on RUN_DIR/user_sims.lock; a second call fails at once), and a
+# start succeeds only when the process it started is alive and is the one listening on its port.
 # On failure (an instance exits, the deadline passes, or the script gets SIGINT/SIGTERM/SIGHUP) the log tail is
 # shown, the instances this call started are stopped via scripts/stop_user_sims.sh, and the exit status is 1.
 set -euo pipefail
+umask 077   # PID files, logs and the URL list: owner only
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=scripts/user_sim_proc.sh
+source "$REPO_ROOT/scripts/user_sim_proc.sh"
 NUM_INSTANCES="${NUM_INSTANCES:-1}"
 BASE_PORT="${BASE_PORT:-5000}"
 PORTS="${PORTS:-}"
@@ -33,7 +40,7 @@ BACKEND="${USER_SIM_BACKEND:-}"
 SCENARIO="${SCENARIO:-}"
 RUN_DIR="${RUN_DIR:-outputs/run}"
 SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-user-sim}"
-API_KEY="${API_KEY:-}"
+API_KEY_FILE="${API_KEY_FILE:-}"
 HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-}"
 SEED="${SEED:-0}"
 EXTRA_ARGS=()
@@ -53,11 +60,12 @@ while [[ $# -gt 0 ]]; do
     --scenario) need_value "$@"; SCENARIO="$2"; shift 2 ;;
     --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
     --served-model-name) need_value "$@"; SERVED_MODEL_NAME="$2"; shift 2 ;;
-    --api-key) need_value "$@"; API_KEY="$2"; shift 2 ;;
+    --api-key) die "--api-key is not accepted (a command line is visible to every local user); set SEAD_USER_SIM_API_KEY or pass --api-key-file FILE (mode 0600)" ;;
+    --api-key-file) need_value "$@"; API_KEY_FILE="$2"; shift 2 ;;
     --timeout) need_value "$@"; HEALTH_TIMEOUT="$2"; shift 2 ;;
     --seed) need_value "$@"; SEED="$2"; shift 2 ;;
     --) shift; EXTRA_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
 done
@@ -93,6 +101,15 @@ if [[ -z "$HEALTH_TIMEOUT" ]]; then
 fi
 [[ "$SEED" =~ ^-?[0-9]+$ ]] || die "--seed must be an integer, got '$SEED'"
 is_uint "$HEALTH_TIMEOUT" || die "--timeout must be whole seconds, got '$HEALTH_TIMEOUT'"
+SIM_API_KEY="${SEAD_USER_SIM_API_KEY:-}"
+if [[ -n "$API_KEY_FILE" ]]; then
+  [[ -f "$API_KEY_FILE" && -r "$API_KEY_FILE" ]] || die "--api-key-file $API_KEY_FILE is not a readable file"
+  [[ "$(stat -c %u "$API_KEY_FILE")" == "$(id -u)" ]] || die "--api-key-file $API_KEY_FILE is not owned by you"
+  (( (8#$(stat -c %a "$API_KEY_FILE") & 8#077) == 0 )) || die "--api-key-file $API_KEY_FILE may be read by others: chmod 600 $API_KEY_FILE"
+  SIM_API_KEY="$(tr -d '[:space:]' < "$API_KEY_FILE")"
+  [[ -n "$SIM_API_KEY" ]] || die "--api-key-file $API_KEY_FILE is empty"
+fi
+unset SEAD_USER_SIM_API_KEY
 
 # Paths given relative to the caller's directory stay valid after the cd to the repository root.
 absolute() { if [[ "$1" = /* ]]; then echo "$1"; else echo "$PWD/$1"; fi; }
@@ -108,22 +125,33 @@ if [[ -z "$PYTHON" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
 mkdir -p "$RUN_DIR"
-
-proc_start_ticks() { awk '{print $22}' "/proc/$1/stat" 2>/dev/null || echo 0; }
-# True when PID runs and started at TICKS (the PID file's record), i.e. it was not reused by another process.
-still_ours() { [[ "$2" =~ ^[1-9][0-9]*$ && "$(proc_start_ticks "$1")" == "$2" ]]; }
+# One start/stop at a time per run directory; fd 9 is closed in the instances so they never inherit the lock.
+exec 9>>"$RUN_DIR/user_sims.lock"
+flock -n 9 || { echo "start_user_sims: another start/stop is running on $RUN_DIR (lock $RUN_DIR/user_sims.lock)" >&2; exit 1; }
+export USER_SIMS_LOCK_HELD="$RUN_DIR"   # the stop script run by fail() below must not wait for our own lock
 
 STARTED_PORTS=()
+STARTED_RECORDS=()   # "PID:TICKS" of the instances this call started
 fail() {
   echo "start_user_sims: $1" >&2
   if [[ -n "${2:-}" && -f "$2" ]]; then echo "---- last 40 lines of $2 ----" >&2; tail -n 40 "$2" >&2; fi
+  local p f child child_ticks
+  for p in "${PORT_LIST[@]}"; do   # a signal between a PID file's write and the bookkeeping below: still ours
+    f="$RUN_DIR/user_sim_${p}.pid"
+    [[ " ${STARTED_PORTS[*]} " == *" $p "* || ! -f "$f" ]] && continue
+    read -r child child_ticks < "$f" || continue
+    if [[ "$(proc_stat_field "$child" 4)" == "$$" ]]; then STARTED_PORTS+=("$p"); STARTED_RECORDS+=("$child:$child_ticks"); fi
+  done
   if (( ${#STARTED_PORTS[@]} > 0 )); then
-    RUN_DIR="$RUN_DIR" bash "$REPO_ROOT/scripts/stop_user_sims.sh" --ports "$(IFS=,; echo "${STARTED_PORTS[*]}")" >&2 || true
+    # The instances this call started are ours even before their exec shows the server's command line.
+    RUN_DIR="$RUN_DIR" USER_SIMS_VOUCHED="${STARTED_RECORDS[*]}" bash "$REPO_ROOT/scripts/stop_user_sims.sh" \
+      --ports "$(IFS=,; echo "${STARTED_PORTS[*]}")" >&2 || true
   fi
   exit 1
 }
 # Interrupted while starting or waiting: stop what this call started, so no instance is orphaned.
-trap 'fail "interrupted; stopping the instances this call started"' INT TERM HUP
+on_signal() { fail "interrupted; stopping the instances this call started"; }
+trap on_signal INT TERM HUP
 
 for idx in "${!PORT_LIST[@]}"; do
   port="${PORT_LIST[$idx]}"
@@ -132,7 +160,7 @@ for idx in "${!PORT_LIST[@]}"; do
   if [[ -f "$pid_file" ]]; then
     old_pid="" old_ticks=""
     read -r old_pid old_ticks < "$pid_file" || true
-    if [[ "${old_pid:-}" =~ ^[0-9]+$ ]] && still_ours "$old_pid" "${old_ticks:-}"; then
+    if proc_is_our_sim "${old_pid:-}" "${old_ticks:-}" "$port"; then
       fail "port $port already has a running instance (PID $old_pid in $pid_file); stop it first"
     fi
     rm -f "$pid_file"   # stale: that process is gone (or its PID now belongs to someone else)
@@ -146,7 +174,6 @@ for idx in "${!PORT_LIST[@]}"; do
       [[ -x "$VLLM_PYTHON" ]] || fail "VLLM_PYTHON=$VLLM_PYTHON is not an executable python (install requirements_vllm.txt)"
       cmd=("$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name "$SERVED_MODEL_NAME"
            --host 127.0.0.1 --port "$port" --tensor-parallel-size "$TP")
-      [[ -n "$API_KEY" ]] && cmd+=(--api-key "$API_KEY")
       if (( ${#GPU_LIST[@]} > 0 )); then
         devices="$(IFS=,; echo "${GPU_LIST[*]:$(( idx * TP )):$TP}")"
         env_prefix=(env "CUDA_VISIBLE_DEVICES=$devices")
@@ -156,17 +183,21 @@ for idx in "${!PORT_LIST[@]}"; do
            --served-model-name "$SERVED_MODEL_NAME" --seed "$SEED")
       [[ "$BACKEND" == hf ]] && cmd+=(--model "$MODEL")
       [[ -n "$SCENARIO" ]] && cmd+=(--scenario "$SCENARIO")
-      [[ -n "$API_KEY" ]] && cmd+=(--api-key "$API_KEY")
       if (( ${#GPU_LIST[@]} > 0 )); then env_prefix=(env "CUDA_VISIBLE_DEVICES=${GPU_LIST[$(( idx % ${#GPU_LIST[@]} ))]}"); fi ;;
   esac
   cmd+=("${EXTRA_ARGS[@]}")
+  rm -f "$log_file"
   echo "start_user_sims: port $port: ${cmd[*]}" > "$log_file"
-  setsid "${env_prefix[@]}" "${cmd[@]}" >> "$log_file" 2>&1 < /dev/null &
+  (
+    if [[ -n "$SIM_API_KEY" ]]; then export SEAD_USER_SIM_API_KEY="$SIM_API_KEY" VLLM_API_KEY="$SIM_API_KEY"; fi
+    exec setsid "${env_prefix[@]}" "${cmd[@]}"
+  ) >> "$log_file" 2>&1 < /dev/null 9>&- &
   pid=$!
   ticks="$(proc_start_ticks "$pid")"
   [[ "$ticks" != 0 ]] || fail "instance on port $port (PID $pid) exited at once" "$log_file"
   echo "$pid $ticks" > "$pid_file"
   STARTED_PORTS+=("$port")
+  STARTED_RECORDS+=("$pid:$ticks")
   echo "start_user_sims: started $BACKEND instance on port $port (PID $pid, log $log_file)" >&2
 done
 
@@ -175,9 +206,15 @@ URLS=()
 for port in "${PORT_LIST[@]}"; do
   pid_file="$RUN_DIR/user_sim_${port}.pid"
   log_file="$RUN_DIR/user_sim_${port}.log"
-  read -r pid _ < "$pid_file"
-  until curl -sf -o /dev/null --max-time 5 "http://127.0.0.1:${port}/health"; do
-    kill -0 "$pid" 2>/dev/null || fail "instance on port $port (PID $pid) exited before becoming healthy" "$log_file"
+  read -r pid ticks < "$pid_file"
+  # Healthy means: our process is alive, answers /health, and holds the listening socket (so the answer did not
+  # come from some other process on that port while ours died with "address in use"). The checks run in a child
+  # bash: a signal arriving while this script parses a command substitution can trip bash's parser.
+  while :; do
+    ready=0
+    bash "$REPO_ROOT/scripts/user_sim_proc.sh" proc_instance_ready "$pid" "$ticks" "$port" || ready=$?
+    (( ready == 0 )) && break
+    (( ready != 3 )) || fail "instance on port $port (PID $pid) exited before becoming healthy" "$log_file"
     (( SECONDS < deadline )) || fail "instance on port $port not healthy within ${HEALTH_TIMEOUT}s" "$log_file"
     sleep 1
   done

@@ -12,8 +12,11 @@ rate the cache answers with a stored simulator reply instead of calling the simu
   it is rewritten atomically (temp file in the same directory, fsync, ``os.replace``).
 
 File format, one object per line: ``{"scenario", "stage", "reply", "state", "status", "ts"}``. Lines of other
-scenarios are kept verbatim (the file may be shared); corrupt lines are skipped, counted and logged once.
-One process writes a given file; every public method takes the same lock, so the loop may call from threads.
+scenarios are kept verbatim; lines that cannot be read (corrupt, too deeply nested, another schema version or
+encoding) are counted, logged once with their line numbers, and moved byte for byte to ``<path>.rejected``
+before any rewrite, so nothing is lost. One process writes a given file: it holds an exclusive lock on
+``<path>.lock`` (a second process gets CacheLockedError at construction; `close()` releases it); every public
+method takes the same thread lock, so the loop may call from threads.
 `save_snapshot` / `restore_snapshot` copy the replies held into and out of a checkpoint, so a resumed run starts
 from exactly the checkpoint's cache even when the live file gained replies after it.
 """
@@ -23,18 +26,19 @@ import json
 import logging
 import os
 import random
-import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from llm_agent.cache.cache_file import CacheFileLock, CacheLockedError, atomic_write, keep_rejected
 from llm_agent.cache.config import CacheConfig, is_int
 from llm_agent.cache.entries import CachedReply, Entry, check_state, parse_line, state_level_fn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CacheConfig", "CachedReply", "UserResponseCache"]
+__all__ = ["CacheConfig", "CacheLockedError", "CachedReply", "UserResponseCache"]
 
 class UserResponseCache:
     """Per-(stage, user-state level) buckets of non-terminal simulator replies, served with the stage's hit rate.
@@ -65,8 +69,21 @@ class UserResponseCache:
         self._corrupt = 0
         self._reset_counters()
         self._enabled = config.enabled and (config.default_hit_rate > 0 or any(config.stage_hit_rates.values()))
-        if self._enabled and config.path is not None and os.path.exists(config.path):
-            self._load(config.path)
+        self._file_lock: CacheFileLock | None = None
+        if self._enabled and config.path is not None:
+            self._file_lock = CacheFileLock(config.path)
+            self._release = weakref.finalize(self, self._file_lock.release)
+            if os.path.exists(config.path):
+                try:
+                    self._load(config.path)
+                except BaseException:
+                    self.close()
+                    raise
+
+    def close(self) -> None:
+        """Release the cache file's lock (the object keeps serving from memory; it must not write after this)."""
+        if self._file_lock is not None:
+            self._release()
 
     @property
     def enabled(self) -> bool:
@@ -221,7 +238,7 @@ class UserResponseCache:
         On any error the temp file is removed, the old file is left as it was, and the error propagates.
         """
         entries = sorted((e for b in self._buckets.values() for e in b), key=lambda e: e.seq)
-        _atomic_write(path, [*self._foreign, *(self._line(e) for e in entries)])
+        atomic_write(path, [*self._foreign, *(self._line(e) for e in entries)])
         self._disk_lines = len(self._foreign) + len(entries)
         logger.debug("compacted %s to %d lines", path, self._disk_lines)
 
@@ -229,7 +246,7 @@ class UserResponseCache:
         """Write the replies held now (this scenario's, oldest first) to `path` atomically; returns their count."""
         with self._lock:
             entries = sorted((e for b in self._buckets.values() for e in b), key=lambda e: e.seq)
-            _atomic_write(os.fspath(path), [self._line(e) for e in entries])
+            atomic_write(os.fspath(path), [self._line(e) for e in entries])
             return len(entries)
 
     def restore_snapshot(self, path: str | os.PathLike) -> int:
@@ -249,27 +266,28 @@ class UserResponseCache:
             logger.info("cache restored from %s: %d replies", path, self._size)
             return self._size
 
-    def _parse(self, data: bytes) -> tuple[list[Entry], list[str], list[tuple[int, str]], int]:
-        """Split a cache file's bytes into this scenario's entries, other scenarios' lines, the corrupt lines
-        (line number, reason) and the number of lines."""
+    def _parse(self, data: bytes) -> tuple[list[Entry], list[str], list[tuple[int, str, bytes]], int]:
+        """Split a cache file's bytes into this scenario's entries, other scenarios' lines, the unreadable lines
+        (line number, reason, raw bytes) and the number of lines."""
         lines = data.split(b"\n")
         if lines and lines[-1] == b"":
             lines.pop()
         own: list[Entry] = []
         foreign: list[str] = []
-        bad: list[tuple[int, str]] = []
+        bad: list[tuple[int, str, bytes]] = []
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
             try:
                 text = raw.decode("utf-8")
                 obj = json.loads(text)
-            except (UnicodeDecodeError, ValueError) as exc:
-                bad.append((number, f"not JSON ({exc.__class__.__name__})"))
+            except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+                why = "nested too deeply" if isinstance(exc, RecursionError) else f"not JSON ({type(exc).__name__})"
+                bad.append((number, why, raw))
                 continue
             reason = parse_line(obj)
             if reason is not None:
-                bad.append((number, reason))
+                bad.append((number, reason, raw))
             elif obj["scenario"] != self.scenario_name:
                 foreign.append(text.strip())
             else:
@@ -288,9 +306,11 @@ class UserResponseCache:
         self._disk_lines = n_lines
         self._corrupt = len(bad)
         if bad:
-            shown = "; ".join(f"line {n}: {why}" for n, why in bad[:20])
+            kept = keep_rejected(path, [raw for _, _, raw in bad])
+            shown = "; ".join(f"line {n}: {why}" for n, why, _ in bad[:20])
             more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
-            logger.warning("cache file %s: skipped %d corrupt line(s): %s%s", path, len(bad), shown, more)
+            logger.warning("cache file %s: %d unreadable line(s) moved to %s: %s%s", path, len(bad), kept, shown,
+                           more)
         logger.info("cache file %s: loaded %d replies for scenario %r (%d lines, %d of other scenarios)",
                     path, self._size, self.scenario_name, n_lines, len(self._foreign))
         if bad or self._surplus() > self._slack or (data and not data.endswith(b"\n")):
@@ -322,20 +342,3 @@ class UserResponseCache:
                 self._reset_counters()
             return out
 
-
-def _atomic_write(path: str, lines: list[str]) -> None:
-    """Write `lines` to `path` through a temp file in the same directory, fsync and rename; on any error the
-    temp file is removed, an existing file is left as it was, and the error propagates."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

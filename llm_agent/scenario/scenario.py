@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_agent.scenario.loading import load_behavior_library, read_scenario_fields
-from llm_agent.scenario.tags import (CueList, bullets, extract_tag, format_tags, parse_int, strip_tags,
+from llm_agent.scenario.tags import (CueList, TagScan, bullets, format_tags, parse_int, strip_tags,
                                       substitute)
 from llm_agent.scenario.types import (CUE_KEYS, EVENTS, LINE_KEYS, STATE_DIMS, STATUS_COMPLETED,
                                       STATUS_CONTINUE, STATUS_ENDED, STATUS_VALUES, AgentTurn, Behavior,
@@ -172,8 +172,9 @@ class Scenario:
         fields: dict[str, Any] = {}
         flags: list[str] = []
         out_of_range = False
+        scan = TagScan(text)
         for role, tag in protocol.tags.items():
-            content, tag_flags = extract_tag(text, tag, all_tags)
+            content, tag_flags = scan.extract(tag, all_tags)
             flags += [f"{f}:{role}" for f in tag_flags if not (role == "think" and f == "missing")]
             if content is None:
                 continue

@@ -5,6 +5,7 @@ rules are documented in `docs/scenario_schema.md` (sections 1, 5 and "Parsing ru
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from collections.abc import Iterable, Mapping
@@ -109,44 +110,70 @@ class CueList:
         return any(pat.search(text) for pat in self._patterns)
 
 
-@functools.lru_cache(maxsize=256)
-def _open_re(tag: str) -> re.Pattern:
-    return re.compile(r"<\s*" + re.escape(tag) + r"\s*>", re.IGNORECASE)
+# One opening or closing of any identifier-named tag: `<name>`, `< / name >` (case-insensitive names). Linear:
+# every branch after `<` consumes characters that can never be `<`, so each scan ends before the next `<`.
+_TAG_TOKEN = re.compile(r"<\s*(?:(/)\s*)?([A-Za-z0-9_]+)\s*>")
 
 
-@functools.lru_cache(maxsize=256)
-def _block_re(tag: str) -> re.Pattern:
-    t = re.escape(tag)
-    return re.compile(r"<\s*" + t + r"\s*>(.*?)<\s*/\s*" + t + r"\s*>", re.IGNORECASE | re.DOTALL)
+class TagScan:
+    """The tag openings/closings of one text, found in a single linear scan; answers `extract` per tag."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.tokens: list[tuple[int, int, str, bool]] = [  # (start, end, lower-cased name, is closing)
+            (m.start(), m.end(), m.group(2).lower(), m.group(1) is not None) for m in _TAG_TOKEN.finditer(text)]
+        self._by_name: dict[str, list[tuple[int, int, str, bool]]] = {}
+        for token in self.tokens:
+            self._by_name.setdefault(token[2], []).append(token)
+
+    def blocks(self, tag: str) -> list[tuple[int, int, int, int]]:
+        """(block start, content start, content end, block end) of each `<tag>...</tag>` block, left to right:
+        an opening pairs with the first closing after it and openings inside a block are ignored (the semantics
+        of a lazy `<tag>(.*?)</tag>` regex, without its quadratic time)."""
+        pairs, opening = [], None
+        for start, end, _, closing in self._by_name.get(tag.lower(), ()):
+            if closing and opening is not None:
+                pairs.append((opening[0], opening[1], start, end))
+                opening = None
+            elif not closing and opening is None:
+                opening = (start, end)
+        return pairs
+
+    def extract(self, tag: str, all_tags: Iterable[str]) -> tuple[str | None, list[str]]:
+        """`extract_tag` on the scanned text."""
+        blocks = self.blocks(tag)
+        if blocks:
+            _, content_start, content_end, _ = blocks[-1]
+            return self.text[content_start:content_end], (["multiple"] if len(blocks) > 1 else [])
+        openings = [t for t in self._by_name.get(tag.lower(), ()) if not t[3]]
+        if not openings:
+            return None, ["missing"]
+        after = openings[-1][1]
+        protocol = {t.lower() for t in all_tags}
+        nxt = next((t[0] for t in self.tokens[bisect.bisect_left(self.tokens, (after,)):] if t[2] in protocol),
+                   len(self.text))
+        return self.text[after:nxt], ["unclosed"]
 
 
 def any_tag_re(tags: Iterable[str]) -> re.Pattern:
-    """A regex matching an opening or closing of any of `tags`."""
+    """A regex matching an opening or closing of any of `tags` (for callers; linear on any input)."""
     return _any_tag_re(tuple(sorted(set(tags), key=lambda t: (-len(t), t))))
 
 
 @functools.lru_cache(maxsize=64)
 def _any_tag_re(tags: tuple[str, ...]) -> re.Pattern:
     alt = "|".join(re.escape(t) for t in tags)
-    return re.compile(r"<\s*/?\s*(?:" + alt + r")\s*>", re.IGNORECASE)
+    return re.compile(r"<\s*(?:/\s*)?(?:" + alt + r")\s*>", re.IGNORECASE)
 
 
 def extract_tag(text: str, tag: str, all_tags: Iterable[str]) -> tuple[str | None, list[str]]:
-    """Extract the content of `tag` from `text` following the documented rules.
+    """Extract the content of `tag` from `text` following the documented rules (in time linear in `text`).
 
     Returns (content or None, flags) where flags is a subset of {"multiple", "unclosed", "missing"}: the last
     closed block wins; with no closed block, the text after the last opening up to the next protocol tag (or
     the end) is taken; no opening at all gives None.
     """
-    blocks = _block_re(tag).findall(text)
-    if blocks:
-        return blocks[-1], (["multiple"] if len(blocks) > 1 else [])
-    openings = list(_open_re(tag).finditer(text))
-    if not openings:
-        return None, ["missing"]
-    rest = text[openings[-1].end():]
-    nxt = any_tag_re(all_tags).search(rest)
-    return (rest[:nxt.start()] if nxt else rest), ["unclosed"]
+    return TagScan(text).extract(tag, all_tags)
 
 
 _INT_CAP = 10 ** 18  # beyond any range; keeps int() away from Python's 4300-digit conversion limit
@@ -166,18 +193,32 @@ def parse_int(content: str) -> int | None:
     return sign * (_INT_CAP if len(digits) > 18 else min(int(digits), _INT_CAP))
 
 
+def _cut(text: str, spans: list[tuple[int, int]]) -> str:
+    """`text` with each (start, end) span (sorted, disjoint) replaced by one space."""
+    parts, pos = [], 0
+    for start, end in spans:
+        parts += [text[pos:start], " "]
+        pos = end
+    return "".join(parts) + text[pos:]
+
+
 def strip_tags(text: str, tags: Iterable[str]) -> tuple[str, bool]:
-    """Remove whole `<tag>...</tag>` blocks of `tags`, then any stray opening/closing of them.
+    """Remove whole `<tag>...</tag>` blocks of `tags` (tag by tag), then any stray opening/closing of them.
 
     Returns (text with whitespace runs collapsed if anything was removed, whether anything was removed).
     """
     tags = list(tags)
     count = 0
     for tag in tags:
-        text, n = _block_re(tag).subn(" ", text)
-        count += n
-    text, n = any_tag_re(tags).subn(" ", text)
-    count += n
+        blocks = TagScan(text).blocks(tag)
+        if blocks:
+            text = _cut(text, [(b[0], b[3]) for b in blocks])
+            count += len(blocks)
+    protocol = {t.lower() for t in tags}
+    stray = [(t[0], t[1]) for t in TagScan(text).tokens if t[2] in protocol]
+    if stray:
+        text = _cut(text, stray)
+        count += len(stray)
     return (" ".join(text.split()) if count else text), count > 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import threading
 import time
@@ -118,6 +119,7 @@ class UserSimClient:
         self.max_in_flight = max_in_flight
         self._instances = [InstanceState(url=u, name=instance_name(u), model=model) for u in parse_urls(urls)]
         self._configured_model = model
+        api_key = api_key or os.environ.get("SEAD_USER_SIM_API_KEY")  # the env keeps the key out of configs/logs
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._stats = ClientStats(self._instances)
         self._closed = False

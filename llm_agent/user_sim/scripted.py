@@ -19,18 +19,21 @@ Where the reference semantics leave room, this implementation chooses:
   category has no `scripted.categories` entry is not raised;
 - steps count only after the introduction with no doubt pending (the turn that settles the last doubt may also
   guide the first step); guiding a later step before the current one is `step_out_of_order`;
-- a turn over `rules.max_words` words or hitting more than `rules.max_topics` task cue lists is overloaded:
+- a turn over `rules.max_words` words (or over `max_words * MAX_CHARS_PER_WORD` characters, so the cost of
+  reading a hostile turn stays small; only that many first characters are searched for pushy or robotic cues)
+  or hitting more than `rules.max_topics` task cue lists is overloaded:
   nothing in it counts and the `overloaded` effect applies (a repeated keyword soup can never complete);
 - a step is performed only at cooperation >= `act_min_cooperation` and, when set, trust >= `act_min_trust`;
 - one step per turn: a turn that also guides a later step performs neither (`step_out_of_order`);
-- repetition means (nearly) the same words as any earlier agent turn of the conversation;
+- repetition means the same words as any earlier agent turn of the conversation, or nearly the same words as
+  one of the last REPETITION_WINDOW agent turns (a bounded window keeps a turn's cost independent of the
+  dialogue's length; real dialogues are far shorter than the window);
 - completion (1) needs every step done, in order, in earlier turns and then a `confirmation` cue.
 Token counts (`usage`, `max_tokens` truncation with finish_reason 'length') count words and punctuation marks.
 """
 from __future__ import annotations
 
 import copy
-import difflib
 import hashlib
 import logging
 import random
@@ -43,11 +46,12 @@ from pathlib import Path
 from llm_agent.scenario import (STATE_DIMS, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, Behavior, Scenario,
                                 ScriptedSpec, UserProfile, UserTurn, load_scenario)
 from llm_agent.user_sim.backend import BackendInputError, BackendResult, Completion, SamplingParams
+from llm_agent.user_sim.repetition import REPETITION_WINDOW, fingerprint, similar_to_any
 
 logger = logging.getLogger(__name__)
 
-REPETITION_SIMILARITY = 0.9
-REPETITION_MAX_TOKENS = 400
+MAX_CHARS_PER_WORD = 40  # a turn longer than max_words * this many characters is over-long, whatever its words
+PERSONA_BASE_BYTES = 2048  # a persona's fixed footprint in the cache's byte estimate
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 
 
@@ -82,7 +86,8 @@ class ScriptedPersona:
     steps_done: int = 0
     steps_done_before_turn: int = 0
     status: int = STATUS_CONTINUE
-    agent_texts: tuple[str, ...] = ()
+    recent_turns: tuple[str, ...] = ()  # the last REPETITION_WINDOW agent turns as joined capped tokens
+    turn_digests: frozenset[bytes] = frozenset()  # digests of every agent turn's capped tokens
     furthest_stage: int = -1
     spec: ScriptedSpec = field(init=False)
     doubts: list[Behavior] = field(init=False)
@@ -110,14 +115,16 @@ class ScriptedPersona:
 
     def _detect(self, text: str) -> tuple[list[str], dict[str, bool]]:
         cues, steps, rules = self.spec.cues, self.spec.steps, self.spec.rules
-        seen = {key: cues[key].matches(text) for key in cues}
+        limit = rules.max_words * MAX_CHARS_PER_WORD
+        too_long = len(text) > limit or count_words(text) > rules.max_words
+        heard = ("pushy", "robotic") if too_long else tuple(cues)  # an over-long turn is not taken in: only its
+        seen = {key: key in heard and cues[key].matches(text[:limit]) for key in cues}  # start is heard
         events = [key for key in ("pushy", "robotic") if seen[key]]
-        if any(_similar(earlier, text) for earlier in self.agent_texts):
+        if self._repeats(text):
             events.append("repetition")
-        self.agent_texts = (*self.agent_texts, text)
         seen["guided_next"] = False
         self.steps_done_before_turn = self.steps_done
-        seen["overloaded"] = count_words(text) > rules.max_words or self.topics(text) > rules.max_topics
+        seen["overloaded"] = too_long or self.topics(text) > rules.max_topics
         if seen["overloaded"]:
             # Too long or keyword-stuffed: the user takes nothing in (no introduction, answer, step or
             # confirmation counts), an open doubt stays ignored, and the turn is penalised.
@@ -158,6 +165,18 @@ class ScriptedPersona:
         if not useful:
             events.append("no_progress")
         return events, seen
+
+    def _repeats(self, text: str) -> bool:
+        """Remember the agent turn `text`; True when it repeats an earlier one (see the module docstring)."""
+        tokens, joined, digest = fingerprint(text)
+        repeated = digest in self.turn_digests or similar_to_any(tokens, self.recent_turns)
+        self.turn_digests = self.turn_digests | {digest}
+        self.recent_turns = (*self.recent_turns, joined)[-REPETITION_WINDOW:]
+        return repeated
+
+    def footprint(self) -> int:
+        """Approximate bytes held by this persona (what the backend's byte-bounded cache counts)."""
+        return PERSONA_BASE_BYTES + sum(len(t) for t in self.recent_turns) + 100 * len(self.turn_digests)
 
     def _apply(self, events: list[str]) -> dict[str, int]:
         deltas = {dim: 0 for dim in STATE_DIMS}
@@ -240,54 +259,56 @@ def _prefix_keys(messages: list[dict[str, str]]) -> list[str]:
     return keys
 
 
-def _similar(a: str, b: str) -> bool:
-    """True when two agent turns are (nearly) the same: word-level similarity >= REPETITION_SIMILARITY.
-
-    Compares lower-cased word/punctuation tokens, at most REPETITION_MAX_TOKENS of each, so the cost stays
-    bounded whatever the length of the turns.
-    """
-    ta = _TOKEN_RE.findall(a.lower())[:REPETITION_MAX_TOKENS]
-    tb = _TOKEN_RE.findall(b.lower())[:REPETITION_MAX_TOKENS]
-    if not ta or not tb:
-        return ta == tb
-    matcher = difflib.SequenceMatcher(None, ta, tb, autojunk=False)
-    return (matcher.real_quick_ratio() >= REPETITION_SIMILARITY and matcher.quick_ratio() >= REPETITION_SIMILARITY
-            and matcher.ratio() >= REPETITION_SIMILARITY)
-
-
 def count_words(text: str) -> int:
     """Whitespace-separated words of a spoken turn (the unit of `scripted.rules.max_words`)."""
     return len(text.split())
 
 
 def count_tokens(text: str) -> int:
-    """Approximate token count (words and punctuation marks) used for `usage` and `max_tokens`."""
-    return len(_TOKEN_RE.findall(text))
+    """Approximate token count (words and punctuation marks) used for `usage` and `max_tokens`.
+
+    Counted match by match (not one `findall` call) so a 1 MB message never holds the GIL in one go."""
+    return sum(1 for _ in _TOKEN_RE.finditer(text))
 
 
 class ScriptedPersonaBackend:
     """ChatBackend answering as the scenario's scripted persona (deterministic for persona + seed)."""
 
-    def __init__(self, scenario: Scenario, seed: int = 0, cache_size: int = 4096) -> None:
+    def __init__(self, scenario: Scenario, seed: int = 0, cache_size: int = 4096,
+                 cache_bytes: int = 64 << 20) -> None:
         self.scenario = scenario
         self.seed = seed
-        self._cache: OrderedDict[str, ScriptedPersona] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[ScriptedPersona, int]] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self._cached_bytes = 0
         self._cache_lock = threading.Lock()
+
+    @property
+    def cache_footprint(self) -> tuple[int, int]:
+        """(entries, estimated bytes) held by the persona cache (bounded by cache_size and cache_bytes)."""
+        with self._cache_lock:
+            return len(self._cache), self._cached_bytes
 
     def _cached(self, key: str) -> ScriptedPersona | None:
         with self._cache_lock:
-            persona = self._cache.get(key)
-            if persona is not None:
+            hit = self._cache.get(key)
+            if hit is not None:
                 self._cache.move_to_end(key)
-        return None if persona is None else persona.copy()
+        return None if hit is None else hit[0].copy()
 
     def _remember(self, key: str, persona: ScriptedPersona) -> None:
+        size = persona.footprint() + len(key)
+        if size > self._cache_bytes:
+            return
         with self._cache_lock:
-            self._cache[key] = persona.copy()
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self._cached_bytes -= old[1]
+            self._cache[key] = (persona.copy(), size)
+            self._cached_bytes += size
+            while len(self._cache) > self._cache_size or self._cached_bytes > self._cache_bytes:
+                self._cached_bytes -= self._cache.popitem(last=False)[1][1]
 
     @classmethod
     def from_scenario_file(cls, path: str | Path, seed: int = 0) -> "ScriptedPersonaBackend":

@@ -28,14 +28,15 @@ class SimServers:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, *flags: str, port: int | None = None) -> str:
-        """Launch one scripted server (not yet waited for) and return its base URL."""
+    def start(self, *flags: str, port: int | None = None, env: dict[str, str] | None = None) -> str:
+        """Launch one scripted server (not yet waited for; `env` adds environment variables) and return its URL."""
         port = port or free_port()
         url = f"http://127.0.0.1:{port}"
         log = open(self.log_dir / f"server_{port}_{len(self.procs)}.log", "w")
         cmd = [sys.executable, "-m", "llm_agent.user_sim.server", "--backend", "scripted", "--port", str(port),
                "--log-level", "warning", *flags]
-        self.procs[url] = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[url] = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **(env or {})})
         log.close()
         return url
 

@@ -15,6 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
+from verl.trainer.config_ranges import check_ranges
 from verl.trainer.config_schema import GROUP_ESTIMATORS, KL_ESTIMATORS, LOGGERS, ConfigError, PPOTrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -102,14 +103,20 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
 
 
 def to_container(cfg: Any) -> dict[str, Any]:
-    """Return a plain, interpolation-resolved dict from a DictConfig or mapping."""
+    """Return a plain, interpolation-resolved dict from a DictConfig or mapping; a broken interpolation or a
+    missing value is a ConfigError naming the key."""
     from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    if isinstance(cfg, Mapping):
-        return OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True, throw_on_missing=True)
-    raise ConfigError(f"config must be a mapping, got {type(cfg).__name__}")
+    if not isinstance(cfg, (DictConfig, Mapping)):
+        raise ConfigError(f"config must be a mapping, got {type(cfg).__name__}")
+    try:
+        node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+        return OmegaConf.to_container(node, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{key + ': ' if key else ''}{message}") from None
 
 
 def build_config(cfg: Any) -> PPOTrainerConfig:
@@ -312,9 +319,11 @@ def _check_vllm(cfg: PPOTrainerConfig) -> None:
 
 
 def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
-    """Cross-field checks (required paths, divisibility by mini-batch and DP world size, enumerations)."""
+    """Cross-field checks (required paths, value ranges, divisibility by mini-batch and DP world size,
+    enumerations)."""
     if check_paths:
         _check_paths(cfg)
+    check_ranges(cfg)
     _check_choices(cfg)
     _check_filter_groups(cfg)
     _check_batch_sizes(cfg)

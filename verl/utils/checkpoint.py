@@ -9,20 +9,25 @@ Layout under a checkpoint root (``trainer.default_local_dir``)::
 A checkpoint is written into ``global_step_N.partial`` (:func:`begin_checkpoint`), and
 :func:`commit_checkpoint` renames it to ``global_step_N`` once ``trainer_state.json`` is in it (the rename is
 the commit point), then rewrites the tracker file via write-temp + ``os.replace`` and applies retention, which
-never removes the checkpoint just written. A run killed at any moment therefore leaves either the previous or
-the new checkpoint as the latest complete one. Re-saving an existing step first moves the old directory to
+never removes the checkpoint just written. Every file and directory of the checkpoint is fsynced
+before that rename, so after a power loss a committed checkpoint never holds torn weights. A run killed at any
+moment therefore leaves either the previous or the new checkpoint as the latest complete one, and a checkpoint
+whose ``trainer_state.json`` cannot be read is skipped on resume in favour of the newest valid one (with a
+warning naming it). Re-saving an existing step first moves the old directory to
 ``global_step_N.replaced``; a kill between the two renames is repaired by :func:`remove_partial_checkpoints`,
 which moves it back.
 """
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import logging
 import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -64,6 +69,21 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: PathLike) -> None:
+    """fsync every regular file under ``root``, then every directory bottom-up (``root`` last)."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            path = os.path.join(directory, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(directory))
 
 
 def atomic_write_text(path: PathLike, text: str) -> None:
@@ -134,40 +154,72 @@ def _tracked_step(root: Path) -> Optional[int]:
     return int(text) if text.isdigit() else None
 
 
-def find_latest_checkpoint(root: PathLike) -> Optional[Path]:
+def _check_minimal_state(directory: Path, state: dict[str, Any]) -> None:
+    if not isinstance(state.get("global_step"), int):
+        raise ValueError(f"{directory / STATE_FILE}: 'global_step' must be an integer, got "
+                         f"{state.get('global_step')!r}")
+
+
+StateCheck = Callable[[Path, dict[str, Any]], None]
+
+
+def find_latest_checkpoint(root: PathLike, check: Optional[StateCheck] = None) -> Optional[Path]:
     """The checkpoint to resume from under ``root``, or None; ``.partial`` directories are ignored.
 
     That is the step named by the tracker file when it is a complete checkpoint (the one the last run wrote,
     even if an older run left higher steps in the same directory), else the newest complete checkpoint (the
-    tracker is missing, or the run was killed between the commit rename and the tracker update).
+    tracker is missing, or the run was killed between the commit rename and the tracker update). A candidate
+    whose trainer state cannot be read or fails ``check(directory, state)`` (default: an integer global_step;
+    raising ValueError) is skipped with a warning naming it and why, and the next one is tried: older steps of
+    the tracked run first, newest first.
     """
     root = Path(root)
     checkpoints = list_checkpoints(root)
     if not checkpoints:
         return None
     tracked = _tracked_step(root)
-    for step, path in checkpoints:
-        if step == tracked:
-            return path
-    step, path = checkpoints[-1]
-    if tracked is not None:
-        logger.warning("%s names step %d, which is not a complete checkpoint; using step %d",
-                       root / TRACKER_FILE, tracked, step)
-    return path
+    steps = [step for step, _ in checkpoints]
+    if tracked is not None and tracked not in steps:
+        logger.warning("%s names step %d, which is not a complete checkpoint; using the newest valid one",
+                       root / TRACKER_FILE, tracked)
+        tracked = None
+    anchor = tracked if tracked is not None else steps[-1]
+    order = sorted(checkpoints, key=lambda item: (item[0] > anchor, -item[0]))
+    check = check or _check_minimal_state
+    skipped = []
+    for step, path in order:
+        try:
+            check(path, load_trainer_state(path))
+        except ValueError as exc:
+            skipped.append(step)
+            logger.warning("skipping checkpoint %s: %s", path, exc)
+            continue
+        if skipped:
+            logger.warning("resuming from %s instead of the unreadable checkpoint(s) at step(s) %s", path, skipped)
+        return path
+    raise ValueError(f"no valid checkpoint under {root}: every one of steps {steps} has an unreadable "
+                     f"{STATE_FILE} (see the warnings above); move them away or set trainer.resume_mode=disable")
 
 
 def apply_retention(root: PathLike, max_ckpt_to_keep: Optional[int], protect: Optional[int] = None) -> list[Path]:
     """Delete all but ``max_ckpt_to_keep`` complete checkpoints (None or <= 0 keeps all); return the deleted.
 
-    Kept are step ``protect`` (the checkpoint just written, whatever its number) and the newest others.
+    Kept first is step ``protect`` (the checkpoint just written), then the run's own older steps, newest first;
+    steps above ``protect`` can only be stale leftovers of an older run in the same directory, so they are the
+    first to go (a resumed run never loses its own newer checkpoints to them).
     """
     if not max_ckpt_to_keep or max_ckpt_to_keep <= 0:
         return []
-    checkpoints = sorted(list_checkpoints(root), key=lambda item: (item[0] == protect, item[0]))
-    doomed = [path for _, path in checkpoints[:-max_ckpt_to_keep]]
+    checkpoints = list_checkpoints(root)
+    if protect is None:
+        ranked = sorted(checkpoints, key=lambda item: -item[0])
+    else:
+        ranked = sorted(checkpoints, key=lambda item: (item[0] != protect, item[0] > protect, -item[0]))
+    doomed = [path for _, path in ranked[max_ckpt_to_keep:]]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
-        logger.info("retention: removed %s", path)
+        stale = protect is not None and step_of(path) > protect
+        logger.info("retention: removed %s%s", path, " (stale, from an older run)" if stale else "")
     return doomed
 
 
@@ -177,6 +229,7 @@ def commit_checkpoint(root: PathLike, step: int, max_ckpt_to_keep: Optional[int]
     partial = root / f"global_step_{int(step)}{PARTIAL_SUFFIX}"
     if not (partial / STATE_FILE).is_file():
         raise FileNotFoundError(f"{partial} has no {STATE_FILE}: the checkpoint is incomplete")
+    fsync_tree(partial)  # the data reaches the disk before the rename makes the checkpoint count as complete
     final = step_dir(root, step)
     replaced = None
     if final.exists():
@@ -217,12 +270,41 @@ def save_trainer_state(directory: PathLike, state: dict[str, Any]) -> Path:
 
 
 def load_trainer_state(directory: PathLike) -> dict[str, Any]:
-    """Read ``directory/trainer_state.json``."""
+    """Read ``directory/trainer_state.json`` (a JSON object); ValueError naming the file otherwise."""
     path = Path(directory) / STATE_FILE
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read the trainer state {path}: {exc}") from exc
+    if not isinstance(state, dict):
+        raise ValueError(f"the trainer state {path} must be a JSON object, got {type(state).__name__}")
+    return state
+
+
+def check_rng_state(state: Any) -> None:
+    """Raise ValueError (saying which generator) unless ``state`` is restorable by :func:`set_rng_state`.
+
+    Every part is loaded into a scratch generator, so nothing global changes.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"'rng' must be an object, got {type(state).__name__}")
+    for key in ("python", "numpy", "torch"):
+        if key not in state:
+            raise ValueError(f"'rng' has no {key!r} state")
+    try:
+        version, py_state, gauss = state["python"]
+        random.Random().setstate((version, tuple(py_state), gauss))
+    except (TypeError, ValueError, IndexError) as exc:
+        raise ValueError(f"'rng.python' is not a Python RNG state: {exc}") from None
+    try:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.RandomState().set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    except (TypeError, ValueError, OverflowError, IndexError) as exc:
+        raise ValueError(f"'rng.numpy' is not a numpy RNG state: {exc}") from None
+    try:
+        torch.Generator().set_state(_bytes_tensor(state["torch"]))
+    except (TypeError, ValueError, RuntimeError, binascii.Error) as exc:
+        raise ValueError(f"'rng.torch' is not a torch RNG state: {exc}") from None
 
 
 def get_rng_state() -> dict[str, Any]:

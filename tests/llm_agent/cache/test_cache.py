@@ -307,7 +307,7 @@ def test_compaction_is_atomic(tmp_path, monkeypatch, target):
         cache.flush()
     monkeypatch.undo()
     assert path.read_bytes() == before
-    assert sorted(os.listdir(tmp_path)) == ["cache.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["cache.jsonl", "cache.jsonl.lock"]  # no temp file left
     cache.flush()
     assert [o["reply"] for o in _file_lines(path)] == [f"r0-{i}" for i in range(7, 12)]
 

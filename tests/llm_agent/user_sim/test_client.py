@@ -56,7 +56,7 @@ def sims(tmp_path_factory):
         "hang": servers.start("--inject-fault", "hang"),
         "garbage": servers.start("--inject-fault", "garbage"),
         "error": servers.start("--inject-fault", "error"),
-        "auth": servers.start("--api-key", "s3cret"),
+        "auth": servers.start(env={"SEAD_USER_SIM_API_KEY": "s3cret"}),
     }
     try:
         servers.wait_ready(*urls.values())
@@ -267,10 +267,15 @@ def test_down_instance_is_used_again_after_a_probe(sims):
 
 
 @pytest.mark.slow
-def test_api_key_is_sent_and_a_missing_key_is_a_rejection(sims):
+def test_api_key_is_sent_and_a_missing_key_is_a_rejection(sims, monkeypatch):
     auth = sims.urls["auth"]
+    monkeypatch.delenv("SEAD_USER_SIM_API_KEY", raising=False)
     with UserSimClient(auth, api_key="s3cret", timeout_s=5) as client:
         assert_all_answered(client.complete_batch(dialogue_requests(4)), dialogue_requests(4))
+    with monkeypatch.context() as env:  # no key in the config: the environment's is used
+        env.setenv("SEAD_USER_SIM_API_KEY", "s3cret")
+        with UserSimClient(auth, timeout_s=5) as client:
+            assert_all_answered(client.complete_batch(dialogue_requests(2)), dialogue_requests(2))
     with UserSimClient(auth, timeout_s=5) as client:
         results = client.complete_batch(dialogue_requests(2))
     assert all(isinstance(r, TurnFailure) and r.attempts == 1 and "401" in r.reason for r in results)

@@ -412,7 +412,7 @@ def test_repeating_any_earlier_turn_is_penalised(backend):
 def test_repetition_check_cost_is_bounded():
     """Two long, nearly equal turns are compared in bounded time (word-level, capped)."""
     import time
-    from llm_agent.user_sim.scripted import _similar
+    from llm_agent.user_sim.repetition import similar as _similar
 
     words = [f"w{i % 997}" for i in range(60_000)]
     a, b = " ".join(words), " ".join(words[:-5] + ["x"] * 5)

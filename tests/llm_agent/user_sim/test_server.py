@@ -36,11 +36,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+def _start_server(args: list[str], log_path: Path, env: dict[str, str] | None = None
+                  ) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "llm_agent.user_sim.server", "--port", str(port), *args],
-                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -69,8 +70,8 @@ def _stop(proc: subprocess.Popen) -> None:
 def hf_server(tiny_model_path, tmp_path_factory):
     """Base URL of an hf-backend server on the tiny model that requires API_KEY."""
     log = tmp_path_factory.mktemp("hf_server") / "server.log"
-    proc, url = _start_server(["--backend", "hf", "--model", tiny_model_path, "--api-key", API_KEY,
-                               "--served-model-name", MODEL], log)
+    proc, url = _start_server(["--backend", "hf", "--model", tiny_model_path, "--served-model-name", MODEL], log,
+                              env={"SEAD_USER_SIM_API_KEY": API_KEY})
     yield url
     _stop(proc)
     assert proc.returncode is not None

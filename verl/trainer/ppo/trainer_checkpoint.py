@@ -4,8 +4,10 @@
 scheduler and RNG state per rank) and ``trainer_state.json`` (step, dataloader position, KL coefficient, driver
 RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the run started from), plus
 ``rollout_loop/`` where the rollout-loop plug-in keeps files of its own (its optional ``save_checkpoint(dir)`` /
-``load_checkpoint(dir)``). It is written into ``global_step_N.partial`` and committed by a rename
-(:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint. Resuming a
+``load_checkpoint(dir)``). It is written into ``global_step_N.partial``, fsynced and committed by a rename
+(:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint; a checkpoint
+whose trainer state is unreadable, lacks a key or holds a corrupt RNG state is named and skipped for the newest
+valid one (``resume_mode=auto``) or refused (``resume_path``). Resuming a
 checkpoint whose recorded model path differs from the configured one is an error unless
 ``trainer.resume_from_other_model=true``.
 """
@@ -19,6 +21,7 @@ from verl.trainer.config_schema import ConfigError
 from verl.utils.checkpoint import (
     STATE_FILE,
     begin_checkpoint,
+    check_rng_state,
     commit_checkpoint,
     find_latest_checkpoint,
     get_rng_state,
@@ -31,6 +34,21 @@ from verl.utils.checkpoint import (
 logger = logging.getLogger(__name__)
 
 LOOP_DIR = "rollout_loop"  # the rollout-loop plug-in's own files inside global_step_N/
+REQUIRED_STATE = {"global_step": int, "dataloader": dict, "kl_ctrl_value": (int, float), "rng": dict}
+
+
+def check_trainer_state(path: Path, state: dict[str, Any]) -> None:
+    """Raise ValueError naming ``path/trainer_state.json`` and the key unless ``state`` can be resumed from."""
+    where = Path(path) / STATE_FILE
+    for key, kind in REQUIRED_STATE.items():
+        if key not in state:
+            raise ValueError(f"{where} has no {key!r} (keys present: {sorted(state)})")
+        if isinstance(state[key], bool) or not isinstance(state[key], kind):
+            raise ValueError(f"{where}: {key!r} has the wrong type ({type(state[key]).__name__})")
+    try:
+        check_rng_state(state["rng"])
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 class TrainerCheckpointMixin:
@@ -90,7 +108,7 @@ class TrainerCheckpointMixin:
             return None
         remove_partial_checkpoints(self.checkpoint_root)
         if tcfg.resume_mode == "auto":
-            path = find_latest_checkpoint(self.checkpoint_root)
+            path = find_latest_checkpoint(self.checkpoint_root, check=check_trainer_state)
             if path is None:
                 logger.info("no checkpoint under %s: training from scratch", self.checkpoint_root)
             return path
@@ -98,6 +116,7 @@ class TrainerCheckpointMixin:
         if not (path / STATE_FILE).is_file():
             raise FileNotFoundError(f"trainer.resume_from_path={str(path)!r} is not a complete checkpoint "
                                     f"(no {STATE_FILE})")
+        check_trainer_state(path, load_trainer_state(path))
         return path
 
     def check_resume_model(self) -> None:
@@ -113,6 +132,7 @@ class TrainerCheckpointMixin:
         if path is None:
             return None
         state = load_trainer_state(path)
+        check_trainer_state(path, state)
         check_same_model(path, state, self.model_path, self.typed.trainer.resume_from_other_model)
         self.actor_rollout_wg.load_checkpoint(str(path / "actor"))
         if self.critic_wg is not None:
