@@ -26,7 +26,8 @@
 # trainer refuses to resume a checkpoint of another model (trainer.resume_from_other_model=true forces it).
 # Environment besides the preset variables: PRESET, PRINT_CONFIG_ONLY, MODEL_PATH (the tiny model),
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
-# (1; 2 vLLM), SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free port; 5000 vLLM), SCENARIO, WARM_START_STEPS (300, tiny
+# (1; 2 vLLM), SIM_MAX_MODEL_LEN (8192), SIM_GPU_MEMORY_UTILIZATION (0.9), SIM_EXTRA_ARGS (more vLLM flags),
+# SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free port; 5000 vLLM), SCENARIO, WARM_START_STEPS (300, tiny
 # model only), OUTPUT_DIR (outputs), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -178,9 +179,14 @@ if [[ -z "$USER_SIM_URLS" ]]; then
         'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
     SIM_ARGS=(--num-instances "$SIM_INSTANCES" --base-port "$SIM_BASE_PORT" --scenario "$SCENARIO"
               --run-dir "$RUN_DIR" --tp "$SIM_TP")
-    if [[ -n "$USER_SIM_MODEL" ]]; then SIM_ARGS+=(--model "$USER_SIM_MODEL"); fi
+    if [[ -n "$USER_SIM_MODEL" ]]; then
+        SIM_ARGS+=(--model "$USER_SIM_MODEL" --max-model-len "${SIM_MAX_MODEL_LEN:-8192}"
+                   --gpu-memory-utilization "${SIM_GPU_MEMORY_UTILIZATION:-0.9}")
+    fi
     if [[ -n "$SIM_GPUS" ]]; then SIM_ARGS+=(--gpus "$SIM_GPUS"); fi
     STARTED_SIMS=1
+    read -r -a SIM_EXTRA <<< "${SIM_EXTRA_ARGS:-}"  # further server flags, e.g. "--enforce-eager"
+    if (( ${#SIM_EXTRA[@]} > 0 )); then SIM_ARGS+=(-- "${SIM_EXTRA[@]}"); fi
     USER_SIM_URLS=$(bash scripts/start_user_sims.sh "${SIM_ARGS[@]}" | tail -n 1)
 fi
 echo "user simulators: $USER_SIM_URLS"

@@ -4,16 +4,21 @@
 #   scripts/start_user_sims.sh [--num-instances N] [--base-port P | --ports P1,P2,...] [--gpus 0,1,2,3] [--tp TP]
 #                              [--model DIR] [--backend vllm|hf|scripted] [--scenario YAML] [--run-dir DIR]
 #                              [--served-model-name NAME] [--api-key-file FILE] [--timeout SECONDS] [--seed N]
-#                              [-- EXTRA SERVER ARGS]
+#                              [--max-model-len TOKENS] [--gpu-memory-utilization FRACTION] [-- EXTRA SERVER ARGS]
 #
 # Every option also reads an environment variable: NUM_INSTANCES (1), BASE_PORT (5000), PORTS, GPUS, TP (1),
 # MODEL, USER_SIM_BACKEND (vllm with a MODEL, scripted without), SCENARIO, RUN_DIR (outputs/run),
 # SERVED_MODEL_NAME (user-sim), API_KEY_FILE, HEALTH_TIMEOUT (600 s for vllm, 120 s otherwise), SEED (0; the same
 # for every instance, so any instance answers a given request identically and a retry elsewhere is consistent),
-# VLLM_PYTHON (.venv-vllm/bin/python), PYTHON (.venv/bin/python, else python3).
+# VLLM_PYTHON (.venv-vllm/bin/python), PYTHON (.venv/bin/python, else python3), MAX_MODEL_LEN (8192: the
+# simulator's persona prompt plus a 15-turn call, well under a 14B model's 32k) and GPU_MEMORY_UTILIZATION (0.9;
+# the instance owns its GPUs) for vllm.
 #
 # Backends: vllm = vLLM's own OpenAI server (python -m vllm.entrypoints.openai.api_server), instance i on GPUs
-# GPUS[i*TP .. i*TP+TP-1] via CUDA_VISIBLE_DEVICES with --tensor-parallel-size TP; hf = our server's
+# GPUS[i*TP .. i*TP+TP-1] via CUDA_VISIBLE_DEVICES with --tensor-parallel-size TP, --max-model-len,
+# --gpu-memory-utilization and --seed, in an environment without the trainer's TORCHDYNAMO_DISABLE and
+# OMP_NUM_THREADS (vLLM needs torch.compile for its CUDA graphs); a model that cannot fit makes the instance exit
+# and the start fail with its log tail; hf = our server's
 # transformers backend; scripted = our server's scripted persona (no model, CPU).
 # API key: the environment variable SEAD_USER_SIM_API_KEY, or --api-key-file FILE (mode 0600, yours); it reaches
 # the servers through their environment (vLLM: VLLM_API_KEY), never a command line, and is never logged.
@@ -43,6 +48,8 @@ SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-user-sim}"
 API_KEY_FILE="${API_KEY_FILE:-}"
 HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-}"
 SEED="${SEED:-0}"
+MAX_MODEL_LEN="${MAX_MODEL_LEN:-8192}"
+GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.9}"
 EXTRA_ARGS=()
 
 die() { echo "start_user_sims: $*" >&2; exit 2; }
@@ -64,6 +71,8 @@ while [[ $# -gt 0 ]]; do
     --api-key-file) need_value "$@"; API_KEY_FILE="$2"; shift 2 ;;
     --timeout) need_value "$@"; HEALTH_TIMEOUT="$2"; shift 2 ;;
     --seed) need_value "$@"; SEED="$2"; shift 2 ;;
+    --max-model-len) need_value "$@"; MAX_MODEL_LEN="$2"; shift 2 ;;
+    --gpu-memory-utilization) need_value "$@"; GPU_MEMORY_UTILIZATION="$2"; shift 2 ;;
     --) shift; EXTRA_ARGS=("$@"); break ;;
     -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
@@ -173,10 +182,12 @@ for idx in "${!PORT_LIST[@]}"; do
     vllm)
       [[ -x "$VLLM_PYTHON" ]] || fail "VLLM_PYTHON=$VLLM_PYTHON is not an executable python (install requirements_vllm.txt)"
       cmd=("$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name "$SERVED_MODEL_NAME"
-           --host 127.0.0.1 --port "$port" --tensor-parallel-size "$TP")
+           --host 127.0.0.1 --port "$port" --tensor-parallel-size "$TP" --max-model-len "$MAX_MODEL_LEN"
+           --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" --seed "$SEED")
+      env_prefix=(env -u TORCHDYNAMO_DISABLE -u OMP_NUM_THREADS)  # the trainer's settings are not the server's
       if (( ${#GPU_LIST[@]} > 0 )); then
         devices="$(IFS=,; echo "${GPU_LIST[*]:$(( idx * TP )):$TP}")"
-        env_prefix=(env "CUDA_VISIBLE_DEVICES=$devices")
+        env_prefix+=("CUDA_VISIBLE_DEVICES=$devices")
       fi ;;
     hf|scripted)
       cmd=("$PYTHON" -m llm_agent.user_sim.server --backend "$BACKEND" --host 127.0.0.1 --port "$port"

@@ -206,3 +206,36 @@ def test_vllm_instance_via_start_and_stop(tmp_path, tiny_model_path):
     assert not _alive(pid)
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # no process of the instance's group (engine workers included) is left
+
+
+def _fake_vllm(tmp_path: Path, message: str) -> Path:
+    """A stand-in for the vLLM environment's python: records its arguments and environment, then fails the way
+    vLLM does when a model does not fit."""
+    fake = tmp_path / "fake-vllm-python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    f'printf "%s\\n" "$@" > "{tmp_path}/argv"\n'
+                    f'env > "{tmp_path}/environ"\n'
+                    f'echo "{message}" >&2\n'
+                    "exit 1\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_vllm_instances_get_sizes_a_seed_and_a_clean_environment_and_fail_fast(tmp_path):
+    """The simulator's vLLM server gets --max-model-len, --gpu-memory-utilization and --seed, never the trainer's
+    TORCHDYNAMO_DISABLE / OMP_NUM_THREADS (vLLM needs torch.compile), and a model that does not fit ends the start
+    at once with the server's own message."""
+    fake = _fake_vllm(tmp_path, "ValueError: not enough GPU memory for the KV cache")
+    env = {**os.environ, "RUN_DIR": str(tmp_path / "run"), "VLLM_PYTHON": str(fake), "TORCHDYNAMO_DISABLE": "1",
+           "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["bash", str(START), "--model", "/models/sim", "--ports", str(_free_ports(1)[0]),
+                             "--max-model-len", "4096", "--seed", "7", "--", "--enforce-eager"], cwd=REPO_ROOT,
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "not enough GPU memory" in result.stderr
+    argv = (tmp_path / "argv").read_text().split("\n")
+    for flag, value in (("--max-model-len", "4096"), ("--gpu-memory-utilization", "0.9"), ("--seed", "7")):
+        assert argv[argv.index(flag) + 1] == value, flag
+    assert "--enforce-eager" in argv
+    environ = (tmp_path / "environ").read_text()
+    assert "TORCHDYNAMO_DISABLE=" not in environ and "OMP_NUM_THREADS=" not in environ
+    assert not list((tmp_path / "run").glob("user_sim_*.pid")), "nothing left behind"
