@@ -58,18 +58,33 @@ def load_weights(path: str | os.PathLike, split: str | None = None) -> dict[str,
 
 
 class ChatEndpoint:
-    """An OpenAI-compatible chat-completions endpoint (`base_url` with or without the /v1 suffix)."""
+    """An OpenAI-compatible chat-completions endpoint (`base_url` with or without the /v1 suffix); `model` None
+    asks for the first model it serves (`GET /v1/models`) at the first request."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 60.0,
+    def __init__(self, base_url: str, model: str | None, api_key: str | None = None, timeout_s: float = 60.0,
                  temperature: float = 0.7, max_tokens: int = 256) -> None:
         url = base_url.strip().rstrip("/")
-        self.url = (url if url.endswith("/v1") else url + "/v1") + "/chat/completions"
+        self.base = url if url.endswith("/v1") else url + "/v1"
+        self.url = self.base + "/chat/completions"
         self.model, self.temperature, self.max_tokens = model, temperature, max_tokens
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=timeout_s, headers=headers)
 
+    def _served_model(self) -> str:
+        try:
+            response = self._client.get(self.base + "/models")
+            return str(response.json()["data"][0]["id"])
+        except httpx.TimeoutException as exc:
+            raise EndpointError("timeout", f"{self.base}/models: {exc!r}") from None
+        except httpx.HTTPError as exc:
+            raise EndpointError("connection", f"{self.base}/models: {exc!r}") from None
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise EndpointError("garbage", f"{self.base}/models: no served model ({exc!r})") from None
+
     def complete(self, messages: list[dict[str, str]], seed: int) -> str:
         """The first choice's text for `messages` (request seed `seed`); EndpointError on any failure."""
+        if self.model is None:
+            self.model = self._served_model()
         body = {"model": self.model, "messages": messages, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "seed": seed}
         try:
