@@ -12,7 +12,8 @@ and answers per `mode`:
 - `mixed`: `bad` for a `bad_share` of the requests (by request seed), `good` otherwise;
 - `error`: HTTP 500; `silent`: holds the request without answering (the client times out).
 
-`requests` counts the chat requests served. `start()` serves and returns the base URL (also `url`); `stop()` ends.
+`delay_s` delays every answer. `requests` counts the chat requests served. `start()` serves and returns the
+base URL (also `url`); `stop()` ends.
 """
 from __future__ import annotations
 
@@ -83,11 +84,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, code: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up (timed out or was killed)
+            pass
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         if self.path.rstrip("/") == "/v1/models":
@@ -118,10 +122,11 @@ class ScriptedProfileLLM:
     """The scripted endpoint of the module docstring."""
 
     def __init__(self, mode: str = "good", bad_share: float = 0.3, model: str = "scripted-profile-llm",
-                 silent_s: float = 30.0) -> None:
+                 silent_s: float = 30.0, delay_s: float = 0.0) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode, self.bad_share, self.model, self.silent_s = mode, bad_share, model, silent_s
+        self.delay_s = delay_s
         self.requests = 0
         self._lock = threading.Lock()
         self._server: _Server | None = None
@@ -137,6 +142,8 @@ class ScriptedProfileLLM:
         if self.mode == "silent":
             self._stop.wait(self.silent_s)
             return None
+        if self.delay_s:
+            self._stop.wait(self.delay_s)
         if self.mode == "error":
             raise _HTTPError("scripted internal error")
         bad = self.mode == "bad" or (self.mode == "mixed" and random.Random(seed).random() < self.bad_share)
