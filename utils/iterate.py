@@ -237,9 +237,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     """Run (or print) the iterations."""
     args, cmd = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s iterate: %(message)s", datefmt="%H:%M:%S")
-    for quiet in ("llm_agent.controller", "llm_agent.scenario", "llm_agent.profiles.writer"):
-        logging.getLogger(quiet).setLevel(logging.WARNING)  # the driver logs its own summary of each phase
     if not cmd:
         raise SystemExit("iterate.py: the trainer command after '--' is empty")
     try:
@@ -256,5 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def setup_logging() -> None:
+    """The command line's logging: the driver's own lines at INFO, the modules it calls at WARNING."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s iterate: %(message)s", datefmt="%H:%M:%S")
+    for quiet in ("llm_agent.controller", "llm_agent.scenario", "llm_agent.profiles.writer"):
+        logging.getLogger(quiet).setLevel(logging.WARNING)  # the driver logs its own summary of each phase
+
+
 if __name__ == "__main__":
+    setup_logging()
     sys.exit(main())
