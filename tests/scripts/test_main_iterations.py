@@ -24,8 +24,9 @@ def env_with(**values: str) -> dict[str, str]:
     return {**env, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), **values}
 
 
-def test_dry_run_prints_each_iterations_overrides(tmp_path):
-    done = subprocess.run(["bash", "scripts/main.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+@pytest.mark.parametrize("script", ["main.sh", "2ins_main.sh"])
+def test_dry_run_prints_each_iterations_overrides(tmp_path, script):
+    done = subprocess.run(["bash", f"scripts/{script}", "--dry-run"], cwd=REPO, capture_output=True, text=True,
                           env=env_with(ITERATIONS="2", OUTPUT_DIR=str(tmp_path)), timeout=120)
     assert done.returncode == 0, done.stderr
     root = tmp_path / "iterations/cpu_demo"

@@ -124,6 +124,19 @@ def test_settings_that_cannot_iterate_are_refused(tmp_path, trainer_args, messag
     assert done.returncode != 0 and message in done.stderr and not (tmp_path / "calls.jsonl").exists()
 
 
+def test_simulators_are_restarted_only_when_asked(tmp_path):
+    marker = tmp_path / "restarts.txt"
+    assert driver(tmp_path).returncode == 0
+    assert all("rollout_loop.config.user_sim.urls" not in c["args"] for c in calls(tmp_path))
+    restart = f"echo once >> {marker}; echo stopping; echo http://127.0.0.1:9,http://127.0.0.1:10"
+    other = tmp_path / "asked"
+    other.mkdir()
+    assert driver(other, "--sim-restart-command", restart).returncode == 0
+    assert marker.read_text().split() == ["once", "once"]  # before iterations 2 and 3, not 1
+    urls = [c["args"].get("rollout_loop.config.user_sim.urls") for c in calls(other)]
+    assert urls == [None, "'http://127.0.0.1:9,http://127.0.0.1:10'", "'http://127.0.0.1:9,http://127.0.0.1:10'"]
+
+
 def test_overrides_replace_earlier_values_of_the_same_key():
     cmd = ["python", "-m", "x", "a.b=1", "+c.d=2", "e=3"]
     assert with_overrides(cmd, {"a.b": "9", "c.d": "8"}) == ["python", "-m", "x", "e=3", "a.b=9", "c.d=8"]
