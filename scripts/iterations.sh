@@ -4,7 +4,8 @@
 # same command resumes an interrupted run. Variables: ITERATIONS (1: no iterations, today's single run),
 # STEPS_PER_ITERATION, ITER_ROOT (OUTPUT_DIR/iterations/EXPERIMENT), PROFILES (profiles written per iteration,
 # 1000), PROFILE_LLM_URL (an OpenAI-compatible endpoint that writes them; default with USER_SIM_MODEL: the first
-# simulator; "rules" or unset on CPU: the rule table), PROFILE_LLM_MODEL (default: the first model it serves),
+# simulator; "rules" or unset on CPU: the rule table), PROFILE_LLM_MODEL (default: the first model it serves;
+# its key: PROFILE_LLM_API_KEY or OPENAI_API_KEY),
 # RESTART_SIMS (1: restart the simulators this script started before every iteration after the first).
 
 # Check ITERATIONS and derive STEPS_PER_ITERATION and ITER_ROOT (needs STEPS, OUTPUT_DIR and EXPERIMENT).

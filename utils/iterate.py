@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import subprocess
 import sys
@@ -117,7 +118,8 @@ class IterationDriver:
         weights = load_weights(self.iter_dir(k - 1) / "mistakes.json", "train") if k > 1 else None
         a = self.args
         n = a.profiles
-        endpoint = ChatEndpoint(a.llm_url, a.llm_model, timeout_s=a.llm_timeout) if a.llm_url else None
+        key = os.environ.get("PROFILE_LLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        endpoint = ChatEndpoint(a.llm_url, a.llm_model, key, timeout_s=a.llm_timeout) if a.llm_url else None
         settings = WriterSettings(n=n, seed=a.seed + k, min_behaviors=self.controller.get("min_behaviors", 1),
                                   max_behaviors=self.controller.get("max_behaviors", 3),
                                   allow_extremes=bool(self.controller.get("allow_extremes", False)))
@@ -222,7 +224,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--profiles", type=int, default=1000, help="profiles written per iteration (its pool)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the profile writer (iteration k: seed + k)")
     p.add_argument("--rules", default=None, help="behaviour rule table (default assets/behavior_rules.yaml)")
-    p.add_argument("--llm-url", default=None, help="OpenAI-compatible endpoint writing the profiles")
+    p.add_argument("--llm-url", default=None,
+                   help="OpenAI-compatible endpoint writing the profiles (key: $PROFILE_LLM_API_KEY or $OPENAI_API_KEY)")
     p.add_argument("--llm-model", default=None, help="its model name (default: the first it serves)")
     p.add_argument("--llm-timeout", type=float, default=60.0, help="seconds per profile request")
     p.add_argument("--min-count", type=int, default=5, help="mistakes analysis: dialogues to rank a combination")

@@ -122,8 +122,7 @@ def check_answer(text: str, state: Sequence[int], library: Sequence[Behavior], m
         else:
             chosen.append(behavior)
     if rules is not None:
-        levels_profile = UserProfile(*state, behaviors=tuple(chosen))
-        for v in rules.violations(levels_profile, ranges):
+        for v in rules.violations(UserProfile(*state, behaviors=tuple(chosen)), ranges):
             chosen.remove(v.behavior)
             repairs.append(f"dropped: {v.behavior.category} contradicts the state ({v.condition.describe()})")
     if len(chosen) > max_behaviors:

@@ -145,10 +145,14 @@ class ProfileWriter:
         return done
 
     # ------------------------------------------------------------------------------------------ one index
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.counts[key] += 1
+
     def _reject(self, rejected: list[dict[str, Any]], index: int, attempt: int, reason: str, **extra: Any) -> None:
         rejected.append({"index": index, "attempt": attempt, "state": state_key(self.states[index]),
                          "reason": reason, **extra})
-        self.counts[f"rejected/{reason}"] += 1
+        self._count(f"rejected/{reason}")
 
     def _claim(self, profile: UserProfile) -> bool:
         """Reserve the profile's identity; False when an equal profile was already written or claimed."""
@@ -190,7 +194,7 @@ class ProfileWriter:
             elif not self._claim(check.profile):
                 self._reject(rejected, index, attempt, "duplicate", answer=text)
             else:
-                self.counts["llm/repaired" if check.repairs else "llm/clean"] += 1
+                self._count("llm/repaired" if check.repairs else "llm/clean")
                 return {"index": index, "source": "llm", "attempts": attempt, "repairs": check.repairs,
                         "profile": check.profile.to_dict()}, attempt
         return None, attempt
@@ -205,9 +209,9 @@ class ProfileWriter:
             profile = UserProfile(*state, behaviors=tuple(behaviors))
             if self._claim(profile):
                 break
-            self.counts["rule/duplicate_redrawn"] += 1
+            self._count("rule/duplicate_redrawn")
         else:
-            self.counts["rule/duplicate_kept"] += 1
+            self._count("rule/duplicate_kept")
         return {"index": index, "source": "rule", "attempts": attempts, "repairs": [], "profile": profile.to_dict()}
 
     def _write_one(self, index: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -215,7 +219,7 @@ class ProfileWriter:
         row, attempts = (None, 0) if self._llm_down else self._ask_llm(index, rejected)
         if row is None:
             if self.endpoint is not None:
-                self.counts["fallback/" + ("endpoint_down" if attempts == 0 else "attempts_exhausted")] += 1
+                self._count("fallback/" + ("endpoint_down" if attempts == 0 else "attempts_exhausted"))
             row = self._by_rules(index, attempts)
         return row, rejected
 

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from llm_agent.profiles.sources import load_weights
+from llm_agent.stand_ins.profile_llm import ScriptedProfileLLM
 from utils.iterate import main, with_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,6 +136,16 @@ def test_simulators_are_restarted_only_when_asked(tmp_path):
     assert marker.read_text().split() == ["once", "once"]  # before iterations 2 and 3, not 1
     urls = [c["args"].get("rollout_loop.config.user_sim.urls") for c in calls(other)]
     assert urls == [None, "'http://127.0.0.1:9,http://127.0.0.1:10'", "'http://127.0.0.1:9,http://127.0.0.1:10'"]
+
+
+def test_profiles_are_written_by_the_llm_endpoint_when_given(tmp_path):
+    with ScriptedProfileLLM("mixed", bad_share=0.3) as llm:
+        assert driver(tmp_path, "--iterations", "2", "--llm-url", llm.url).returncode == 0
+        assert llm.requests >= 120  # 60 profiles per iteration, bad answers asked again
+    for k in (1, 2):
+        stats = json.loads((tmp_path / f"iters/iter_0{k}/profiles.done").read_text())
+        assert stats["by_source"].get("llm", 0) >= 50 and stats["rows_violating_rules"] == {}
+        assert stats["this_run"]["rejected/score_changed"] > 0
 
 
 def test_overrides_replace_earlier_values_of_the_same_key():
