@@ -11,7 +11,9 @@
 # Check ITERATIONS and derive STEPS_PER_ITERATION and ITER_ROOT (needs STEPS, OUTPUT_DIR and EXPERIMENT).
 sead_check_iterations() {
     ITERATIONS=${ITERATIONS:-1}
-    if ! [[ "$ITERATIONS" =~ ^[1-9][0-9]*$ ]]; then echo "ITERATIONS must be a positive integer, got '$ITERATIONS'" >&2; exit 2; fi
+    if ! [[ "$ITERATIONS" =~ ^[1-9][0-9]*$ ]]; then
+        echo "ITERATIONS must be a positive integer, got '$ITERATIONS'" >&2; exit 2
+    fi
     (( ITERATIONS > 1 )) || return 0
     if [[ -z "${STEPS_PER_ITERATION:-}" ]]; then
         if (( STEPS % ITERATIONS != 0 )); then

@@ -225,7 +225,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--seed", type=int, default=0, help="base seed of the profile writer (iteration k: seed + k)")
     p.add_argument("--rules", default=None, help="behaviour rule table (default assets/behavior_rules.yaml)")
     p.add_argument("--llm-url", default=None,
-                   help="OpenAI-compatible endpoint writing the profiles (key: $PROFILE_LLM_API_KEY or $OPENAI_API_KEY)")
+                   help="OpenAI-compatible endpoint writing the profiles (key: $PROFILE_LLM_API_KEY, "
+                        "else $OPENAI_API_KEY)")
     p.add_argument("--llm-model", default=None, help="its model name (default: the first it serves)")
     p.add_argument("--llm-timeout", type=float, default=60.0, help="seconds per profile request")
     p.add_argument("--min-count", type=int, default=5, help="mistakes analysis: dialogues to rank a combination")
