@@ -12,8 +12,8 @@ dialogues), `mistakes.json` (the analysis of its training dialogues) and `done.j
 with `trainer.total_training_steps=k*S`, the controller drawing from that pool (`profile_source=pool`) and the
 shared checkpoint directory, so it continues from the last checkpoint (model, optimizer, controller weights).
 Each phase leaves a marker, so a rerun of the same command skips what is done and resumes an interrupted
-iteration from its last checkpoint: no iteration is trained twice. The warm-up is fixed over all N*S steps.
-Simulators are not restarted unless --sim-restart-command is given (run before every iteration after the
+iteration from its last checkpoint (its logs cut back to that step first): no iteration is trained twice. The
+warm-up is fixed over all N*S steps. Simulators are not restarted unless --sim-restart-command is given (run before every iteration after the
 first; its last output line is the new comma-separated URL list).
 """
 from __future__ import annotations
@@ -62,6 +62,28 @@ def with_overrides(cmd: list[str], overrides: dict[str, Any]) -> list[str]:
     """The command without its arguments for the keys of `overrides`, followed by `overrides` as key=value."""
     kept = [a for a in cmd if a.split("=", 1)[0].lstrip("+") not in overrides]
     return kept + [f"{k}={v}" for k, v in overrides.items()]
+
+
+def trim_to_step(path: Path, last_step: int) -> int:
+    """Drop the lines of a JSONL log whose "step" is after `last_step` (and a torn last line): what a killed
+    trainer logged after its last checkpoint, which the resumed one logs again. Returns the lines dropped."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").split("\n")
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:  # only a torn last line can fail: every other line was written whole
+            continue
+        if row is not None and not (isinstance(row.get("step"), int) and row["step"] > last_step):
+            kept.append(line)
+    dropped = sum(1 for line in lines if line.strip()) - len(kept)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        tmp.replace(path)
+    return dropped
 
 
 def checkpoint_step(ckpt_dir: Path) -> int:
@@ -146,6 +168,11 @@ class IterationDriver:
                                f"last checkpoint under {self.ckpt_dir} is at step {step}; was a checkpoint deleted?")
         if k > 1 and self.args.sim_restart_command and step == target - self.args.steps_per_iteration:
             self.restart_simulators()
+        for log in ("rollouts.jsonl", "val_metrics.jsonl"):
+            dropped = trim_to_step(d / log, step)
+            if dropped:
+                logger.info("iteration %d: dropped %d lines of %s logged after the checkpoint of step %d", k,
+                            dropped, log, step)
         cmd = with_overrides(self.cmd, self.overrides(k))
         (d / "train.started").write_text(f"{time.time()}\nresuming from step {step}\n", encoding="utf-8")
         logger.info("iteration %d: training steps %d..%d%s", k, step + 1, target,

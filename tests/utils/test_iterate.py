@@ -77,7 +77,7 @@ def test_a_killed_iteration_resumes_and_no_iteration_is_trained_twice(tmp_path):
         assert args["actor_rollout_ref.actor.optim.lr_warmup_steps"] == "3"  # 0.5 x 6 steps, not per iteration
         assert pq.read_table(it / "prompt_data/train.parquet").num_rows == 6
         steps = Counter(json.loads(line)["step"] for line in (it / "rollouts.jsonl").read_text().splitlines())
-        assert set(steps) == {2 * k - 1, 2 * k}  # each iteration's dialogues are kept apart
+        assert steps == {2 * k - 1: 4, 2 * k: 4}  # kept apart; step 4's lines of the killed run were cut
     summary = json.loads((tmp_path / "iters/iterations.json").read_text())
     assert [i["steps"] for i in summary["iterations"]] == [[1, 2], [3, 4], [5, 6]]
     assert summary["iterations"][-1]["checkpoint"].endswith("global_step_6")
