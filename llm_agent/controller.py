@@ -4,7 +4,10 @@
 sampling weights and `min_behaviors..max_behaviors` distinct behaviours from the scenario's library. After every
 training step `update(outcomes)` takes one `(state_key, completed)` pair per dialogue (errors excluded by the
 caller) and moves the weights toward harder or easier initial states so that the completion rate (CR) tracks
-`target_completion_rate`. The rule is the original SEAD one (analyze_chatbot_mistakes.py), applied per value of
+`target_completion_rate`. How the behaviours are drawn is `profile_source`: `uniform` (any 1-3 of the library),
+`rules` (only behaviours whose category does not contradict the drawn state, per the rule table
+`assets/behavior_rules.yaml`, see `llm_agent.profiles.rules`) or `pool` (a profile written ahead with exactly the
+drawn state, from `pool_path`; a state the pool lacks falls back to `rules` and is counted). The rule is the original SEAD one (analyze_chatbot_mistakes.py), applied per value of
 each dimension, or per (c, e, t) combination when `joint` is set. With d = CR - target, per value v with
 success rate sr(v) over count(v) dialogues (unseen: sr = 0.5, count = 1):
 
@@ -30,12 +33,15 @@ from typing import Any
 import numpy as np
 
 from llm_agent.config_checks import checked_mapping
+from llm_agent.profiles.pool import ProfilePool
+from llm_agent.profiles.rules import RuleTable, load_rule_table
 from llm_agent.scenario import STATE_DIMS, Scenario, UserProfile, sample_behaviors
 
 logger = logging.getLogger(__name__)
 
 _STATE_KEY = re.compile(r"c(-?\d+)-e(-?\d+)-t(-?\d+)")
 _STATE_VERSION = 1
+PROFILE_SOURCES = ("uniform", "rules", "pool")
 
 
 @dataclass
@@ -45,6 +51,8 @@ class ControllerConfig:
     `enabled` is read by the rollout loop (disabled: profiles come from the dataset). `smoothing` is the weight
     of the new target in the exponential moving average (1 = no smoothing). `floor` is the least weight of any
     valid value and `max_ratio` the largest allowed max/min between valid values (`math.inf`: no limit).
+    `profile_source` picks how behaviours are drawn (uniform | rules | pool); `rules_path` is the rule table
+    (None: assets/behavior_rules.yaml) and `pool_path` the profiles written ahead (required by `pool`).
     """
 
     enabled: bool = True
@@ -58,6 +66,9 @@ class ControllerConfig:
     min_behaviors: int = 1
     max_behaviors: int = 3
     seed: int = 0
+    profile_source: str = "rules"
+    rules_path: str | None = None
+    pool_path: str | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -70,6 +81,9 @@ class ControllerConfig:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
                     raise ValueError(f"{f.name} must be a number, got {value!r}")
                 setattr(self, f.name, float(value))
+            if f.type in ("str", "str | None") and not isinstance(value, str) and not (
+                    value is None and f.type == "str | None"):
+                raise ValueError(f"{f.name} must be a string, got {value!r}")
         checks = [
             ("target_completion_rate", 0.0 <= self.target_completion_rate <= 1.0, "must be in [0, 1]"),
             ("dead_band", 0.0 <= self.dead_band < 1.0, "must be in [0, 1)"),
@@ -79,6 +93,9 @@ class ControllerConfig:
             ("min_behaviors", self.min_behaviors >= 0, "must be >= 0"),
             ("max_behaviors", self.max_behaviors >= self.min_behaviors,
              f"must be >= min_behaviors ({self.min_behaviors})"),
+            ("profile_source", self.profile_source in PROFILE_SOURCES, f"must be one of {list(PROFILE_SOURCES)}"),
+            ("pool_path", self.profile_source != "pool" or bool(self.pool_path),
+             "must name the profiles file when profile_source is pool"),
         ]
         for name, ok, reason in checks:
             if not ok:
@@ -174,6 +191,14 @@ class StateController:
                              f"of scenario {scenario.name}")
         self._weights = {g: [1.0 / len(labels)] * len(labels) for g, labels in self._labels.items()}
         self._rng = random.Random(config.seed)
+        self.rules: RuleTable | None = None
+        self.pool: ProfilePool | None = None
+        if config.profile_source in ("rules", "pool"):
+            self.rules = load_rule_table(config.rules_path)
+            self.rules.check_library(scenario.behaviors, f"scenario {scenario.name}")
+        if config.profile_source == "pool":
+            self.pool = ProfilePool.load(config.pool_path, scenario)
+        self._pool_counts = {"draws": 0, "misses": 0}
         self._updates = 0
         self._last: dict[str, Any] = {"n": 0, "cr": None, "deviation": None, "value_cr": {}}
 
@@ -182,20 +207,54 @@ class StateController:
         """Current sampling weights: group ("cooperation"/"emotion"/"trust", or "joint") -> {label: weight}."""
         return {g: dict(zip(self._labels[g], w)) for g, w in self._weights.items()}
 
-    def sample(self, n: int) -> list[UserProfile]:
-        """Draw `n` profiles: an initial state from the weights and distinct behaviours from the library."""
+    def sample_states(self, n: int) -> list[tuple[int, int, int]]:
+        """Draw `n` initial (cooperation, emotion, trust) states from the current weights."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"sample(n) needs an integer n >= 0, got {n!r}")
-        profiles = []
-        for _ in range(n):
-            if self.config.joint:
-                state = parse_state_key(self._rng.choices(self._labels["joint"], self._weights["joint"])[0])
+            raise ValueError(f"sampling needs an integer n >= 0, got {n!r}")
+        if self.config.joint:
+            return [parse_state_key(self._rng.choices(self._labels["joint"], self._weights["joint"])[0])
+                    for _ in range(n)]
+        return [tuple(int(self._rng.choices(self._labels[d], self._weights[d])[0]) for d in STATE_DIMS)
+                for _ in range(n)]
+
+    def sample(self, n: int) -> list[UserProfile]:
+        """Draw `n` profiles: an initial state from the weights, then behaviours per `profile_source`."""
+        cfg, profiles = self.config, []
+        for state in self.sample_states(n):
+            if self.pool is not None:
+                self._pool_counts["draws"] += 1
+                written = self.pool.draw(state_key(state), self._rng)
+                if written is not None:
+                    profiles.append(written)
+                    continue
+                self._pool_counts["misses"] += 1
+                logger.debug("profile pool %s has no profile of state %s: drawing by the rules", self.pool.source,
+                             state_key(state))
+            if self.rules is not None:
+                behaviors = self.rules.sample(self.scenario.behaviors, state, self.scenario.state_ranges, self._rng,
+                                              cfg.min_behaviors, cfg.max_behaviors)
             else:
-                state = tuple(int(self._rng.choices(self._labels[d], self._weights[d])[0]) for d in STATE_DIMS)
-            behaviors = sample_behaviors(self.scenario.behaviors, self._rng, self.config.min_behaviors,
-                                         self.config.max_behaviors)
+                behaviors = sample_behaviors(self.scenario.behaviors, self._rng, cfg.min_behaviors,
+                                             cfg.max_behaviors)
             profiles.append(UserProfile(*state, behaviors=tuple(behaviors)))
         return profiles
+
+    def set_weights(self, weights: Mapping[str, Mapping[str, float]]) -> None:
+        """Replace the sampling weights by `weights` ({group: {label: weight}}, as `weights` returns, e.g. a
+        mistakes analysis's recommended weights); ValueError naming the group or label that does not fit."""
+        new = {}
+        for group, labels in self._labels.items():
+            given = weights.get(group) if isinstance(weights, Mapping) else None
+            if not isinstance(given, Mapping) or set(map(str, given)) != set(labels):
+                raise ValueError(f"weights.{group} must give a weight to exactly {labels}, got "
+                                 f"{sorted(map(str, given)) if isinstance(given, Mapping) else given!r}")
+            by_label = {str(k): v for k, v in given.items()}
+            values = [by_label[label] for label in labels]
+            if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0 for x in values) or not sum(
+                    values) > 0:
+                raise ValueError(f"weights.{group} must be non-negative numbers with a positive sum, got {values}")
+            new[group] = [float(x) / sum(values) for x in values]
+        self._weights = new
 
     def _check_outcome(self, i: int, item: Any) -> tuple[tuple[int, int, int], bool]:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
@@ -264,6 +323,9 @@ class StateController:
             out.update({f"controller/weight/{dim}={k}": w for dim in STATE_DIMS
                         for k, w in self.weights[dim].items()})
         out.update({f"controller/cr/{k}": v for k, v in self._last["value_cr"].items()})
+        if self.pool is not None:
+            draws = self._pool_counts["draws"]
+            out["controller/pool_miss_rate"] = self._pool_counts["misses"] / draws if draws else 0.0
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -273,7 +335,8 @@ class StateController:
                 "labels": {g: list(v) for g, v in self._labels.items()},
                 "weights": {g: list(w) for g, w in self._weights.items()},
                 "rng": [version, list(internal), gauss], "updates": self._updates,
-                "last": {**self._last, "value_cr": dict(self._last["value_cr"])}}
+                "last": {**self._last, "value_cr": dict(self._last["value_cr"])},
+                "pool": dict(self._pool_counts)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict()`; ValueError naming the key when it does not fit this controller."""
@@ -310,3 +373,5 @@ class StateController:
         self._weights = weights
         self._updates = state["updates"]
         self._last = {**last, "value_cr": dict(last["value_cr"])}
+        pool = state.get("pool") or {}
+        self._pool_counts = {k: int(pool.get(k, 0)) for k in ("draws", "misses")}

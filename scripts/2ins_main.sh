@@ -3,7 +3,8 @@
 # USER_SIM_MODEL is set); the policy workers keep GPUs 0-5. Everything else is scripts/main.sh (same presets,
 # environment variables, PRINT_CONFIG_ONLY / --dry-run and key=value overrides), except that the GPU preset
 # runs 12 agent turns per dialogue, as the SEAD paper's two-instance setup does (MAX_TURNS still wins). On CPU
-# (no USER_SIM_MODEL) the simulators are the two scripted instances of scripts/main.sh.
+# (no USER_SIM_MODEL) the simulators are the two scripted instances of scripts/main.sh. ITERATIONS=N trains in
+# iterations exactly as scripts/main.sh does (scripts/iterations.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -n "${USER_SIM_MODEL:-}" ]]; then

@@ -27,11 +27,14 @@
 # Environment besides the preset variables: PRESET, PRINT_CONFIG_ONLY, MODEL_PATH (the tiny model),
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
 # (1; 2 vLLM), SIM_MAX_MODEL_LEN (8192), SIM_GPU_MEMORY_UTILIZATION (0.9), SIM_EXTRA_ARGS (more vLLM flags),
-# SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free port; 5000 vLLM), SCENARIO, WARM_START_STEPS (300, tiny
-# model only), OUTPUT_DIR (outputs), PYTHON.
+# SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free
+# port; 5000 vLLM), SCENARIO, WARM_START_STEPS (300, tiny model only), OUTPUT_DIR (outputs), PYTHON.
+# ITERATIONS=N (> 1) trains in iterations as the original SEAD did (train, analyse the mistakes, write the next
+# profiles, continue from the last checkpoint; rerun to resume): see scripts/iterations.sh for its variables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/presets.sh
+source scripts/iterations.sh
 
 DRY_RUN=${PRINT_CONFIG_ONLY:-0}
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
@@ -134,6 +137,7 @@ ARGS=("$@")
 sead_print_preset "$PRESET" "$WHY"
 echo "model: $MODEL_PATH"
 echo "placement: trainer on GPUs ${POLICY_GPUS/none/(CPU workers)}; simulators ${SIM_GPUS:-on CPU (scripted)}"
+sead_check_iterations
 if [[ "$DRY_RUN" == 1 ]]; then
     USER_SIM_URLS=${USER_SIM_URLS:-<the $SIM_INSTANCES simulator(s) this script starts>}
     trainer_command
@@ -146,6 +150,7 @@ if [[ "$DRY_RUN" == 1 ]]; then
         line="    $arg"
     done
     printf '%s\n' "$line"
+    if (( ITERATIONS > 1 )); then sead_iterate --dry-run; fi
     exit 0
 fi
 
@@ -192,7 +197,12 @@ fi
 echo "user simulators: $USER_SIM_URLS"
 
 trainer_command
-"${TRAIN_CMD[@]}"
+if (( ITERATIONS > 1 )); then
+    sead_iterate
+    echo "iterations (profiles, rollouts, mistakes per iteration): $ITER_ROOT"
+else
+    "${TRAIN_CMD[@]}"
+fi
 
 echo "checkpoints (HF format under global_step_N/actor): $CKPT_DIR"
 echo "training metrics (one JSON line per step):        $LOG_DIR/metrics.jsonl"

@@ -10,8 +10,9 @@ their curves stay comparable across runs and iterations.
         --train_samples 64 --test_samples 16 --out_dir outputs/prompt_data [--profiles generated.jsonl]
 
 Profiles are drawn uniformly from the scenario's state space (extremes excluded unless --allow_extremes) with
-1-3 behaviours from the library, or read from a JSONL file of profile objects (`--profiles`, first the train
-rows then the test rows; every line is validated and an error names the file and line).
+1-3 behaviours from the library, or read from a JSONL file of profile objects or rows of
+utils/generate_profiles.py (`--profiles`, first the train rows then the test rows; every line is validated and an
+error names the file and line).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
+from llm_agent.profiles.pool import profile_of_row  # noqa: E402
 from llm_agent.scenario import STATE_DIMS, Scenario, UserProfile, load_scenario, sample_behaviors  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -58,14 +60,15 @@ def random_profiles(scenario: Scenario, n: int, seed: int, allow_extremes: bool 
 
 
 def read_profiles(path: str | Path, scenario: Scenario) -> list[UserProfile]:
-    """Profiles from a JSONL file of `UserProfile.to_dict()` objects; ValueError names the file and line."""
+    """Profiles from a JSONL file of `UserProfile.to_dict()` objects or profile-writer rows; ValueError names the
+    file and line."""
     profiles = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                profile = UserProfile.from_dict(json.loads(line))
+                profile = profile_of_row(json.loads(line))
                 scenario.check_profile(profile)
             except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
                 raise ValueError(f"{path}:{lineno}: bad profile: {exc}") from None

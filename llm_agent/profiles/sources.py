@@ -1,0 +1,108 @@
+"""What the profile writer reads: sampling weights from a file, and answers from an OpenAI-compatible endpoint.
+
+`load_weights(path)` accepts a mistakes analysis JSON (`for_evaluation/analyze_mistakes.py`: a split's
+`recommended_weights.weights`), a checkpoint's `trainer_state.json` or its `global_step_N` directory (the state
+controller's weights at that step), or a plain `{group: {label: weight}}` mapping. `ChatEndpoint.complete`
+sends one chat-completions request and returns the text or raises `EndpointError`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["ChatEndpoint", "EndpointError", "load_weights"]
+
+
+class EndpointError(Exception):
+    """One failed request; `kind` is connection | timeout | http | garbage."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+def _controller_weights(controller: Any, where: str) -> dict[str, dict[str, float]]:
+    if not isinstance(controller, Mapping) or not isinstance(controller.get("labels"), Mapping):
+        raise ValueError(f"{where}: no state-controller weights (was the controller enabled?)")
+    return {g: dict(zip(labels, controller["weights"][g])) for g, labels in controller["labels"].items()}
+
+
+def load_weights(path: str | os.PathLike, split: str | None = None) -> dict[str, dict[str, float]]:
+    """Sampling weights {group: {label: weight}} from one of the files of the module docstring; ValueError
+    naming the file when it holds none (or, for an analysis with several splits and no `split`, which to use)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "trainer_state.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read sampling weights: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: must be a JSON object")
+    if "splits" in data:  # a mistakes analysis
+        splits = data["splits"]
+        name = split or ("train" if "train" in splits else next(iter(splits)) if len(splits) == 1 else None)
+        if name not in splits:
+            raise ValueError(f"{path}: choose the analysis split to take weights from ({sorted(splits)})")
+        return {g: dict(w) for g, w in splits[name]["recommended_weights"]["weights"].items()}
+    if "rollout_loop" in data:  # a checkpoint's trainer_state.json
+        return _controller_weights((data["rollout_loop"] or {}).get("controller"), str(path))
+    if data and all(isinstance(v, Mapping) for v in data.values()):
+        return {str(g): dict(w) for g, w in data.items()}
+    raise ValueError(f"{path}: not a mistakes analysis, trainer_state.json or {{group: {{label: weight}}}} mapping")
+
+
+class ChatEndpoint:
+    """An OpenAI-compatible chat-completions endpoint (`base_url` with or without the /v1 suffix); `model` None
+    asks for the first model it serves (`GET /v1/models`) at the first request."""
+
+    def __init__(self, base_url: str, model: str | None, api_key: str | None = None, timeout_s: float = 60.0,
+                 temperature: float = 0.7, max_tokens: int = 256) -> None:
+        url = base_url.strip().rstrip("/")
+        self.base = url if url.endswith("/v1") else url + "/v1"
+        self.url = self.base + "/chat/completions"
+        self.model, self.temperature, self.max_tokens = model, temperature, max_tokens
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(timeout=timeout_s, headers=headers)
+
+    def _served_model(self) -> str:
+        try:
+            response = self._client.get(self.base + "/models")
+            return str(response.json()["data"][0]["id"])
+        except httpx.TimeoutException as exc:
+            raise EndpointError("timeout", f"{self.base}/models: {exc!r}") from None
+        except httpx.HTTPError as exc:
+            raise EndpointError("connection", f"{self.base}/models: {exc!r}") from None
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise EndpointError("garbage", f"{self.base}/models: no served model ({exc!r})") from None
+
+    def complete(self, messages: list[dict[str, str]], seed: int) -> str:
+        """The first choice's text for `messages` (request seed `seed`); EndpointError on any failure."""
+        if self.model is None:
+            self.model = self._served_model()
+        body = {"model": self.model, "messages": messages, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, "seed": seed}
+        try:
+            response = self._client.post(self.url, json=body)
+        except httpx.TimeoutException as exc:
+            raise EndpointError("timeout", f"{self.url}: {exc!r}") from None
+        except httpx.HTTPError as exc:
+            raise EndpointError("connection", f"{self.url}: {exc!r}") from None
+        if response.status_code != 200:
+            raise EndpointError("http", f"{self.url}: HTTP {response.status_code}: {response.text[:200]!r}")
+        try:
+            content = response.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise EndpointError("garbage", f"{self.url}: not a chat completion ({exc!r})") from None
+        if not isinstance(content, str):
+            raise EndpointError("garbage", f"{self.url}: message content {content!r} is not a string")
+        return content
+
+    def close(self) -> None:
+        """Close the HTTP client."""
+        self._client.close()

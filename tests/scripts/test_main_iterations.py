@@ -1,0 +1,116 @@
+"""ITERATIONS=N in scripts/main.sh: the dry run's plan, refused settings, and (slow) a real 2-iteration CPU run
+with a SIGKILL in the second iteration that a rerun of the same command resumes and finishes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLEARED = ("ITERATIONS", "STEPS_PER_ITERATION", "ITER_ROOT", "PROFILES", "PROFILE_LLM_URL", "PRESET", "MODEL_PATH",
+           "USER_SIM_URLS", "USER_SIM_MODEL", "STEPS", "RESTART_SIMS")
+
+
+def env_with(**values: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    return {**env, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), **values}
+
+
+@pytest.mark.parametrize("script", ["main.sh", "2ins_main.sh"])
+def test_dry_run_prints_each_iterations_overrides(tmp_path, script):
+    done = subprocess.run(["bash", f"scripts/{script}", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                          env=env_with(ITERATIONS="2", OUTPUT_DIR=str(tmp_path)), timeout=120)
+    assert done.returncode == 0, done.stderr
+    root = tmp_path / "iterations/cpu_demo"
+    assert f"iterations: 2 x 2 steps (outputs per iteration under {root})" in done.stdout  # CPU preset: STEPS=4
+    for k in (1, 2):
+        line = next(x for x in done.stdout.splitlines() if x.startswith(f"  iteration {k}: "))
+        assert f"trainer.total_training_steps={2 * k} " in line
+        assert f"rollout_loop.config.controller.pool_path={root}/iter_0{k}/profiles.jsonl" in line
+    assert not (tmp_path / "tiny_model").exists()  # a dry run builds nothing
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ITERATIONS": "3"}, "STEPS=4 is not a multiple of ITERATIONS=3; set STEPS_PER_ITERATION"),
+    ({"ITERATIONS": "two"}, "ITERATIONS must be a positive integer, got 'two'"),
+])
+def test_bad_iteration_settings_are_refused(tmp_path, env, message):
+    done = subprocess.run(["bash", "scripts/main.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                          env=env_with(OUTPUT_DIR=str(tmp_path), **env), timeout=120)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _session_pids(sid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
+
+
+@pytest.mark.slow
+def test_two_iterations_killed_in_the_second_resume_and_finish(tmp_path, tiny_model_path):
+    port = _free_port()
+    sim = subprocess.Popen([sys.executable, "-m", "llm_agent.user_sim.server", "--backend", "scripted", "--port",
+                            str(port), "--log-level", "warning"], cwd=REPO, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    out = tmp_path / "out"
+    env = env_with(PRESET="cpu", MODEL_PATH=tiny_model_path, USER_SIM_URLS=f"http://127.0.0.1:{port}",
+                   ITERATIONS="2", STEPS="2", N_GPUS="1", TRAIN_PROMPTS="2", ROLLOUT_N="2", MINI_BATCH="2",
+                   MICRO_BATCH="2", LOGPROB_MICRO_BATCH="4", TRAIN_SAMPLES="4", TEST_SAMPLES="2", MAX_TURNS="2",
+                   MAX_TOKENS_PER_TURN="32", RESPONSE_LENGTH="256", TEST_FREQ="0", SAVE_FREQ="1", PROFILES="40",
+                   EXPERIMENT="iter_test", OUTPUT_DIR=str(out))
+    cmd = ["bash", "scripts/main.sh", "trainer.val_before_train=false"]
+    iters, ckpt = out / "iterations/iter_test", out / "checkpoints/iter_test"
+    try:
+        for _ in range(100):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        first_log = open(tmp_path / "first.log", "w")
+        run = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=first_log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+        deadline = time.time() + 600
+        while not (iters / "iter_02/train.started").is_file():
+            assert run.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.time() < deadline, "iteration 2 never started"
+            time.sleep(0.5)
+        time.sleep(5)  # the trainer of iteration 2 is starting up or training
+        for pid in _session_pids(run.pid):  # SIGKILL main.sh, the driver, the trainer and Ray: all of that run
+            os.kill(pid, signal.SIGKILL)
+        run.wait(timeout=30)
+        first_log.close()
+        assert not (iters / "iter_02/done.json").exists() and (iters / "iter_01/done.json").is_file()
+        mistakes_1 = (iters / "iter_01/mistakes.json").stat().st_mtime_ns
+        again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    finally:
+        sim.terminate()
+        sim.wait(timeout=10)
+    assert "iteration 1: done" in again.stderr
+    assert (iters / "iter_01/mistakes.json").stat().st_mtime_ns == mistakes_1
+    steps = [json.loads(line)["step"] for line in (out / "logs/iter_test/metrics.jsonl").read_text().splitlines()]
+    assert steps.count(1) == 1 and steps[-1] == 2  # iteration 1 was trained once; iteration 2 finished
+    assert sorted(p.name for p in ckpt.glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    summary = json.loads((iters / "iterations.json").read_text())
+    assert [i["steps"] for i in summary["iterations"]] == [[1, 1], [2, 2]]
+    for k in (1, 2):
+        dialogues = [json.loads(x) for x in (iters / f"iter_0{k}/rollouts.jsonl").read_text().splitlines()]
+        assert {d["step"] for d in dialogues if d["split"] == "train"} == {k}
+        mistakes = json.loads((iters / f"iter_0{k}/mistakes.json").read_text())
+        assert mistakes["splits"]["train"]["n_dialogues"] >= 4
+    pool = {json.dumps(json.loads(x)["profile"], sort_keys=True) for x in (iters / "iter_02/profiles.jsonl").open()}
+    assert any(json.dumps(d["profile"], sort_keys=True) in pool for d in dialogues if d["split"] == "train")
