@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in asdict(defaults).items():
         if isinstance(value, dict):
             parser.add_argument(f"--{name.replace('_', '-')}", default=",".join(f"{k}={v}" for k, v in value.items()),
-                                help=f"quality=weight list (default %(default)s)")
+                                help="quality=weight list (default %(default)s)")
         else:
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
                                 help="default %(default)s")

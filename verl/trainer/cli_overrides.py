@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from verl.trainer.config_schema import CONFIG_DIR, CONFIG_NAME, ConfigError
