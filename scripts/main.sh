@@ -97,6 +97,7 @@ trainer_command() {
         rollout_loop.config.rollout_log_path="$ROLLOUT_LOG"
         rollout_loop.config.val_metrics_path="$VAL_METRICS"
         trainer.n_gpus_per_node="$N_GPUS"
+        trainer.device="$DEVICE"
         trainer.experiment_name="$EXPERIMENT"
         trainer.total_training_steps="$STEPS"
         trainer.test_freq="$TEST_FREQ"
@@ -110,11 +111,19 @@ trainer_command() {
 }
 ARGS=("$@")
 
+# The trainer's CUDA allocator: expandable segments (less fragmentation when sequence lengths vary between micro-batches).
+# Exported after the simulators started, so that their vLLM servers keep their own allocator settings.
+trainer_environment() {
+    if [[ "$DEVICE" == cuda ]]; then export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}; fi
+}
+
 sead_print_preset "$PRESET" "$WHY"
 echo "model: $MODEL_PATH"
 if [[ "$DRY_RUN" == 1 ]]; then
     USER_SIM_URLS=${USER_SIM_URLS:-<the $SIM_INSTANCES simulator(s) this script starts>}
     trainer_command
+    trainer_environment
+    [[ -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]] || echo "trainer environment: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"
     echo "trainer command:"
     line="  ${TRAIN_CMD[*]:0:5}"
     for arg in "${TRAIN_CMD[@]:5}"; do  # one key=value per line, single-quoted where the shell needs it
@@ -160,6 +169,7 @@ fi
 echo "user simulators: $USER_SIM_URLS"
 
 trainer_command
+trainer_environment
 "${TRAIN_CMD[@]}"
 
 echo "checkpoints (HF format under global_step_N/actor): $CKPT_DIR"
