@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -85,16 +85,34 @@ def apply_fsdp2(
     param_dtype: torch.dtype,
     reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
-    """Shard ``model`` in place with FSDP2: each transformer layer, then the root (tied embeddings stay together).
+    """Shard ``model`` in place with FSDP2: each transformer layer, the input embedding and the output head as
+    units of their own, then the root (final norm, a small value head).
 
-    Parameters are kept in fp32 (the optimizer's master copy); forward/backward run in ``param_dtype`` and
-    gradients are reduced in fp32. ``fully_shard`` moves the shards to the mesh's device.
+    Tied embeddings (one parameter used by embedding and head) cannot be split over two units and stay in the
+    root. Parameters keep their dtype (fp32 master weights for a trained model); forward/backward run in
+    ``param_dtype`` and gradients are reduced in fp32. ``fully_shard`` moves the shards to the mesh's device.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
-    for layer in transformer_layer_modules(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for unit in transformer_layer_modules(model) + embedding_units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def embedding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The input embedding and the LM head when they share no parameter (else none: both stay in the root).
+
+    At 7B they hold 1.09B parameters; in the root unit they would stay gathered for the whole forward and
+    backward pass. A head without the ``get_output_embeddings`` hook (e.g. a value head) stays in the root.
+    """
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embedding is None:
+        return []
+    if head is None:
+        return [embedding]
+    shared = {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}
+    return [] if shared else [embedding, head]
 
 
 def apply_fsdp1(
@@ -141,6 +159,33 @@ def generation_model(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield model
 
 
+def _load_weights(
+    auto_cls: type, model_path: str, hf_config: Any, dtype: torch.dtype, attn_implementation: str, on_meta: bool
+) -> torch.nn.Module:
+    """``from_pretrained`` on the CPU, or (``on_meta``) an empty skeleton of the same model on the meta device."""
+    if not on_meta:
+        return auto_cls.from_pretrained(model_path, config=hf_config, dtype=dtype, attn_implementation=attn_implementation)
+    with torch.device("meta"):
+        model = auto_cls.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+    with contextlib.suppress(OSError):  # a model directory without generation_config.json keeps the default
+        model.generation_config = GenerationConfig.from_pretrained(model_path)
+    return model
+
+
+def broadcast_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Fill an FSDP2 model's shards on every rank from rank 0's full state dict (empty on the other ranks).
+
+    Ranks > 0 hold a meta-device skeleton, materialised (uninitialised) on ``device`` first; buffers, which are
+    not all in the state dict (e.g. rotary ``inv_freq``), are broadcast from rank 0 as well. A collective.
+    """
+    if dist.get_rank() != 0:
+        model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state, options=options)
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
 def build_fsdp_model(
     auto_cls: type,
     model_path: str,
@@ -151,11 +196,15 @@ def build_fsdp_model(
     gradient_checkpointing: bool = False,
     config_overrides: dict[str, Any] | None = None,
     strategy: str = "fsdp2",
+    master_dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """Load ``auto_cls.from_pretrained(model_path)`` in fp32 and shard it with ``strategy`` (fsdp2 | fsdp).
+    """Load ``auto_cls.from_pretrained(model_path)`` with parameters in ``master_dtype`` and shard it.
 
-    ``torch.manual_seed(seed)`` runs first, so weights the checkpoint lacks (e.g. a new value head) are
-    initialised identically on every rank, which FSDP requires (each rank keeps its slice of its own copy).
+    ``master_dtype`` is what the sharded parameters are kept in: fp32 for a trained model (the optimizer's master
+    copy), the compute dtype for a frozen one (the reference policy). ``torch.manual_seed(seed)`` runs first, so
+    weights the checkpoint lacks (e.g. a new value head) are initialised reproducibly. With ``fsdp2`` only rank 0
+    reads the checkpoint into host memory; the other ranks build the model on the meta device and receive their
+    shards from rank 0 (:func:`broadcast_from_rank0`). With ``fsdp`` (FSDP1) every rank loads the full model.
     ``fsdp_config`` supplies ``param_dtype`` (auto | fp32 | bf16) and ``reshard_after_forward``;
     ``config_overrides`` are set on the HF config before the model is built (e.g. ``num_labels``).
     """
@@ -166,17 +215,23 @@ def build_fsdp_model(
     for key, value in (config_overrides or {}).items():
         setattr(hf_config, key, value)
     torch.manual_seed(seed)
-    model = auto_cls.from_pretrained(
-        model_path, config=hf_config, dtype=torch.float32, attn_implementation=attn_implementation
-    )
+    rank0_only = strategy == "fsdp2" and dist.get_world_size() > 1
+    on_meta = rank0_only and dist.get_rank() != 0
+    model = _load_weights(auto_cls, model_path, hf_config, master_dtype, attn_implementation, on_meta)
+    full_state = model.state_dict() if rank0_only and not on_meta else {}
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     param_dtype = resolve_param_dtype(fsdp_config.get("param_dtype", "auto"), mesh.device_type)
     reshard = bool(fsdp_config.get("reshard_after_forward", True))
-    logger.info("%s-wrapping %s from %s (param_dtype=%s)", strategy, type(model).__name__, model_path, param_dtype)
+    logger.info("%s-wrapping %s from %s (param_dtype=%s, master_dtype=%s)", strategy, type(model).__name__,
+                model_path, param_dtype, master_dtype)
     if strategy == "fsdp":
         return apply_fsdp1(model, mesh.device_type, param_dtype, reshard_after_forward=reshard)
-    return apply_fsdp2(model, mesh, param_dtype, reshard_after_forward=reshard)
+    model = apply_fsdp2(model, mesh, param_dtype, reshard_after_forward=reshard)
+    if rank0_only:
+        device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        broadcast_from_rank0(model, full_state, device)
+    return model
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:

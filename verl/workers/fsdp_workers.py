@@ -134,8 +134,10 @@ class ActorRolloutRefWorker(Worker):
             self.actor = DataParallelPPOActor(actor_cfg, module, optimizer)
             if self._is_rollout:
                 self.rollout = HFRollout(module, cfg.rollout)
-        if self._is_ref:
-            ref_module = build_fsdp_model(AutoModelForCausalLM, **model_args)
+        if self._is_ref:  # frozen: kept in the compute dtype (bf16 on CUDA), no fp32 master copy
+            ref_dtype = resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
+                                            mesh.device_type)
+            ref_module = build_fsdp_model(AutoModelForCausalLM, master_dtype=ref_dtype, **model_args)
             ref_module.requires_grad_(False)
             self.ref_policy = DataParallelPPOActor(actor_cfg, ref_module)
         torch.manual_seed(seed + self.rank)
