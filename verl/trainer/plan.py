@@ -14,6 +14,8 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
+from omegaconf import OmegaConf
+
 from verl.trainer.cli_overrides import check_overrides
 from verl.trainer.config_schema import ConfigError, PPOTrainerConfig, compose_config
 from verl.trainer.config_validation import build_config, validate_config
@@ -119,7 +121,9 @@ def rollout_phase(s: Setup, hw: Hardware, micro: int) -> Phase:
     phase = Phase("rollout (HF generate)", _resident(states))
     phase.memory["gathered units"] = float(shape.num_params() * b)
     phase.memory["kv cache"] = float(mm.kv_cache_bytes(shape, micro, s.seq_len, b))
-    phase.memory["activations"] = float(micro * s.prompt_len * shape.forward_transient_bytes_per_token(b))
+    # prefill: a multi-turn loop re-reads the whole dialogue each turn (up to the full sequence), one turn the prompt
+    prefill = s.seq_len if s.cfg.rollout_loop.path else s.prompt_len
+    phase.memory["activations"] = float(micro * prefill * shape.forward_transient_bytes_per_token(b))
     phase.memory["logits"] = float(micro * shape.vocab_size * mm.FP32 * 2)
     calls = -(-s.rows_per_gpu // micro)
     step_bytes = shape.num_params() * b + mm.kv_cache_bytes(shape, micro, s.seq_len // 2, b)
@@ -295,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     hw = Hardware(memory_bytes=args.gpu_memory_gb * GB, bf16_tflops=args.gpu_tflops, mfu=args.mfu,
                   hbm_tbps=args.hbm_tbps, decode_step_overhead_s=args.decode_step_ms / 1e3)
     try:
-        print(plan(check_overrides(overrides), args.config_name, hw))
+        base = OmegaConf.to_container(compose_config([], args.config_name), resolve=False)
+        print(plan(check_overrides(overrides, base=base), args.config_name, hw))
     except (ConfigError, FileNotFoundError, KeyError) as exc:
         raise SystemExit(f"plan: {exc}") from None
 

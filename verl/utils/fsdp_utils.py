@@ -28,7 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, GenerationConfig
@@ -43,6 +49,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 SHARDED_STATE_DIR = "sharded_state"
+# Attribute of an FSDP2 root module holding the reshard_after_forward it was wrapped with (restored after generation).
+RESHARD_AFTER_FORWARD_ATTR = "_sead_reshard_after_forward"
 
 
 def check_strategy(strategy: str, where: str) -> None:
@@ -96,6 +104,7 @@ def apply_fsdp2(
     for unit in transformer_layer_modules(model) + embedding_units(model):
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    setattr(model, RESHARD_AFTER_FORWARD_ATTR, reshard_after_forward)
     return model
 
 
@@ -148,15 +157,30 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 def generation_model(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Yield the module whose ``generate`` to call on a sharded model.
 
-    FSDP2 hooks unshard every forward, so the model itself is returned. FSDP1 only unshards in its own
-    ``forward``, while HF ``generate`` calls the inner model: the root unit's parameters (embeddings, final
-    norm, head) are gathered for the duration, the per-layer units still gather in their forward.
+    FSDP2: every unit is gathered once on entry and stays gathered for the whole call (resharding after
+    forward is off meanwhile), so decoding a token costs no all-gather; on exit the units are resharded and the
+    configured ``reshard_after_forward`` is restored. The whole model in the compute dtype is then held for the
+    duration. FSDP1 only unshards in its own ``forward`` while HF ``generate`` calls the inner model: the root
+    unit's parameters (embeddings, final norm, head) are gathered for the duration, the per-layer units still
+    gather in their forward (FSDP1 cannot run a unit's forward inside ``summon_full_params``).
     """
     if isinstance(model, FSDP):
         with FSDP.summon_full_params(model, recurse=False, writeback=False):
             yield model.module
-    else:
+        return
+    if not isinstance(model, FSDPModule):
         yield model
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    model.set_reshard_after_forward(False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        model.set_reshard_after_forward(bool(getattr(model, RESHARD_AFTER_FORWARD_ATTR, True)))
+        for unit in units:
+            unit.reshard()
 
 
 def _load_weights(
@@ -164,7 +188,9 @@ def _load_weights(
 ) -> torch.nn.Module:
     """``from_pretrained`` on the CPU, or (``on_meta``) an empty skeleton of the same model on the meta device."""
     if not on_meta:
-        return auto_cls.from_pretrained(model_path, config=hf_config, dtype=dtype, attn_implementation=attn_implementation)
+        return auto_cls.from_pretrained(
+            model_path, config=hf_config, dtype=dtype, attn_implementation=attn_implementation
+        )
     with torch.device("meta"):
         model = auto_cls.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
     with contextlib.suppress(OSError):  # a model directory without generation_config.json keeps the default

@@ -20,7 +20,8 @@ SEAD_GPU = ["data.train_batch_size=60", "actor_rollout_ref.rollout.n=8", "traine
             "actor_rollout_ref.actor.ppo_mini_batch_size=60", "actor_rollout_ref.actor.use_kl_loss=true",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"]
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2", "rollout_loop.config.max_turns=15",
+            "rollout_loop.config.max_tokens_per_turn=256"]
 
 
 @pytest.fixture()
