@@ -1,9 +1,10 @@
 """FSDP workers run by the Ray worker group: the actor/rollout/reference worker and the critic worker.
 
 Each worker process joins the group's torch.distributed process group (gloo on CPU, nccl on CUDA) in
-``init_model``, loads the HF model with the same seed on every rank, shards it per decoder layer and then at
-the root, with FSDP2 (``strategy: fsdp2``, default) or FSDP1 (``strategy: fsdp``), and exposes the veRL worker
-methods listed in docs/architecture.md.
+``init_model``, loads the HF model (FSDP2: rank 0 reads it, the others receive their shards), shards it per
+decoder layer and then at the root, with FSDP2 (``strategy: fsdp2``, default) or FSDP1 (``strategy: fsdp``), and
+exposes the veRL worker methods listed in docs/architecture.md. Every compute method ends by returning the
+device's cached memory (``empty_cache``; actor and critic share a GPU as two processes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from verl.protocol import DataProto
 from verl.single_controller.base import Dispatch, Worker, register
-from verl.utils.device import get_device_name
+from verl.utils.device import empty_cache, get_device_name
 from verl.utils.fsdp_utils import build_fsdp_model, check_strategy, create_device_mesh, resolve_param_dtype
 from verl.utils.optim import build_lr_scheduler, build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
@@ -154,7 +155,9 @@ class ActorRolloutRefWorker(Worker):
         self._require(self._is_rollout, "generate_sequences", "rollout")
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         prompts = _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
-        return self.rollout.generate_sequences(prompts)
+        output = self.rollout.generate_sequences(prompts)
+        empty_cache()
+        return output
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -165,6 +168,7 @@ class ActorRolloutRefWorker(Worker):
         data = _with_meta_defaults(data, defaults)
         log_probs, entropys = self.actor.compute_log_prob(data, calculate_entropy=True)
         metrics = {"timing_s/worker_compute_log_prob": time.perf_counter() - start}
+        empty_cache()
         return DataProto.from_dict(
             tensors={"old_log_probs": log_probs, "entropys": entropys}, meta_info={"metrics": metrics}
         )
@@ -176,6 +180,7 @@ class ActorRolloutRefWorker(Worker):
         defaults = self._log_prob_defaults(self.config.ref.get("log_prob_micro_batch_size_per_gpu"))
         data = _with_meta_defaults(data, defaults)
         log_probs, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False)
+        empty_cache()
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -191,6 +196,7 @@ class ActorRolloutRefWorker(Worker):
         metrics["actor/lr"] = [self.lr_scheduler.get_last_lr()[0]]
         self.lr_scheduler.step()
         metrics["timing_s/worker_update_actor"] = [time.perf_counter() - start]
+        empty_cache()
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -273,6 +279,7 @@ class CriticWorker(Worker):
         self._require_init("compute_values")
         micro = self.config.get("forward_micro_batch_size_per_gpu", None) or self.config.ppo_micro_batch_size_per_gpu
         values = self.critic.compute_values(_with_meta_defaults(data, {"micro_batch_size": micro}))
+        empty_cache()
         return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -282,6 +289,7 @@ class CriticWorker(Worker):
         metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = [self.lr_scheduler.get_last_lr()[0]]
         self.lr_scheduler.step()
+        empty_cache()
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
