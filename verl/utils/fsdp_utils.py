@@ -324,20 +324,23 @@ def _hf_class(model: torch.nn.Module) -> type:
 
 
 def save_sharded_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
+    process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Save the sharded model (and optimizer) state with torch.distributed.checkpoint under ``path/sharded_state``.
 
     A collective: every rank writes its own shards, which :func:`load_sharded_state` restores exactly.
+    ``process_group`` carries the save's coordination (default: the default group).
     """
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=str(Path(path) / SHARDED_STATE_DIR))
+    dcp.save(state, checkpoint_id=str(Path(path) / SHARDED_STATE_DIR), process_group=process_group)
 
 
 def load_sharded_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
+    process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Restore what :func:`save_sharded_state` wrote at ``path`` into ``model`` (and ``optimizer``)."""
     ckpt_dir = Path(path) / SHARDED_STATE_DIR
@@ -346,7 +349,7 @@ def load_sharded_state(
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=str(ckpt_dir))
+    dcp.load(state, checkpoint_id=str(ckpt_dir), process_group=process_group)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])

@@ -102,7 +102,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Join the process group, load and shard the model(s), build optimizer, scheduler and rollout."""
-        self.init_distributed()
+        self.init_distributed(timeout_s=float(self.config.get("nccl_timeout", 600)))
         mesh = create_device_mesh(get_device_name())
         cfg = self.config
         self.tokenizer = _load_tokenizer(cfg.model)
@@ -131,7 +131,8 @@ class ActorRolloutRefWorker(Worker):
                 export_dtype = resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
                                                    mesh.device_type)
                 self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
-                                                                export_dtype=export_dtype)
+                                                                export_dtype=export_dtype,
+                                                                timeout_s=cfg.get("checkpoint_timeout", 3600))
             self.actor = DataParallelPPOActor(actor_cfg, module, optimizer)
             if self._is_rollout:
                 self.rollout = HFRollout(module, cfg.rollout)
@@ -243,7 +244,7 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Join the process group, load and shard the value model, build optimizer and scheduler."""
-        self.init_distributed()
+        self.init_distributed(timeout_s=float(self.config.get("nccl_timeout", 600)))
         cfg = self.config
         mesh = create_device_mesh(get_device_name())
         self.tokenizer = _load_tokenizer(cfg.model)
@@ -268,7 +269,8 @@ class CriticWorker(Worker):
         self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
         export_dtype = resolve_param_dtype(cfg.get("fsdp_config", {}).get("param_dtype", "auto"), mesh.device_type)
         self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
-                                                        export_dtype=export_dtype)
+                                                        export_dtype=export_dtype,
+                                                        timeout_s=cfg.get("checkpoint_timeout", 3600))
         self.critic = DataParallelPPOCritic(critic_cfg, module, optimizer)
         torch.manual_seed(seed + self.rank)
         logger.info("rank %d: CriticWorker ready", self.rank)
