@@ -138,7 +138,8 @@ def forward_phase(s: Setup, hw: Hardware, name: str, model: str, micro: int) -> 
     critic = model == "critic"
     shape = s.critic if critic else s.actor
     b = _dtype_bytes(s.cfg.critic.fsdp_config.param_dtype) if critic else s.compute_bytes
-    peak = mm.forward_pass_peak(shape, micro, s.seq_len, s.response_len, b, with_logits=not critic)
+    peak = mm.forward_pass_peak(shape, micro, s.seq_len, s.response_len, b, with_logits=not critic,
+                                head_positions=s.response_len + 1)  # the actor's head sees response positions only
     phase = Phase(name, _resident(states))
     phase.memory["gathered units"] = float(states[model].gathered)
     phase.memory["activations"] = float(peak.activations)
@@ -155,7 +156,7 @@ def update_phase(s: Setup, hw: Hardware, model: str, micro: int, checkpointing: 
     b = _dtype_bytes(s.cfg.critic.fsdp_config.param_dtype) if critic else s.compute_bytes
     attn = (s.cfg.actor_rollout_ref.model.attn_implementation)
     peak = mm.update_pass_peak(shape, micro, s.seq_len, s.response_len, b, checkpointing,
-                               repeat_kv=attn != "flash_attention_2")
+                               repeat_kv=attn != "flash_attention_2", head_positions=s.response_len + 1)
     if critic:  # the value head's output is one number per position
         peak = mm.PassPeak(activations=peak.activations, logits=micro * s.seq_len * mm.FP32)
     phase = Phase(f"update {model}" + (" (checkpointing)" if checkpointing else ""), _resident(states))

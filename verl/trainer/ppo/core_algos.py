@@ -209,7 +209,7 @@ def compute_policy_loss_vanilla(
     global_batch_size, loss_scale_factor) go to :func:`agg_loss`. Clip settings left None come from ``config``
     (an actor config with clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c, as veRL passes it),
     else default to 0.2 / 0.2 / 3.0. Returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl",
-    "actor/pg_clipfrac_lower"})``.
+    "actor/pg_clipfrac_lower"})``, the metrics as detached 0-d tensors (read once per mini-batch by the actor).
     """
     base = _first_set(_cfg_get(config, "clip_ratio"), 0.2)
     clip_ratio_low = _first_set(clip_ratio_low, _cfg_get(config, "clip_ratio_low"), base)
@@ -221,10 +221,10 @@ def compute_policy_loss_vanilla(
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
-    metrics = {
-        "actor/pg_clipfrac": clipfrac.item(),
-        "actor/ppo_kl": ppo_kl.item(),
-        "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+    metrics = {  # detached tensors: the caller reads them from the device once per mini-batch
+        "actor/pg_clipfrac": clipfrac.detach(),
+        "actor/ppo_kl": ppo_kl.detach(),
+        "actor/pg_clipfrac_lower": clipfrac_lower.detach(),
     }
     return pg_loss, metrics
 

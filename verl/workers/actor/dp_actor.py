@@ -15,7 +15,6 @@ from verl.trainer.ppo import core_algos
 from verl.utils.fsdp_utils import clip_grad_norm
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from verl.workers.batching import (
-    append_metrics,
     check_divisible,
     global_loss_info,
     iter_mini_batches,
@@ -23,6 +22,7 @@ from verl.workers.batching import (
     response_logits,
     select_batch,
 )
+from verl.workers.metric_buffer import MetricBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class DataParallelPPOActor:
             attention_mask=micro["attention_mask"],
             position_ids=micro["position_ids"],
             use_cache=False,
+            logits_to_keep=responses.size(-1) + 1,  # the head runs on the positions predicting responses only
         )
         logits = response_logits(output.logits, responses.size(-1), temperature)
         log_probs = logprobs_from_logits(logits, responses)
@@ -165,15 +166,17 @@ class DataParallelPPOActor:
         for mini in iter_mini_batches(batch, mini_batch_size, epochs, bool(cfg.get("shuffle", False))):
             mini = mini.to(self.device)
             loss_info = global_loss_info(mini["response_mask"], cfg.get("loss_scale_factor", None))
-            totals: dict[str, float] = {}
+            totals: dict[str, Any] = {}
+            buffer = MetricBuffer()  # read once per mini-batch, not per micro-batch
             for micro in mini.split(micro_batch_size):
                 loss, micro_metrics = self._micro_batch_loss(micro, temperature, loss_info)
                 loss.backward()
                 for name in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
                     if name in micro_metrics:
-                        totals[name] = totals.get(name, 0.0) + micro_metrics.pop(name).item()
-                append_metrics(metrics, micro_metrics)
+                        totals[name] = totals.get(name, 0.0) + micro_metrics.pop(name)
+                buffer.add(micro_metrics)
             grad_norm, stepped = self._optimizer_step()
-            append_metrics(metrics, totals)
-            append_metrics(metrics, {"actor/grad_norm": grad_norm, "actor/grad_norm_nonfinite": float(not stepped)})
+            buffer.add(totals)
+            buffer.add({"actor/grad_norm": grad_norm, "actor/grad_norm_nonfinite": float(not stepped)})
+            buffer.flush_into(metrics)
         return metrics
