@@ -134,3 +134,29 @@ def test_kv_cache_matches_generate(tmp_path):
     cache = out.past_key_values
     cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert cache_bytes == kv_cache_bytes(ModelShape.from_hf_config(SMALL), rows=2, context_len=20, dtype_bytes=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_saved_activations_per_layer_match_the_formula(dtype, padded):
+    """The decoder stack's activations alone (no logits): the bytes of every distinct storage autograd saves."""
+    rows, seq_len = 2, 96
+    model = _small_model(dtype).train()
+    inputs = _inputs(rows, seq_len, padded)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.model(**inputs, use_cache=False)
+    shape = ModelShape.from_hf_config(SMALL)
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    per_layer = shape.activation_bytes_per_token(dtype_bytes, repeat_kv=padded) * rows * seq_len
+    # the stack plus the final norm (fp32 copy, normed output and its cast)
+    expected = shape.num_layers * per_layer + rows * seq_len * (4 + 2 * dtype_bytes) * shape.hidden_size
+    assert sum(saved.values()) == pytest.approx(expected, rel=0.10)
