@@ -240,8 +240,10 @@ def advise(s: Setup, hw: Hardware, phases: list[Phase]) -> list[str]:
             continue
         key, now, build = knobs[head]
         fit = _largest_fitting(build, now, limit)
+        critic_hint = ("; or keep the critic off the GPU outside its phases (critic.model.fsdp_config.param_offload "
+                       "/ optimizer_offload)") if s.critic is not None and head != "values" else ""
         if fit:
-            advice.append(f"{phase.name}: set {key}={fit} (now {now})")
+            advice.append(f"{phase.name}: set {key}={fit} (now {now}){critic_hint}")
         else:
             advice.append(f"{phase.name}: does not fit even with 1 row per micro-batch: add GPUs or shorten the "
                           "sequences")
