@@ -119,7 +119,8 @@ def rollout_phase(s: Setup, hw: Hardware, micro: int) -> Phase:
     states = _states(s)
     b, shape = s.compute_bytes, s.actor
     phase = Phase("rollout (HF generate)", _resident(states))
-    phase.memory["gathered units"] = float(shape.num_params() * b)
+    fsdp2 = s.cfg.actor_rollout_ref.actor.strategy == "fsdp2"  # FSDP2 keeps the whole model gathered, FSDP1 a unit
+    phase.memory["gathered units"] = float(shape.num_params() * b if fsdp2 else states["actor"].gathered)
     phase.memory["kv cache"] = float(mm.kv_cache_bytes(shape, micro, s.seq_len, b))
     # prefill: a multi-turn loop re-reads the whole dialogue each turn (up to the full sequence), one turn the prompt
     prefill = s.seq_len if s.cfg.rollout_loop.path else s.prompt_len

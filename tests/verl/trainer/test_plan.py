@@ -92,3 +92,10 @@ def test_cli_errors_name_the_problem(tmp_path):
         plan_mod.main([f"actor_rollout_ref.model.path={tmp_path}"])
     with pytest.raises(SystemExit, match="not_a_key"):
         plan_mod.main(["actor_rollout_ref.not_a_key=1"])
+
+
+def test_fsdp1_generation_gathers_one_unit_at_a_time(model_7b):
+    _, _, fsdp2 = _phases(model_7b, [])
+    _, _, fsdp1 = _phases(model_7b, ["actor_rollout_ref.actor.strategy=fsdp"])
+    assert fsdp2["rollout"].memory["gathered units"] == 2 * P_7B
+    assert fsdp1["rollout"].memory["gathered units"] == fsdp1["old log-probs"].memory["gathered units"] < P_7B
