@@ -121,6 +121,7 @@ trainer_command() {
         rollout_loop.config.rollout_log_path="$ROLLOUT_LOG"
         rollout_loop.config.val_metrics_path="$VAL_METRICS"
         trainer.n_gpus_per_node="$N_GPUS"
+        trainer.device="$DEVICE"
         trainer.experiment_name="$EXPERIMENT"
         trainer.total_training_steps="$STEPS"
         trainer.test_freq="$TEST_FREQ"
@@ -134,6 +135,12 @@ trainer_command() {
 }
 ARGS=("$@")
 
+# The trainer's CUDA allocator: expandable segments (less fragmentation when sequence lengths vary between micro-batches).
+# Exported after the simulators started, so that their vLLM servers keep their own allocator settings.
+trainer_environment() {
+    if [[ "$DEVICE" == cuda ]]; then export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}; fi
+}
+
 sead_print_preset "$PRESET" "$WHY"
 echo "model: $MODEL_PATH"
 echo "placement: trainer on GPUs ${POLICY_GPUS/none/(CPU workers)}; simulators ${SIM_GPUS:-on CPU (scripted)}"
@@ -141,6 +148,8 @@ sead_check_iterations
 if [[ "$DRY_RUN" == 1 ]]; then
     USER_SIM_URLS=${USER_SIM_URLS:-<the $SIM_INSTANCES simulator(s) this script starts>}
     trainer_command
+    trainer_environment
+    [[ -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]] || echo "trainer environment: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"
     echo "trainer command:"
     head=5; if [[ "${TRAIN_CMD[0]}" == env ]]; then head=7; fi  # [env CUDA_VISIBLE_DEVICES=...] python -m ...
     line="  ${TRAIN_CMD[*]:0:head}"
@@ -197,6 +206,7 @@ fi
 echo "user simulators: $USER_SIM_URLS"
 
 trainer_command
+trainer_environment
 if (( ITERATIONS > 1 )); then
     sead_iterate
     echo "iterations (profiles, rollouts, mistakes per iteration): $ITER_ROOT"

@@ -6,7 +6,7 @@
 # embedded demo (tiny model, 2 cores, minutes). Edit a preset's values in its own block below.
 
 # Every preset variable, in the order they are printed.
-SEAD_PRESET_VARS=(EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS
+SEAD_PRESET_VARS=(EXPERIMENT DEVICE N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS
                   MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE
                   KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH TEST_FREQ SAVE_FREQ
                   MAX_CKPT SAVE_HF_MODEL POLICY_GPUS ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM PRESET_OVERRIDES)
@@ -38,6 +38,7 @@ _sead_default() {
 # replies (a few steps never fill 10).
 _sead_cpu_preset() {
     _sead_default EXPERIMENT cpu_demo
+    _sead_default DEVICE auto
     _sead_default N_GPUS 2
     _sead_default STEPS 4
     _sead_default TRAIN_PROMPTS 4
@@ -74,7 +75,8 @@ _sead_cpu_preset() {
 # The SEAD paper's settings: 60 prompts x 8 dialogues per step (one optimizer step), lr 1e-6 with 10% warm-up,
 # KL loss low_var_kl 0.001, entropy bonus 0.001, temperature 1.2, 15 agent turns (12 with two simulator
 # instances: scripts/2ins_main.sh sets SEAD_GPU_MAX_TURNS=12), gradient checkpointing, 6 policy GPUs (GPUs 6,7
-# serve the simulator), 50 steps (the paper's 5 iterations of 10), 30 fixed validation profiles. The
+# serve the simulator) with trainer.device=cuda (a CPU-only torch fails at once instead of training on the CPU),
+# 50 steps (the paper's 5 iterations of 10), 30 fixed validation profiles. The
 # per-dialogue budget of 6144 tokens fits 15 turns even at their limits (15 x (256 agent + 128 user + the role
 # markers) < 6144), so a dialogue ends by its outcome or max_turns, not by running out of tokens. Checkpoints
 # keep the HF export only in the last one (a 14B fp32 export is ~56 GB; `python -m verl.model_merger` exports
@@ -83,6 +85,7 @@ _sead_cpu_preset() {
 # during training).
 _sead_gpu_preset() {
     _sead_default EXPERIMENT "$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")"
+    _sead_default DEVICE cuda
     _sead_default N_GPUS 6
     _sead_default STEPS 50
     _sead_default TRAIN_PROMPTS 60

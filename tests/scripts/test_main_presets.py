@@ -24,7 +24,7 @@ PRESET_VARS = ("EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN
                "MAX_CKPT SAVE_HF_MODEL POLICY_GPUS ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM PRESET_OVERRIDES PRESET "
                "PRINT_CONFIG_ONLY MODEL_PATH USER_SIM_MODEL USER_SIM_URLS "
                "SIM_INSTANCES SIM_TP SIM_GPUS SIM_BASE_PORT SCENARIO WARM_START_STEPS OUTPUT_DIR SEAD_GPU_MAX_TURNS "
-               "DATA_DIR CKPT_DIR LOG_DIR RUN_DIR ROLLOUT_LOG VAL_METRICS").split()
+               "DATA_DIR CKPT_DIR LOG_DIR RUN_DIR ROLLOUT_LOG VAL_METRICS DEVICE PYTORCH_CUDA_ALLOC_CONF").split()
 
 # The paper's training settings (GPU preset of scripts/main.sh), as trainer overrides.
 GPU = {
@@ -34,7 +34,7 @@ GPU = {
     "actor_rollout_ref.actor.entropy_coeff": "0.001", "actor_rollout_ref.rollout.temperature": "1.2",
     "rollout_loop.config.max_turns": "15", "actor_rollout_ref.model.enable_gradient_checkpointing": "true",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "60", "data.max_response_length": "6144",
-    "rollout_loop.config.max_tokens_per_turn": "256", "trainer.n_gpus_per_node": "6",
+    "rollout_loop.config.max_tokens_per_turn": "256", "trainer.n_gpus_per_node": "6", "trainer.device": "cuda",
     "trainer.save_hf_model": "last", "actor_rollout_ref.model.use_remove_padding": "true",
     "actor_rollout_ref.ref.fsdp_config.param_offload": "true",
     "actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size": "2",
@@ -47,6 +47,7 @@ CPU = {
     "data.max_response_length": "768", "rollout_loop.config.max_tokens_per_turn": "64",
     "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "4", "trainer.experiment_name": "cpu_demo",
     "trainer.test_freq": "4", "data.max_prompt_length": "96", "rollout_loop.config.cache.min_bucket_size": "2",
+    "trainer.device": "auto",
 }
 
 
@@ -96,6 +97,7 @@ def test_without_model_path_the_cpu_preset_applies_and_nothing_is_built(tmp_path
     assert cmd["actor_rollout_ref.model.path"] == f"{tmp_path / 'outputs'}/tiny_model_warm"
     assert block["LR"] == ("3e-4", "preset") and block["MAX_TURNS"] == ("10", "preset")
     assert not (tmp_path / "outputs").exists(), "the dry run built or wrote something"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in out
     assert_valid(overrides, tmp_path)
 
 
@@ -110,6 +112,8 @@ def test_with_model_path_the_papers_gpu_preset_applies(tmp_path):
     assert cmd["trainer.default_local_dir"].endswith("checkpoints/Qwen2.5-14B-Instruct_outbound_ad_trial")
     assert "reward.kwargs.weights.format" not in cmd, "the CPU demo's reward shaping leaked into the GPU preset"
     assert all(origin == "preset" for _, origin in block.values())
+    # the trainer (not the simulators, started before it) gets the expandable-segments CUDA allocator
+    assert "trainer environment: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out.splitlines()
     assert_valid(overrides, tmp_path)
 
 

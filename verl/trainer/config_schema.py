@@ -186,6 +186,8 @@ class ActorRolloutRefConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    nccl_timeout: int = 600
+    checkpoint_timeout: int = 3600
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
@@ -206,6 +208,8 @@ class CriticConfig:
     strategy: Strategy = "fsdp2"
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    nccl_timeout: int = 600
+    checkpoint_timeout: int = 3600
     rollout_n: int = 1
     ppo_mini_batch_size: int = 4
     ppo_micro_batch_size_per_gpu: int = 4

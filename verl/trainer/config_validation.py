@@ -151,7 +151,11 @@ def _check_batch_sizes(cfg: PPOTrainerConfig) -> None:
                        ("actor_rollout_ref.rollout.val_kwargs.n", cfg.actor_rollout_ref.rollout.val_kwargs.n),
                        ("trainer.nnodes", cfg.trainer.nnodes), ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node),
                        ("data.max_prompt_length", data.max_prompt_length),
-                       ("data.max_response_length", data.max_response_length)]:
+                       ("data.max_response_length", data.max_response_length),
+                       ("actor_rollout_ref.nccl_timeout", cfg.actor_rollout_ref.nccl_timeout),
+                       ("actor_rollout_ref.checkpoint_timeout", cfg.actor_rollout_ref.checkpoint_timeout),
+                       ("critic.nccl_timeout", cfg.critic.nccl_timeout),
+                       ("critic.checkpoint_timeout", cfg.critic.checkpoint_timeout)]:
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
     rows, mini_rows = data.train_batch_size * n, actor.ppo_mini_batch_size * n

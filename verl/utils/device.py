@@ -35,3 +35,13 @@ def get_torch_device() -> ModuleType:
 def get_device_id() -> int:
     """Index of the current device: `torch.cuda.current_device()` on CUDA, 0 on CPU."""
     return torch.cuda.current_device() if is_cuda_available() else 0
+
+
+def empty_cache() -> None:
+    """Return the caching allocator's unused blocks to the device (``torch.cuda.empty_cache``); no-op on CPU.
+
+    Called at the end of every worker phase: actor and critic are separate processes sharing a GPU, and one
+    process cannot reuse blocks the other's allocator keeps cached after its peak.
+    """
+    if is_cuda_available():
+        torch.cuda.empty_cache()

@@ -29,10 +29,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +50,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 SHARDED_STATE_DIR = "sharded_state"
+# Attribute of an FSDP2 root module holding the reshard_after_forward it was wrapped with (restored after generation).
+RESHARD_AFTER_FORWARD_ATTR = "_sead_reshard_after_forward"
 
 
 def check_strategy(strategy: str, where: str) -> None:
@@ -100,16 +108,35 @@ def apply_fsdp2(
     param_dtype: torch.dtype,
     reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
-    """Shard ``model`` in place with FSDP2: each transformer layer, then the root (tied embeddings stay together).
+    """Shard ``model`` in place with FSDP2: each transformer layer, the input embedding and the output head as
+    units of their own, then the root (final norm, a small value head).
 
-    Parameters are kept in fp32 (the optimizer's master copy); forward/backward run in ``param_dtype`` and
-    gradients are reduced in fp32. ``fully_shard`` moves the shards to the mesh's device.
+    Tied embeddings (one parameter used by embedding and head) cannot be split over two units and stay in the
+    root. Parameters keep their dtype (fp32 master weights for a trained model); forward/backward run in
+    ``param_dtype`` and gradients are reduced in fp32. ``fully_shard`` moves the shards to the mesh's device.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
-    for layer in transformer_layer_modules(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for unit in transformer_layer_modules(model) + embedding_units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    setattr(model, RESHARD_AFTER_FORWARD_ATTR, reshard_after_forward)
     return model
+
+
+def embedding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The input embedding and the LM head when they share no parameter (else none: both stay in the root).
+
+    At 7B they hold 1.09B parameters; in the root unit they would stay gathered for the whole forward and
+    backward pass. A head without the ``get_output_embeddings`` hook (e.g. a value head) stays in the root.
+    """
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embedding is None:
+        return []
+    if head is None:
+        return [embedding]
+    shared = {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}
+    return [] if shared else [embedding, head]
 
 
 def apply_fsdp1(
@@ -145,15 +172,59 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 def generation_model(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Yield the module whose ``generate`` to call on a sharded model.
 
-    FSDP2 hooks unshard every forward, so the model itself is returned. FSDP1 only unshards in its own
-    ``forward``, while HF ``generate`` calls the inner model: the root unit's parameters (embeddings, final
-    norm, head) are gathered for the duration, the per-layer units still gather in their forward.
+    FSDP2: every unit is gathered once on entry and stays gathered for the whole call (resharding after
+    forward is off meanwhile), so decoding a token costs no all-gather; on exit the units are resharded and the
+    configured ``reshard_after_forward`` is restored. The whole model in the compute dtype is then held for the
+    duration. FSDP1 only unshards in its own ``forward`` while HF ``generate`` calls the inner model: the root
+    unit's parameters (embeddings, final norm, head) are gathered for the duration, the per-layer units still
+    gather in their forward (FSDP1 cannot run a unit's forward inside ``summon_full_params``).
     """
     if isinstance(model, FSDP):
         with FSDP.summon_full_params(model, recurse=False, writeback=False):
             yield model.module
-    else:
+        return
+    if not isinstance(model, FSDPModule):
         yield model
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    model.set_reshard_after_forward(False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        model.set_reshard_after_forward(bool(getattr(model, RESHARD_AFTER_FORWARD_ATTR, True)))
+        for unit in units:
+            unit.reshard()
+
+
+def _load_weights(
+    auto_cls: type, model_path: str, hf_config: Any, dtype: torch.dtype, attn_implementation: str, on_meta: bool
+) -> torch.nn.Module:
+    """``from_pretrained`` on the CPU, or (``on_meta``) an empty skeleton of the same model on the meta device."""
+    if not on_meta:
+        return auto_cls.from_pretrained(
+            model_path, config=hf_config, dtype=dtype, attn_implementation=attn_implementation
+        )
+    with torch.device("meta"):
+        model = auto_cls.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+    with contextlib.suppress(OSError):  # a model directory without generation_config.json keeps the default
+        model.generation_config = GenerationConfig.from_pretrained(model_path)
+    return model
+
+
+def broadcast_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Fill an FSDP2 model's shards on every rank from rank 0's full state dict (empty on the other ranks).
+
+    Ranks > 0 hold a meta-device skeleton, materialised (uninitialised) on ``device`` first; buffers, which are
+    not all in the state dict (e.g. rotary ``inv_freq``), are broadcast from rank 0 as well. A collective.
+    """
+    if dist.get_rank() != 0:
+        model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state, options=options)
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 def build_fsdp_model(
@@ -166,11 +237,15 @@ def build_fsdp_model(
     gradient_checkpointing: bool = False,
     config_overrides: dict[str, Any] | None = None,
     strategy: str = "fsdp2",
+    master_dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """Load ``auto_cls.from_pretrained(model_path)`` in fp32 and shard it with ``strategy`` (fsdp2 | fsdp).
+    """Load ``auto_cls.from_pretrained(model_path)`` with parameters in ``master_dtype`` and shard it.
 
-    ``torch.manual_seed(seed)`` runs first, so weights the checkpoint lacks (e.g. a new value head) are
-    initialised identically on every rank, which FSDP requires (each rank keeps its slice of its own copy).
+    ``master_dtype`` is what the sharded parameters are kept in: fp32 for a trained model (the optimizer's master
+    copy), the compute dtype for a frozen one (the reference policy). ``torch.manual_seed(seed)`` runs first, so
+    weights the checkpoint lacks (e.g. a new value head) are initialised reproducibly. With ``fsdp2`` only rank 0
+    reads the checkpoint into host memory; the other ranks build the model on the meta device and receive their
+    shards from rank 0 (:func:`broadcast_from_rank0`). With ``fsdp`` (FSDP1) every rank loads the full model.
     ``fsdp_config`` supplies ``param_dtype`` (auto | fp32 | bf16) and ``reshard_after_forward``;
     ``config_overrides`` are set on the HF config before the model is built (e.g. ``num_labels``);
     ``attn_implementation`` is resolved by :func:`resolve_attn_implementation`.
@@ -184,15 +259,22 @@ def build_fsdp_model(
     param_dtype = resolve_param_dtype(fsdp_config.get("param_dtype", "auto"), mesh.device_type)
     attn = resolve_attn_implementation(attn_implementation, mesh.device_type, param_dtype)
     torch.manual_seed(seed)
-    model = auto_cls.from_pretrained(model_path, config=hf_config, dtype=torch.float32, attn_implementation=attn)
+    rank0_only = strategy == "fsdp2" and dist.get_world_size() > 1
+    on_meta = rank0_only and dist.get_rank() != 0
+    model = _load_weights(auto_cls, model_path, hf_config, master_dtype, attn, on_meta)
+    full_state = model.state_dict() if rank0_only and not on_meta else {}
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     reshard = bool(fsdp_config.get("reshard_after_forward", True))
-    logger.info("%s-wrapping %s from %s (param_dtype=%s, attention %s)", strategy, type(model).__name__, model_path,
-                param_dtype, attn)
+    logger.info("%s-wrapping %s from %s (param_dtype=%s, master_dtype=%s, attention %s)", strategy,
+                type(model).__name__, model_path, param_dtype, master_dtype, attn)
     if strategy == "fsdp":
         return apply_fsdp1(model, mesh.device_type, param_dtype, reshard_after_forward=reshard)
-    return apply_fsdp2(model, mesh, param_dtype, reshard_after_forward=reshard)
+    model = apply_fsdp2(model, mesh, param_dtype, reshard_after_forward=reshard)
+    if rank0_only:
+        device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        broadcast_from_rank0(model, full_state, device)
+    return model
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:
@@ -259,20 +341,23 @@ def _hf_class(model: torch.nn.Module) -> type:
 
 
 def save_sharded_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
+    process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Save the sharded model (and optimizer) state with torch.distributed.checkpoint under ``path/sharded_state``.
 
     A collective: every rank writes its own shards, which :func:`load_sharded_state` restores exactly.
+    ``process_group`` carries the save's coordination (default: the default group).
     """
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=str(Path(path) / SHARDED_STATE_DIR))
+    dcp.save(state, checkpoint_id=str(Path(path) / SHARDED_STATE_DIR), process_group=process_group)
 
 
 def load_sharded_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
+    process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Restore what :func:`save_sharded_state` wrote at ``path`` into ``model`` (and ``optimizer``)."""
     ckpt_dir = Path(path) / SHARDED_STATE_DIR
@@ -281,7 +366,7 @@ def load_sharded_state(
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=str(ckpt_dir))
+    dcp.load(state, checkpoint_id=str(ckpt_dir), process_group=process_group)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])

@@ -8,6 +8,9 @@ Layout of ``local_path`` (written by every rank together; the trainer makes the 
   verl.model_merger`` writes it later from the sharded state;
 - ``sharded_state/``: torch.distributed.checkpoint of the sharded model and optimizer state (exact restore);
 - ``extra_state_rank_{r}.pt``: rank r's LR-scheduler state and torch / numpy / python RNG states.
+
+The coordination of a save or load (the sharded-state plan, the final barrier) runs on a gloo group with its own
+timeout (``checkpoint_timeout`` of the worker config), so slow writes do not trip the training collectives'.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +69,25 @@ class FSDPCheckpointManager:
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
         tokenizer: Any | None = None,
         export_dtype: torch.dtype = torch.float32,
+        timeout_s: float = 3600.0,
     ):
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.tokenizer = tokenizer
         self.export_dtype = export_dtype
+        self.timeout_s = timeout_s
+        self._group: dist.ProcessGroup | None = None
+
+    def _sync_group(self) -> dist.ProcessGroup | None:
+        """The gloo group (created on first use, by every rank) that carries the waits of a save or load.
+
+        Rank 0 writes the HF export while the others wait; on a CPU group with ``timeout_s`` that wait neither
+        hits the default group's (NCCL) timeout nor blocks a GPU stream. None without torch.distributed.
+        """
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        return self._group
 
     @staticmethod
     def _rank() -> int:
@@ -95,11 +112,12 @@ class FSDPCheckpointManager:
             save_hf_config(self.model, path)
         if self._rank() == 0 and self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(path))
-        save_sharded_state(self.model, self.optimizer, path)
+        group = self._sync_group()
+        save_sharded_state(self.model, self.optimizer, path, process_group=group)
         extra = {"lr_scheduler": self.lr_scheduler.state_dict(), "rng": _rng_state()}
         torch.save(extra, path / f"extra_state_rank_{self._rank()}.pt")
-        if dist.is_initialized():
-            dist.barrier()
+        if group is not None:
+            dist.barrier(group=group)
         logger.info("rank %d saved checkpoint to %s", self._rank(), path)
 
     def load_checkpoint(self, local_path: str | os.PathLike) -> None:
@@ -107,19 +125,20 @@ class FSDPCheckpointManager:
         path = Path(local_path)
         extra_file = path / f"extra_state_rank_{self._rank()}.pt"
         present = [extra_file.is_file()]
-        if dist.is_initialized():
+        group = self._sync_group()
+        if group is not None:
             present = [None] * dist.get_world_size()
-            dist.all_gather_object(present, extra_file.is_file())
+            dist.all_gather_object(present, extra_file.is_file(), group=group)
         if not all(present):
             missing = [rank for rank, ok in enumerate(present) if not ok]
             raise FileNotFoundError(
                 f"checkpoint {path} lacks extra_state_rank_<r>.pt for ranks {missing}: it is incomplete or was "
                 "saved with a different world size"
             )
-        load_sharded_state(self.model, self.optimizer, path)
+        load_sharded_state(self.model, self.optimizer, path, process_group=group)
         extra = torch.load(extra_file, map_location="cpu", weights_only=True)
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         _set_rng_state(extra["rng"])
-        if dist.is_initialized():
-            dist.barrier()
+        if group is not None:
+            dist.barrier(group=group)
         logger.info("rank %d loaded checkpoint from %s", self._rank(), path)

@@ -1,9 +1,10 @@
 """FSDP workers run by the Ray worker group: the actor/rollout/reference worker and the critic worker.
 
 Each worker process joins the group's torch.distributed process group (gloo on CPU, nccl on CUDA) in
-``init_model``, loads the HF model with the same seed on every rank, shards it per decoder layer and then at
-the root, with FSDP2 (``strategy: fsdp2``, default) or FSDP1 (``strategy: fsdp``), and exposes the veRL worker
-methods listed in docs/architecture.md.
+``init_model``, loads the HF model (FSDP2: rank 0 reads it, the others receive their shards), shards it per
+decoder layer and then at the root, with FSDP2 (``strategy: fsdp2``, default) or FSDP1 (``strategy: fsdp``), and
+exposes the veRL worker methods listed in docs/architecture.md. Every compute method ends by returning the
+device's cached memory (``empty_cache``; actor and critic share a GPU as two processes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from verl.protocol import DataProto
 from verl.single_controller.base import Dispatch, Worker, register
-from verl.utils.device import get_device_name
+from verl.utils.device import empty_cache, get_device_name
 from verl.utils.fsdp_offload import FSDPOffloader
 from verl.utils.fsdp_utils import build_fsdp_model, check_strategy, create_device_mesh, resolve_param_dtype
 from verl.utils.optim import build_lr_scheduler, build_optimizer
@@ -113,7 +114,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Join the process group, load and shard the model(s), build optimizer, scheduler and rollout."""
-        self.init_distributed()
+        self.init_distributed(timeout_s=float(self.config.get("nccl_timeout", 600)))
         mesh = create_device_mesh(get_device_name())
         cfg = self.config
         self.tokenizer = _load_tokenizer(cfg.model)
@@ -143,7 +144,8 @@ class ActorRolloutRefWorker(Worker):
                 export_dtype = resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
                                                    mesh.device_type)
                 self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
-                                                                export_dtype=export_dtype)
+                                                                export_dtype=export_dtype,
+                                                                timeout_s=cfg.get("checkpoint_timeout", 3600))
             self.actor = DataParallelPPOActor(actor_cfg, module, optimizer)
             fsdp_cfg = cfg.actor.get("fsdp_config", {})
             self.actor_offload = FSDPOffloader(
@@ -154,8 +156,10 @@ class ActorRolloutRefWorker(Worker):
             if self._is_rollout:
                 self.rollout = self._build_rollout(module)
             self.actor_offload.offload()
-        if self._is_ref:
-            ref_module = build_fsdp_model(AutoModelForCausalLM, **model_args)
+        if self._is_ref:  # frozen: kept in the compute dtype (bf16 on CUDA), no fp32 master copy
+            ref_dtype = resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
+                                            mesh.device_type)
+            ref_module = build_fsdp_model(AutoModelForCausalLM, master_dtype=ref_dtype, **model_args)
             ref_module.requires_grad_(False)
             self.ref_policy = DataParallelPPOActor(actor_cfg, ref_module)
             ref_param_offload = cfg.ref.get("fsdp_config", {}).get("param_offload", False)
@@ -215,7 +219,9 @@ class ActorRolloutRefWorker(Worker):
         if self.rollout_name == "vllm":  # the engine holds its own copy of the weights
             return self.rollout.generate_sequences(prompts)
         with self.actor_offload.on_device():
-            return self.rollout.generate_sequences(prompts)
+            output = self.rollout.generate_sequences(prompts)
+        empty_cache()
+        return output
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -227,6 +233,7 @@ class ActorRolloutRefWorker(Worker):
         with self.actor_offload.on_device():
             log_probs, entropys = self.actor.compute_log_prob(data, calculate_entropy=True)
         metrics = {"timing_s/worker_compute_log_prob": time.perf_counter() - start}
+        empty_cache()
         return DataProto.from_dict(
             tensors={"old_log_probs": log_probs, "entropys": entropys}, meta_info={"metrics": metrics}
         )
@@ -239,6 +246,7 @@ class ActorRolloutRefWorker(Worker):
         data = _with_meta_defaults(data, self._log_prob_defaults(self.config.ref))
         with self.ref_offload.on_device():
             log_probs, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False)
+        empty_cache()
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -264,6 +272,7 @@ class ActorRolloutRefWorker(Worker):
         if self.rollout_name == "vllm" and self._is_rollout:
             mismatch.update(self._sync_rollout_weights())
         metrics.update({key: [value] for key, value in mismatch.items()})
+        empty_cache()
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -316,7 +325,7 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Join the process group, load and shard the value model, build optimizer and scheduler."""
-        self.init_distributed()
+        self.init_distributed(timeout_s=float(self.config.get("nccl_timeout", 600)))
         cfg = self.config
         mesh = create_device_mesh(get_device_name())
         self.tokenizer = _load_tokenizer(cfg.model)
@@ -342,7 +351,8 @@ class CriticWorker(Worker):
         self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
         export_dtype = resolve_param_dtype(cfg.get("fsdp_config", {}).get("param_dtype", "auto"), mesh.device_type)
         self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
-                                                        export_dtype=export_dtype)
+                                                        export_dtype=export_dtype,
+                                                        timeout_s=cfg.get("checkpoint_timeout", 3600))
         self.critic = DataParallelPPOCritic(critic_cfg, module, optimizer)
         offload_cfg = cfg.model.get("fsdp_config", {})
         self.critic_offload = FSDPOffloader(
@@ -362,6 +372,7 @@ class CriticWorker(Worker):
                     "max_token_len": self.config.get("forward_max_token_len_per_gpu", None)}
         with self.critic_offload.on_device():
             values = self.critic.compute_values(_with_meta_defaults(data, defaults))
+        empty_cache()
         return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -372,6 +383,7 @@ class CriticWorker(Worker):
             metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = [self.lr_scheduler.get_last_lr()[0]]
         self.lr_scheduler.step()
+        empty_cache()
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

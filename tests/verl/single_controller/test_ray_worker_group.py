@@ -28,7 +28,8 @@ class EchoWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def whoami(self, tag: str) -> dict:
         """Return this rank's view of the group and its environment."""
-        keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM"]
+        keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM",
+                "PYTORCH_CUDA_ALLOC_CONF"]
         return {"rank": self.rank, "world_size": self.world_size, "tag": tag, "pid": os.getpid(), "env": {k: os.environ.get(k) for k in keys}}
 
     @register(Dispatch.ONE_TO_ALL)
@@ -233,3 +234,13 @@ def test_bad_construction_arguments(ray_cluster):
         RayClassWithInitArgs(dict)
     with pytest.raises(ValueError, match="process_on_nodes must be a non-empty list of positive ints"):
         RayResourcePool([0])
+
+
+def test_the_cuda_allocator_setting_reaches_every_worker(pool, monkeypatch):
+    # set after Ray started: only an explicit forward gets it into the worker processes
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    extra = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker), name_prefix="h3_alloc_conf")
+    try:
+        assert [info["env"]["PYTORCH_CUDA_ALLOC_CONF"] for info in extra.whoami("x")] == ["expandable_segments:True"] * 2
+    finally:
+        extra.shutdown()

@@ -27,6 +27,10 @@ __all__ = ["RayClassWithInitArgs", "RayResourcePool", "RayWorkerGroup"]
 
 logger = logging.getLogger(__name__)
 
+# Driver environment variables every worker gets as well (they must be set before CUDA initialises, and a
+# worker of an already running Ray cluster does not inherit the driver's environment).
+FORWARDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF",)
+
 
 class RayResourcePool:
     """Placement groups holding the worker slots: `process_on_nodes[i]` slots on node `i`, one bundle each.
@@ -209,6 +213,7 @@ class RayWorkerGroup(WorkerGroup):
                 "MASTER_PORT": str(self.master_port),
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                 "TOKENIZERS_PARALLELISM": "false",
+                **{name: os.environ[name] for name in FORWARDED_ENV if name in os.environ},
             }
             actor = remote_cls.options(
                 num_cpus=share,

@@ -243,7 +243,8 @@ def compute_policy_loss_vanilla(
     clip_ratio_low, clip_ratio_high, clip_ratio_c; ``global_batch_info``: the :func:`agg_loss` counts, as veRL
     sets them). The keyword-only clip settings override it, else 0.2 / 0.2 / 3.0; ``agg_kwargs`` (dp_size,
     batch_num_tokens, global_batch_size, loss_scale_factor) override ``config.global_batch_info``. Returns
-    ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})``.
+    ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})``, the metrics as detached 0-d
+    tensors (read once per mini-batch by the actor).
     """
     _check_loss_config(config, "compute_policy_loss_vanilla")
     base = _first_set(_cfg_get(config, "clip_ratio"), 0.2)
@@ -257,10 +258,10 @@ def compute_policy_loss_vanilla(
         pg_losses = pg_losses * rollout_is_weights
     agg_kwargs = {**(_cfg_get(config, "global_batch_info") or {}), **agg_kwargs}
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
-    metrics = {
-        "actor/pg_clipfrac": clipfrac.item(),
-        "actor/ppo_kl": ppo_kl.item(),
-        "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+    metrics = {  # detached tensors: the caller reads them from the device once per mini-batch
+        "actor/pg_clipfrac": clipfrac.detach(),
+        "actor/ppo_kl": ppo_kl.detach(),
+        "actor/pg_clipfrac_lower": clipfrac_lower.detach(),
     }
     return pg_loss, metrics
 

@@ -16,7 +16,6 @@ from verl.utils.fsdp_utils import clip_grad_norm
 from verl.utils.packed_attention import enable_packed_attention
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from verl.workers.batching import (
-    append_metrics,
     check_divisible,
     global_loss_info,
     iter_mini_batches,
@@ -27,6 +26,7 @@ from verl.workers.batching import (
     split_micro_batches,
 )
 from verl.workers.packing import packed_log_probs
+from verl.workers.metric_buffer import MetricBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class DataParallelPPOActor:
             attention_mask=micro["attention_mask"],
             position_ids=micro["position_ids"],
             use_cache=False,
-            logits_to_keep=responses.size(-1) + 1,
+            logits_to_keep=responses.size(-1) + 1,  # the head runs on the positions predicting responses only
         )
         logits = response_logits(output.logits, responses.size(-1), temperature)
         log_probs = logprobs_from_logits(logits, responses)
@@ -190,16 +190,18 @@ class DataParallelPPOActor:
         for mini in iter_mini_batches(batch, mini_batch_size, epochs, bool(cfg.get("shuffle", False))):
             mini = mini.to(self.device)
             loss_info = global_loss_info(mini["response_mask"], cfg.get("loss_scale_factor", None))
-            totals: dict[str, float] = {}
+            totals: dict[str, Any] = {}
+            buffer = MetricBuffer()  # read once per mini-batch, not per micro-batch
             micros, _ = split_micro_batches(mini, micro_batch_size, max_token_len, "actor.ppo_max_token_len_per_gpu")
             for micro in micros:
                 loss, micro_metrics = self._micro_batch_loss(micro, temperature, loss_info)
                 loss.backward()
                 for name in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
                     if name in micro_metrics:
-                        totals[name] = totals.get(name, 0.0) + micro_metrics.pop(name).item()
-                append_metrics(metrics, micro_metrics)
+                        totals[name] = totals.get(name, 0.0) + micro_metrics.pop(name)
+                buffer.add(micro_metrics)
             grad_norm, stepped = self._optimizer_step()
-            append_metrics(metrics, totals)
-            append_metrics(metrics, {"actor/grad_norm": grad_norm, "actor/grad_norm_nonfinite": float(not stepped)})
+            buffer.add(totals)
+            buffer.add({"actor/grad_norm": grad_norm, "actor/grad_norm_nonfinite": float(not stepped)})
+            buffer.flush_into(metrics)
         return metrics

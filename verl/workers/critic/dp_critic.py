@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -15,7 +16,6 @@ from verl.utils.fsdp_utils import clip_grad_norm
 from verl.utils.packed_attention import enable_packed_attention
 from verl.utils.torch_functional import masked_mean
 from verl.workers.batching import (
-    append_metrics,
     check_divisible,
     global_loss_info,
     iter_mini_batches,
@@ -25,6 +25,7 @@ from verl.workers.batching import (
     split_micro_batches,
 )
 from verl.workers.packing import packed_values
+from verl.workers.metric_buffer import MetricBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,8 @@ class DataParallelPPOCritic:
         for mini in iter_mini_batches(batch, mini_batch_size, epochs, shuffle):
             mini = mini.to(self.device)
             loss_info = global_loss_info(mini["response_mask"], cfg.get("loss_scale_factor", None))
-            vf_loss_total = 0.0
+            vf_loss_total: Any = 0.0
+            buffer = MetricBuffer()  # read once per mini-batch, not per micro-batch
             micros, _ = split_micro_batches(mini, micro_batch_size, max_token_len, "critic.ppo_max_token_len_per_gpu")
             for micro in micros:
                 vpreds = self._forward_micro_batch(micro)
@@ -142,10 +144,11 @@ class DataParallelPPOCritic:
                     cliprange_value, loss_agg_mode=self.loss_agg_mode, **loss_info,
                 )  # fmt: skip
                 vf_loss.backward()
-                vf_loss_total += vf_loss.item()
+                vf_loss_total = vf_loss_total + vf_loss.detach()
                 vpred_mean = masked_mean(vpreds.detach(), micro["response_mask"])
-                append_metrics(metrics, {"critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": vpred_mean})
+                buffer.add({"critic/vf_clipfrac": vf_clipfrac, "critic/vpred_mean": vpred_mean})
             grad_norm, stepped = self._optimizer_step()
             step_metrics = {"critic/vf_loss": vf_loss_total, "critic/grad_norm": grad_norm}
-            append_metrics(metrics, {**step_metrics, "critic/grad_norm_nonfinite": float(not stepped)})
+            buffer.add({**step_metrics, "critic/grad_norm_nonfinite": float(not stepped)})
+            buffer.flush_into(metrics)
         return metrics

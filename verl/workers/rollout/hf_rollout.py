@@ -63,6 +63,8 @@ class HFRollout:
 
     ``config`` is the ``actor_rollout_ref.rollout`` block: ``do_sample``, ``temperature``, ``top_p``, ``top_k``
     (-1 = off), ``response_length`` and ``micro_batch_size_per_gpu`` (rows per ``generate`` call; null = all).
+    On FSDP2 the weights are gathered once per :meth:`generate_sequences` and kept for all its micro-batches, so
+    the KV cache of a micro-batch, not the weights, bounds its size (``python -m verl.trainer.plan`` estimates it).
     The prompt batch's ``meta_info`` overrides the sampling keys per call and must carry ``eos_token_id`` and
     ``pad_token_id`` unless the model's generation config has them. Sampling draws from the global torch RNG,
     so results are reproducible given the torch seed.
@@ -107,17 +109,18 @@ class HFRollout:
         return gen_config, response_length, eos, int(pad)
 
     @torch.no_grad()
-    def _generate_micro_batch(self, prompts: TensorDict, meta_info: dict[str, Any]) -> TensorDict:
-        """Generate for one micro-batch and build the generation-batch tensors."""
+    def _generate_micro_batch(
+        self, model: torch.nn.Module, prompts: TensorDict, meta_info: dict[str, Any]
+    ) -> TensorDict:
+        """Generate for one micro-batch with ``model`` (see :func:`generation_model`) and build the tensors."""
         gen_config, response_length, eos, pad = self._generation_config(meta_info)
         device = next(self.module.parameters()).device
         input_ids = prompts["input_ids"].to(device)
         prompt_mask = prompts["attention_mask"].to(device)
         synced = dist.is_initialized() and dist.get_world_size() > 1
-        with generation_model(self.module) as model:
-            output = model.generate(
-                input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config, synced_gpus=synced
-            )
+        output = model.generate(
+            input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config, synced_gpus=synced
+        )
         responses = output[:, input_ids.size(1) :]
         if responses.size(1) < response_length:
             pad_block = responses.new_full((responses.size(0), response_length - responses.size(1)), pad)
@@ -134,7 +137,9 @@ class HFRollout:
         was_training = self.module.training
         self.module.eval()
         try:
-            parts = [self._generate_micro_batch(micro, prompts.meta_info) for micro in batch.split(micro_batch_size)]
+            with generation_model(self.module) as model:  # FSDP2: gathered once for all micro-batches
+                parts = [self._generate_micro_batch(model, micro, prompts.meta_info)
+                         for micro in batch.split(micro_batch_size)]
         finally:
             self.module.train(was_training)
         return DataProto(batch=torch.cat(parts, dim=0))

@@ -248,9 +248,9 @@ def test_deprecated_compute_policy_loss_matches_vanilla(rng):
             loss_agg_mode="seq-mean-token-mean",
         )
     close(loss, vanilla.item())
-    close(clipfrac, metrics["actor/pg_clipfrac"])
-    close(ppo_kl, metrics["actor/ppo_kl"])
-    close(clipfrac_lower, metrics["actor/pg_clipfrac_lower"])
+    close(metrics["actor/pg_clipfrac"], float(clipfrac))  # the metrics are detached 0-d tensors
+    close(metrics["actor/ppo_kl"], float(ppo_kl))
+    close(metrics["actor/pg_clipfrac_lower"], float(clipfrac_lower))
 
 
 @pytest.mark.parametrize("c", [1.0, 0.5])

@@ -1,0 +1,260 @@
+"""Analytic per-GPU memory and time model of the FSDP PPO workers (used by ``python -m verl.trainer.plan``).
+
+Every number is in bytes (memory) or FLOPs and derives from the HF ``config.json`` shape and the trainer config:
+
+* Parameters are counted exactly from the shape (Qwen2 / Llama / Mistral decoder layers: attention with optional
+  q/k/v bias, SwiGLU MLP, two RMSNorms per layer, untied or tied head).
+* FSDP2 keeps fp32 master shards (4 B/param / world), fp32 sharded gradients during an update and AdamW's two fp32
+  moments (8 B/param / world); a unit being computed is gathered in the compute dtype (the current and the
+  prefetched next layer, plus the root unit for the whole pass when embeddings/head are not their own units).
+* Activations are the tensors autograd saves per token and decoder layer (HF eager modules, SDPA/flash
+  attention, no dropout): two RMSNorms (fp32 copy + normed output + its cast), the rotated q/k, v, the
+  attention output (also the output projection's input) and its log-sum-exp, and four SwiGLU intermediates. With gradient checkpointing only each
+  layer's input is saved, plus one layer recomputed in the backward pass.
+* Logits: the head's output over every position in the compute dtype, and fp32 copies of the response positions
+  (the float cast, the temperature division saved by the chunked log-prob, and its gradient).
+* KV cache of HF generation: 2 x layers x kv_heads x head_dim per token in the compute dtype.
+
+The CPU tests (tests/verl/utils/test_memory_model.py) check these against peaks measured with the torch profiler.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1024**3
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a decoder-only transformer as read from an HF ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelShape":
+        """Read the shape from a parsed ``config.json`` (raises naming a missing key)."""
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            if key not in config:
+                raise KeyError(f"config.json lacks {key!r}; the memory model needs a decoder-only LM config")
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate_size=int(config["intermediate_size"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
+        )
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> "ModelShape":
+        """Read ``<path>/config.json``."""
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json in the model directory {path!r}")
+        return cls.from_hf_config(json.loads(file.read_text()))
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection (heads x head_dim)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (= value) projection."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer."""
+        h = self.hidden_size
+        attention = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        return attention + bias + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the input embedding."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def head_params(self) -> int:
+        """Parameters of the LM head (0 when tied to the embedding)."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    def num_params(self, value_head: bool = False) -> int:
+        """All parameters of the causal LM, or of the value model (backbone + a 1-output scored head)."""
+        backbone = self.embedding_params + self.num_layers * self.layer_params + self.hidden_size
+        if value_head:
+            return backbone + self.hidden_size + 1
+        return backbone + self.head_params
+
+    def activation_bytes_per_token(self, dtype_bytes: int, repeat_kv: bool = True) -> int:
+        """Bytes autograd saves per token and decoder layer without checkpointing.
+
+        ``repeat_kv``: keys/values are expanded to all query heads before SDPA (HF does so whenever an attention
+        mask is passed, i.e. for padded batches); flash attention and mask-free SDPA use the kv heads as they are.
+        """
+        h, b = self.hidden_size, dtype_bytes
+        norms = 2 * (FP32 * h + 2 * b * h)
+        kv_heads = self.num_heads if repeat_kv else self.num_kv_heads
+        attention = b * (2 * self.q_dim + 2 * kv_heads * self.head_dim) + FP32 * self.num_heads
+        mlp = 4 * b * self.intermediate_size
+        return norms + attention + mlp
+
+    def forward_transient_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Peak bytes per token of one layer's forward without autograd (the SwiGLU intermediates dominate)."""
+        return 3 * dtype_bytes * self.intermediate_size + 2 * FP32 * self.hidden_size
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of HF generation's KV cache per token of context."""
+        return 2 * self.num_layers * self.kv_dim * dtype_bytes
+
+
+LOGPROB_CHUNK_BYTES = 2**24 * FP32  # one (rows, vocab) fp32 chunk of verl.utils.torch_functional's log-prob
+
+
+@dataclass(frozen=True)
+class PassPeak:
+    """Bytes of one micro-batch's pass at its peak: autograd-held activations and logits (incl. temporaries)."""
+
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        """activations + logits."""
+        return self.activations + self.logits
+
+
+def logits_bytes(
+    shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, training: bool,
+    head_positions: int | None = None,
+) -> int:
+    """Peak bytes of the logits of one micro-batch.
+
+    The head produces ``head_positions`` (default every position) in the compute dtype; the response positions
+    are then cast to fp32 (no copy when already fp32) and divided by the temperature; the chunked log-prob adds
+    one chunk of temporaries. In training the scaled fp32 logits are saved for the backward pass, where the
+    log-prob's and the entropy's gradients, their sum and the temperature division's gradient are fp32 copies
+    (four alive at once), and the head's gradient is again every position in the compute dtype.
+    """
+    positions = seq_len if head_positions is None else head_positions
+    head_out = rows * positions * shape.vocab_size * dtype_bytes
+    response_fp32 = rows * response_len * shape.vocab_size * FP32
+    chunk = min(response_fp32, LOGPROB_CHUNK_BYTES)
+    cast_copies = 2 if dtype_bytes != FP32 else 1
+    copies = 4 if training else cast_copies
+    return head_out + copies * response_fp32 + chunk
+
+
+def update_pass_peak(
+    shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, checkpointing: bool,
+    repeat_kv: bool = True, head_positions: int | None = None,
+) -> PassPeak:
+    """Peak of a forward + backward pass of one micro-batch (gradients and weights not included).
+
+    Without checkpointing every layer's activations are still held while the logits' backward runs. With it
+    each layer keeps only its input; the peak is then either the logits' backward or one layer recomputed
+    together with its gradients, whichever is larger.
+    """
+    tokens = rows * seq_len
+    h, b = shape.hidden_size, dtype_bytes
+    edges = tokens * (FP32 * h + 3 * b * h)  # final norm (fp32 copy, normed, cast) and the embedding output
+    per_layer = tokens * shape.activation_bytes_per_token(b, repeat_kv)
+    logits = logits_bytes(shape, rows, seq_len, response_len, b, True, head_positions)
+    if not checkpointing:
+        return PassPeak(activations=shape.num_layers * per_layer + edges, logits=logits)
+    inputs = shape.num_layers * tokens * b * h + edges
+    recompute = 2 * per_layer
+    if logits >= recompute:
+        return PassPeak(activations=inputs, logits=logits)
+    return PassPeak(activations=inputs + recompute, logits=0)
+
+
+def forward_pass_peak(
+    shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, with_logits: bool = True,
+    head_positions: int | None = None,
+) -> PassPeak:
+    """Peak of a no-grad forward of one micro-batch (log-probs or values): one layer's transients or the logits."""
+    layer = rows * seq_len * shape.forward_transient_bytes_per_token(dtype_bytes)
+    logits = logits_bytes(shape, rows, seq_len, response_len, dtype_bytes, False, head_positions) if with_logits else 0
+    hidden = rows * seq_len * dtype_bytes * shape.hidden_size
+    if logits >= layer:
+        return PassPeak(activations=hidden, logits=logits)
+    return PassPeak(activations=hidden + layer, logits=0)
+
+
+def kv_cache_bytes(shape: ModelShape, rows: int, context_len: int, dtype_bytes: int) -> int:
+    """KV cache of ``rows`` sequences of ``context_len`` tokens."""
+    return rows * context_len * shape.kv_cache_bytes_per_token(dtype_bytes)
+
+
+@dataclass(frozen=True)
+class ShardedState:
+    """Per-GPU bytes of one FSDP model's persistent state."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+
+    @property
+    def resident(self) -> int:
+        """Bytes held between phases (master shards + optimizer state; gradients are freed after each step)."""
+        return self.params + self.optimizer
+
+
+def sharded_state(
+    shape: ModelShape, world: int, compute_bytes: int, master_bytes: int, trainable: bool, value_head: bool = False,
+    separate_embedding_units: bool = False,
+) -> ShardedState:
+    """Sharded master weights, gradients and AdamW state, and the peak of gathered units during a pass.
+
+    ``gathered`` is two decoder layers (current + prefetched) in the compute dtype, plus the root unit (embedding,
+    final norm, head) held for the whole pass unless embedding and head are their own units
+    (``separate_embedding_units``), in which case the larger of the two is counted.
+    """
+    total = shape.num_params(value_head)
+    head = shape.hidden_size + 1 if value_head else shape.head_params
+    if separate_embedding_units:
+        root = max(shape.embedding_params, head) + shape.hidden_size
+    else:
+        root = shape.embedding_params + head + shape.hidden_size
+    gathered = (2 * shape.layer_params + root) * compute_bytes
+    params = total * master_bytes // world
+    grads = total * FP32 // world if trainable else 0
+    optimizer = 2 * total * FP32 // world if trainable else 0
+    return ShardedState(params=params, grads=grads, optimizer=optimizer, gathered=gathered)
+
+
+def training_flops(shape: ModelShape, rows: int, seq_len: int, checkpointing: bool, value_head: bool = False) -> float:
+    """FLOPs of forward + backward of ``rows`` sequences: 6 x params x tokens plus causal attention
+    (4 x layers x q_dim x T^2 / 2 forward, twice that backward); checkpointing adds one more forward."""
+    tokens = rows * seq_len
+    dense = 2.0 * shape.num_params(value_head) * tokens
+    attention = 2.0 * shape.num_layers * shape.q_dim * seq_len * seq_len * rows
+    forward = dense + attention
+    return forward * (4.0 if checkpointing else 3.0)
+
+
+def forward_flops(shape: ModelShape, rows: int, seq_len: int, value_head: bool = False) -> float:
+    """FLOPs of one forward pass of ``rows`` sequences (dense + causal attention)."""
+    tokens = rows * seq_len
+    return 2.0 * shape.num_params(value_head) * tokens + 2.0 * shape.num_layers * shape.q_dim * seq_len**2 * rows
