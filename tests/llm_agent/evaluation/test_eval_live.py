@@ -154,7 +154,7 @@ def test_model_directories_resolve_to_the_actor_export(tiny_model_path, tmp_path
     for step in (1, 2):
         (ckpt / f"global_step_{step}" / "actor").mkdir(parents=True)
         (ckpt / f"global_step_{step}" / "actor" / "config.json").write_text("{}")
-        (ckpt / f"global_step_{step}" / "trainer_state.json").write_text("{}")  # what marks a step complete
+        (ckpt / f"global_step_{step}" / "trainer_state.json").write_text(f'{{"global_step": {step}}}')  # marks it complete
     (ckpt / "global_step_3.partial" / "actor").mkdir(parents=True)  # an interrupted save: ignored
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
     assert resolve_model_dir(tiny_model_path) == type(ckpt)(tiny_model_path)
