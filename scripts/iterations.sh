@@ -35,6 +35,7 @@ sead_iterate() {
     if [[ -z "$llm_url" && -n "$USER_SIM_MODEL" && "$USER_SIM_URLS" == http* ]]; then llm_url=${USER_SIM_URLS%%,*}; fi
     if [[ -n "$llm_url" && "$llm_url" != rules ]]; then args+=(--llm-url "$llm_url"); fi
     if [[ -n "${PROFILE_LLM_MODEL:-}" ]]; then args+=(--llm-model "$PROFILE_LLM_MODEL"); fi
+    if [[ -n "${COMPACT_PROMPT:-}" ]]; then args+=(--system-prompt "$COMPACT_PROMPT"); fi  # the demo's agent prompt
     if [[ "${RESTART_SIMS:-0}" == 1 && "${STARTED_SIMS:-0}" == 1 ]]; then
         args+=(--sim-restart-command "bash scripts/stop_user_sims.sh --run-dir ${RUN_DIR@Q} && \
 bash scripts/start_user_sims.sh ${SIM_ARGS[*]@Q}")

@@ -46,9 +46,10 @@ USER_SIM_URLS=${USER_SIM_URLS:-}
 SCENARIO=${SCENARIO:-verl/trainer/config/format_prompt/outbound_ad_trial.yaml}
 if [[ -n "${PRESET:-}" ]]; then WHY="PRESET=$PRESET in the environment"; fi
 if [[ -n "$MODEL_PATH" ]]; then
-    PRESET=${PRESET:-gpu}; WHY=${WHY:-"MODEL_PATH is set"}; TINY_DEMO=0
+    PRESET=${PRESET:-gpu}; WHY=${WHY:-"MODEL_PATH is set"}; TINY_DEMO=0; DEMO_ARGS=()
 else                                 # the demo's tiny model (built below), warm-started unless WARM_START_STEPS=0
     PRESET=${PRESET:-cpu}; WHY=${WHY:-"no MODEL_PATH: the tiny demo model"}; TINY_DEMO=1
+    DEMO_ARGS=(data.max_prompt_length=96)  # its compact agent prompt (assets/compact_agent_prompt.txt)
     WARM_START_STEPS=${WARM_START_STEPS:-300}
     MODEL_PATH=$OUTPUT_DIR/$( (( WARM_START_STEPS > 0 )) && echo tiny_model_warm || echo tiny_model)
 fi
@@ -131,7 +132,7 @@ trainer_command() {
         trainer.logger='[console,jsonl,tensorboard]'
         trainer.default_local_dir="$CKPT_DIR"
         trainer.log_dir="$LOG_DIR"
-        "${extra[@]}" "${ARGS[@]}")
+        "${DEMO_ARGS[@]}" "${extra[@]}" "${ARGS[@]}")
 }
 ARGS=("$@")
 

@@ -68,7 +68,7 @@ _sead_cpu_preset() {
     _sead_default ROLLOUT_ENGINE "$(_sead_cpu_engine)"
     _sead_default ROLLOUT_TP 1
     _sead_default ROLLOUT_GPU_MEM 0.5
-    _sead_default PRESET_OVERRIDES "data.max_prompt_length=96 rollout_loop.config.cache.min_bucket_size=2"
+    _sead_default PRESET_OVERRIDES "rollout_loop.config.cache.min_bucket_size=2"
 }
 
 # ------------------------------------------------------------------------------------------------ GPU preset

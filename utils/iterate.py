@@ -152,7 +152,7 @@ class IterationDriver:
                 endpoint.close()
         pool = read_profile_file(d / "profiles.jsonl", self.scenario)
         profiles = [pool[i % len(pool)] for i in range(a.train_samples)]  # the column the controller-off path reads
-        write_rows(prompt_rows(self.scenario, profiles, "train"), d / "prompt_data" / TRAIN_FILE)
+        write_rows(prompt_rows(self.scenario, profiles, "train", a.system_prompt), d / "prompt_data" / TRAIN_FILE)
         (d / "profiles.done").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
         logger.info("iteration %d: %d profiles (%s) in %s", k, n, stats["by_source"], d / "profiles.jsonl")
 
@@ -256,6 +256,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "else $OPENAI_API_KEY)")
     p.add_argument("--llm-model", default=None, help="its model name (default: the first it serves)")
     p.add_argument("--llm-timeout", type=float, default=60.0, help="seconds per profile request")
+    p.add_argument("--system-prompt", default=None,
+                   help="agent system prompt of the train rows (default: the scenario's; the CPU demo's compact one)")
     p.add_argument("--min-count", type=int, default=5, help="mistakes analysis: dialogues to rank a combination")
     p.add_argument("--sim-restart-command", default=None, help="shell command restarting the simulators")
     p.add_argument("--dry-run", action="store_true", help="print each iteration's overrides and stop")

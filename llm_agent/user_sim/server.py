@@ -81,8 +81,10 @@ class _ClientGone(Exception):
 
 def _error_response(err: ApiError) -> JSONResponse:
     body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-    headers = {"retry-after": "1"} if err.status == 503 else None
-    return JSONResponse(status_code=err.status, content=body, headers=headers)
+    headers = {"retry-after": "1"} if err.status == 503 else {}
+    if err.status in (408, 413):  # the body was not read to its end: the connection cannot carry another request
+        headers["connection"] = "close"
+    return JSONResponse(status_code=err.status, content=body, headers=headers or None)
 
 
 async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
