@@ -8,6 +8,7 @@ the first update) must be far from them. Needs the vLLM environment (``make vllm
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import ray
@@ -31,10 +32,28 @@ ENGINE = {"name": "vllm", "tensor_model_parallel_size": 1, "gpu_memory_utilizati
           "dtype": "auto", "seed": 0, "free_cache_engine": True, "calculate_log_probs": True}
 
 
+def _remove_stale_vllm_shm() -> None:
+    """Unlink vLLM's CPU shared-memory segments (TP > 1 on CPU) that no live process maps: Ray kills the workers
+    at shutdown, so vLLM never unlinks them, and a leftover name makes the next TP engine fail with EEXIST."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+        except OSError:
+            continue
+    for segment in shm.iterdir():
+        if ("cpushm" in segment.name or segment.name.startswith("psm_")) and str(segment) not in mapped:
+            segment.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def group(request, tiny_model_path):
     """A 2-rank actor_rollout group generating with vLLM, lr 5e-2 (large: every update moves the policy): two
     engines of TP 1 (two DP replicas), or one engine of TP 2 spanning both ranks."""
+    _remove_stale_vllm_shm()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     config = actor_rollout_ref_config(tiny_model_path, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=4,
                                       use_kl_loss=False, entropy_coeff=0.0, optim={"lr": 5e-2})
@@ -51,6 +70,7 @@ def group(request, tiny_model_path):
     finally:
         pool.remove()
         ray.shutdown()
+        _remove_stale_vllm_shm()
 
 
 def _log_probs_under(model, batch) -> torch.Tensor:
