@@ -1,10 +1,13 @@
 """The SEAD rollout loop: multi-turn dialogues between the policy (the service agent) and a user simulator.
 
-`LLMGenerationManager` is the trainer's `rollout_loop.path` plug-in. Each turn it left-pads the active dialogues'
-contexts into one batch, calls `actor_rollout_wg.generate_sequences`, appends exactly the sampled token ids
-(loss mask 1), parses the agent's tags, and answers the turn from the user-response cache (training only; the
-cached words only, the dialogue keeps its own user state) or from the simulator (one `complete_batch` call per
-turn, malformed replies re-requested up to `user_sim.reply_retries` times). User turns are appended as the chat
+`LLMGenerationManager` is the trainer's `rollout_loop.path` plug-in. In `sync` mode each turn it left-pads the
+active dialogues' contexts into one batch, calls `actor_rollout_wg.generate_sequences`, and then asks the
+simulator for all their user turns in one `complete_batch` call; in `async` mode (llm_agent/rollout/async_loop.py)
+every dialogue runs as its own task and its turns are batched with whatever other dialogues are waiting at that
+moment. The rules of a turn are the same in both (llm_agent/rollout/turns.py): the loop appends exactly the
+sampled token ids (loss mask 1), parses the agent's tags, and answers the turn from the user-response cache
+(training only; the cached words only, the dialogue keeps its own user state) or from the simulator (malformed
+replies re-requested up to `user_sim.reply_retries` times). User turns are appended as the chat
 template's role markers around the spoken reply (loss mask 0). An agent that claims the task done (status 1)
 is heard: the call completes only if the user confirms, otherwise it ends as a false claim (`agent_ended`).
 Every dialogue ends with one outcome (`completed`, `hung_up`, `agent_ended`, `timeout`, `truncated`, `error`)
@@ -13,36 +16,31 @@ docs/rollout_loop.md).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
-from llm_agent.cache import CachedReply, UserResponseCache
+from llm_agent.cache import UserResponseCache
 from llm_agent.controller import StateController
-from llm_agent.rollout.dialogue import ChatMarkers, Dialogue, TokenBuffer
-from llm_agent.rollout.config import ROOT_KEY, ConfigError, GenerationConfig
 from llm_agent.metrics import dialogue_metrics
+from llm_agent.rollout.async_loop import run_dialogues_async
+from llm_agent.rollout.config import ROOT_KEY, ConfigError, GenerationConfig
+from llm_agent.rollout.dialogue import ChatMarkers, Dialogue, TokenBuffer
+from llm_agent.rollout.pacing import BusyMeter, pacing_metrics
 from llm_agent.rollout.records import RECORD_COLUMNS, object_column, prefixed
 from llm_agent.rollout.trainer_hooks import CACHE_SNAPSHOT, TrainerHooksMixin
-from llm_agent.scenario import AgentTurn, STATUS_COMPLETED, STATUS_ENDED, UserProfile, load_scenario
-from llm_agent.user_sim.client import ChatReply, ChatRequest, SimulatorCheckError, TurnFailure, UserSimClient
-from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from llm_agent.rollout.turns import DialogueTurnsMixin
+from llm_agent.scenario import AgentTurn, UserProfile, load_scenario
+from llm_agent.user_sim.client import SimulatorCheckError, UserSimClient
+from verl.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CACHE_SNAPSHOT", "LLMGenerationManager"]
-
-
-def _stable_seed(*parts: Any) -> int:
-    """A 31-bit seed from the parts' text, identical across processes (unlike `hash`)."""
-    digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 def _profile_from_row(value: Any, row: int, uid: str) -> UserProfile:
@@ -61,7 +59,7 @@ def _profile_from_row(value: Any, row: int, uid: str) -> UserProfile:
         raise ValueError(f"{where}: {exc}") from None
 
 
-class LLMGenerationManager(TrainerHooksMixin):
+class LLMGenerationManager(DialogueTurnsMixin, TrainerHooksMixin):
     """Runs SEAD dialogues for a generation batch; see the module docstring.
 
     `client` may inject any object with `complete_batch(list[ChatRequest]) -> list[ChatReply | TurnFailure]`
@@ -188,15 +186,14 @@ class LLMGenerationManager(TrainerHooksMixin):
         buffer = TokenBuffer(gen_batch.batch["input_ids"], gen_batch.batch["attention_mask"],
                              self.config.max_response_length, self.pad_id)
         meta = {k: v for k, v in gen_batch.meta_info.items() if k != "metrics"}
-        timing = {"generate": 0.0, "user_sim": 0.0, "sim_requests": 0.0}
+        started = time.monotonic()
         try:
-            for turn in tqdm(range(self.config.max_turns), desc="dialogue turns", leave=False):
-                active = [d for d in dialogues if d.active]
-                if not active:
-                    break
-                pending = self._agent_turn(active, buffer, meta, timing)
-                if pending:
-                    self._simulator_turn(pending, buffer, turn, timing)
+            if self.config.mode == "async":
+                engines, sim = run_dialogues_async(self, dialogues, buffer, meta)
+            else:
+                engines, sim = [BusyMeter()], BusyMeter()
+                self._run_sync(dialogues, buffer, meta, engines[0], sim)
+            wall = time.monotonic() - started
         finally:  # also when a call fails: no consecutive-hit flag may outlive its dialogue
             if self.cache is not None:
                 for d in dialogues:
@@ -209,25 +206,23 @@ class LLMGenerationManager(TrainerHooksMixin):
                                     if d.outcome != "error"]
             self._step_errors += [d.error or "error" for d in dialogues if d.outcome == "error"]
             self._step_dialogues += len(dialogues)
-        return self._output(dialogues, buffer, timing)
+        pacing = pacing_metrics(wall, engines, sim, [d.ended_at - started for d in dialogues])
+        return self._output(dialogues, buffer, engines, sim, pacing)
 
-    def _generate(self, rows: list[int], buffer: TokenBuffer, meta: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
-        """One `generate_sequences` call for `rows`; returns (responses, sampled length per row)."""
-        response_length = min(self.config.max_tokens_per_turn, max(buffer.remaining(r) for r in rows))
-        batch = DataProto.from_dict(tensors=buffer.context_batch(rows), meta_info={
-            **meta, "eos_token_id": self.eos_id, "pad_token_id": self.pad_id, "response_length": response_length})
-        world_size = int(getattr(self.wg, "world_size", 1))
-        padded, pad_size = pad_dataproto_to_divisor(batch, world_size)
-        out = unpad_dataproto(self.wg.generate_sequences(padded), pad_size)
-        responses = out.batch["responses"]
-        if responses.size(0) != len(rows) or responses.size(1) > response_length:
-            raise RuntimeError(f"generate_sequences returned responses of shape {tuple(responses.shape)} for "
-                               f"{len(rows)} rows and response_length {response_length}")
-        lengths = out.batch["attention_mask"][:, -responses.size(1):].sum(dim=1).tolist()
-        return responses, lengths
+    def _run_sync(self, dialogues: list[Dialogue], buffer: TokenBuffer, meta: dict[str, Any],
+                  engine: BusyMeter, sim: BusyMeter) -> None:
+        """Turn-synchronous: each turn, all active dialogues generate as one batch, then all wait for the
+        simulator's answers to that turn."""
+        for _ in tqdm(range(self.config.max_turns), desc="dialogue turns", leave=False):
+            active = [d for d in dialogues if d.active]
+            if not active:
+                break
+            pending = self._agent_turn(active, buffer, meta, engine)
+            if pending:
+                self._simulator_turn(pending, buffer, sim)
 
     def _agent_turn(self, active: list[Dialogue], buffer: TokenBuffer, meta: dict[str, Any],
-                    timing: dict[str, float]) -> list[tuple[Dialogue, AgentTurn]]:
+                    engine: BusyMeter) -> list[tuple[Dialogue, AgentTurn]]:
         """Generate and record one agent turn per active dialogue; returns those waiting for the simulator."""
         for d in active:
             if buffer.remaining(d.row) < 1:
@@ -235,150 +230,42 @@ class LLMGenerationManager(TrainerHooksMixin):
         active = [d for d in active if d.active]
         if not active:
             return []
-        started = time.monotonic()
-        responses, lengths = self._generate([d.row for d in active], buffer, meta)
-        timing["generate"] += time.monotonic() - started
-        kept: list[tuple[torch.Tensor, bool]] = []
-        for i, d in enumerate(active):
-            ids = responses[i, :lengths[i]]
-            budget = buffer.remaining(d.row)
-            cut = ids.numel() > budget
-            ids = ids[:budget]
-            buffer.append(d.row, ids, 1)
-            ended = ids.numel() > 0 and ids[-1].item() == self.eos_id
-            if not cut and not ended:  # stopped by the per-turn limit: close the turn with an unsampled eos
-                if buffer.remaining(d.row) < 1:
-                    cut = True
-                else:
-                    buffer.append(d.row, [self.eos_id], 0)
-            kept.append((ids, cut))
+        call = self._generation_call([d.row for d in active], buffer, meta, int(getattr(self.wg, "world_size", 1)))
+        engine.begin(len(active))
+        try:
+            responses, lengths = call.run(self.wg.generate_sequences)
+        finally:
+            engine.end(len(active))
+        kept = [self._keep_agent_tokens(d, responses[i, :lengths[i]], buffer) for i, d in enumerate(active)]
         texts = self.tokenizer.batch_decode([ids for ids, _ in kept], skip_special_tokens=True)
         pending = []
         for d, text, (_, cut) in zip(active, texts, kept):
-            turn = self.scenario.parse_agent_output(text)
-            if cut:
-                d.add_agent_turn(text, turn, None)
-                d.end("truncated")
-            elif turn.parse_error:
-                d.add_agent_turn(text, turn, None)
-                d.format_errors += 1
-                if self.cache is not None:  # this note is the dialogue's user turn: the next one may be cached
-                    self.cache.end_dialogue(d.dialogue_id)
-                out_of_range = any(f.startswith("out_of_range:") for f in turn.flags) and turn.reply
-                note = self.range_error_message if out_of_range else self.format_error_message
-                self._user_turn(d, buffer, note, None, None, "format_error", None)
-            elif turn.status == STATUS_ENDED:
-                d.add_agent_turn(text, turn, None)
-                d.end("agent_ended")
-            else:  # a claim of success (status 1) is heard too: only the user's confirmation completes the call
-                d.add_agent_turn(text, turn, self.scenario.spoken_agent_reply(turn))
-                hit = None
-                if self.cache is not None and turn.status != STATUS_COMPLETED:
-                    hit = self.cache.lookup(d.dialogue_id, turn.stage, d.user_state)
-                if hit is None:
-                    pending.append((d, turn))
-                else:
-                    self._cached_turn(d, buffer, hit)
+            turn = self._agent_output(d, text, cut, buffer)
+            if turn is not None:
+                pending.append((d, turn))
         return pending
 
-    def _cached_turn(self, d: Dialogue, buffer: TokenBuffer, hit: CachedReply) -> None:
-        """Answer with a cached reply's words; the user's state stays the dialogue's own (the cached reply's state
-        tags belong to another user), and the simulator sees this turn with that state."""
-        d.cache_hits += 1
-        state = dict(d.user_state)
-        content = self.scenario.format_user_output(hit.reply, state, hit.status)
-        self._user_turn(d, buffer, hit.reply, state, hit.status, "cache", content)
-
-    def _request_seed(self, d: Dialogue, turn_index: int, attempt: int = 0) -> int:
-        """The simulator's sampling seed for one turn of `d`. Validation: from the user's profile, the row's place
-        in its group and the turn only, so the fixed validation set meets the same simulated users at every
-        validation step; training: also from the call count and the dialogue id, so each step's users differ.
-        A re-request of a malformed reply (`attempt` > 0) gets its own seed."""
-        retry = (f"retry{attempt}",) if attempt else ()
-        if self.is_validation:
-            group_index = d.dialogue_id.rsplit("#", 1)[1]
-            profile = json.dumps(d.profile.to_dict(), sort_keys=True)
-            return _stable_seed(self.config.seed, "val", profile, group_index, turn_index, *retry)
-        return _stable_seed(self.config.seed, self._calls, d.dialogue_id, turn_index, *retry)
-
-    def _simulator_turn(self, pending: list[tuple[Dialogue, AgentTurn]], buffer: TokenBuffer, turn_index: int,
-                        timing: dict[str, float]) -> None:
+    def _simulator_turn(self, pending: list[tuple[Dialogue, AgentTurn]], buffer: TokenBuffer,
+                        sim: BusyMeter) -> None:
         """Ask the simulator for every pending dialogue's user turn in one batch and apply the answers; malformed
         replies are re-requested together (new seed, any instance) up to `user_sim.reply_retries` times."""
-        sim = self.config.user_sim
-        for attempt in range(sim.reply_retries + 1):
-            requests = [ChatRequest(d.dialogue_id, d.sim_messages, temperature=sim.temperature, top_p=sim.top_p,
-                                    max_tokens=sim.max_tokens, seed=self._request_seed(d, turn_index, attempt))
-                        for d, _ in pending]
-            started = time.monotonic()
-            results = self.client.complete_batch(requests)
-            timing["user_sim"] += time.monotonic() - started
-            timing["sim_requests"] += len(requests)
+        for attempt in range(self.config.user_sim.reply_retries + 1):
+            requests = [self._sim_request(d, attempt) for d, _ in pending]
+            sim.begin(len(requests))
+            try:
+                results = self.client.complete_batch(requests)
+            finally:
+                sim.end(len(requests))
             if len(results) != len(requests):
                 raise RuntimeError(f"the simulator client answered {len(results)} of {len(requests)} requests")
-            retry = []
-            for (d, agent), result in zip(pending, results):
-                malformed = self._apply_reply(d, agent, result, buffer)
-                if malformed is None:
-                    continue
-                if attempt < sim.reply_retries:
-                    d.sim_retries += 1
-                    retry.append((d, agent))
-                else:
-                    d.turns[-1]["user_error"] = malformed
-                    d.end("error", f"{malformed} (after {attempt + 1} requests)")
-            if not retry:
+            pending = [(d, agent) for (d, agent), result in zip(pending, results)
+                       if self._take_reply(d, agent, result, attempt, buffer)]
+            if not pending:
                 return
-            pending = retry
-
-    def _apply_reply(self, d: Dialogue, agent: AgentTurn, result: Any, buffer: TokenBuffer) -> str | None:
-        """Apply one simulator answer to `d`; returns why the reply is malformed (to be re-requested), else None."""
-        if result.dialogue_id != d.dialogue_id:
-            raise RuntimeError(f"the simulator client answered {result.dialogue_id!r} for {d.dialogue_id!r}")
-        if isinstance(result, TurnFailure):
-            d.turns[-1]["user_error"] = result.reason
-            d.end("error", f"user simulator turn failed: {result.reason}")
-            return None
-        if not isinstance(result, ChatReply):
-            raise TypeError(f"the simulator client returned a {type(result).__name__} for {d.dialogue_id!r}")
-        user = self.scenario.parse_user_output(result.text)
-        if user.parse_error:
-            tag = self.scenario.user_tags.tag("reply")
-            problems = [f for f in user.flags if f.startswith("out_of_range:")] or [f"no <{tag}> text"]
-            return f"simulator reply malformed ({', '.join(problems)}): {result.text[:200]!r}"
-        if self.cache is not None and agent.status != STATUS_COMPLETED:
-            self.cache.add(agent.stage, user.reply, user.state, user.status)
-        content = self.scenario.format_user_output(user.reply, user.state, user.status)
-        self._user_turn(d, buffer, user.reply, user.state, user.status, "simulator", content)
-        return None
-
-    def _user_turn(self, d: Dialogue, buffer: TokenBuffer, reply: str, state: dict[str, int | None] | None,
-                   status: int | None, source: str, sim_content: str | None) -> None:
-        """Record the user side of the last turn, decide whether the dialogue goes on, and append its tokens."""
-        ids = self.tokenizer.encode(reply, add_special_tokens=False, split_special_tokens=True)
-        shown = reply
-        if len(ids) > self.config.max_user_tokens:
-            ids = ids[:self.config.max_user_tokens]
-            shown = self.tokenizer.decode(ids)
-        claimed = source != "format_error" and d.turns[-1]["agent_status"] == STATUS_COMPLETED
-        d.add_user_turn(reply, state, status, source, shown, sim_content)
-        if status == STATUS_COMPLETED:
-            d.end("completed")
-        elif status == STATUS_ENDED:
-            d.end("hung_up")
-        elif claimed:  # the agent said the task was done, the user had not agreed: a false claim ends the call
-            d.end("agent_ended")
-        elif d.num_turns >= self.config.max_turns:
-            d.end("timeout")
-        else:
-            block = self.markers.user_block(ids)
-            if len(block) >= buffer.remaining(d.row):
-                d.end("truncated")
-            else:
-                buffer.append(d.row, block, 0)
 
     # ----------------------------------------------------------------------------------------- output
-    def _output(self, dialogues: list[Dialogue], buffer: TokenBuffer, timing: dict[str, float]) -> DataProto:
+    def _output(self, dialogues: list[Dialogue], buffer: TokenBuffer, engines: list[BusyMeter], sim: BusyMeter,
+                pacing: dict[str, float]) -> DataProto:
         errors = [d.row for d in dialogues if d.outcome == "error"]
         tensors = buffer.final_tensors(errors)
         records = [d.record() for d in dialogues]
@@ -386,12 +273,14 @@ class LLMGenerationManager(TrainerHooksMixin):
         columns = {"uid": object_column(uids)}
         columns.update({key: object_column([r[key] for r in records]) for key in RECORD_COLUMNS if key != "uid"})
         metrics = prefixed(dialogue_metrics(records, self.scenario), "rollout/")
-        metrics["rollout/sim_requests"] = timing.pop("sim_requests")
-        metrics.update({f"rollout/time_{k}_s": v for k, v in timing.items()})
+        generate_s = sum(m.busy_s for m in engines)
+        metrics.update({"rollout/sim_requests": float(sim.started), "rollout/time_generate_s": generate_s,
+                        "rollout/time_user_sim_s": sim.busy_s, **pacing})
         outcomes = {o: sum(d.outcome == o for d in dialogues) for o in {d.outcome for d in dialogues}}
-        logger.info("rollout %d (%s): %d dialogues, outcomes %s, %.1fs generating, %.1fs waiting for the "
-                    "simulator", self._calls, "val" if self.is_validation else "train", len(dialogues),
-                    dict(sorted(outcomes.items())), timing["generate"], timing["user_sim"])
+        logger.info("rollout %d (%s, %s): %d dialogues in %.1fs, outcomes %s, %.1fs generating, %.1fs waiting for "
+                    "the simulator", self._calls, "val" if self.is_validation else "train", self.config.mode,
+                    len(dialogues), pacing["rollout/time_to_last_dialogue_s"], dict(sorted(outcomes.items())),
+                    generate_s, sim.busy_s)
         return DataProto.from_dict(tensors=tensors, non_tensors=columns, meta_info={"metrics": metrics})
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from llm_agent.cache import CacheConfig
 from llm_agent.config_checks import checked_mapping
 from llm_agent.controller import ControllerConfig
 
-__all__ = ["ConfigError", "GenerationConfig", "UserSimConfig", "ROOT_KEY", "MIN_AGENT_TURN_TOKENS",
+__all__ = ["AsyncRolloutConfig", "ConfigError", "GenerationConfig", "LOOP_MODES", "UserSimConfig", "ROOT_KEY", "MIN_AGENT_TURN_TOKENS",
            "MIN_USER_TURN_TOKENS"]
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ ROOT_KEY = "rollout_loop.config"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_AGENT_TURN_TOKENS = 48  # below the shortest well-formed agent turn (all tags, a one-word reply)
 MIN_USER_TURN_TOKENS = 10  # below the role markers around a user turn plus a word or two of reply
+LOOP_MODES = ("sync", "async")
 
 
 class ConfigError(ValueError):
@@ -141,6 +142,25 @@ class UserSimConfig:
 
 
 @dataclass
+class AsyncRolloutConfig:
+    """How the async loop batches agent-turn requests per rollout replica (see llm_agent/rollout/async_engine.py).
+
+    `batch_wait_ms`: how long a free replica waits after the oldest queued request for more to join its batch;
+    `max_batch_size`: the most requests one `generate_sequences` call carries.
+    """
+
+    batch_wait_ms: float = 5.0
+    max_batch_size: int = 256
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "AsyncRolloutConfig":
+        """Check `data` (a mapping or None)."""
+        data = checked_mapping(data, cls, where, ConfigError)
+        return cls(batch_wait_ms=_number(data, "batch_wait_ms", 5.0, where, kind=float, minimum=0.0),
+                   max_batch_size=_number(data, "max_batch_size", 256, where, minimum=1))
+
+
+@dataclass
 class GenerationConfig:
     """Everything the rollout loop reads from `rollout_loop.config`.
 
@@ -148,10 +168,14 @@ class GenerationConfig:
     agent turns, user blocks and role markers together; the `responses` tensor is exactly R wide);
     `max_user_tokens` bounds the spoken user reply inserted per turn. `format_error_message` is the user turn
     shown to the agent when its output has no reply tag (null: a default naming the tag).
-    `seed` seeds the simulator requests (per rollout call, dialogue and turn).
+    `seed` seeds the simulator requests (per rollout call, dialogue and turn). `mode` is `sync` (every turn,
+    all active dialogues generate as one batch, then all wait for the simulator) or `async` (each dialogue runs
+    at its own pace; `async_rollout` tunes the batching of its agent turns).
     """
 
     scenario: str
+    mode: str = "sync"
+    async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     max_turns: int = 10
     max_tokens_per_turn: int = 256
     max_response_length: int = 2048
@@ -184,6 +208,9 @@ class GenerationConfig:
         check_budget_fits_turns(budget, max_turns, per_turn, _number(data, "max_user_tokens", 256, where, minimum=1),
                                 where)
         message = _optional_str(data, "format_error_message", where)
+        mode = data.get("mode", "sync")
+        if mode not in LOOP_MODES:
+            raise ConfigError(f"{where}.mode must be one of {list(LOOP_MODES)}, got {mode!r}")
         try:
             cache = CacheConfig.from_dict(data.get("cache") or {}, f"{where}.cache")
             controller = ControllerConfig.from_dict(data.get("controller") or {}, f"{where}.controller")
@@ -191,7 +218,9 @@ class GenerationConfig:
             raise
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
-        return cls(scenario=str(scenario_path), max_turns=max_turns, max_tokens_per_turn=per_turn,
+        return cls(scenario=str(scenario_path), mode=mode,
+                   async_rollout=AsyncRolloutConfig.from_dict(data.get("async_rollout"), f"{where}.async_rollout"),
+                   max_turns=max_turns, max_tokens_per_turn=per_turn,
                    max_response_length=budget, max_user_tokens=_number(data, "max_user_tokens", 256, where, minimum=1),
                    user_sim=UserSimConfig.from_dict(data.get("user_sim"), f"{where}.user_sim"), cache=cache,
                    controller=controller, rollout_log_path=_optional_str(data, "rollout_log_path", where),

@@ -11,6 +11,7 @@ record (turns, messages, the simulator's message list kept incrementally) and be
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,7 +160,8 @@ class Dialogue:
     `sim_messages` is exactly `Scenario.render_user_messages(profile, turns)` for the turns so far, grown by one
     or two messages per turn instead of being re-rendered. `user_state` is the user's current state: the
     profile's initial state, then each dimension as the simulator last reported it (a cached turn keeps it).
-    `sim_retries` counts the extra simulator requests made for malformed replies.
+    `sim_retries` counts the extra simulator requests made for malformed replies; `ended_at` is the
+    `time.monotonic()` reading when the outcome was set.
     """
 
     row: int
@@ -175,6 +177,7 @@ class Dialogue:
     format_errors: int = 0
     sim_retries: int = 0
     user_state: dict[str, int | None] = field(default_factory=dict)
+    ended_at: float | None = None
 
     def __post_init__(self) -> None:
         if not self.user_state:
@@ -197,6 +200,7 @@ class Dialogue:
         if self.outcome is not None:
             raise RuntimeError(f"dialogue {self.dialogue_id} already ended as {self.outcome}")
         self.outcome, self.error = outcome, error
+        self.ended_at = time.monotonic()
 
     def add_agent_turn(self, text: str, turn: AgentTurn, spoken: str | None) -> dict[str, Any]:
         """Record an agent turn (decoded text and parse); `spoken` is what the simulator hears of it, None when

@@ -15,6 +15,7 @@ another served name keeps working.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import random
@@ -190,6 +191,18 @@ class UserSimClient:
         if not requests:
             return []
         return self._call(self._complete_all(requests))
+
+    def submit(self, request: ChatRequest) -> concurrent.futures.Future:
+        """Start completing one request (the async rollout loop's per-dialogue turns); returns a future of its
+        ChatReply or TurnFailure. `deadline_s` bounds this request alone."""
+        if self._closed:
+            raise RuntimeError("UserSimClient.submit called after close()")
+        if not isinstance(request, ChatRequest):
+            raise TypeError(f"submit: request is {type(request).__name__}, expected ChatRequest")
+        return asyncio.run_coroutine_threadsafe(self._complete_single(request), self._loop)
+
+    async def _complete_single(self, request: ChatRequest) -> ChatReply | TurnFailure:
+        return (await self._complete_all([request]))[0]
 
     async def _complete_all(self, requests: list[ChatRequest]) -> list[ChatReply | TurnFailure]:
         deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
