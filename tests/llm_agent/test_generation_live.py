@@ -69,7 +69,8 @@ def outcome_from_transcript(record, max_turns: int) -> str | None:
     return None  # truncated (or error) cannot be read from the turns alone
 
 
-def test_loop_survives_a_simulator_killed_mid_loop(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_loop_survives_a_simulator_killed_mid_loop(mode, tiny_model_path, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     scenario = load_scenario(SCENARIO_PATH)
     servers = SimServers(tmp_path)
@@ -77,7 +78,7 @@ def test_loop_survives_a_simulator_killed_mid_loop(tiny_model_path, tmp_path):
         latency = ("--inject-latency-ms", "150", "--inject-latency-sigma", "0.2")
         a, b = servers.start(*latency), servers.start(*latency)
         servers.wait_ready(a, b)
-        cfg = {"scenario": str(SCENARIO_PATH), "max_turns": 8, "max_tokens_per_turn": 256,
+        cfg = {"scenario": str(SCENARIO_PATH), "mode": mode, "max_turns": 8, "max_tokens_per_turn": 256,
                "max_response_length": 3072, "cache": {"enabled": False}, "controller": {"enabled": True, "seed": 1},
                "user_sim": {"urls": [a, b], "timeout_s": 5, "max_attempts": 4, "temperature": 0.0}}
         policy = KillDuringTurn(ScriptedPolicyWorkerGroup(tok, scenario, world_size=2), servers, a, at_call=2,
@@ -169,3 +170,24 @@ def test_real_policy_tokens_and_masks(actor_group, tiny_model_path, tmp_path):
                 assert tok.decode(seg[len(head):]) == expected
                 user_i += 1
         assert agent_i == nt["num_turns"][i] and nt["outcome"][i] != "error"
+
+
+def test_real_policy_greedy_dialogues_are_identical_in_sync_and_async_mode(actor_group, tiny_model_path):
+    """The tiny model on 2 FSDP ranks, greedy, against the deterministic scripted persona: the async loop (other
+    batch compositions, a size cap of 3 rows) yields the sync loop's tokens, masks, outcomes and records."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    scenario = load_scenario(SCENARIO_PATH)
+    outs = {}
+    for mode in ("sync", "async"):
+        cfg = {"scenario": str(SCENARIO_PATH), "mode": mode, "max_turns": 3, "max_tokens_per_turn": 16,
+               "max_response_length": 200, "cache": {"enabled": False}, "controller": {"enabled": False},
+               "async_rollout": {"max_batch_size": 3}}
+        loop = LLMGenerationManager(tok, actor_group, cfg, is_validation=True, client=InProcessUserSim(scenario))
+        outs[mode] = loop.run_llm_loop(make_gen_batch(tok, scenario, [f"r{i}" for i in range(5)],
+                                                      meta={"do_sample": False}))
+    for key in ("responses", "response_mask", "attention_mask", "input_ids"):
+        assert torch.equal(outs["sync"].batch[key], outs["async"].batch[key]), key
+    for key in ("outcome", "turns", "messages", "num_turns"):
+        assert list(outs["sync"].non_tensor_batch[key]) == list(outs["async"].non_tensor_batch[key]), key
+    assert outs["async"].meta_info["metrics"]["rollout/generate_batches"] > \
+        outs["sync"].meta_info["metrics"]["rollout/generate_batches"]
