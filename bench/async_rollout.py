@@ -1,0 +1,207 @@
+"""Benchmark: the rollout loop in sync and in async mode, side by side (issue 11).
+
+    python -m bench.async_rollout [--dialogues 480] [--turns 10] [--repeats 3] [--median-ms 50] [--sigma 0.6]
+                                  [--slow-factor 5] [--call-ms 20] [--step-ms 0.3] [--step-row-us 4]
+                                  [--out bench/results/async_rollout.json]
+
+`--dialogues` training dialogues (controller on, cache off, so both modes meet the same users) against two
+scripted simulator servers on loopback (`python -m llm_agent.user_sim.server`, real HTTP, `UserSimClient`) with
+injected lognormal latency, median `--median-ms` and log-sigma `--sigma`, the second `--slow-factor` times
+slower. The agent is the scripted agent (`ScriptedPolicyWorkerGroup`), its quality cycling over the prompt
+groups (good, evasive, bad; the group number is in each prompt's opening), so dialogues last from a couple of
+turns to `--turns`, by quality and by the persona of the sampled user. Its answers are memoised by context
+(every run meets the same contexts; a warm-up run fills the memo), and each `generate_sequences` call takes what
+a decoding engine's call would: `--call-ms` per call (dispatch, prefill) plus, per decoding step (the batch's
+longest response, in tokens), `--step-ms` + `--step-row-us` per row. Sync and async runs alternate, `--repeats`
+times each, on the same seeded batch; the simulator seeds depend on the dialogue and turn only, so both modes run
+the same dialogues (checked: same outcomes in every run).
+
+Printed and written: per mode the median wall time (time to the last dialogue), generation and simulator busy
+fractions, p50/p95 dialogue time and generation batches; `async_over_sync_wall` is the ratio of the medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from bench.rollout_loop import GROUP_SIZE, SCENARIO
+from bench.user_sim_dispatch import machine, start_server, wait_healthy
+from llm_agent.generation import LLMGenerationManager
+from llm_agent.scenario import load_scenario
+from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
+from utils.make_tiny_model import build_tiny_model
+from verl.protocol import DataProto
+from verl.utils.torch_functional import compute_position_id_with_mask
+from verl.workers.rollout.hf_rollout import generation_tensors
+
+logger = logging.getLogger("bench.async_rollout")
+
+REPO = Path(__file__).resolve().parents[1]
+QUALITIES = ("good", "evasive", "bad")
+_GROUP = re.compile(r"\(call (\d+)\)")
+
+
+class CostedPolicy:
+    """Scripted agents of mixed quality, memoised by context, taking a decoding engine's time per call."""
+
+    world_size = 2
+
+    def __init__(self, tokenizer: Any, scenario: Any, call_ms: float, step_ms: float, step_row_us: float):
+        self.tokenizer = tokenizer
+        self.agents = {q: ScriptedPolicyWorkerGroup(tokenizer, scenario, world_size=1, quality=q) for q in QUALITIES}
+        self.memo: dict[bytes, list[int]] = {}
+        self.misses = 0
+        self.call_s, self.step_s, self.step_row_s = call_ms / 1e3, step_ms / 1e3, step_row_us / 1e6
+
+    def _answer(self, row: DataProto, key: bytes) -> list[int]:
+        """The scripted agent's response ids to one row (memoised)."""
+        if key not in self.memo:
+            self.misses += 1
+            text = self.tokenizer.decode(row.batch["input_ids"][0][row.batch["attention_mask"][0].bool()].tolist())
+            group = int(_GROUP.search(text).group(1))
+            out = self.agents[QUALITIES[group % len(QUALITIES)]].generate_sequences(row)
+            self.memo[key] = out.batch["responses"][0][out.batch["response_mask"][0].bool()].tolist()
+        return self.memo[key]
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Answer every row, after sleeping for the modelled cost of this batch."""
+        started = time.perf_counter()
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        answers = [self._answer(prompts[i:i + 1], ids[i][mask[i].bool()].numpy().tobytes()) for i in range(len(ids))]
+        length = int(prompts.meta_info["response_length"])
+        pad = int(prompts.meta_info["pad_token_id"])
+        responses = torch.tensor([(a + [pad] * length)[:length] for a in answers], dtype=ids.dtype)
+        tensors = generation_tensors(ids, mask, prompts.batch["position_ids"], responses,
+                                     [int(prompts.meta_info["eos_token_id"])], pad)
+        steps = int(tensors["response_mask"].sum(dim=1).max())
+        cost = self.call_s + steps * (self.step_s + self.step_row_s * len(ids))
+        time.sleep(max(0.0, cost - (time.perf_counter() - started)))
+        return DataProto.from_dict(tensors=tensors)
+
+
+def grouped_batch(tokenizer: Any, scenario: Any, dialogues: int) -> DataProto:
+    """The generation batch: `GROUP_SIZE` rows per uid, the group's number in its opening message."""
+    rows = []
+    for i in range(dialogues):
+        messages = [{"role": "system", "content": scenario.render_agent_prompt()},
+                    {"role": "user", "content": f"{scenario.agent_opening} (call {i // GROUP_SIZE})"}]
+        rows.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    enc = tokenizer(rows, return_tensors="pt", padding=True, add_special_tokens=False)
+    uids = np.empty(dialogues, dtype=object)
+    uids[:] = [f"p{i // GROUP_SIZE}" for i in range(dialogues)]
+    tensors = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+               "position_ids": compute_position_id_with_mask(enc["attention_mask"])}
+    return DataProto.from_dict(tensors, non_tensors={"uid": uids})
+
+
+def one_run(mode: str, policy: CostedPolicy, scenario: Any, urls: list[str], args: argparse.Namespace) -> dict:
+    """One rollout of `args.dialogues` dialogues in `mode`; returns its pacing metrics and outcome counts."""
+    tokenizer = policy.tokenizer
+    config = {"scenario": str(SCENARIO), "mode": mode, "max_turns": args.turns, "max_tokens_per_turn": 256,
+              "max_response_length": 320 * args.turns, "cache": {"enabled": False},
+              "controller": {"enabled": True, "seed": 0}, "seed": 0,
+              "user_sim": {"urls": urls, "timeout_s": 30.0, "max_attempts": 3, "check_at_start": False}}
+    loop = LLMGenerationManager(tokenizer, policy, config, is_validation=False)
+    try:
+        misses = policy.misses
+        out = loop.run_llm_loop(grouped_batch(tokenizer, scenario, args.dialogues))
+        sim_stats = {k.removeprefix("user_sim/"): v for k, v in loop.client.stats().items()
+                     if k.endswith(("/requests", "latency_p50_s", "latency_p95_s"))}
+    finally:
+        loop.close()
+    m = out.meta_info["metrics"]
+    outcomes = out.non_tensor_batch["outcome"].tolist()
+    turns = out.non_tensor_batch["num_turns"].tolist()
+    return {"mode": mode, "wall_s": m["rollout/time_to_last_dialogue_s"],
+            "generate_busy": m["rollout/generate_busy_fraction"], "user_sim_busy": m["rollout/user_sim_busy_fraction"],
+            "dialogue_p50_s": m["rollout/dialogue_time_p50_s"], "dialogue_p95_s": m["rollout/dialogue_time_p95_s"],
+            "generate_batches": int(m["rollout/generate_batches"]), "sim_requests": int(m["rollout/sim_requests"]),
+            "outcomes": {o: outcomes.count(o) for o in sorted(set(outcomes))},
+            "turns_min_mean_max": [min(turns), statistics.mean(turns), max(turns)],
+            "memo_misses": policy.misses - misses, "user_sim": sim_stats}
+
+
+def median_row(runs: list[dict]) -> dict:
+    """Per-key medians of one mode's runs (outcomes from the first run)."""
+    keys = ("wall_s", "generate_busy", "user_sim_busy", "dialogue_p50_s", "dialogue_p95_s", "generate_batches")
+    return {"mode": runs[0]["mode"], **{k: statistics.median(r[k] for r in runs) for k in keys},
+            "outcomes": runs[0]["outcomes"], "turns_min_mean_max": runs[0]["turns_min_mean_max"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Start the simulators, alternate sync and async runs, print the table and write the JSON results."""
+    load_at_start = os.getloadavg()[0]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dialogues", type=int, default=480)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--median-ms", type=float, default=50.0)
+    p.add_argument("--sigma", type=float, default=0.6)
+    p.add_argument("--slow-factor", type=float, default=5.0)
+    p.add_argument("--call-ms", type=float, default=20.0)
+    p.add_argument("--step-ms", type=float, default=0.3)
+    p.add_argument("--step-row-us", type=float, default=4.0)
+    p.add_argument("--out", type=Path, default=REPO / "bench/results/async_rollout.json")
+    args = p.parse_args(argv)
+    if args.dialogues % GROUP_SIZE:
+        p.error(f"--dialogues must be a multiple of {GROUP_SIZE} (rows per uid)")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    scenario = load_scenario(SCENARIO)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(Path(tmp) / "tiny", seed=0), padding_side="left")
+        # one base seed for both, as for two replicas of one simulator: a reply depends on the request only
+        servers = [start_server(args.median_ms, args.sigma, 1, Path(tmp)),
+                   start_server(args.median_ms * args.slow_factor, args.sigma, 1, Path(tmp))]
+        try:
+            for url, proc in servers:
+                wait_healthy(url, proc)
+            urls = [url for url, _ in servers]
+            policy = CostedPolicy(tokenizer, scenario, args.call_ms, args.step_ms, args.step_row_us)
+            warm_up = one_run("sync", policy, scenario, urls, args)  # fills the memo
+            logger.warning("warm-up: %d agent turns computed", warm_up["memo_misses"])
+            runs: dict[str, list[dict]] = {"sync": [], "async": []}
+            for repeat in range(args.repeats):
+                for mode in ("sync", "async"):
+                    runs[mode].append(one_run(mode, policy, scenario, urls, args))
+                    logger.warning("repeat %d %s: %.2fs", repeat, mode, runs[mode][-1]["wall_s"])
+        finally:
+            for _, proc in servers:
+                proc.terminate()
+                proc.wait(timeout=30)
+    same = all(r["outcomes"] == warm_up["outcomes"] and r["memo_misses"] == 0 for r in runs["sync"] + runs["async"])
+    rows = [median_row(runs["sync"]), median_row(runs["async"])]
+    summary = {"async_over_sync_wall": rows[1]["wall_s"] / rows[0]["wall_s"], "same_outcomes_every_run": same,
+               "goal_at_most": 0.6}
+    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "machine": {**machine(), "load_avg_1m_at_start": load_at_start}, "runs": runs, "median": rows,
+              "summary": summary}
+    args.out.write_text(json.dumps(result, indent=2))
+    lines = [f"{'mode':>5} {'wall s':>7} {'gen busy':>9} {'sim busy':>9} {'p50 s':>6} {'p95 s':>6} {'batches':>8}"
+             f"   median of {args.repeats}; {args.dialogues} dialogues, <= {args.turns} turns"]
+    for r in rows:
+        lines.append(f"{r['mode']:>5} {r['wall_s']:7.2f} {r['generate_busy']:9.2f} {r['user_sim_busy']:9.2f} "
+                     f"{r['dialogue_p50_s']:6.2f} {r['dialogue_p95_s']:6.2f} {r['generate_batches']:8.0f}")
+    lines.append(f"outcomes {rows[0]['outcomes']}, turns min/mean/max {rows[0]['turns_min_mean_max']}, "
+                 f"same in every run (no memo miss): {same}")
+    lines.append(f"async_over_sync_wall: {summary['async_over_sync_wall']:.3f} (goal <= 0.6)")
+    lines.append(f"written to {args.out}")
+    print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main()
