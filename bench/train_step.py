@@ -1,16 +1,25 @@
-"""Benchmark: throughput and peak memory of the actor update (``update_actor``) on real FSDP workers.
+"""Benchmark: throughput, MFU / HFU and peak memory of the actor update (``update_actor``) on real FSDP workers.
 
     python -m bench.train_step [--batch B] [--prompt-length P] [--response-length R] [--iters 3]
                                [--out bench/results/train_step.json]
+    python -m bench.train_step --preset gpu [--layers N] [--peak-tflops T]      # the production shape on CUDA
     python -m bench.train_step --long-dialogues [--batch B] [--micro-batch 4] [--max-token-len 16384]
                                [--out bench/results/train_step_long.json]
 
 On CPU: the tiny Qwen2 model (``utils/make_tiny_model.py``) with 1 and 2 FSDP2 workers on gloo. On CUDA: a
-Qwen2-0.5B-shaped model with random weights in bf16 on 1 and (if present) 2 GPUs, with the model-FLOPs
-utilisation (6 x parameters x tokens per second over the GPU's dense bf16 peak). Each set-up starts an
-``ActorRolloutRefWorker`` group (role ``actor``), computes real old log-probs once, then times
-``--iters`` PPO updates (one optimizer step each) after one warm-up update. Tokens are the attended prompt +
-response tokens (padding is not counted).
+Qwen2-0.5B-shaped model with random weights in bf16 on 1 and (if present) 2 GPUs. Each set-up starts an
+``ActorRolloutRefWorker`` group (role ``actor``; :mod:`bench.train_step_worker`), computes real old log-probs
+and runs one warm-up update, then times one log-prob pass and ``--iters`` PPO updates (one optimizer step each)
+inside the workers between CUDA synchronisations, with the peak-memory counters reset after the warm-up.
+Tokens are the attended prompt + response tokens (padding is not counted).
+
+``--preset gpu``: the SEAD GPU preset's actor update (scripts/presets.sh): a Qwen2.5-7B-shaped model built from
+its config alone (random bf16 weights; ``--layers N`` keeps the width and shortens the depth so it fits fewer
+GPUs), 3,584 prompt + 6,144 response tokens per row (9,728), micro-batch 1 (log-prob micro-batch 2), gradient
+checkpointing, padding-free forwards, bf16 compute with fp32 master weights, FSDP2 on NCCL over every GPU Ray
+sees, 4 rows per GPU per update. The driver never touches ``torch.cuda``: whether to use GPUs comes from Ray's
+resources, and the device name, timings and memory (allocated and reserved) are read in the workers. MFU and
+HFU are defined in :mod:`bench.train_step_flops`.
 
 ``--long-dialogues``: one batch of calls whose lengths follow a skewed distribution between 256 and 4096 tokens
 (:mod:`bench.long_dialogues`), trained by one worker twice in the same run: padded rows in micro-batches of
@@ -25,8 +34,6 @@ import copy
 import json
 import logging
 import os
-import platform
-import resource
 import statistics
 import tempfile
 import time
@@ -36,42 +43,21 @@ from typing import Any
 import ray
 import torch
 
+from bench.train_step_flops import batch_flops, build_random_model, peak_flops, planned_memory_mib, utilisation
+from bench.train_step_worker import BenchActorWorker
 from verl.protocol import DataProto
-from verl.single_controller.base import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.trainer.config_schema import compose_config
-from verl.workers.fsdp_workers import ActorRolloutRefWorker
+from verl.utils.memory_model import ModelShape
 
 REPO = Path(__file__).resolve().parent.parent
 
 logger = logging.getLogger("bench.train_step")
 
-# Dense bf16 peak FLOP/s by GPU name fragment (vendor data sheets, without sparsity).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
-
-
-class BenchActorWorker(ActorRolloutRefWorker):
-    """The actor worker plus a peak-memory probe."""
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def peak_memory_mb(self) -> float:
-        """Peak CUDA memory allocated (on GPU) or peak resident set size of the process (on CPU), in MiB."""
-        if torch.cuda.is_available():
-            return torch.cuda.max_memory_allocated() / 2**20
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def build_qwen2_half_b(out_dir: Path, tokenizer_dir: Path) -> tuple[Path, int]:
-    """Write a random-weight model with Qwen2-0.5B's shape (tokenizer copied from ``tokenizer_dir``)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True, rope_theta=1e6)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
-    return out_dir, model.num_parameters()
+# The GPU preset of scripts/presets.sh, as far as the actor update goes.
+GPU_PRESET = {"prompt_length": 3584, "response_length": 6144, "micro_batch": 1, "log_prob_micro_batch": 2,
+              "rows_per_gpu": 4, "iters": 3, "model": "qwen2.5-7b"}
+GPU_PRESET_OVERRIDES = ("actor_rollout_ref.model.use_remove_padding=true",)
 
 
 def make_batch(batch: int, prompt_length: int, response_length: int, vocab: int, seed: int = 0) -> DataProto:
@@ -88,29 +74,62 @@ def make_batch(batch: int, prompt_length: int, response_length: int, vocab: int,
     })
 
 
+def _bench_overrides(model_path: Path, args: argparse.Namespace, extra: tuple[str, ...]) -> list[str]:
+    """The trainer-config overrides of one set-up."""
+    return [
+        f"actor_rollout_ref.model.path={model_path}", f"data.train_batch_size={args.batch}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.log_prob_micro_batch}",
+        f"data.max_prompt_length={args.prompt_length}", f"data.max_response_length={args.response_length}",
+        "actor_rollout_ref.actor.optim.total_training_steps=1000", "actor_rollout_ref.actor.optim.lr=1e-6",
+        f"actor_rollout_ref.model.enable_gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
+        *extra,
+    ]
+
+
+def _per_call(measured: list[dict[str, Any]], method: str) -> list[float]:
+    """Seconds of each call of ``method``: the slowest rank's (the step ends when the last rank does)."""
+    return [max(calls) for calls in zip(*(rank["seconds"].get(method, []) for rank in measured))]
+
+
+def _memory(measured: list[dict[str, Any]], prefix: str = "") -> dict[str, float | None]:
+    """The largest rank's peak memory (MiB): allocated and reserved on CUDA, the resident set size on CPU."""
+    def peak(key: str) -> float | None:
+        values = [rank[key] for rank in measured if rank.get(key) is not None]
+        return max(values) if values else None
+
+    allocated = peak("max_allocated_mib")
+    return {f"{prefix}peak_allocated_mib": allocated, f"{prefix}peak_reserved_mib": peak("max_reserved_mib"),
+            f"{prefix}peak_rss_mib": peak("peak_rss_mib"),
+            f"{prefix}peak_memory_mib": allocated if allocated is not None else peak("peak_rss_mib")}
+
+
+def _warn_if_too_large(planned_mib: float, device_info: list[dict[str, Any]]) -> None:
+    """Log a warning when the planner's update estimate exceeds the workers' GPU memory."""
+    totals = [info["total_memory_mib"] for info in device_info if "total_memory_mib" in info]
+    if totals and planned_mib > min(totals):
+        logger.warning("the planner expects %.0f MiB per GPU for the update but the GPU has %.0f MiB: expect an "
+                       "out-of-memory error (fewer --layers, or more GPUs)", planned_mib, min(totals))
+
+
 def run_setup(
     model_path: Path, workers: int, use_gpu: bool, args: argparse.Namespace, data: DataProto | None = None,
     extra_overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Start a worker group, time ``args.iters`` actor updates of ``data`` (default: a random full-length batch)
-    and one log-prob pass; return tokens/s and peak memory."""
-    overrides = [
-        f"actor_rollout_ref.model.path={model_path}", f"data.train_batch_size={args.batch}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro_batch}",
-        f"data.max_prompt_length={args.prompt_length}", f"data.max_response_length={args.response_length}",
-        "actor_rollout_ref.actor.optim.total_training_steps=1000", "actor_rollout_ref.actor.optim.lr=1e-6",
-        f"actor_rollout_ref.model.enable_gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
-        *extra_overrides,
-    ]
+    """Start a worker group, warm up, then time one log-prob pass and ``args.iters`` actor updates of ``data``
+    (default: a random full-length batch) inside the workers; return times, peak memory and FLOPs."""
+    overrides = _bench_overrides(model_path, args, extra_overrides)
     config = compose_config(overrides)
+    planned = planned_memory_mib([*overrides, f"trainer.n_gpus_per_node={workers}"])
     pool = RayResourcePool([workers], use_gpu=use_gpu, name_prefix=f"bench{workers}")
     group = None
     try:
         group = RayWorkerGroup(pool, RayClassWithInitArgs(BenchActorWorker, config=config.actor_rollout_ref,
                                                           role="actor"))
         group.init_model()
+        device_info = group.device_info()
+        _warn_if_too_large(planned["update"], device_info)
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(model_path).vocab_size
@@ -118,25 +137,46 @@ def run_setup(
             data = make_batch(args.batch, args.prompt_length, args.response_length, vocab)
         data = copy.deepcopy(data)  # the caller's batch stays without old_log_probs
         data = data.union(group.compute_log_prob(data).select(batch_keys=["old_log_probs"]))
-        start = time.perf_counter()
+        group.update_actor(data)  # warm-up: allocator, kernels, optimizer states
+        group.reset_measurements()
         group.compute_log_prob(data)
-        log_prob_s = time.perf_counter() - start
-        times = []
-        for i in range(args.iters + 1):
+        log_prob = group.measurements()
+        group.reset_measurements()
+        wall = []
+        for _ in range(args.iters):
             start = time.perf_counter()
             group.update_actor(data)
-            if i > 0:
-                times.append(time.perf_counter() - start)
-        tokens = int(data.batch["attention_mask"].sum())
-        seconds = statistics.median(times)
-        return {"workers": workers, "tokens_per_update": tokens, "update_s": seconds, "update_s_all": times,
-                "tokens_per_s": tokens / seconds, "log_prob_s": log_prob_s,
-                "log_prob_tokens_per_s": tokens / log_prob_s,
-                "peak_memory_mib": max(group.peak_memory_mb())}
+            wall.append(time.perf_counter() - start)
+        update = group.measurements()
     finally:
         if group is not None:
             group.shutdown()
         pool.remove()
+    times = _per_call(update, "update_actor")
+    log_prob_s = _per_call(log_prob, "compute_log_prob")[0]
+    tokens = int(data.batch["attention_mask"].sum())
+    seconds = statistics.median(times)
+    flops = batch_flops(ModelShape.from_model_dir(model_path), data, data.batch["responses"].shape[1],
+                        args.gradient_checkpointing)
+    return {"workers": workers, "tokens_per_update": tokens, "update_s": seconds, "update_s_all": times,
+            "update_wall_s_all": wall, "tokens_per_s": tokens / seconds, "log_prob_s": log_prob_s,
+            "log_prob_tokens_per_s": tokens / log_prob_s, **_memory(update), **_memory(log_prob, "log_prob_"),
+            "planned_update_mib": planned["update"], "planned_log_prob_mib": planned["log_prob"],
+            "flops": {"model": flops.model, "hardware": flops.hardware, "forward": flops.forward,
+                      "attention_forward": flops.attention_forward, "recompute_forward": flops.recompute_forward},
+            "device_info": device_info, "ranks": update}
+
+
+def add_utilisation(result: dict[str, Any], override_tflops: float | None) -> None:
+    """Give every row of ``result`` its MFU, HFU and log-prob MFU against the workers' device peak."""
+    name = result["results"][0]["device_info"][0]["name"]
+    peak, source = peak_flops(name, override_tflops)
+    result["device"], result["peak_flops"], result["peak_flops_source"] = name, peak, source
+    for row in result["results"]:
+        flops, n = row["flops"], row["workers"]
+        row["mfu"] = utilisation(flops["model"], row["update_s"], peak, n)
+        row["hfu"] = utilisation(flops["hardware"], row["update_s"], peak, n)
+        row["log_prob_mfu"] = utilisation(flops["forward"], row["log_prob_s"], peak, n)
 
 
 def run_long_dialogues(model: Path, use_gpu: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -159,88 +199,171 @@ def run_long_dialogues(model: Path, use_gpu: bool, args: argparse.Namespace) -> 
             "peak_memory_ratio": rows[1]["peak_memory_mib"] / rows[0]["peak_memory_mib"], "results": rows}
 
 
-def _print_table(name: str, params: int, result: dict[str, Any]) -> None:
-    """The result rows as a console table."""
+def _percent(value: float | None) -> str:
+    return f"{100 * value:.1f}%" if value is not None else "n/a"
+
+
+def _mib(value: float | None) -> str:
+    return f"{value:.0f}" if value is not None else "n/a"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The result rows as a console table, with the FLOP definitions under it."""
     shape = (f"lengths {result['lengths']}" if "lengths" in result
              else f"{result['prompt_length']}+{result['response_length']} tokens")
-    lines = [f"{name}, {params / 1e6:.2f} M parameters, batch {result['batch']}, {shape}, device {result['device']}",
-             f"{'setup':>15} | {'workers':>7} | {'update s':>9} | {'tokens/s':>10} | {'log-prob s':>10} | "
-             f"{'peak MiB':>9} | {'MFU':>6}"]
+    lines = [f"{result['model']}, {result['parameters'] / 1e6:.2f} M parameters, batch {result['batch']}, "
+             f"micro-batch {result['micro_batch']}, {shape}, gradient checkpointing "
+             f"{'on' if result['gradient_checkpointing'] else 'off'}, device {result['device']} "
+             f"(peak {result['peak_flops_source']})",
+             f"{'setup':>15} | {'workers':>7} | {'update s':>9} | {'tokens/s':>10} | {'MFU':>6} | {'HFU':>6} | "
+             f"{'log-prob s':>10} | {'lp MFU':>6} | {'alloc MiB':>9} | {'rsrvd MiB':>9} | {'RSS MiB':>8} | "
+             f"{'plan MiB':>8}"]
     for row in result["results"]:
-        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
-        lines.append(f"{row.get('setup', 'padded+fixed'):>15} | {row['workers']:>7} | {row['update_s']:>9.3f} | "
-                     f"{row['tokens_per_s']:>10.0f} | {row['log_prob_s']:>10.3f} | {row['peak_memory_mib']:>9.0f} | "
-                     f"{mfu:>6}")
+        lines.append(f"{row['setup']:>15} | {row['workers']:>7} | {row['update_s']:>9.3f} | "
+                     f"{row['tokens_per_s']:>10.0f} | {_percent(row['mfu']):>6} | {_percent(row['hfu']):>6} | "
+                     f"{row['log_prob_s']:>10.3f} | {_percent(row['log_prob_mfu']):>6} | "
+                     f"{_mib(row['peak_allocated_mib']):>9} | {_mib(row['peak_reserved_mib']):>9} | "
+                     f"{_mib(row['peak_rss_mib']):>8} | {_mib(row['planned_update_mib']):>8}")
     if "throughput_ratio" in result:
         lines.append(f"packed+dynamic / padded+fixed: update tokens/s x{result['throughput_ratio']:.2f}, log-prob "
                      f"x{result['log_prob_throughput_ratio']:.2f}, peak memory x{result['peak_memory_ratio']:.2f}")
-    print("\n".join(lines))
+    lines.append("MFU = 3 x (2 x layer matmul weights x tokens + 2 x hidden x vocab x response positions + causal "
+                 "attention 4 x layers x heads x head_dim x T(T+1)/2 per row) / (update s x peak x GPUs); HFU adds "
+                 "the checkpointing recompute (each layer's forward but its down projection); lp MFU: the forward "
+                 "alone over the log-prob pass. Memory: the largest rank's peak during the timed updates; plan: the "
+                 "planner's estimate of the update (bf16 on CUDA, no CUDA context).")
+    return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the set-ups of this machine (CPU or CUDA), print a table and write the JSON results."""
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=("default", "gpu"), default="default",
+                        help="gpu: the GPU preset's 7B-shaped actor update at 9,728 tokens per row (see above)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when Ray sees a GPU on this machine")
+    parser.add_argument("--model", choices=("tiny", "qwen2-0.5b", "qwen2.5-7b"), default=None,
+                        help="default tiny on CPU, qwen2-0.5b on CUDA, qwen2.5-7b with --preset gpu")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of a generated shape (the width "
+                        "stays); e.g. --layers 8 fits the 7B width on one 80 GB GPU")
+    parser.add_argument("--workers", type=str, default=None, help="comma-separated worker (GPU) counts; default "
+                        "1,2 (CUDA: 1 and 2 when present; --preset gpu: every GPU)")
     parser.add_argument("--batch", type=int, default=None,
-                        help="rows per update (default 32 on CPU, 64 on CUDA; long dialogues: 16 / 64)")
+                        help="rows per update (default 32 on CPU, 64 on CUDA, 4 per GPU with --preset gpu; long "
+                        "dialogues: 16 / 64)")
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward (default 8; "
-                        "long dialogues: 4)")
-    parser.add_argument("--prompt-length", type=int, default=None, help="default 96 on CPU, 960 on CUDA; "
-                        "long dialogues: 256 (prompt width)")
-    parser.add_argument("--response-length", type=int, default=None, help="default 32 on CPU, 64 on CUDA; "
-                        "long dialogues: 3840 (conversation width)")
-    parser.add_argument("--iters", type=int, default=3, help="timed updates (after one warm-up)")
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+                        "long dialogues: 4; --preset gpu: 1)")
+    parser.add_argument("--log-prob-micro-batch", type=int, default=None,
+                        help="rows per log-prob forward (default: --micro-batch; --preset gpu: 2)")
+    parser.add_argument("--prompt-length", type=int, default=None, help="default 96 on CPU, 960 on CUDA, 3584 "
+                        "with --preset gpu; long dialogues: 256 (prompt width)")
+    parser.add_argument("--response-length", type=int, default=None, help="default 32 on CPU, 64 on CUDA, 6144 "
+                        "with --preset gpu; long dialogues: 3840 (conversation width)")
+    parser.add_argument("--iters", type=int, default=None, help="timed updates after one warm-up (default 3)")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="on by default with --preset gpu")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="peak dense bf16 TFLOP/s of one device (default: the table in bench.train_step_flops "
+                        "by the device name the workers report)")
     parser.add_argument("--long-dialogues", action="store_true", help="padded+fixed vs packed+dynamic on a batch "
                         "of skewed call lengths (256-4096 tokens)")
     parser.add_argument("--max-token-len", type=int, default=16384,
                         help="packed+dynamic: ppo_max_token_len_per_gpu (tokens per micro-batch)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default bench/results/train_step.json (long dialogues: train_step_long.json)")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/train_step.json "
+                        "(long dialogues: train_step_long.json; --preset gpu: train_step_gpu.json)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    use_gpu = torch.cuda.is_available()
-    if args.long_dialogues:
-        defaults = (64 if use_gpu else 16, 4, 256, 3840)
+    if args.preset == "gpu" and args.long_dialogues:
+        parser.error("--preset gpu and --long-dialogues are separate benchmarks")
+    return args
+
+
+def _apply_defaults(args: argparse.Namespace, use_gpu: bool, gpus: int) -> None:
+    """Fill the options left unset from the preset and the device (see ``--help``)."""
+    if args.workers is not None:
+        args.worker_counts = [int(w) for w in args.workers.split(",")]
+    elif args.preset == "gpu" and use_gpu:
+        args.worker_counts = [gpus]
     else:
-        defaults = (64, 8, 960, 64) if use_gpu else (32, 8, 96, 32)
-    for name, value in zip(("batch", "micro_batch", "prompt_length", "response_length"), defaults):
+        args.worker_counts = [1, 2] if not use_gpu or gpus >= 2 else [1]
+    if use_gpu and max(args.worker_counts) > gpus:
+        raise SystemExit(f"--workers {args.worker_counts} needs more GPUs than Ray sees ({gpus})")
+    if args.preset == "gpu":
+        p = GPU_PRESET
+        defaults = {"batch": p["rows_per_gpu"] * max(args.worker_counts), "micro_batch": p["micro_batch"],
+                    "log_prob_micro_batch": p["log_prob_micro_batch"], "prompt_length": p["prompt_length"],
+                    "response_length": p["response_length"], "model": p["model"]}
+        args.gradient_checkpointing = True
+    elif args.long_dialogues:
+        defaults = {"batch": 64 if use_gpu else 16, "micro_batch": 4, "prompt_length": 256, "response_length": 3840}
+    elif use_gpu:
+        defaults = {"batch": 64, "micro_batch": 8, "prompt_length": 960, "response_length": 64}
+    else:
+        defaults = {"batch": 32, "micro_batch": 8, "prompt_length": 96, "response_length": 32}
+    defaults.setdefault("model", "qwen2-0.5b" if use_gpu else "tiny")
+    defaults.setdefault("iters", 3)
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.log_prob_micro_batch is None:
+        args.log_prob_micro_batch = args.micro_batch
+    if args.model == "tiny" and args.layers is not None:
+        raise SystemExit("--layers applies to the generated shapes (qwen2-0.5b, qwen2.5-7b), not the tiny model")
     if args.out is None:
-        args.out = REPO / "bench/results" / ("train_step_long.json" if args.long_dialogues else "train_step.json")
-    from utils.make_tiny_model import build_tiny_model
+        name = {"gpu": "train_step_gpu.json"}.get(args.preset, "train_step_long.json" if args.long_dialogues
+                                                  else "train_step.json")
+        args.out = REPO / "bench/results" / name
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
+
+def _use_gpu(device: str) -> tuple[bool, int]:
+    """(train on GPUs, how many Ray sees) from Ray's resources: no torch.cuda call in this process."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if device == "cuda" and gpus == 0:
+        raise SystemExit("--device cuda: Ray sees no GPU on this machine")
+    return (gpus > 0 if device == "auto" else device == "cuda"), gpus
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the set-ups of this machine (CPU or CUDA), print a table and write the JSON results."""
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as scripts/main.sh on GPUs
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address="local", num_cpus=8, include_dashboard=False)
     try:
+        use_gpu, gpus = _use_gpu(args.device)
+        _apply_defaults(args, use_gpu, gpus)
+        from utils.make_tiny_model import build_tiny_model
+
         with tempfile.TemporaryDirectory() as tmp:
             tiny = build_tiny_model(Path(tmp) / "tiny", seed=0)
-            if use_gpu:
-                model, params = build_qwen2_half_b(Path(tmp) / "qwen2_0.5b_shape", tiny)
-                name = "qwen2-0.5b-shape (random, bf16)"
-                worker_counts = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+            if args.model == "tiny":
+                model, name = tiny, "tiny qwen2"
             else:
-                from transformers import AutoModelForCausalLM
-
-                model, params = tiny, AutoModelForCausalLM.from_pretrained(tiny).num_parameters()
-                name = "tiny qwen2 (fp32)"
-                worker_counts = [1, 2]
+                logger.info("building a random %s model (%s layers) from its config", args.model,
+                            args.layers or "all")
+                model = build_random_model(args.model, Path(tmp) / args.model, tiny, args.layers)
+                name = f"{args.model}-shape (random weights" + (f", {args.layers} layers)" if args.layers else ")")
+            params = ModelShape.from_model_dir(model).num_params()
+            model_config = json.loads((Path(model) / "config.json").read_text())
             if args.long_dialogues:
                 result = run_long_dialogues(model, use_gpu, args)
             else:
-                result = {"results": [run_setup(model, w, use_gpu, args) for w in worker_counts]}
+                extra = GPU_PRESET_OVERRIDES if args.preset == "gpu" else ()
+                label = "packed" if args.preset == "gpu" else "padded"
+                result = {"results": [{"setup": label, **run_setup(model, w, use_gpu, args, extra_overrides=extra)}
+                                      for w in args.worker_counts]}
     finally:
-        ray.shutdown()
-    gpu = torch.cuda.get_device_name(0) if use_gpu else None
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if gpu and k in gpu), None)
-    for row in result["results"]:
-        row["mfu"] = 6 * params * row["tokens_per_s"] / (peak * row["workers"]) if peak else None
-    result = {"model": name, "parameters": params, "device": gpu or platform.processor() or "cpu",
-              "batch": args.batch, "micro_batch": args.micro_batch, "prompt_length": args.prompt_length,
-              "response_length": args.response_length, "iters": args.iters, **result}
+        if started_ray:
+            ray.shutdown()
+    add_utilisation(result, args.peak_tflops)
+    result = {"model": name, "parameters": params, "model_config": model_config, "preset": args.preset,
+              "batch": args.batch,
+              "micro_batch": args.micro_batch, "log_prob_micro_batch": args.log_prob_micro_batch,
+              "prompt_length": args.prompt_length, "response_length": args.response_length,
+              "gradient_checkpointing": args.gradient_checkpointing, "iters": args.iters, **result}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    _print_table(name, params, result)
+    print(format_table(result))
     print(f"results written to {args.out}")
     return result
 

@@ -110,8 +110,14 @@ def _resident(states: dict[str, mm.ShardedState]) -> dict[str, float]:
     return memory
 
 
+def _head_positions(s: Setup, value_head: bool) -> int | None:
+    """Positions through the head per GPU: the actor's are the response positions, a value head sees all."""
+    return None if value_head else s.rows_per_gpu * (s.response_len + 1)
+
+
 def _time_forward(s: Setup, hw: Hardware, shape: mm.ModelShape, value_head: bool = False) -> float:
-    return mm.forward_flops(shape, s.rows_per_gpu, s.seq_len, value_head) / (hw.bf16_tflops * 1e12 * hw.mfu)
+    flops = mm.forward_flops(shape, s.rows_per_gpu, s.seq_len, value_head, _head_positions(s, value_head))
+    return flops / (hw.bf16_tflops * 1e12 * hw.mfu)
 
 
 def rollout_phase(s: Setup, hw: Hardware, micro: int) -> Phase:
@@ -167,7 +173,7 @@ def update_phase(s: Setup, hw: Hardware, model: str, micro: int, checkpointing: 
     phase.memory["gathered units"] = float(states[model].gathered) if pass_bytes >= step else 0.0
     phase.memory["activations"] = float(peak.activations) if pass_bytes >= step else float(step)
     phase.memory["logits"] = float(peak.logits) if pass_bytes >= step else 0.0
-    flops = mm.training_flops(shape, s.rows_per_gpu, s.seq_len, checkpointing, critic)
+    flops = mm.training_flops(shape, s.rows_per_gpu, s.seq_len, checkpointing, critic, _head_positions(s, critic))
     phase.seconds = flops / (hw.bf16_tflops * 1e12 * hw.mfu)
     return phase
 

@@ -14,6 +14,9 @@ Every number is in bytes (memory) or FLOPs and derives from the HF ``config.json
 * Logits: the head's output over every position in the compute dtype, and fp32 copies of the response positions
   (the float cast, the temperature division saved by the chunked log-prob, and its gradient).
 * KV cache of HF generation: 2 x layers x kv_heads x head_dim per token in the compute dtype.
+* FLOPs (:class:`PassFlops`): matmul weights x tokens, causal attention counted by query-key pairs, the head on
+  the positions it runs on, the backward at twice the forward and the checkpointing recompute kept apart (MFU
+  vs HFU).
 
 The CPU tests (tests/verl/utils/test_memory_model.py) check these against peaks measured with the torch profiler.
 """
@@ -79,6 +82,12 @@ class ModelShape:
     def kv_dim(self) -> int:
         """Width of the key (= value) projection."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one decoder layer's matrix multiplications (q, k, v, o projections and the SwiGLU MLP)."""
+        h = self.hidden_size
+        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * self.intermediate_size
 
     @property
     def layer_params(self) -> int:
@@ -244,17 +253,73 @@ def sharded_state(
     return ShardedState(params=params, grads=grads, optimizer=optimizer, gathered=gathered)
 
 
-def training_flops(shape: ModelShape, rows: int, seq_len: int, checkpointing: bool, value_head: bool = False) -> float:
-    """FLOPs of forward + backward of ``rows`` sequences: 6 x params x tokens plus causal attention
-    (4 x layers x q_dim x T^2 / 2 forward, twice that backward); checkpointing adds one more forward."""
-    tokens = rows * seq_len
-    dense = 2.0 * shape.num_params(value_head) * tokens
-    attention = 2.0 * shape.num_layers * shape.q_dim * seq_len * seq_len * rows
-    forward = dense + attention
-    return forward * (4.0 if checkpointing else 3.0)
+@dataclass(frozen=True)
+class PassFlops:
+    """FLOPs of one pass over a batch, split the way MFU (model FLOPs) and HFU (hardware FLOPs) count them.
+
+    ``dense_forward``: 2 x the decoder layers' matmul weights x every token, plus 2 x hidden x head outputs x the
+    positions that go through the head (the embedding is a lookup: 0 FLOPs; norms, biases, activations and the
+    softmax are elementwise and not counted). ``attention_forward``: causal attention, QK^T and PV at 2 x head_dim
+    FLOPs per query-key pair and head, T(T+1)/2 pairs per sequence of T tokens. The backward pass costs twice the
+    forward; ``recompute_forward`` is what gradient checkpointing runs again during the backward pass: each decoder
+    layer's forward (attention included, the head not) up to its last saved tensor, i.e. without the MLP's down
+    projection, whose output nothing saves (non-reentrant ``torch.utils.checkpoint`` stops recomputing there).
+    """
+
+    dense_forward: float
+    attention_forward: float
+    recompute_forward: float = 0.0
+
+    @property
+    def forward(self) -> float:
+        """Forward FLOPs (what a no-grad log-prob or value pass costs)."""
+        return self.dense_forward + self.attention_forward
+
+    @property
+    def model(self) -> float:
+        """Model FLOPs of forward + backward (3 x forward), the numerator of MFU; recompute not counted."""
+        return 3.0 * self.forward
+
+    @property
+    def hardware(self) -> float:
+        """FLOPs the GPU executes: model FLOPs plus the checkpointing recompute, the numerator of HFU."""
+        return self.model + self.recompute_forward
 
 
-def forward_flops(shape: ModelShape, rows: int, seq_len: int, value_head: bool = False) -> float:
-    """FLOPs of one forward pass of ``rows`` sequences (dense + causal attention)."""
-    tokens = rows * seq_len
-    return 2.0 * shape.num_params(value_head) * tokens + 2.0 * shape.num_layers * shape.q_dim * seq_len**2 * rows
+def causal_attention_flops(shape: ModelShape, seq_lens: list[int]) -> float:
+    """Forward FLOPs of causal self-attention over sequences of ``seq_lens`` tokens (packed sequences attend only
+    within themselves): 2 matmuls x 2 x head_dim FLOPs x heads x layers x T(T+1)/2 query-key pairs each."""
+    pairs = sum(t * (t + 1) // 2 for t in seq_lens)
+    return 4.0 * shape.num_layers * shape.q_dim * pairs
+
+
+def pass_flops(
+    shape: ModelShape, seq_lens: list[int], head_positions: int, checkpointing: bool, value_head: bool = False,
+) -> PassFlops:
+    """:class:`PassFlops` of sequences of ``seq_lens`` tokens of which ``head_positions`` go through the LM head
+    (the actor computes logits on the positions that predict response tokens only) or the 1-output value head."""
+    head_outputs = 1 if value_head else shape.vocab_size
+    layers_dense = 2.0 * shape.num_layers * shape.layer_matmul_params * sum(seq_lens)
+    attention = causal_attention_flops(shape, seq_lens)
+    down_projection = 2.0 * shape.num_layers * shape.hidden_size * shape.intermediate_size * sum(seq_lens)
+    return PassFlops(dense_forward=layers_dense + 2.0 * shape.hidden_size * head_outputs * head_positions,
+                     attention_forward=attention,
+                     recompute_forward=layers_dense - down_projection + attention if checkpointing else 0.0)
+
+
+def training_flops(
+    shape: ModelShape, rows: int, seq_len: int, checkpointing: bool, value_head: bool = False,
+    head_positions: int | None = None,
+) -> float:
+    """Hardware FLOPs of forward + backward of ``rows`` sequences of ``seq_len`` tokens (:class:`PassFlops`;
+    ``head_positions`` defaults to every position)."""
+    heads = rows * seq_len if head_positions is None else head_positions
+    return pass_flops(shape, [seq_len] * rows, heads, checkpointing, value_head).hardware
+
+
+def forward_flops(
+    shape: ModelShape, rows: int, seq_len: int, value_head: bool = False, head_positions: int | None = None,
+) -> float:
+    """FLOPs of one forward pass of ``rows`` sequences (dense + causal attention, :class:`PassFlops`)."""
+    heads = rows * seq_len if head_positions is None else head_positions
+    return pass_flops(shape, [seq_len] * rows, heads, False, value_head).forward
