@@ -2,8 +2,8 @@
 
 Each dialogue task asks for its next agent turn with `await engine.generate(dialogue_id, row)`. A replica is
 anything with `generate_sequences(DataProto)` and `world_size` (the whole FSDP worker group for the HF rollout,
-whose generation is one collective over all ranks; one vLLM data-parallel group where the worker group offers
-`rollout_replicas()`). Per replica, one batch is in flight at a time: requests wait in the replica's queue until
+whose generation is one collective over all ranks; each vLLM tensor-parallel group otherwise: see
+`verl.workers.rollout.replicas`). Per replica, one batch is in flight at a time: requests wait in the replica's queue until
 it is free and then for at most `batch_wait_ms` after the oldest queued request (or until `max_batch_size`
 requests are queued), so requests that arrive while a batch generates go out together the moment it returns (the
 call-level analogue of continuous batching). A dialogue is placed on the replica with the fewest requests queued
@@ -25,19 +25,11 @@ import torch
 
 from llm_agent.rollout.pacing import BusyMeter
 from llm_agent.rollout.turns import GenerationCall
+from verl.workers.rollout.replicas import rollout_replicas
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MicroBatchingEngine", "replicas_of"]
-
-
-def replicas_of(worker_group: Any) -> list[Any]:
-    """The generation replicas of a worker group: its `rollout_replicas()` when it offers them, else itself."""
-    offer = getattr(worker_group, "rollout_replicas", None)
-    replicas = list(offer()) if callable(offer) else [worker_group]
-    if not replicas:
-        raise ValueError("the worker group offers no rollout replicas")
-    return replicas
+__all__ = ["MicroBatchingEngine", "rollout_replicas"]
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from llm_agent.rollout.async_engine import MicroBatchingEngine, replicas_of
+from llm_agent.rollout.async_engine import MicroBatchingEngine, rollout_replicas
 from llm_agent.rollout.dialogue import Dialogue, TokenBuffer
 from llm_agent.rollout.pacing import BusyMeter
 from llm_agent.user_sim.client import ChatRequest
@@ -88,7 +88,7 @@ async def _take_turns(manager: Any, d: Dialogue, buffer: TokenBuffer, engine: Mi
 async def _run_all(manager: Any, dialogues: list[Dialogue], buffer: TokenBuffer,
                    meta: dict[str, Any]) -> tuple[list[BusyMeter], BusyMeter]:
     settings = manager.config.async_rollout
-    engine = MicroBatchingEngine(replicas_of(manager.wg),
+    engine = MicroBatchingEngine(rollout_replicas(manager.wg),
                                  lambda rows, world_size: manager._generation_call(rows, buffer, meta, world_size),
                                  settings.batch_wait_ms, settings.max_batch_size)
     sim = SimulatorGateway(manager.client)

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
@@ -222,6 +223,21 @@ class ActorRolloutRefWorker(Worker):
             output = self.rollout.generate_sequences(prompts)
         empty_cache()
         return output
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollout_replica_index(self) -> int | None:
+        """This rank's rollout replica (vLLM: its tensor-parallel group, which can generate a batch of its own);
+        None when generation is one collective over all ranks (the HF rollout on FSDP shards)."""
+        self._require(self._is_rollout, "rollout_replica_index", "rollout")
+        return dist.get_rank() // self.rollout.tp_group.world_size if self.rollout_name == "vllm" else None
+
+    def generate_replica_sequences(self, prompts: DataProto) -> DataProto:
+        """Generate every row of ``prompts`` on this rank's replica; called (unregistered, through
+        ``RayWorkerGroup.execute_ranks_sync``) on exactly the ranks of one replica, each with the whole batch."""
+        self._require(self._is_rollout and self.rollout_name == "vllm", "generate_replica_sequences", "vLLM rollout")
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        prompts = _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
+        return self.rollout.generate_replica_sequences(prompts)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:

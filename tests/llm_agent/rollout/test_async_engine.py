@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from llm_agent.rollout.async_engine import MicroBatchingEngine, replicas_of
+from llm_agent.rollout.async_engine import MicroBatchingEngine
+from verl.workers.rollout.replicas import RankGroupReplica, rollout_replicas
 from llm_agent.rollout.pacing import BusyMeter, pacing_metrics
 
 
@@ -98,19 +99,27 @@ def test_a_failed_batch_fails_each_of_its_requests():
     assert all(isinstance(a, RuntimeError) and "replica down" in str(a) for a in answers)
 
 
-def test_replicas_of_a_worker_group():
+def test_rollout_replicas_follow_the_workers_replica_indices():
     class Group:
-        world_size = 2
+        world_size = 4
 
-        def generate_sequences(self, data):
-            return data
+        def __init__(self, indices):
+            self.indices, self.calls = indices, []
 
-    class Replicated(Group):
-        def rollout_replicas(self):
-            return ["r0", "r1"]
+        def rollout_replica_index(self):
+            return self.indices
 
-    group = Group()
-    assert replicas_of(group) == [group] and replicas_of(Replicated()) == ["r0", "r1"]
+        def execute_ranks_sync(self, method, ranks, batch):
+            self.calls.append((method, list(ranks)))
+            return [f"{batch}@{r}" for r in ranks]
+
+    hf = Group([None] * 4)
+    assert rollout_replicas(hf) == [hf] and rollout_replicas(object) == [object]
+    tp2 = Group([0, 0, 1, 1])
+    replicas = rollout_replicas(tp2)
+    assert [r.ranks for r in replicas] == [[0, 1], [2, 3]] and all(isinstance(r, RankGroupReplica) for r in replicas)
+    assert replicas[1].generate_sequences("batch") == "batch@2"
+    assert tp2.calls == [("generate_replica_sequences", [2, 3])] and replicas[0].world_size == 1
 
 
 class FakeClock:

@@ -190,6 +190,15 @@ def test_execute_helpers_and_non_blocking(group):
         group.execute_all_sync("missing")
 
 
+def test_execute_on_chosen_ranks_only(group):
+    assert group.execute_ranks_sync("plain", [1], 7) == [8]
+    assert group.execute_ranks_sync("plain", [1, 0], 7) == [8, 7]
+    with pytest.raises(ValueError, match=r"ranks \[2\] must be a non-empty subset of 0..1"):
+        group.execute_ranks_sync("plain", [2], 1)
+    with pytest.raises(WorkerGroupError, match=r"fail_on\(\) failed on rank 1"):
+        group.execute_ranks_sync("fail_on", [0, 1], 1)
+
+
 def test_gloo_all_reduce_across_ranks(group):
     assert group.all_reduce_rank() == [3.0, 3.0]
 

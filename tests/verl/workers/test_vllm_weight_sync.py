@@ -8,18 +8,14 @@ the first update) must be far from them. Needs the vLLM environment (``make vllm
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
-import ray
 import torch
-from omegaconf import OmegaConf
-from ppo_batch_helpers import actor_rollout_ref_config, make_prompts
+from ppo_batch_helpers import make_prompts
 from transformers import AutoModelForCausalLM
+from vllm_group import vllm_worker_group
 
 from verl.protocol import DataProto
-from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -27,50 +23,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 
 ROWS, UPDATES = 8, 3
 TOLERANCE = 1e-4  # fp32 on both sides (measured: ~1e-6); the kernels differ (vLLM CPU attention vs torch sdpa)
-ENGINE = {"name": "vllm", "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5, "max_num_seqs": 16,
-          "max_num_batched_tokens": 256, "max_model_len": None, "enforce_eager": True, "enable_prefix_caching": True,
-          "dtype": "auto", "seed": 0, "free_cache_engine": True, "calculate_log_probs": True}
-
-
-def _remove_stale_vllm_shm() -> None:
-    """Unlink vLLM's CPU shared-memory segments (TP > 1 on CPU) that no live process maps: Ray kills the workers
-    at shutdown, so vLLM never unlinks them, and a leftover name makes the next TP engine fail with EEXIST."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        return
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
-        except OSError:
-            continue
-    for segment in shm.iterdir():
-        if ("cpushm" in segment.name or segment.name.startswith("psm_")) and str(segment) not in mapped:
-            segment.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def group(request, tiny_model_path):
     """A 2-rank actor_rollout group generating with vLLM, lr 5e-2 (large: every update moves the policy): two
     engines of TP 1 (two DP replicas), or one engine of TP 2 spanning both ranks."""
-    _remove_stale_vllm_shm()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    config = actor_rollout_ref_config(tiny_model_path, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=4,
-                                      use_kl_loss=False, entropy_coeff=0.0, optim={"lr": 5e-2})
-    config.rollout = OmegaConf.merge(config.rollout, ENGINE, {"tensor_model_parallel_size": request.param})
-    pool = RayResourcePool([2], use_gpu=False, name_prefix="vllm_sync_pool")
-    try:
-        workers = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config, role="actor_rollout"),
-                                 name_prefix="vllm_sync")
-        try:
-            workers.init_model()
-            yield workers
-        finally:
-            workers.shutdown()
-    finally:
-        pool.remove()
-        ray.shutdown()
-        _remove_stale_vllm_shm()
+    actor = {"ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 4, "use_kl_loss": False,
+             "entropy_coeff": 0.0, "optim": {"lr": 5e-2}}
+    with vllm_worker_group(tiny_model_path, request.param, "vllm_sync", actor) as workers:
+        yield workers
 
 
 def _log_probs_under(model, batch) -> torch.Tensor:

@@ -252,26 +252,29 @@ class RayWorkerGroup(WorkerGroup):
         calls = _share_repeated_args(calls)
         return [getattr(worker, method).remote(*args, **kwargs) for worker, (args, kwargs) in zip(self._workers, calls)]
 
-    def _wait(self, method: str, handles: Sequence[ray.ObjectRef]) -> list[Any]:
-        """Return the results in rank order; the first rank to fail raises `WorkerGroupError` at once.
+    def _wait(self, method: str, handles: Sequence[ray.ObjectRef], ranks: Sequence[int] | None = None) -> list[Any]:
+        """Return the results in the order of `handles` (ranks 0.. unless `ranks` names them); the first rank to
+        fail raises `WorkerGroupError` naming it at once.
 
         Results are taken as they complete, so a failed rank is reported even while the others block (e.g. in a
         collective waiting for it).
         """
-        rank_of = {ref: rank for rank, ref in enumerate(handles)}
+        ranks = list(range(len(handles))) if ranks is None else list(ranks)
+        position = {ref: i for i, ref in enumerate(handles)}
         results: dict[int, Any] = {}
         pending = list(handles)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            rank = rank_of[ready[0]]
+            i = position[ready[0]]
+            rank = ranks[i]
             try:
-                results[rank] = ray.get(ready[0])
+                results[i] = ray.get(ready[0])
             except RayTaskError as err:
                 cause = err.cause if isinstance(err.cause, BaseException) else err
                 raise WorkerGroupError(self.name, method, rank, cause) from err
             except RayActorError as err:
                 raise WorkerGroupError(self.name, method, rank, err) from err
-        return [results[rank] for rank in range(len(handles))]
+        return [results[i] for i in range(len(handles))]
 
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         """Start `method_name(*args, **kwargs)` on every rank (same arguments); return the object refs.
@@ -287,6 +290,16 @@ class RayWorkerGroup(WorkerGroup):
     def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         """veRL alias of `execute_all_async`."""
         return self.execute_all_async(method_name, *args, **kwargs)
+
+    def execute_ranks_sync(self, method_name: str, ranks: Sequence[int], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `method_name(*args, **kwargs)` on the given ranks only (same arguments); results in `ranks` order."""
+        self._check_method(method_name)
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad or not ranks:
+            raise ValueError(f"{self.name}: ranks {list(ranks)} must be a non-empty subset of 0..{self.world_size - 1}")
+        shared = _share_repeated_args([(args, kwargs)] * len(ranks))
+        handles = [getattr(self._workers[r], method_name).remote(*a, **kw) for r, (a, kw) in zip(ranks, shared)]
+        return self._wait(method_name, handles, ranks)
 
     def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         """Start `method_name(*args, **kwargs)` on rank 0; return its object ref."""

@@ -221,7 +221,25 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generate ``n`` responses per prompt row (interleaved); returns ``prompts, responses, input_ids,
         attention_mask, position_ids, response_mask`` (responses right-padded to exactly ``response_length``),
-        plus ``rollout_log_probs`` (the sampled tokens' log-probs, 0 after EOS) with ``calculate_log_probs``."""
+        plus ``rollout_log_probs`` (the sampled tokens' log-probs, 0 after EOS) with ``calculate_log_probs``.
+        Each rank brings its own rows (its data-parallel chunk); the ranks of a TP group generate them together."""
+        return self._generate(prompts, whole_replica=False)
+
+    def generate_replica_sequences(self, prompts: DataProto) -> DataProto:
+        """As :meth:`generate_sequences`, for a batch that every rank of this TP group (one data-parallel replica)
+        received whole: the group's first rank draws the sampling seeds for all ranks, every rank returns every
+        row. Lets a caller send each replica its own batch (the async rollout loop)."""
+        return self._generate(prompts, whole_replica=True)
+
+    def _replica_seeds(self, rows: int) -> list[int]:
+        """Per-row sampling seeds drawn by the TP group's first rank, the same on every rank of the group."""
+        seeds = [torch.randint(0, MAX_SEED, (rows,)).tolist()]
+        if self.tp_group.world_size > 1:
+            first = dist.get_rank() - self.tp_group.rank_in_group
+            dist.broadcast_object_list(seeds, src=first, group=self.tp_group.cpu_group)
+        return seeds[0]
+
+    def _generate(self, prompts: DataProto, whole_replica: bool) -> DataProto:
         batch = select_batch(prompts, PROMPT_KEYS, "generate_sequences")
         check_left_padded(batch["attention_mask"])
         params, response_length, eos_ids, pad, n = self._sampling(prompts.meta_info)
@@ -235,9 +253,13 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
             raise ValueError(f"generate_sequences: rows {too_long[:8]} have prompts of at least "
                              f"actor_rollout_ref.rollout.max_model_len ({self.max_model_len}) tokens; raise it")
         sampled = params["temperature"] > 0
-        seeds = torch.randint(0, MAX_SEED, (len(rows),)).tolist() if sampled else [None] * len(rows)
-        all_rows, all_seeds, start = self._tp_gather(rows, seeds)
-        outputs = self._run(all_rows, all_seeds, params)[start: start + len(rows)]
+        if whole_replica:
+            seeds = self._replica_seeds(len(rows)) if sampled else [None] * len(rows)
+            outputs = self._run(rows, seeds, params)
+        else:
+            seeds = torch.randint(0, MAX_SEED, (len(rows),)).tolist() if sampled else [None] * len(rows)
+            all_rows, all_seeds, start = self._tp_gather(rows, seeds)
+            outputs = self._run(all_rows, all_seeds, params)[start: start + len(rows)]
         responses = torch.full((len(rows), response_length), pad, dtype=input_ids.dtype)
         log_probs = torch.zeros(len(rows), response_length, dtype=torch.float32)
         for i, out in enumerate(outputs):
