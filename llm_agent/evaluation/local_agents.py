@@ -157,10 +157,15 @@ class VLLMRolloutAgent:
             "max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "enforce_eager": True,
             "enable_prefix_caching": True, "seed": seed, "free_cache_engine": False, "calculate_log_probs": False,
             "do_sample": False})
-        self.rollout = vLLMRollout(str(self.model_dir), config, str(dtype).removeprefix("torch."), self.device)
-        stats = WeightSyncStats()
-        stream = ((name, tensor.to(self.device)) for name, tensor in fsdp_weight_stream(model, dtype, stats))
-        self.rollout.update_weights(stream, stats)
+        try:
+            self.rollout = vLLMRollout(str(self.model_dir), config, str(dtype).removeprefix("torch."), self.device)
+            stats = WeightSyncStats()
+            stream = ((name, tensor.to(self.device)) for name, tensor in fsdp_weight_stream(model, dtype, stats))
+            self.rollout.update_weights(stream, stats)
+        except BaseException:
+            if self._owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+            raise
         del model
         logger.info("agent %s: vLLMRollout on %s (%s), %d tensors (%.1f MiB) loaded in %.2f s", self.model_dir,
                     self.device, dtype, stats.tensors, stats.bytes / 2**20, stats.seconds)
