@@ -7,8 +7,10 @@
         --user-sim-urls http://127.0.0.1:5000,http://127.0.0.1:5001
 
 An agent is `[NAME=]SPEC`: a Hugging Face model directory, a checkpoint (`global_step_N`, its `actor/`, or a
-checkpoint root: the latest complete step), an OpenAI-compatible endpoint `http(s)://...` (with --tokenizer), or
-`scripted:good|bad|malformed|ender` (the scripted stand-in, with --tokenizer). Without --user-sim-urls it starts
+checkpoint root: the latest complete step; with or without its HF export), generating through the trainer's
+`vLLMRollout` or `HFRollout` (--engine; auto = vLLM when it is installed), an OpenAI-compatible endpoint
+`http(s)://...` (with --tokenizer), or `scripted:good|bad|malformed|ender` (the scripted stand-in, with
+--tokenizer). Without --user-sim-urls it starts
 --num-sims scripted simulators on loopback and stops exactly those. Per agent it writes
 `<out>/<name>_dialogues.jsonl` (appended chunk by chunk; a rerun runs only missing dialogues) and
 `<out>/<name>_results.json` (every metric with its bootstrap CI). Compare them with for_evaluation/metrics_table.py.
@@ -25,7 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
-from llm_agent.evaluation.agents import AgentSpec, build_agent  # noqa: E402
+from llm_agent.evaluation.agents import AgentSpec, LocalEngineOptions, build_agent  # noqa: E402
+from llm_agent.evaluation.local_agents import ENGINES, pick_engine  # noqa: E402
 from llm_agent.evaluation.runner import EvalSettings, evaluate_agent  # noqa: E402
 from llm_agent.evaluation.sims import LocalSimulators  # noqa: E402
 from llm_agent.rollout.config import resolve_path  # noqa: E402
@@ -64,7 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--agent-model", default=None, help="model name at the agent endpoint (null: its first)")
     p.add_argument("--agent-api-key", default=None)
     p.add_argument("--agent-concurrency", type=int, default=16, help="parallel requests to an agent endpoint")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per generate() of a local model")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="how a model/checkpoint agent generates: the trainer's vLLMRollout (vllm) or HFRollout (hf); "
+                        "auto = vllm when it is installed")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per generate() of a local model (hf)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM's share of the GPU (vllm)")
     p.add_argument("--retry-errors", action="store_true", help="rerun dialogues whose last run ended in error")
     p.add_argument("--n-resamples", type=int, default=1000, help="bootstrap resamples")
     p.add_argument("--confidence", type=float, default=0.95)
@@ -96,6 +103,9 @@ def run(args: argparse.Namespace) -> list[Path]:
         user_sim={"temperature": args.sim_temperature, "top_p": args.sim_top_p, "max_tokens": args.sim_max_tokens,
                   "timeout_s": args.sim_timeout_s, "max_attempts": args.sim_max_attempts, "model": args.sim_model,
                   "api_key": args.sim_api_key})
+    local = LocalEngineOptions(engine=pick_engine(args.engine), micro_batch_size=args.micro_batch_size,
+                               max_model_len=args.max_prompt_length + args.max_response_length,
+                               gpu_memory_utilization=args.gpu_memory_utilization)
     sims = None
     if args.user_sim_urls:
         urls = parse_urls(args.user_sim_urls)
@@ -107,12 +117,13 @@ def run(args: argparse.Namespace) -> list[Path]:
         for spec in specs:
             agent, tokenizer = build_agent(spec.spec, scenario, tokenizer_path=args.tokenizer,
                                            agent_model=args.agent_model, api_key=args.agent_api_key,
-                                           concurrency=args.agent_concurrency, micro_batch_size=args.micro_batch_size)
+                                           concurrency=args.agent_concurrency, local=local)
             try:
                 summary = evaluate_agent(spec.name, agent, tokenizer, settings, args.out, user_sim_urls=urls,
                                          chunk_size=args.chunk_size, retry_errors=args.retry_errors,
                                          n_resamples=args.n_resamples, confidence=args.confidence,
-                                         agent_description=spec.spec, step=checkpoint_step(spec.spec))
+                                         agent_description=spec.describe(local.engine),
+                                         step=checkpoint_step(spec.spec))
             finally:
                 if hasattr(agent, "close"):
                     agent.close()

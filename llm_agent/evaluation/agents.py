@@ -1,12 +1,13 @@
 """The agents an evaluation can run, each behind the actor worker group's interface (`generate_sequences(DataProto)`
 and `world_size`), so the rollout loop drives them exactly as it drives the trainer's policy.
 
-- `HFRolloutAgent`: a Hugging Face model directory (or a training checkpoint's `actor/` export) generating through
-  `verl.workers.rollout.hf_rollout.HFRollout`, the trainer's own rollout code (single process, GPU when present).
+- a Hugging Face model directory or a training checkpoint (`llm_agent.evaluation.local_agents`): generating through
+  the trainer's own rollout engines, `HFRollout` or `vLLMRollout` (`engine`: auto = vLLM when it is installed).
 - `OpenAIChatAgent`: any OpenAI-compatible chat-completions endpoint serving the agent (a hosted baseline). Each
-  left-padded context is decoded, split into chat messages with the tokenizer's chat template, sent to the
-  endpoint, and the answer is tokenized with the same tokenizer (plus EOS unless it stopped on the length limit).
-  The rollout loop's token budgets therefore count this tokenizer's tokens, not the hosted model's.
+  left-padded context is decoded, split into chat messages with the tokenizer's chat template
+  (`llm_agent.rollout.chat_layout.ChatLayout`), sent to the endpoint, and the answer is tokenized with the same
+  tokenizer (plus EOS unless it stopped on the length limit). The rollout loop's token budgets therefore count
+  this tokenizer's tokens, not the hosted model's.
 - `scripted:<quality>`: the scripted stand-in agent (`llm_agent.stand_ins`), a reference point for tests and demos.
 
 `build_agent(spec, ...)` picks one from a command-line spec: a directory, an `http(s)://` URL or `scripted:...`.
@@ -22,59 +23,21 @@ from typing import Any
 
 import httpx
 import torch
-from omegaconf import OmegaConf
 from tensordict import TensorDict
 
+from llm_agent.evaluation.local_agents import HFRolloutAgent, VLLMRolloutAgent, pick_engine
+from llm_agent.rollout.chat_layout import ChatLayout
 from llm_agent.scenario import Scenario
-from llm_agent.stand_ins.scripted_policy import QUALITIES, ChatLayout, ScriptedPolicyWorkerGroup
 from verl.protocol import DataProto
-from verl.utils.checkpoint import find_latest_checkpoint
 from verl.utils.dataset import load_tokenizer
 from verl.workers.batching import select_batch
-from verl.workers.rollout.hf_rollout import PROMPT_KEYS, HFRollout, generation_tensors
+from verl.workers.rollout.hf_rollout import PROMPT_KEYS, generation_tensors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgentSpec", "HFRolloutAgent", "OpenAIChatAgent", "build_agent", "resolve_model_dir"]
+__all__ = ["AgentSpec", "LocalEngineOptions", "OpenAIChatAgent", "build_agent"]
 
 SCRIPTED_PREFIX = "scripted:"
-
-
-def resolve_model_dir(path: str | Path) -> Path:
-    """The HF model directory behind `path`: itself, its `actor/` export (a `global_step_N` checkpoint), or the
-    latest complete checkpoint's `actor/` (a checkpoint root); ValueError naming the path otherwise."""
-    root = Path(path)
-    if (root / "config.json").is_file():
-        return root
-    if (root / "actor" / "config.json").is_file():
-        return root / "actor"
-    latest = find_latest_checkpoint(root) if root.is_dir() else None
-    if latest is not None and (latest / "actor" / "config.json").is_file():
-        return latest / "actor"
-    raise ValueError(f"{path}: not a model directory (no config.json), a checkpoint with actor/config.json, or a "
-                     "checkpoint root with a complete global_step_N")
-
-
-class HFRolloutAgent:
-    """A local model generating through the trainer's `HFRollout` (greedy unless the batch's meta_info samples)."""
-
-    world_size = 1
-
-    def __init__(self, model_dir: str | Path, micro_batch_size: int | None = None, device: str | None = None):
-        from transformers import AutoModelForCausalLM
-
-        self.model_dir = resolve_model_dir(model_dir)
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        self.tokenizer = load_tokenizer(str(self.model_dir))
-        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype).to(self.device)
-        self.rollout = HFRollout(model, OmegaConf.create({"micro_batch_size_per_gpu": micro_batch_size,
-                                                          "do_sample": False}))
-        logger.info("agent %s on %s (%s)", self.model_dir, self.device, dtype)
-
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """HFRollout's `generate_sequences` on this process's model."""
-        return self.rollout.generate_sequences(prompts)
 
 
 class OpenAIChatAgent:
@@ -92,10 +55,6 @@ class OpenAIChatAgent:
         self.base_url = base_url.rstrip("/")
         self.tokenizer = tokenizer
         self.layout = ChatLayout(tokenizer)
-        probe = tokenizer.apply_chat_template([{"role": "system", "content": "@@S0@@"},
-                                               {"role": "user", "content": "@@U1@@"}], tokenize=False,
-                                              add_generation_prompt=True)
-        self._system_prefix = probe[:probe.find("@@S0@@")]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
         self.concurrency, self.max_attempts = max(1, concurrency), max(1, max_attempts)
@@ -114,13 +73,7 @@ class OpenAIChatAgent:
 
     def messages(self, text: str) -> list[dict[str, str]]:
         """The chat messages of one decoded agent-side context (system prompt, then user/assistant turns)."""
-        start = text.find(self._system_prefix)
-        end = text.find(self.layout.system_to_user)
-        if start < 0 or end < start:
-            raise ValueError("the decoded context does not start with a system message of the chat template")
-        system = text[start + len(self._system_prefix):end]
-        return [{"role": "system", "content": system},
-                *({"role": role, "content": content} for role, content in self.layout.split(text))]
+        return self.layout.messages(text)
 
     def _complete(self, messages: list[dict[str, str]], settings: dict[str, Any]) -> tuple[str, str]:
         """(text, finish_reason) of one chat completion, retried on transport errors, 429 and 5xx."""
@@ -202,23 +155,51 @@ class AgentSpec:
             tail = f"{parts[-2]}_{tail[len('global_step_'):]}"
         return cls(tail, spec)
 
+    @property
+    def is_local(self) -> bool:
+        """True for a model directory or checkpoint (not an endpoint or the scripted agent)."""
+        return not self.spec.startswith(("http://", "https://", SCRIPTED_PREFIX))
+
+    def describe(self, engine: str) -> str:
+        """The spec as results files record it; a local agent's with the engine that generated."""
+        return f"{self.spec} ({engine})" if self.is_local else self.spec
+
+
+@dataclass
+class LocalEngineOptions:
+    """How a model directory or checkpoint agent generates: `engine` (auto | hf | vllm; auto = vllm when it is
+    installed), HF's rows per `generate` call, and the vLLM engine's context limit (prompt + dialogue tokens) and
+    GPU memory share."""
+
+    engine: str = "auto"
+    micro_batch_size: int | None = None
+    max_model_len: int = 4096 + 1024
+    gpu_memory_utilization: float = 0.8
+
 
 def build_agent(spec: str, scenario: Scenario, tokenizer_path: str | None = None, agent_model: str | None = None,
-                api_key: str | None = None, concurrency: int = 16, micro_batch_size: int | None = None
+                api_key: str | None = None, concurrency: int = 16, local: LocalEngineOptions | None = None
                 ) -> tuple[Any, Any]:
-    """(worker-group-like agent, its tokenizer) for a spec: a model/checkpoint directory, an `http(s)://` endpoint
-    (needs `tokenizer_path`) or `scripted:<quality>` (needs `tokenizer_path`)."""
+    """(worker-group-like agent, its tokenizer) for a spec: a model/checkpoint directory (generating as `local`
+    says), an `http(s)://` endpoint (needs `tokenizer_path`) or `scripted:<quality>` (needs `tokenizer_path`)."""
     if spec.startswith(("http://", "https://")) or spec.startswith(SCRIPTED_PREFIX):
         if not tokenizer_path:
             raise ValueError(f"agent {spec!r} needs --tokenizer DIR (the tokenizer whose chat template carries the "
                              "dialogue between the loop and the agent)")
         tokenizer = load_tokenizer(tokenizer_path)
         if spec.startswith(SCRIPTED_PREFIX):
+            from llm_agent.stand_ins.scripted_policy import QUALITIES, ScriptedPolicyWorkerGroup
+
             quality = spec[len(SCRIPTED_PREFIX):]
             if quality not in QUALITIES:
                 raise ValueError(f"agent {spec!r}: the scripted quality must be one of {QUALITIES}")
             return ScriptedPolicyWorkerGroup(tokenizer, scenario, world_size=1, quality=quality), tokenizer
         return OpenAIChatAgent(spec, tokenizer, model=agent_model, api_key=api_key,
                                concurrency=concurrency), tokenizer
-    agent = HFRolloutAgent(spec, micro_batch_size=micro_batch_size)
+    local = local or LocalEngineOptions()
+    if pick_engine(local.engine) == "vllm":
+        agent: Any = VLLMRolloutAgent(spec, max_model_len=local.max_model_len,
+                                      gpu_memory_utilization=local.gpu_memory_utilization)
+    else:
+        agent = HFRolloutAgent(spec, micro_batch_size=local.micro_batch_size)
     return agent, agent.tokenizer

@@ -1,7 +1,8 @@
 """The parts of the SEAD rollout loop (the loop itself is `llm_agent/generation.py`, the name configs use).
 
 `config.py`: `GenerationConfig`, the typed `rollout_loop.config` block. `dialogue.py`: one dialogue's state, the
-shared token buffer and the chat template's role markers. `records.py`: per-dialogue `non_tensor_batch` columns
-and rollout-log lines. `trainer_hooks.py`: the hooks the trainer calls (step end, validation end, checkpoint
-state) and the simulator error-rate guard.
+shared token buffer and the chat template's role markers. `chat_layout.py`: a decoded context split back into
+chat messages (for agents that take messages, not token ids). `records.py`: per-dialogue `non_tensor_batch`
+columns and rollout-log lines. `trainer_hooks.py`: the hooks the trainer calls (step end, validation end,
+checkpoint state) and the simulator error-rate guard.
 """

@@ -4,8 +4,8 @@
 `verl.workers.rollout.hf_rollout.HFRollout` (left-padded prompts in, responses right-padded to
 `meta_info["response_length"]`, EOS-terminated, mask 1 up to and including the EOS), but the words come from a
 :class:`ScriptedAgent` instead of a model. The agent is stateless: it decodes each row, splits the chat with the
-tokenizer's chat template (:class:`ChatLayout`) and replays the agent-side dialogue (its own earlier turns and
-the user's spoken replies) to see where the call is. It writes only what :class:`SopLines` composes from the
+tokenizer's chat template (`llm_agent.rollout.chat_layout.ChatLayout`) and replays the agent-side dialogue (its
+own earlier turns and the user's spoken replies) to see where the call is. It writes only what :class:`SopLines` composes from the
 scenario's `scripted` cue words, so it works for any scenario file and never reads the user's state tags.
 
 Qualities: "good" follows the SOP (introduction with the identity question, one short answer per voiced
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from llm_agent.rollout.chat_layout import ChatLayout
 from llm_agent.scenario import STATE_DIMS, STATUS_COMPLETED, STATUS_CONTINUE, CueList, Scenario
 from verl.protocol import DataProto
 from verl.workers.batching import select_batch
@@ -37,7 +38,7 @@ from verl.workers.rollout.hf_rollout import generation_tensors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUALITIES", "ChatLayout", "ScriptedAgent", "ScriptedPolicyWorkerGroup", "too_similar"]
+__all__ = ["QUALITIES", "ScriptedAgent", "ScriptedPolicyWorkerGroup", "too_similar"]
 
 QUALITIES = ("good", "bad", "malformed", "ender", "evasive")
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -162,62 +163,6 @@ class SopLines:
         mid = {d: (ranges[d].min + ranges[d].max) // 2 for d in STATE_DIMS}
         reply = f"{self.openers[0]} {self.intros[0]}".strip()
         return [self.scenario.format_agent_output(reply, sid, STATUS_CONTINUE, mid) for sid in self.scenario.stage_ids]
-
-
-class ChatLayout:
-    """Where a tokenizer's chat template puts role switches, learnt by rendering a probe conversation.
-
-    `split(text)` turns a decoded agent-side chat (system prompt, opening, then assistant and user turns, ending
-    with the generation prompt) into (role, content) pairs after the system prompt. The end-of-turn token before
-    a role switch is optional, so a turn that was cut before its EOS still splits.
-    """
-
-    _PROBE = ("@@S0@@", "@@U1@@", "@@A1@@", "@@U2@@")
-
-    def __init__(self, tokenizer: Any) -> None:
-        sys_, u1, a1, u2 = self._PROBE
-        messages = [{"role": "system", "content": sys_}, {"role": "user", "content": u1},
-                    {"role": "assistant", "content": a1}, {"role": "user", "content": u2}]
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except (ValueError, AttributeError) as exc:
-            raise ValueError(f"ChatLayout: the tokenizer cannot render a chat ({exc}); it needs a chat template") \
-                from None
-        positions = [text.find(s) for s in self._PROBE]
-        if min(positions) < 0 or positions != sorted(positions):
-            raise ValueError("ChatLayout: the chat template does not render system, user and assistant contents "
-                             "in order; the scripted policy cannot read the dialogue")
-        self.system_to_user = text[positions[0] + len(sys_):positions[1]]
-        self.to_assistant = text[positions[1] + len(u1):positions[2]]
-        self.to_user = text[positions[2] + len(a1):positions[3]]
-        self.generation_prompt = text[positions[3] + len(u2):]
-        eos = getattr(tokenizer, "eos_token", None) or ""
-        self._split = re.compile("|".join(f"({self._optional_eos(sep, eos)})"
-                                          for sep in (self.to_assistant, self.to_user)))
-
-    @staticmethod
-    def _optional_eos(separator: str, eos: str) -> str:
-        """A regex for `separator` whose leading end-of-turn token may be missing."""
-        if eos and separator.startswith(eos):
-            return f"(?:{re.escape(eos)})?{re.escape(separator[len(eos):])}"
-        return re.escape(separator)
-
-    def split(self, text: str) -> list[tuple[str, str]]:
-        """(role, content) pairs after the system prompt; ValueError when the text has no system-to-user switch."""
-        start = text.find(self.system_to_user)
-        if start < 0:
-            raise ValueError("the decoded prompt has no system message followed by a user message")
-        rest = text[start + len(self.system_to_user):]
-        if rest.endswith(self.generation_prompt):
-            rest = rest[: len(rest) - len(self.generation_prompt)]
-        pairs: list[tuple[str, str]] = []
-        role, pos = "user", 0
-        for m in self._split.finditer(rest):
-            pairs.append((role, rest[pos:m.start()]))
-            role = "assistant" if m.group(1) is not None else "user"
-            pos = m.end()
-        pairs.append((role, rest[pos:]))
-        return pairs
 
 
 class ScriptedAgent:

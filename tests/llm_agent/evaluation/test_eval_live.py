@@ -1,5 +1,5 @@
-"""Live evaluation (slow): an agent served over a real OpenAI-compatible HTTP endpoint, evaluate.py on a model
-directory against simulators it starts itself (interrupted and resumed), and a simulator killed mid-evaluation."""
+"""Live evaluation (slow): an agent served over a real OpenAI-compatible HTTP endpoint, evaluate.py on a trainer
+checkpoint against simulators it starts itself (interrupted and resumed), and a simulator killed mid-evaluation."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,9 @@ import time
 
 import pytest
 import uvicorn
+from checkpoint_fixtures import write_checkpoint
 
-from llm_agent.evaluation.agents import OpenAIChatAgent, resolve_model_dir
+from llm_agent.evaluation.agents import OpenAIChatAgent
 from llm_agent.evaluation.runner import EvalSettings, dialogues_path, evaluate_agent
 from llm_agent.evaluation.sims import LocalSimulators, free_port
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
@@ -114,16 +115,19 @@ def test_killing_one_of_two_simulators_loses_no_dialogue(tok, scenario, test_fil
 
 
 def _evaluate_cmd(model, test_file, out):
-    return [sys.executable, str(REPO / "for_evaluation" / "evaluate.py"), "--agent", f"warm={model}",
-            "--test-file", test_file, "--out", str(out), "--max-turns", "3", "--max-tokens-per-turn", "48",
+    return [sys.executable, str(REPO / "for_evaluation" / "evaluate.py"), "--agent", f"warm={model}", "--engine",
+            "hf", "--test-file", test_file, "--out", str(out), "--max-turns", "3", "--max-tokens-per-turn", "48",
             "--max-response-length", "400", "--chunk-size", "2", "--n-resamples", "50", "--num-sims", "2"]
 
 
-def test_evaluate_cli_on_a_model_dir_is_resumed_after_a_kill(warm_model_path, test_file, tmp_path):
+def test_evaluate_cli_on_a_trainer_checkpoint_is_resumed_after_a_kill(warm_model_path, test_file, tmp_path):
+    # the checkpoint root as the CPU demo leaves it (trainer.save_hf_model=every): its latest step is evaluated
+    checkpoint = tmp_path / "checkpoints"
+    write_checkpoint(warm_model_path, checkpoint, step=2, hf_export=True)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = tmp_path / "eval"
     log = dialogues_path(out, "warm")
-    first = subprocess.Popen(_evaluate_cmd(warm_model_path, test_file, out), cwd=tmp_path, env=env,
+    first = subprocess.Popen(_evaluate_cmd(checkpoint, test_file, out), cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     while not (log.exists() and len(log.read_text().splitlines()) >= 2) and first.poll() is None:
@@ -137,7 +141,7 @@ def test_evaluate_cli_on_a_model_dir_is_resumed_after_a_kill(warm_model_path, te
     done_before = lines(log)
     assert 2 <= len(done_before) < 8, "the interrupt came after the first chunk and before the end"
 
-    second = subprocess.run(_evaluate_cmd(warm_model_path, test_file, out), cwd=tmp_path, env=env,
+    second = subprocess.run(_evaluate_cmd(checkpoint, test_file, out), cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     n = len(done_before)
@@ -145,20 +149,7 @@ def test_evaluate_cli_on_a_model_dir_is_resumed_after_a_kill(warm_model_path, te
     final = lines(log)
     assert final[:n] == done_before and [r["dialogue_id"] for r in final] == [f"test{i}#0" for i in range(8)]
     results = json.loads((out / "warm_results.json").read_text())
+    assert results["agent"] == f"{checkpoint} (hf)"
     assert results["n_dialogues"] == 8 and set(results["metrics"]) >= {"completion_rate", "upa", "att"}
     assert all(r["num_turns"] == len(r["turns"]) >= 1 and r["split"] == "eval" for r in final)
 
-
-def test_model_directories_resolve_to_the_actor_export(tiny_model_path, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    for step in (1, 2):
-        (ckpt / f"global_step_{step}" / "actor").mkdir(parents=True)
-        (ckpt / f"global_step_{step}" / "actor" / "config.json").write_text("{}")
-        (ckpt / f"global_step_{step}" / "trainer_state.json").write_text(f'{{"global_step": {step}}}')  # marks it complete
-    (ckpt / "global_step_3.partial" / "actor").mkdir(parents=True)  # an interrupted save: ignored
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    assert resolve_model_dir(tiny_model_path) == type(ckpt)(tiny_model_path)
-    assert resolve_model_dir(ckpt) == ckpt / "global_step_2" / "actor"
-    assert resolve_model_dir(ckpt / "global_step_1") == ckpt / "global_step_1" / "actor"
-    with pytest.raises(ValueError, match="not a model directory"):
-        resolve_model_dir(tmp_path / "nothing")

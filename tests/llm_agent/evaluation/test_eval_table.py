@@ -80,3 +80,35 @@ def test_cli_writes_all_formats_and_rejects_bad_input(two_agents, tmp_path, caps
         main([str(tmp_path / "missing_results.json")])
     with pytest.raises(SystemExit, match="names must differ"):
         main([str(two_agents[0]), str(two_agents[0])])
+
+
+def _turn(agent, user, stage, status):
+    """One turn with (cooperation, emotion, trust) estimates of the agent and states of the simulator."""
+    dims = ("cooperation", "emotion", "trust")
+    return {"agent_state": dict(zip(dims, agent)), "user_state": dict(zip(dims, user)), "agent_stage": stage,
+            "agent_status": status, "user_source": "simulator"}
+
+
+def test_every_paper_column_on_a_hand_computed_fixture(tmp_path):
+    # outbound_ad_trial.yaml: cooperation 0-4, emotion 0-3, trust 0-5 (spans 4, 3, 5); stages 0-3
+    done = {**record("completed", 2, 0, profile=(1, 1, 1)),
+            "turns": [_turn((1, 1, 1), (2, 1, 2), 0, 0), _turn((2, 2, 2), (3, 2, 4), 1, 1)]}
+    false_claim = {**record("hung_up", 1, 1, profile=(2, 2, 2)), "turns": [_turn((2, 2, 2), (0, 0, 1), 2, 1)]}
+    failed = record("error", 0, 2, profile=(0, 0, 0))  # left out of every column below
+    path = write_results(tmp_path, "x", [done, false_claim, failed])
+    table = build_table([load_evaluation(path)], n_resamples=20)
+    (row,) = csv.DictReader(io.StringIO(render(table, "csv")))
+    turn_errors = [(1 / 4 + 0 / 3 + 1 / 5) / 3, (1 / 4 + 0 / 3 + 2 / 5) / 3, (2 / 4 + 2 / 3 + 1 / 5) / 3]
+    expected = {
+        "CR": 1 / 2,  # one of the two non-error dialogues completed
+        "FPR": 1 / 2,  # both claimed done on their last turn; the hung-up one falsely
+        "SCR": 1 / 2,  # stages 0,1 complete; stage 2 alone skips 0 and 1
+        "ATT": 2.0, "ADT": (2 + 1) / 2,
+        "UPA": 1 - sum(turn_errors) / 3,
+        "EI": ((2 - 1) + (0 - 2)) / 2,  # profile value to the simulator's last emotion
+        "TI": ((4 - 1) + (1 - 2)) / 2,
+        "CI": ((3 - 1) + (0 - 2)) / 2,
+    }
+    for column, value in expected.items():
+        assert float(row[f"{column}_value"]) == pytest.approx(value, abs=1e-9), column
+    assert row["n_dialogues"] == "3"

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_agent.scenario import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, UserProfile, load_scenario, \
     sample_behaviors
-from llm_agent.stand_ins.scripted_policy import ChatLayout, ScriptedAgent, ScriptedPolicyWorkerGroup, too_similar
+from llm_agent.stand_ins.scripted_policy import ScriptedAgent, ScriptedPolicyWorkerGroup, too_similar
 from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from verl.protocol import DataProto
@@ -158,19 +158,6 @@ def test_bad_batches_are_refused_with_a_clear_error(tokenizer):
     with pytest.raises(ValueError, match="quality"):
         ScriptedPolicyWorkerGroup(tokenizer, OUTBOUND, quality="great")
     assert wg.calls == []
-
-
-def test_chat_layout_splits_turns_even_when_a_turn_lost_its_eos(tokenizer):
-    layout = ChatLayout(tokenizer)
-    chat = opening(OUTBOUND) + [{"role": "assistant", "content": "<response>Hi</response>"},
-                                {"role": "user", "content": "Who is this?"}]
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    expected = [("user", OUTBOUND.agent_opening), ("assistant", "<response>Hi</response>"),
-                ("user", "Who is this?")]
-    assert layout.split(text) == expected
-    assert layout.split(text.replace(f"</response>{tokenizer.eos_token}", "</response>")) == expected
-    with pytest.raises(ValueError, match="no system message"):
-        layout.split("just words")
 
 
 @pytest.mark.parametrize("path", SCENARIO_FILES, ids=[p.stem for p in SCENARIO_FILES])

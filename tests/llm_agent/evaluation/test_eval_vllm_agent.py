@@ -1,0 +1,102 @@
+"""Evaluation agents generating through the trainer's vLLMRollout (`--engine vllm`), in the vLLM environment.
+
+The expected dialogues come from the other engine: the same weights generating through HFRollout (transformers
+`generate`) on the HF model directory. The vLLM agent reads a trainer checkpoint saved without its HF export
+(only `sharded_state/`), so the weights reach the engine the way the trainer's do (in memory, never from disk).
+Needs vLLM (`make vllm-env`); skipped with that reason elsewhere.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from checkpoint_fixtures import write_checkpoint
+
+from llm_agent.evaluation.local_agents import HFRolloutAgent, VLLMRolloutAgent
+from llm_agent.evaluation.runner import EvalSettings, dialogues_path, evaluate_agent
+from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
+from tests.conftest import COMPACT_SYSTEM_PROMPT
+from tests.llm_agent.gen_loop_helpers import REPO, SCENARIO_PATH
+from utils.create_prompt_data import create_prompt_data
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="needs vLLM: run with the vLLM environment's python (make vllm-env)")]
+
+N_DIALOGUES = 6
+LOOP = dict(max_turns=4, max_tokens_per_turn=128, max_response_length=800, max_prompt_length=512)
+
+
+@pytest.fixture(scope="module")
+def test_file(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prompt_data")
+    return str(create_prompt_data(SCENARIO_PATH, out, train_samples=1, test_samples=N_DIALOGUES, seed=5,
+                                  system_prompt=COMPACT_SYSTEM_PROMPT)["test"])
+
+
+@pytest.fixture(scope="module")
+def checkpoint_root(warm_model_path, tmp_path_factory):
+    """A trainer checkpoint root of the warm model whose step holds no HF export (sharded state only)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    step = write_checkpoint(warm_model_path, root, step=2, hf_export=False)
+    assert not list((step / "actor").glob("*.safetensors")) and (step / "actor" / "sharded_state").is_dir()
+    return root
+
+
+def lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _evaluate(name, agent, tok, scenario, test_file, out):
+    settings = EvalSettings(scenario=str(SCENARIO_PATH), test_file=test_file, max_dialogues=N_DIALOGUES, **LOOP)
+    try:
+        return evaluate_agent(name, agent, tok, settings, out, client=InProcessUserSim(scenario), chunk_size=3,
+                              n_resamples=50)
+    finally:
+        if hasattr(agent, "close"):
+            agent.close()
+
+
+def test_vllm_and_hf_agents_hold_identical_greedy_dialogues(warm_model_path, checkpoint_root, tok, scenario,
+                                                             test_file, tmp_path):
+    hf = HFRolloutAgent(warm_model_path)
+    _evaluate("hf", hf, hf.tokenizer, scenario, test_file, tmp_path)
+    vllm = VLLMRolloutAgent(checkpoint_root, max_model_len=LOOP["max_prompt_length"] + LOOP["max_response_length"])
+    assert vllm.model_dir == checkpoint_root / "global_step_2" / "actor"
+    _evaluate("vllm", vllm, vllm.tokenizer, scenario, test_file, tmp_path)
+
+    want, got = lines(dialogues_path(tmp_path, "hf")), lines(dialogues_path(tmp_path, "vllm"))
+    assert [r["dialogue_id"] for r in got] == [f"test{i}#0" for i in range(N_DIALOGUES)]
+    # the greedy tiny model writes few distinct turns, but some reach the simulator, whose replies (and so the
+    # later contexts and the outcomes) differ between profiles
+    assert sum(t["user_source"] != "format_error" for r in want for t in r["turns"]) >= N_DIALOGUES // 2
+    assert len({r["outcome"] for r in want}) > 1 and sum(r["num_turns"] for r in want) > 2 * N_DIALOGUES
+    for g, w in zip(got, want):
+        assert [t["agent_text"] for t in g["turns"]] == [t["agent_text"] for t in w["turns"]], g["dialogue_id"]
+        assert g == w, g["dialogue_id"]
+
+
+def test_evaluate_cli_with_the_vllm_engine_runs_a_checkpoint_and_a_model_dir_in_one_process(
+        warm_model_path, checkpoint_root, test_file, tmp_path):
+    out = tmp_path / "eval"
+    cmd = [sys.executable, str(REPO / "for_evaluation" / "evaluate.py"), "--engine", "vllm",
+           "--agent", f"ckpt={checkpoint_root}", "--agent", f"warm={warm_model_path}", "--test-file", test_file,
+           "--out", str(out), "--max-dialogues", "3", "--max-turns", str(LOOP["max_turns"]),
+           "--max-tokens-per-turn", str(LOOP["max_tokens_per_turn"]), "--max-response-length",
+           str(LOOP["max_response_length"]), "--max-prompt-length", str(LOOP["max_prompt_length"]),
+           "--chunk-size", "3", "--n-resamples", "50", "--num-sims", "1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for name in ("ckpt", "warm"):
+        assert f"{name}: 3 dialogues (0 resumed, 3 run)" in proc.stdout, proc.stdout
+    results = {name: json.loads((out / f"{name}_results.json").read_text()) for name in ("ckpt", "warm")}
+    assert results["ckpt"]["agent"] == f"{checkpoint_root} (vllm)" and results["ckpt"]["step"] == 0
+    assert results["warm"]["agent"] == f"{warm_model_path} (vllm)"
+    ckpt, warm = lines(dialogues_path(out, "ckpt")), lines(dialogues_path(out, "warm"))
+    assert [r["turns"] for r in ckpt] == [r["turns"] for r in warm], "same weights, same greedy dialogues"
+    assert all(r["num_turns"] == len(r["turns"]) >= 1 for r in ckpt)
