@@ -54,7 +54,7 @@ def _prompt_files(out: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def _config(model: str, out: Path, urls: list[str], steps: int):
+def _config(model: str, out: Path, urls: list[str], steps: int, extra: tuple[str, ...] = ()):
     from verl.trainer.config_schema import compose_config
 
     train, test = _prompt_files(out / "data")
@@ -71,7 +71,7 @@ def _config(model: str, out: Path, urls: list[str], steps: int):
         f"{loop}.scenario={SCENARIO}", f"{loop}.max_turns=4", f"{loop}.max_tokens_per_turn=96",
         f"{loop}.max_user_tokens=64", f"{loop}.user_sim.urls='{','.join(urls)}'", f"{loop}.user_sim.timeout_s=10",
         f"{loop}.cache.min_bucket_size=1", f"{loop}.rollout_log_path={out / 'rollouts.jsonl'}",
-        f"{loop}.val_metrics_path={out / 'val_metrics.jsonl'}",
+        f"{loop}.val_metrics_path={out / 'val_metrics.jsonl'}", *extra,
     ], config_name="sead_trainer")
 
 
@@ -222,3 +222,33 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
     finally:
         resumed.shutdown()
         pool.remove()
+
+
+@pytest.mark.slow
+def test_sead_training_step_in_async_mode(warm_model_path, tmp_path, sims, ray_cluster):
+    """One GRPO step with rollout_loop.config.mode=async (cache and controller on) on the real trainer: every
+    dialogue is logged with an outcome its turns support, each row's reward is its own, the controller learnt from
+    the step, and the pacing metrics reach the step's metrics."""
+    _, urls = sims
+    config = _config(warm_model_path, tmp_path, urls, 1, ("rollout_loop.config.mode=async",
+                                                          "trainer.save_freq=-1", "trainer.test_freq=-1"))
+    trainer, pool = _trainer(config)
+    try:
+        trainer.init_workers()
+        trainer.fit()
+        batch = trainer.last_batch
+        controller = trainer.rollout_loop.state_dict()["controller"]
+    finally:
+        trainer.shutdown()
+        pool.remove()
+    metrics = json.loads((tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["step"] == 1 and metrics["dialogue/n_dialogues"] == PROMPTS * GROUP
+    assert 0 < metrics["rollout/generate_busy_fraction"] <= 1 and metrics["rollout/generate_batches"] >= 1
+    assert metrics["rollout/dialogue_time_p95_s"] <= metrics["rollout/time_to_last_dialogue_s"] + 1e-6
+    lines = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert len({line["dialogue_id"] for line in lines}) == PROMPTS * GROUP
+    assert [line for line in lines if not _outcome_matches_transcript(line)] == []
+    from row_alignment import misaligned_rows
+
+    assert misaligned_rows(batch, trainer.tokenizer) == []
+    assert controller["updates"] == 1
