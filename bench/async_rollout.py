@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import resource
 import statistics
 import tempfile
 import time
@@ -106,9 +107,21 @@ def grouped_batch(tokenizer: Any, scenario: Any, dialogues: int) -> DataProto:
     return DataProto.from_dict(tensors, non_tensors={"uid": uids})
 
 
-def one_run(mode: str, policy: CostedPolicy, scenario: Any, urls: list[str], args: argparse.Namespace) -> dict:
-    """One rollout of `args.dialogues` dialogues in `mode`; returns its pacing metrics and outcome counts."""
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (`pid` None) or of process `pid` (from /proc)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_run(mode: str, policy: CostedPolicy, scenario: Any, urls: list[str], args: argparse.Namespace,
+            server_pids: list[int]) -> dict:
+    """One rollout of `args.dialogues` dialogues in `mode`; returns its pacing metrics, outcome counts and the
+    CPU time the driver and the simulator servers spent on it."""
     tokenizer = policy.tokenizer
+    cpu_before = [cpu_seconds()] + [cpu_seconds(pid) for pid in server_pids]
     config = {"scenario": str(SCENARIO), "mode": mode, "max_turns": args.turns, "max_tokens_per_turn": 256,
               "max_response_length": 320 * args.turns, "cache": {"enabled": False},
               "controller": {"enabled": True, "seed": 0}, "seed": 0,
@@ -130,7 +143,9 @@ def one_run(mode: str, policy: CostedPolicy, scenario: Any, urls: list[str], arg
             "generate_batches": int(m["rollout/generate_batches"]), "sim_requests": int(m["rollout/sim_requests"]),
             "outcomes": {o: outcomes.count(o) for o in sorted(set(outcomes))},
             "turns_min_mean_max": [min(turns), statistics.mean(turns), max(turns)],
-            "memo_misses": policy.misses - misses, "user_sim": sim_stats}
+            "memo_misses": policy.misses - misses, "user_sim": sim_stats,
+            "cpu_s": {"driver": cpu_seconds() - cpu_before[0],
+                      "simulators": sum(cpu_seconds(pid) for pid in server_pids) - sum(cpu_before[1:])}}
 
 
 def median_row(runs: list[dict]) -> dict:
@@ -171,12 +186,13 @@ def main(argv: list[str] | None = None) -> dict:
                 wait_healthy(url, proc)
             urls = [url for url, _ in servers]
             policy = CostedPolicy(tokenizer, scenario, args.call_ms, args.step_ms, args.step_row_us)
-            warm_up = one_run("sync", policy, scenario, urls, args)  # fills the memo
+            pids = [proc.pid for _, proc in servers]
+            warm_up = one_run("sync", policy, scenario, urls, args, pids)  # fills the memo
             logger.warning("warm-up: %d agent turns computed", warm_up["memo_misses"])
             runs: dict[str, list[dict]] = {"sync": [], "async": []}
             for repeat in range(args.repeats):
                 for mode in ("sync", "async"):
-                    runs[mode].append(one_run(mode, policy, scenario, urls, args))
+                    runs[mode].append(one_run(mode, policy, scenario, urls, args, pids))
                     logger.warning("repeat %d %s: %.2fs", repeat, mode, runs[mode][-1]["wall_s"])
         finally:
             for _, proc in servers:

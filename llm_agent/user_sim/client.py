@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from llm_agent.user_sim.client_stats import ClientStats, InstanceState
+from llm_agent.user_sim.http_pool import ShardedHTTP
 from llm_agent.user_sim.client_wire import (AttemptError, SimulatorCheckError, completion_text, instance_name,
                                             parse_urls, raise_for_status, served_model_ids)
 
@@ -173,9 +174,7 @@ class UserSimClient:
 
     async def _setup(self) -> None:
         """Create the loop-bound objects: HTTP connection pool, concurrency cap, up/down condition."""
-        limits = httpx.Limits(max_connections=self.max_in_flight + 2 * len(self._instances),
-                              max_keepalive_connections=self.max_in_flight)
-        self._http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout_s), headers=self._headers)
+        self._http = ShardedHTTP(self.max_in_flight + 2 * len(self._instances), self.timeout_s, self._headers)
         self._slots = asyncio.Semaphore(self.max_in_flight)
         self._up_changed = asyncio.Condition()
         for inst in self._instances:
