@@ -66,12 +66,13 @@ class CostedPolicy:
         self.misses = 0
         self.call_s, self.step_s, self.step_row_s = call_ms / 1e3, step_ms / 1e3, step_row_us / 1e6
 
-    def _answer(self, row: DataProto, key: bytes) -> list[int]:
-        """The scripted agent's response ids to one row (memoised)."""
+    def _answer(self, prompts: DataProto, i: int, context: torch.Tensor) -> list[int]:
+        """The scripted agent's response ids to row `i` (memoised by its context ids)."""
+        key = context.numpy().tobytes()
         if key not in self.memo:
             self.misses += 1
-            text = self.tokenizer.decode(row.batch["input_ids"][0][row.batch["attention_mask"][0].bool()].tolist())
-            group = int(_GROUP.search(text).group(1))
+            row = prompts[i:i + 1]
+            group = int(_GROUP.search(self.tokenizer.decode(context.tolist())).group(1))
             out = self.agents[QUALITIES[group % len(QUALITIES)]].generate_sequences(row)
             self.memo[key] = out.batch["responses"][0][out.batch["response_mask"][0].bool()].tolist()
         return self.memo[key]
@@ -80,7 +81,7 @@ class CostedPolicy:
         """Answer every row, after sleeping for the modelled cost of this batch."""
         started = time.perf_counter()
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
-        answers = [self._answer(prompts[i:i + 1], ids[i][mask[i].bool()].numpy().tobytes()) for i in range(len(ids))]
+        answers = [self._answer(prompts, i, ids[i][mask[i].bool()]) for i in range(len(ids))]
         length = int(prompts.meta_info["response_length"])
         pad = int(prompts.meta_info["pad_token_id"])
         responses = torch.tensor([(a + [pad] * length)[:length] for a in answers], dtype=ids.dtype)
