@@ -14,7 +14,6 @@ buffer on the event loop, where every dialogue appends its own tokens.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,8 +25,6 @@ import torch
 from llm_agent.rollout.pacing import BusyMeter
 from llm_agent.rollout.turns import GenerationCall
 from verl.workers.rollout.replicas import rollout_replicas
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["MicroBatchingEngine", "rollout_replicas"]
 

@@ -4,7 +4,10 @@ Every dialogue's turn is its own ``POST {url}/v1/chat/completions``. A batch is 
 httpx on a private event-loop thread) and each request goes to the healthy instance with the fewest requests
 in flight, so a slow instance simply receives less work. A failed attempt (connection error, timeout, non-200,
 or a 200 whose body is not a chat completion) is retried after a backoff on another instance when one exists.
-An instance with ``down_after_failures`` consecutive failures is marked down and probed with ``GET /health``
+A request an instance shed because it is saturated (HTTP 429, or 503 with code ``overloaded``) is sent again
+after a growing pause without using up an attempt or counting against the instance's health (bounded by
+``timeout_s`` of pauses). An instance with ``down_after_failures`` consecutive failures is marked down and
+probed with ``GET /health``
 every ``probe_interval_s`` until it answers; the client never restarts or kills a server. A turn that cannot
 be answered within ``max_attempts`` attempts and the batch deadline comes back as a :class:`TurnFailure`,
 never as a made-up reply. Every wait is bounded: one attempt by ``timeout_s``, a batch by ``deadline_s``.
@@ -31,6 +34,8 @@ from llm_agent.user_sim.client_wire import (AttemptError, SimulatorCheckError, c
                                             parse_urls, raise_for_status, served_model_ids)
 
 logger = logging.getLogger(__name__)
+
+MAX_SHED_PAUSE_S = 2.0  # the longest pause before re-sending a request an instance shed
 
 __all__ = ["ChatReply", "ChatRequest", "SimulatorCheckError", "TurnFailure", "UserSimClient", "parse_urls"]
 
@@ -236,19 +241,21 @@ class UserSimClient:
         return None if deadline is None else deadline - time.monotonic()
 
     async def _complete_one(self, req: ChatRequest, deadline: float | None) -> ChatReply | TurnFailure:
-        """All attempts of one turn, each on the least-loaded up instance not yet tried when possible."""
+        """All attempts of one turn, each on the least-loaded up instance not yet tried when possible.
+
+        A request an instance shed (`overloaded`) does not use up an attempt: it is sent again after a pause
+        that doubles up to `MAX_SHED_PAUSE_S`, for at most `timeout_s` of such pauses in all."""
         errors: list[str] = []
         tried: list[str] = []
-        attempts = 0
+        attempts = sheds = 0
+        pause = shed_wait = 0.0
         while attempts < self.max_attempts:
-            if attempts:
-                delay = self.backoff_s * 2 ** (attempts - 1) * random.uniform(0.5, 1.0)
+            if pause:
                 remaining = self._remaining(deadline)
-                await asyncio.sleep(delay if remaining is None else max(0.0, min(delay, remaining)))
+                await asyncio.sleep(pause if remaining is None else max(0.0, min(pause, remaining)))
             remaining = self._remaining(deadline)
             if remaining is not None and remaining <= 0:
                 return TurnFailure(req.dialogue_id, f"deadline of {self.deadline_s}s exceeded", attempts, errors)
-            attempts += 1
             try:
                 if self._pick(tried) is None:
                     wait_s = self.timeout_s if remaining is None else min(self.timeout_s, remaining)
@@ -256,11 +263,19 @@ class UserSimClient:
                         raise AttemptError("unavailable", f"no instance up within {wait_s:.2f}s")
                 inst, text, latency = await self._send(req, tried, deadline)
             except AttemptError as exc:
+                if exc.kind == "overloaded" and shed_wait < self.timeout_s:
+                    tried.pop()  # the instance is busy, not failing: it may be picked again
+                    pause = min(MAX_SHED_PAUSE_S, self.backoff_s * 2 ** sheds) * random.uniform(0.5, 1.0)
+                    sheds += 1
+                    shed_wait += pause
+                    continue
+                attempts += 1
                 errors.append(f"attempt {attempts}: {exc}")
                 if exc.kind == "rejected":
                     return TurnFailure(req.dialogue_id, f"request rejected: {exc}", attempts, errors)
+                pause = self.backoff_s * 2 ** (attempts - 1) * random.uniform(0.5, 1.0)
                 continue
-            return ChatReply(req.dialogue_id, text, inst.name, latency, attempts)
+            return ChatReply(req.dialogue_id, text, inst.name, latency, attempts + 1)
         return TurnFailure(req.dialogue_id, f"all {attempts} attempts failed", attempts, errors)
 
     async def _send(self, req: ChatRequest, tried: list[str], deadline: float | None) -> tuple[InstanceState, str, float]:
@@ -292,7 +307,9 @@ class UserSimClient:
                 self._record_failure(inst, "connection")
                 raise AttemptError("connection", f"{inst.name}: {type(exc).__name__}: {exc}") from None
             except AttemptError as exc:
-                if exc.kind != "rejected":
+                if exc.kind == "overloaded":  # busy, not broken: counted, but never marks the instance down
+                    self._stats.count_failure(inst, exc.kind)
+                elif exc.kind != "rejected":
                     self._record_failure(inst, exc.kind)
                 raise AttemptError(exc.kind, f"{inst.name}: {exc}") from None
             finally:

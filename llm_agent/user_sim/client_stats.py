@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 LATENCY_WINDOW = 10_000  # successful-request latencies kept per instance for the percentiles
-FAILURE_KINDS = ("timeout", "connection", "http", "garbage")
+FAILURE_KINDS = ("timeout", "connection", "http", "garbage", "overloaded")
 
 
 @dataclass

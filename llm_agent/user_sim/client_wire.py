@@ -15,7 +15,8 @@ class SimulatorCheckError(RuntimeError):
 
 
 class AttemptError(Exception):
-    """One failed attempt; `kind` is timeout | connection | http | garbage | rejected | unavailable | deadline."""
+    """One failed attempt; `kind` is timeout | connection | http | garbage | rejected | unavailable | deadline |
+    overloaded (the server shed the request: HTTP 429, or 503 with code `overloaded`; worth re-sending later)."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(detail)
@@ -57,14 +58,26 @@ def instance_name(url: str) -> str:
 
 
 def raise_for_status(response: httpx.Response) -> None:
-    """Raise `AttemptError` for a non-200: 'http' (worth retrying elsewhere) for 5xx, 408 and 429, else
-    'rejected' (the request itself is wrong: bad model name, missing API key, too long)."""
+    """Raise `AttemptError` for a non-200: 'overloaded' when the server shed load (429; 503 with code
+    `overloaded`), 'http' (worth retrying elsewhere) for other 5xx and 408, else 'rejected' (the request itself
+    is wrong: bad model name, missing API key, too long)."""
     if response.status_code == 200:
         return
     retryable = response.status_code >= 500 or response.status_code in (408, 429)
     request = response.request
     detail = f"{request.method} {request.url.path}: HTTP {response.status_code}: {response.text[:200]!r}"
+    if response.status_code == 429 or (response.status_code == 503 and _error_code(response) == "overloaded"):
+        raise AttemptError("overloaded", detail)
     raise AttemptError("http" if retryable else "rejected", detail)
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    """The `error.code` of an OpenAI-style error body, if it has one."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def completion_text(response: httpx.Response) -> str:

@@ -310,3 +310,21 @@ def test_many_concurrent_requests_use_several_small_connection_pools(sims):
     assert isinstance(single, ChatReply) and single.dialogue_id == "one0"
     with pytest.raises(RuntimeError, match="after close"):
         client.submit(dialogue_requests(1)[0])
+
+
+def test_a_saturated_server_sheds_load_and_every_turn_is_still_answered(tmp_path):
+    """A server with one worker thread and a queue of one answers most of 40 concurrent turns with 503 `overloaded`:
+    each such turn is sent again (not an attempt used up, not a failure of the instance) until answered."""
+    servers = SimServers(tmp_path)
+    try:
+        url = servers.start("--max-concurrency", "1", "--max-queue", "1")
+        servers.wait_ready(url)
+        with UserSimClient([url], max_attempts=2, timeout_s=20, backoff_s=0.01) as client:
+            results = client.complete_batch(dialogue_requests(40))
+            stats = client.stats()
+    finally:
+        servers.stop_all()
+    assert all(isinstance(r, ChatReply) for r in results), [r for r in results if not isinstance(r, ChatReply)][:2]
+    assert stats[f"user_sim/{name(url)}/failures_overloaded"] > 0  # the server did shed load
+    assert stats[f"user_sim/{name(url)}/marked_down"] == 0
+    assert max(r.attempts for r in results) == 1
