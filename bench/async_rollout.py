@@ -1,7 +1,8 @@
 """Benchmark: the rollout loop in sync and in async mode, side by side (issue 11).
 
     python -m bench.async_rollout [--dialogues 480] [--turns 10] [--repeats 3] [--median-ms 50] [--sigma 0.6]
-                                  [--slow-factor 5] [--call-ms 20] [--step-ms 0.3] [--step-row-us 4]
+                                  [--slow-factor 5] [--batch-wait-ms 5] [--call-ms 20] [--step-ms 0.3]
+                                  [--step-row-us 4]
                                   [--out bench/results/async_rollout.json]
 
 `--dialogues` training dialogues (controller on, cache off, so both modes meet the same users) against two
@@ -123,7 +124,8 @@ def one_run(mode: str, policy: CostedPolicy, scenario: Any, urls: list[str], arg
     CPU time the driver and the simulator servers spent on it."""
     tokenizer = policy.tokenizer
     cpu_before = [cpu_seconds()] + [cpu_seconds(pid) for pid in server_pids]
-    config = {"scenario": str(SCENARIO), "mode": mode, "max_turns": args.turns, "max_tokens_per_turn": 256,
+    config = {"scenario": str(SCENARIO), "mode": mode, "async_rollout": {"batch_wait_ms": args.batch_wait_ms},
+              "max_turns": args.turns, "max_tokens_per_turn": 256,
               "max_response_length": 320 * args.turns, "cache": {"enabled": False},
               "controller": {"enabled": True, "seed": 0}, "seed": 0,
               "user_sim": {"urls": urls, "timeout_s": 30.0, "max_attempts": 3, "check_at_start": False}}
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--median-ms", type=float, default=50.0)
     p.add_argument("--sigma", type=float, default=0.6)
     p.add_argument("--slow-factor", type=float, default=5.0)
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="rollout_loop.config.async_rollout.batch_wait_ms")
     p.add_argument("--call-ms", type=float, default=20.0)
     p.add_argument("--step-ms", type=float, default=0.3)
     p.add_argument("--step-row-us", type=float, default=4.0)
