@@ -4,14 +4,16 @@
 
 1. Warm start (utils/sft_warm_start.py): a small Qwen2 model (utils/make_tiny_model.py, scenario tags as whole
    tokens) is fine-tuned on scripted calls of a MIXTURE of agent qualities: mostly "evasive" (follows the SOP but
-   answers only a third of the doubt categories, so most of its calls end in a hang-up) and a minority of "good"
-   (answers every doubt, completes). The warm policy is a mixture too: greedy it mostly takes the evasive mode
-   and completes only the calls whose doubts it knows (a low but non-zero CR); sampled, it sometimes answers
-   the other doubts and completes.
+   answers only the doubts of the first 4 of the 14 doubt categories, so most of its calls end in a hang-up) and
+   a minority of "good" (answers every doubt, completes). The warm policy is a mixture too: greedy, it talks past
+   a doubt it does not know (a low but non-zero CR), but it has learnt the answers from the good calls and its
+   samples sometimes give one (the good mode GRPO can find). Too few calls and the answers are not learnt (the
+   model says "On that point:" with another category's answer); too large a good share and the greedy policy
+   already answers (see BENCHMARKS.md for both).
 2. GRPO on the real trainer (Ray, 2 FSDP workers on gloo, `python -m verl.trainer.main_ppo` code path via
-   RayPPOTrainer) against two scripted simulator servers (scripts/start_user_sims.sh), with the SEAD rollout
-   loop, the state controller on, the cache off (its state handling is being reworked and the cache does not
-   change what is learnable here) and the reward's default weights: completion only.
+   RayPPOTrainer; 8 prompts x 8 dialogues per step, two policy updates of 4 prompts each) against two scripted
+   simulator servers (scripts/start_user_sims.sh), with the SEAD rollout loop, the state controller on, the cache
+   off (the cache does not change what is learnable here) and the reward's default weights: completion only.
 3. Greedy validation on the fixed test profiles (utils/create_prompt_data.py test split) before training and
    every `--test-freq` steps: the CR curve. The controller's per-step CR by initial-state value and its sampling
    weights come from the trainer's metrics (`controller/*`); `controller_check` recomputes each step's weights
@@ -19,7 +21,9 @@
    rule in llm_agent/controller.py and reports the largest difference and the direction of the move.
 
 Writes `--out` (JSON: settings, seeds, machine, wall times, val CR curve, per-step train metrics, controller
-weights and per-value CRs, the check) and prints a table. Timings are noisy on a shared machine.
+weights and per-value CRs, the check, and `val_paired`: the first and last validations paired by profile with
+the one-sided exact sign test of bench/learning_stats.py) and prints a table. Timings are noisy on a shared
+machine.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.learning_check import controller_check, controller_table, valid_values  # noqa: E402
+from bench.learning_stats import paired_comparison  # noqa: E402
 
 logger = logging.getLogger("bench.learning")
 
@@ -59,9 +64,9 @@ class LearningSettings:
     layers: int = 2
     heads: int = 4
     vocab_size: int = 2048
-    sft_dialogues: int = 128
-    sft_mix: dict[str, float] = field(default_factory=lambda: {"evasive": 0.5, "good": 0.5})
-    sft_steps: int = 300
+    sft_dialogues: int = 1024
+    sft_mix: dict[str, float] = field(default_factory=lambda: {"evasive": 0.65, "good": 0.35})
+    sft_steps: int = 600
     sft_lr: float = 3e-3
     sft_batch_size: int = 8
     max_turns: int = 10
@@ -69,13 +74,18 @@ class LearningSettings:
     max_user_tokens: int = 48
     max_response_length: int = 768
     steps: int = 16
-    prompts_per_step: int = 4
+    prompts_per_step: int = 8
     group_size: int = 8
-    lr: float = 3e-4
+    lr: float = 2e-4
+    lr_warmup_steps: int = 0
+    ppo_mini_prompts: int = 4  # prompts per policy update (0: all of the step's, one update per step)
+    ppo_epochs: int = 1
+    filter_groups: bool = False  # dynamic sampling: drop groups whose dialogues all got the same reward
+    kl_coef: float = 0.0  # low_var_kl loss to the warm start (0: no KL loss, no reference model)
     loss_agg_mode: str = "seq-mean-token-mean"
     temperature: float = 0.7
     train_samples: int = 256
-    test_samples: int = 32
+    test_samples: int = 64
     test_freq: int = 4
     val_temperature: float = 0.0  # 0: greedy validation; > 0: sampled, val_n calls per fixed profile
     val_n: int = 1
@@ -127,7 +137,8 @@ class ScriptedSimulators:
 def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], work: Path, urls: str) -> list[str]:
     """The sead_trainer overrides of the GRPO run."""
     loop = "rollout_loop.config"
-    per_rank = s.prompts_per_step * s.group_size // 2  # one micro-batch per rank: the model is small
+    mini = s.ppo_mini_prompts or s.prompts_per_step
+    per_rank = mini * s.group_size // 2  # one micro-batch per rank: the model is small
     return [
         f"actor_rollout_ref.model.path={model}", f"data.train_files={data['train']}",
         f"data.val_files={data['test']}", "data.max_prompt_length=96",
@@ -135,7 +146,11 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         f"data.val_batch_size={s.test_samples}", f"data.seed={s.seed}",
         f"actor_rollout_ref.rollout.n={s.group_size}", f"actor_rollout_ref.rollout.temperature={s.temperature}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={per_rank}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={s.prompts_per_step}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}", f"actor_rollout_ref.actor.ppo_epochs={s.ppo_epochs}",
+        f"actor_rollout_ref.actor.optim.lr_warmup_steps={s.lr_warmup_steps}",
+        f"algorithm.filter_groups.enable={s.filter_groups}", f"actor_rollout_ref.actor.use_kl_loss={s.kl_coef > 0}",
+        "algorithm.filter_groups.max_num_gen_batches=4", f"actor_rollout_ref.actor.kl_loss_coef={s.kl_coef}",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={per_rank}", f"actor_rollout_ref.actor.optim.lr={s.lr}",
         f"actor_rollout_ref.actor.loss_agg_mode={s.loss_agg_mode}", f"actor_rollout_ref.actor.seed={s.seed}",
         f"trainer.total_training_steps={s.steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
@@ -203,7 +218,8 @@ def collect(s: LearningSettings, work: Path) -> dict[str, Any]:
     train = [{"step": m["step"], "train_cr": m["dialogue/completion_rate"], "score": m.get("critic/score/mean"),
               "controller": {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("controller/")}}
              for m in steps]
-    rollouts = [r for r in read_jsonl(work / "rollouts.jsonl") if r["split"] == "train"]
+    logged = read_jsonl(work / "rollouts.jsonl")
+    rollouts = [r for r in logged if r["split"] == "train"]
     from verl.trainer.config_schema import compose_config
 
     controller = compose_config([], config_name="sead_trainer").rollout_loop.config.controller
@@ -211,6 +227,7 @@ def collect(s: LearningSettings, work: Path) -> dict[str, Any]:
                                                   "max_ratio")}
     check = controller_check(train, rollouts, valid_values(SCENARIO), rule)
     return {"val_cr_before": curve[0]["completion_rate"], "val_cr_after": curve[-1]["completion_rate"],
+            "val_paired": paired_comparison(logged, curve[0]["step"], curve[-1]["step"]),
             "val_curve": curve, "train_steps": train, "controller_check": check}
 
 
@@ -230,6 +247,9 @@ def print_table(record: dict[str, Any]) -> None:
     gain = record["val_cr_after"] - record["val_cr_before"]
     print(f"val CR before {record['val_cr_before']:.3f} -> after {record['val_cr_after']:.3f} "
           f"({100 * gain:+.1f} points)")
+    paired = record["val_paired"]
+    print(f"paired by profile: {paired['gained']} gained, {paired['lost']} lost of {paired['n']}; one-sided exact "
+          f"sign test p = {paired['p_one_sided']:.2g}")
     print(controller_table(record["controller_check"]))
 
 

@@ -1,0 +1,62 @@
+"""Is a validation completion-rate gain more than noise? A paired exact test for bench.learning and its test.
+
+Validation calls each fixed test profile with greedy decoding against a seeded simulator, so the calls of two
+validations (before and after training) pair up by profile. Only the discordant pairs carry information: a
+profile that failed before and completed after ("gained") or the reverse ("lost"). Under the null hypothesis
+that training did not make completion more likely (a gained and a lost profile equally likely), `gained` is
+Binomial(gained + lost, 1/2); the one-sided exact sign test (McNemar's exact test) gives the probability of at
+least the observed `gained`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def sign_test_one_sided(gained: int, lost: int) -> float:
+    """P(X >= gained) for X ~ Binomial(gained + lost, 1/2): the one-sided exact sign (McNemar) test."""
+    if gained < 0 or lost < 0:
+        raise ValueError(f"counts must be >= 0, got gained={gained}, lost={lost}")
+    n = gained + lost
+    return sum(math.comb(n, k) for k in range(gained, n + 1)) / 2 ** n
+
+
+def _profile_key(line: Mapping[str, Any]) -> str:
+    """The identity of a validation call that does not change between validations: its position in the
+    validation batch (the uid without its step prefix, and the sample index) and its profile."""
+    position = line["uid"].split("_", 1)[1]
+    sample = line["dialogue_id"].rsplit("#", 1)[1]
+    return f"{position}#{sample}|{json.dumps(line['profile'], sort_keys=True)}"
+
+
+def val_outcomes(rollouts: Iterable[Mapping[str, Any]], step: int) -> dict[str, bool]:
+    """Per validation call of `step` (keyed by profile and position): whether it completed.
+
+    ValueError when two calls of the step share a key (the pairing would be ambiguous).
+    """
+    outcomes: dict[str, bool] = {}
+    for line in rollouts:
+        if line["split"] != "val" or line["step"] != step:
+            continue
+        key = _profile_key(line)
+        if key in outcomes:
+            raise ValueError(f"validation step {step}: two calls share the key {key!r}")
+        outcomes[key] = line["outcome"] == "completed"
+    return outcomes
+
+
+def paired_comparison(rollouts: list[Mapping[str, Any]], before_step: int, after_step: int) -> dict[str, Any]:
+    """Completed calls before and after, the gained / lost profiles and the one-sided sign-test p-value.
+
+    ValueError when the two validations did not call the same profiles.
+    """
+    before, after = val_outcomes(rollouts, before_step), val_outcomes(rollouts, after_step)
+    if not before or set(before) != set(after):
+        raise ValueError(f"validations {before_step} and {after_step} did not call the same profiles "
+                         f"({len(before)} and {len(after)} calls, {len(set(before) & set(after))} in common)")
+    gained = sum(after[k] and not before[k] for k in before)
+    lost = sum(before[k] and not after[k] for k in before)
+    return {"n": len(before), "completed_before": sum(before.values()), "completed_after": sum(after.values()),
+            "gained": gained, "lost": lost, "p_one_sided": sign_test_one_sided(gained, lost)}
