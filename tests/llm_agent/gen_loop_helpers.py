@@ -124,3 +124,29 @@ class ProgrammedSim:
     def calls_for(self, key: str) -> int:
         """How many requests dialogue `key` made."""
         return sum(r.dialogue_id.split("#")[0] == key for r in self.requests)
+
+
+def greedy_rollouts_in_both_modes(tokenizer, worker_group, scenario: Scenario, keys: list[str], per_turn: int,
+                                  budget: int, max_batch_size: int) -> dict[str, DataProto]:
+    """The same validation batch (greedy, 3 turns, in-process scripted simulator) rolled out in sync and in async
+    mode; {mode: output}."""
+    from llm_agent.generation import LLMGenerationManager
+    from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
+
+    outs = {}
+    for mode in ("sync", "async"):
+        cfg = {"scenario": str(SCENARIO_PATH), "mode": mode, "max_turns": 3, "max_tokens_per_turn": per_turn,
+               "max_response_length": budget, "cache": {"enabled": False}, "controller": {"enabled": False},
+               "async_rollout": {"max_batch_size": max_batch_size}}
+        loop = LLMGenerationManager(tokenizer, worker_group, cfg, is_validation=True,
+                                    client=InProcessUserSim(scenario))
+        outs[mode] = loop.run_llm_loop(make_gen_batch(tokenizer, scenario, keys, meta={"do_sample": False}))
+    return outs
+
+
+def assert_same_dialogues(outs: dict[str, DataProto]) -> None:
+    """Sync and async outputs carry the same tokens, masks, outcomes and records."""
+    for key in ("responses", "response_mask", "attention_mask", "input_ids"):
+        assert torch.equal(outs["sync"].batch[key], outs["async"].batch[key]), key
+    for key in ("outcome", "turns", "messages", "num_turns"):
+        assert list(outs["sync"].non_tensor_batch[key]) == list(outs["async"].non_tensor_batch[key]), key

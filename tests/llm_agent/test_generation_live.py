@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from gen_loop_helpers import SCENARIO_PATH, make_gen_batch
+from gen_loop_helpers import SCENARIO_PATH, assert_same_dialogues, greedy_rollouts_in_both_modes, make_gen_batch
 from tests.llm_agent.sim_servers import SimServers
 from transformers import AutoTokenizer
 
@@ -176,18 +176,8 @@ def test_real_policy_greedy_dialogues_are_identical_in_sync_and_async_mode(actor
     """The tiny model on 2 FSDP ranks, greedy, against the deterministic scripted persona: the async loop (other
     batch compositions, a size cap of 3 rows) yields the sync loop's tokens, masks, outcomes and records."""
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    scenario = load_scenario(SCENARIO_PATH)
-    outs = {}
-    for mode in ("sync", "async"):
-        cfg = {"scenario": str(SCENARIO_PATH), "mode": mode, "max_turns": 3, "max_tokens_per_turn": 16,
-               "max_response_length": 200, "cache": {"enabled": False}, "controller": {"enabled": False},
-               "async_rollout": {"max_batch_size": 3}}
-        loop = LLMGenerationManager(tok, actor_group, cfg, is_validation=True, client=InProcessUserSim(scenario))
-        outs[mode] = loop.run_llm_loop(make_gen_batch(tok, scenario, [f"r{i}" for i in range(5)],
-                                                      meta={"do_sample": False}))
-    for key in ("responses", "response_mask", "attention_mask", "input_ids"):
-        assert torch.equal(outs["sync"].batch[key], outs["async"].batch[key]), key
-    for key in ("outcome", "turns", "messages", "num_turns"):
-        assert list(outs["sync"].non_tensor_batch[key]) == list(outs["async"].non_tensor_batch[key]), key
+    outs = greedy_rollouts_in_both_modes(tok, actor_group, load_scenario(SCENARIO_PATH), [f"r{i}" for i in range(5)],
+                                         per_turn=16, budget=200, max_batch_size=3)
+    assert_same_dialogues(outs)
     assert outs["async"].meta_info["metrics"]["rollout/generate_batches"] > \
         outs["sync"].meta_info["metrics"]["rollout/generate_batches"]

@@ -10,11 +10,9 @@ from ppo_batch_helpers import make_prompts
 from transformers import AutoTokenizer
 from vllm_group import vllm_worker_group
 
-from tests.llm_agent.gen_loop_helpers import SCENARIO_PATH, make_gen_batch
+from tests.llm_agent.gen_loop_helpers import SCENARIO_PATH, assert_same_dialogues, greedy_rollouts_in_both_modes
 
-from llm_agent.generation import LLMGenerationManager
 from llm_agent.scenario import load_scenario
-from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from verl.workers.rollout.replicas import rollout_replicas
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -50,16 +48,6 @@ def test_each_tp_group_is_a_replica_that_generates_a_batch_of_its_own(group, tin
 
 def test_async_loop_on_vllm_replicas_gives_the_sync_dialogues(group, tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    scenario = load_scenario(SCENARIO_PATH)
-    outs = {}
-    for mode in ("sync", "async"):
-        cfg = {"scenario": str(SCENARIO_PATH), "mode": mode, "max_turns": 3, "max_tokens_per_turn": 12,
-               "max_response_length": 160, "cache": {"enabled": False}, "controller": {"enabled": False},
-               "async_rollout": {"max_batch_size": 2}}
-        loop = LLMGenerationManager(tok, group, cfg, is_validation=True, client=InProcessUserSim(scenario))
-        outs[mode] = loop.run_llm_loop(make_gen_batch(tok, scenario, [f"v{i}" for i in range(5)],
-                                                      meta={"do_sample": False}))
-    for key in ("responses", "response_mask", "attention_mask"):
-        assert torch.equal(outs["sync"].batch[key], outs["async"].batch[key]), key
-    for key in ("outcome", "turns", "num_turns"):
-        assert list(outs["sync"].non_tensor_batch[key]) == list(outs["async"].non_tensor_batch[key]), key
+    outs = greedy_rollouts_in_both_modes(tok, group, load_scenario(SCENARIO_PATH), [f"v{i}" for i in range(5)],
+                                         per_turn=12, budget=160, max_batch_size=2)
+    assert_same_dialogues(outs)
