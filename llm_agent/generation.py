@@ -237,7 +237,7 @@ class LLMGenerationManager(DialogueTurnsMixin, TrainerHooksMixin):
         finally:
             engine.end(len(active))
         kept = [self._keep_agent_tokens(d, responses[i, :lengths[i]], buffer) for i, d in enumerate(active)]
-        texts = self.tokenizer.batch_decode([ids for ids, _ in kept], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode([ids.tolist() for ids, _ in kept], skip_special_tokens=True)
         pending = []
         for d, text, (_, cut) in zip(active, texts, kept):
             turn = self._agent_output(d, text, cut, buffer)

@@ -5,6 +5,11 @@ in, and its simulator request (or cache lookup) goes out as soon as its agent tu
 another. The turn rules are the sync loop's own (`DialogueTurnsMixin`), applied to one dialogue at a time, so
 tokens, loss masks, outcomes, records, cache rules and error handling are the same in both modes. All
 dialogues end before `run_dialogues_async` returns: the policy's weights change only between steps.
+
+With `UserSimClient` the dialogue tasks run on the client's own event-loop thread (`run_on_loop`), beside its
+HTTP connections, and await each simulator request there (`acomplete`): one loop, no thread hop and no second
+thread contending for the GIL per request. The calling thread waits; the blocking `generate_sequences` calls run
+in the engine's threads.
 """
 from __future__ import annotations
 
@@ -19,30 +24,30 @@ from llm_agent.rollout.dialogue import Dialogue, TokenBuffer
 from llm_agent.rollout.pacing import BusyMeter
 from llm_agent.user_sim.client import ChatRequest
 
-__all__ = ["SimulatorGateway", "run_dialogues_async"]
+__all__ = ["SimulatorGateway", "run_dialogues_async", "runs_on_client_loop"]
 
 
 class SimulatorGateway:
     """One simulator request per call, from many dialogue tasks at once.
 
-    With a client that has `submit(request) -> concurrent.futures.Future` (`UserSimClient`), every request runs
-    concurrently on the client's own event loop (routing, retries and failover as in the sync loop). Any other
-    client (`complete_batch` only, e.g. the in-process simulator) is called with one request at a time from one
-    thread, so it needs no thread safety.
+    With a client that runs the rollout on its own event loop (`run_on_loop` and `acomplete`, as
+    `UserSimClient`), every request is awaited right there, concurrently, with no thread hop (routing, retries
+    and failover as in the sync loop). Any other client (`complete_batch` only, e.g. the in-process simulator) is
+    called with one request at a time from one thread, so it needs no thread safety.
     """
 
     def __init__(self, client: Any) -> None:
         self.client = client
         self.meter = BusyMeter()
-        self._submit = getattr(client, "submit", None)
-        self._executor = None if callable(self._submit) else ThreadPoolExecutor(1, thread_name_prefix="user-sim")
+        self._acomplete = getattr(client, "acomplete", None) if runs_on_client_loop(client) else None
+        self._executor = None if self._acomplete else ThreadPoolExecutor(1, thread_name_prefix="user-sim")
 
     async def complete(self, request: ChatRequest) -> Any:
         """The client's answer (ChatReply or TurnFailure) to `request`."""
         self.meter.begin()
         try:
             if self._executor is None:
-                return await asyncio.wrap_future(self._submit(request))
+                return await self._acomplete(request)
             results = await asyncio.get_running_loop().run_in_executor(self._executor, self.client.complete_batch,
                                                                        [request])
             if len(results) != 1:
@@ -55,6 +60,11 @@ class SimulatorGateway:
         """Stop the request thread (if any)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+
+def runs_on_client_loop(client: Any) -> bool:
+    """True when `client` hosts the async rollout on its own event loop (`run_on_loop` + `acomplete`)."""
+    return callable(getattr(client, "run_on_loop", None)) and callable(getattr(client, "acomplete", None))
 
 
 async def _run_dialogue(manager: Any, d: Dialogue, buffer: TokenBuffer, engine: MicroBatchingEngine,
@@ -75,7 +85,7 @@ async def _take_turns(manager: Any, d: Dialogue, buffer: TokenBuffer, engine: Mi
             break
         ids, _ = await engine.generate(d.dialogue_id, d.row)
         kept, cut = manager._keep_agent_tokens(d, ids, buffer)
-        text = manager.tokenizer.decode(kept, skip_special_tokens=True)
+        text = manager.tokenizer.decode(kept.tolist(), skip_special_tokens=True)
         agent = manager._agent_output(d, text, cut, buffer)
         if agent is None:
             continue
@@ -109,11 +119,14 @@ async def _run_all(manager: Any, dialogues: list[Dialogue], buffer: TokenBuffer,
 
 def run_dialogues_async(manager: Any, dialogues: list[Dialogue], buffer: TokenBuffer,
                         meta: dict[str, Any]) -> tuple[list[BusyMeter], BusyMeter]:
-    """Run every dialogue to its outcome concurrently; returns the engine replicas' and the simulator's busy
+    """Run every dialogue to its outcome concurrently, on the simulator client's event loop when it has one (no
+    thread hop per simulator request), else on a new loop; returns the engine replicas' and the simulator's busy
     meters."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        if runs_on_client_loop(manager.client):
+            return manager.client.run_on_loop(_run_all(manager, dialogues, buffer, meta))
         return asyncio.run(_run_all(manager, dialogues, buffer, meta))
     raise RuntimeError("rollout_loop.config.mode=async runs its own event loop; call run_llm_loop from a thread "
                        "with no running event loop")

@@ -1,7 +1,7 @@
 """Fault-tolerant client for N OpenAI-compatible user-simulator instances.
 
 Every dialogue's turn is its own ``POST {url}/v1/chat/completions``. A batch is sent concurrently (asyncio +
-httpx on a private event-loop thread) and each request goes to the healthy instance with the fewest requests
+aiohttp on a private event-loop thread) and each request goes to the healthy instance with the fewest requests
 in flight, so a slow instance simply receives less work. A failed attempt (connection error, timeout, non-200,
 or a 200 whose body is not a chat completion) is retried after a backoff on another instance when one exists.
 A request an instance shed because it is saturated (HTTP 429, or 503 with code ``overloaded``) is sent again
@@ -18,22 +18,25 @@ another served name keeps working.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import random
 import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 
 from llm_agent.user_sim.client_stats import ClientStats, InstanceState
-from llm_agent.user_sim.http_pool import ShardedHTTP
+from llm_agent.user_sim.http_pool import ResponseTooLarge, SimulatorHTTP
 from llm_agent.user_sim.client_wire import (AttemptError, SimulatorCheckError, completion_text, instance_name,
                                             parse_urls, raise_for_status, served_model_ids)
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_SHED_PAUSE_S = 2.0  # the longest pause before re-sending a request an instance shed
 
@@ -167,7 +170,7 @@ class UserSimClient:
                 served[inst.name] = self._configured_model or ids[0]
             except AttemptError as exc:
                 problems.append(f"{inst.url}: {exc}")
-            except httpx.HTTPError as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 problems.append(f"{inst.url}: unreachable ({type(exc).__name__}: {exc})")
         if problems:
             raise SimulatorCheckError("user simulator check failed for " + "; ".join(problems))
@@ -179,7 +182,7 @@ class UserSimClient:
 
     async def _setup(self) -> None:
         """Create the loop-bound objects: HTTP connection pool, concurrency cap, up/down condition."""
-        self._http = ShardedHTTP(self.max_in_flight + 2 * len(self._instances), self.timeout_s, self._headers)
+        self._http = SimulatorHTTP(self.max_in_flight + 2 * len(self._instances), self.timeout_s, self._headers)
         self._slots = asyncio.Semaphore(self.max_in_flight)
         self._up_changed = asyncio.Condition()
         for inst in self._instances:
@@ -196,16 +199,32 @@ class UserSimClient:
             return []
         return self._call(self._complete_all(requests))
 
-    def submit(self, request: ChatRequest) -> concurrent.futures.Future:
-        """Start completing one request (the async rollout loop's per-dialogue turns); returns a future of its
-        ChatReply or TurnFailure. `deadline_s` bounds this request alone."""
+    def run_on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run `coroutine` on the client's event loop and wait for its result (cancelled if the wait is
+        interrupted). Code running there awaits `acomplete` with no thread hop per request: the async rollout
+        loop runs all its dialogues this way."""
         if self._closed:
-            raise RuntimeError("UserSimClient.submit called after close()")
-        if not isinstance(request, ChatRequest):
-            raise TypeError(f"submit: request is {type(request).__name__}, expected ChatRequest")
-        return asyncio.run_coroutine_threadsafe(self._complete_single(request), self._loop)
+            coroutine.close()
+            raise RuntimeError("UserSimClient.run_on_loop called after close()")
+        if threading.current_thread() is self._thread:
+            coroutine.close()
+            raise RuntimeError("UserSimClient.run_on_loop called from the client's own loop; await the coroutine")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
 
-    async def _complete_single(self, request: ChatRequest) -> ChatReply | TurnFailure:
+    async def acomplete(self, request: ChatRequest) -> ChatReply | TurnFailure:
+        """Complete one request (one dialogue's turn); await it on the client's loop (inside `run_on_loop`).
+        `deadline_s` bounds this request alone."""
+        if self._closed:
+            raise RuntimeError("UserSimClient.acomplete called after close()")
+        if not isinstance(request, ChatRequest):
+            raise TypeError(f"acomplete: request is {type(request).__name__}, expected ChatRequest")
+        if asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("UserSimClient.acomplete must be awaited on the client's own loop (run_on_loop)")
         return (await self._complete_all([request]))[0]
 
     async def _complete_all(self, requests: list[ChatRequest]) -> list[ChatReply | TurnFailure]:
@@ -303,7 +322,10 @@ class UserSimClient:
                     raise AttemptError("deadline", f"{inst.name}: no answer before the deadline") from None
                 self._record_failure(inst, "timeout")
                 raise AttemptError("timeout", f"{inst.name}: no answer within {budget:.2f}s") from None
-            except httpx.HTTPError as exc:
+            except ResponseTooLarge as exc:
+                self._record_failure(inst, "garbage")
+                raise AttemptError("garbage", f"{inst.name}: {exc}") from None
+            except aiohttp.ClientError as exc:
                 self._record_failure(inst, "connection")
                 raise AttemptError("connection", f"{inst.name}: {type(exc).__name__}: {exc}") from None
             except AttemptError as exc:
@@ -375,7 +397,7 @@ class UserSimClient:
             try:
                 response = await self._http.get(f"{inst.url}/health",
                                                 timeout=min(self.timeout_s, max(self.probe_interval_s, 1.0)))
-            except httpx.HTTPError:
+            except (aiohttp.ClientError, TimeoutError):
                 continue
             if response.status_code == 200:
                 break

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+from llm_agent.user_sim.http_pool import HTTPReply
 
 __all__ = ["AttemptError", "SimulatorCheckError", "completion_text", "instance_name", "parse_urls",
            "raise_for_status", "served_model_ids"]
@@ -57,21 +57,20 @@ def instance_name(url: str) -> str:
     return parts.netloc + parts.path
 
 
-def raise_for_status(response: httpx.Response) -> None:
+def raise_for_status(response: HTTPReply) -> None:
     """Raise `AttemptError` for a non-200: 'overloaded' when the server shed load (429; 503 with code
     `overloaded`), 'http' (worth retrying elsewhere) for other 5xx and 408, else 'rejected' (the request itself
     is wrong: bad model name, missing API key, too long)."""
     if response.status_code == 200:
         return
     retryable = response.status_code >= 500 or response.status_code in (408, 429)
-    request = response.request
-    detail = f"{request.method} {request.url.path}: HTTP {response.status_code}: {response.text[:200]!r}"
+    detail = f"{response.method} {response.path}: HTTP {response.status_code}: {response.text[:200]!r}"
     if response.status_code == 429 or (response.status_code == 503 and _error_code(response) == "overloaded"):
         raise AttemptError("overloaded", detail)
     raise AttemptError("http" if retryable else "rejected", detail)
 
 
-def _error_code(response: httpx.Response) -> str | None:
+def _error_code(response: HTTPReply) -> str | None:
     """The `error.code` of an OpenAI-style error body, if it has one."""
     try:
         error = response.json().get("error")
@@ -80,7 +79,7 @@ def _error_code(response: httpx.Response) -> str | None:
     return error.get("code") if isinstance(error, dict) else None
 
 
-def completion_text(response: httpx.Response) -> str:
+def completion_text(response: HTTPReply) -> str:
     """The first choice's message content of a chat-completion response, or raise `AttemptError('garbage')`."""
     try:
         body = response.json()

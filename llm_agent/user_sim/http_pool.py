@@ -1,53 +1,91 @@
-"""The simulator client's HTTP connections: several small httpx connection pools instead of one large one.
+"""The simulator client's HTTP connections: one aiohttp connection pool, replies read whole and size-capped.
 
-httpcore 1.0 re-examines every connection of a pool each time a request enters or leaves it (a socket check
-per connection, and a count over all connections for each idle one), so with one pool of 256 connections the
-client spent ~7 ms of CPU per request at 480 dialogues (bench/async_rollout.py, BENCHMARKS.md): more than the
-simulated latency. Each request here goes to the pool with the fewest requests in flight, and every pool holds
-at most `SHARD_CONNECTIONS` connections, which bounds that work per request by a constant.
+The client used httpx first. At 480 concurrent dialogues its per-request CPU (httpcore's pool bookkeeping, anyio
+cancel scopes, sniffio lookups: ~2 ms per request on our CPU box, more under load) was most of the rollout driver's
+CPU, and the driver, not the simulators, set the pace of the async rollout loop (bench/async_rollout.py,
+BENCHMARKS.md). aiohttp's connector does the same work for about a fifth of that CPU and its cost per request does
+not grow with the pool. Every reply is read to its end here (so its connection goes back to the pool) and
+refused beyond `max_response_bytes`, so a hostile or broken server cannot make the client buffer without bound.
+Proxy variables (HTTP_PROXY, ...) and ~/.netrc are ignored: simulators are reached directly (honouring them costs
+a thread hop and an environment scan per request in aiohttp).
 """
 from __future__ import annotations
 
-import asyncio
-import math
+import json
 import ssl
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
-__all__ = ["SHARD_CONNECTIONS", "ShardedHTTP"]
+__all__ = ["HTTPReply", "MAX_RESPONSE_BYTES", "ResponseTooLarge", "SimulatorHTTP"]
 
-SHARD_CONNECTIONS = 8  # connections per pool
+MAX_RESPONSE_BYTES = 8 << 20  # a chat completion is a few KB; more than this is not a simulator reply
+KEEPALIVE_S = 3.0  # below uvicorn's (and so vLLM's) 5 s, so the client never reuses a connection the server closed
 
 
-class ShardedHTTP:
-    """`get` / `post` like `httpx.AsyncClient`, over ceil(max_connections / SHARD_CONNECTIONS) pools."""
+class ResponseTooLarge(aiohttp.ClientPayloadError):
+    """A reply body over the size cap (its connection is closed, not reused)."""
 
-    def __init__(self, max_connections: int, timeout_s: float, headers: dict[str, str]) -> None:
-        shards = max(1, math.ceil(max_connections / SHARD_CONNECTIONS))
-        per_shard = math.ceil(max_connections / shards)
-        limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
-        tls = ssl.create_default_context()  # one certificate store for all pools (building one takes ~70 ms)
-        self.clients = [httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s), headers=headers,
-                                          verify=tls) for _ in range(shards)]
-        self.in_flight = [0] * shards
 
-    async def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        index = min(range(len(self.clients)), key=self.in_flight.__getitem__)
-        self.in_flight[index] += 1
-        try:
-            return await self.clients[index].request(method, url, **kwargs)
-        finally:
-            self.in_flight[index] -= 1
+@dataclass(frozen=True)
+class HTTPReply:
+    """A complete HTTP reply: status, body bytes, and the request's method and path (for error messages)."""
 
-    async def get(self, url: str, **kwargs: Any) -> httpx.Response:
-        """GET `url` on the least busy pool."""
-        return await self._send("GET", url, **kwargs)
+    status_code: int
+    content: bytes
+    method: str
+    path: str
 
-    async def post(self, url: str, **kwargs: Any) -> httpx.Response:
-        """POST to `url` on the least busy pool."""
-        return await self._send("POST", url, **kwargs)
+    @property
+    def text(self) -> str:
+        """The body as text (UTF-8, undecodable bytes replaced)."""
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        """The body parsed as JSON (ValueError when it is not JSON)."""
+        return json.loads(self.content)
+
+
+class SimulatorHTTP:
+    """`get` / `post` over one pool of at most `max_connections` keep-alive connections (create it inside the
+    event loop that will use it). Transport failures raise `aiohttp.ClientError` or `TimeoutError`."""
+
+    def __init__(self, max_connections: int, timeout_s: float, headers: dict[str, str],
+                 max_response_bytes: int | None = None) -> None:
+        self.max_response_bytes = MAX_RESPONSE_BYTES if max_response_bytes is None else max_response_bytes
+        connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S,
+                                         ssl=ssl.create_default_context())
+        self.session = aiohttp.ClientSession(
+            connector=connector, headers=headers, trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s))
+
+    async def _send(self, method: str, url: str, *, timeout: float | None = None, **kwargs: Any) -> HTTPReply:
+        if timeout is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
+        async with self.session.request(method, url, **kwargs) as response:
+            if (response.content_length or 0) > self.max_response_bytes:
+                response.close()
+                raise ResponseTooLarge(f"reply of {response.content_length} bytes is over the cap of "
+                                       f"{self.max_response_bytes}")
+            chunks, size = [], 0
+            async for chunk in response.content.iter_any():
+                size += len(chunk)
+                if size > self.max_response_bytes:
+                    response.close()
+                    raise ResponseTooLarge(f"reply is over the cap of {self.max_response_bytes} bytes")
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            return HTTPReply(response.status, body, method, response.url.path)
+
+    async def get(self, url: str, *, timeout: float | None = None) -> HTTPReply:
+        """GET `url`; `timeout` (seconds) bounds the whole request when given."""
+        return await self._send("GET", url, timeout=timeout)
+
+    async def post(self, url: str, *, json: Any, timeout: float | None = None) -> HTTPReply:
+        """POST `json` to `url`; `timeout` (seconds) bounds the whole request when given."""
+        return await self._send("POST", url, json=json, timeout=timeout)
 
     async def aclose(self) -> None:
-        """Close every pool's connections."""
-        await asyncio.gather(*(client.aclose() for client in self.clients))
+        """Close every connection."""
+        await self.session.close()

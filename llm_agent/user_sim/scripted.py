@@ -278,7 +278,7 @@ class ScriptedPersonaBackend:
                  cache_bytes: int = 64 << 20) -> None:
         self.scenario = scenario
         self.seed = seed
-        self._cache: OrderedDict[str, tuple[ScriptedPersona, int]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[ScriptedPersona, int, int]] = OrderedDict()  # persona, tokens, bytes
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
         self._cached_bytes = 0
@@ -290,37 +290,40 @@ class ScriptedPersonaBackend:
         with self._cache_lock:
             return len(self._cache), self._cached_bytes
 
-    def _cached(self, key: str) -> ScriptedPersona | None:
+    def _cached(self, key: str) -> tuple[ScriptedPersona, int] | None:
+        """(a copy of the persona, the prompt tokens of the messages) cached under `key`, or None."""
         with self._cache_lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-        return None if hit is None else hit[0].copy()
+        return None if hit is None else (hit[0].copy(), hit[1])
 
-    def _remember(self, key: str, persona: ScriptedPersona) -> None:
+    def _remember(self, key: str, persona: ScriptedPersona, prompt_tokens: int) -> None:
         size = persona.footprint() + len(key)
         if size > self._cache_bytes:
             return
         with self._cache_lock:
             old = self._cache.pop(key, None)
             if old is not None:
-                self._cached_bytes -= old[1]
-            self._cache[key] = (persona.copy(), size)
+                self._cached_bytes -= old[2]
+            self._cache[key] = (persona.copy(), prompt_tokens, size)
             self._cached_bytes += size
             while len(self._cache) > self._cache_size or self._cached_bytes > self._cache_bytes:
-                self._cached_bytes -= self._cache.popitem(last=False)[1][1]
+                self._cached_bytes -= self._cache.popitem(last=False)[1][2]
 
     @classmethod
     def from_scenario_file(cls, path: str | Path, seed: int = 0) -> "ScriptedPersonaBackend":
         """Load the scenario YAML at `path` (ScenarioError names the file and key of any problem)."""
         return cls(load_scenario(path), seed=seed)
 
-    def replay(self, messages: list[dict[str, str]]) -> tuple[ScriptedPersona, TurnOutcome]:
-        """Rebuild the persona from the full message list and return it with its reaction to the last turn.
+    def replay(self, messages: list[dict[str, str]]) -> tuple[ScriptedPersona, TurnOutcome, int]:
+        """Rebuild the persona from the full message list; returns it, its reaction to the last turn and the
+        messages' token count (`count_tokens` summed over their contents).
 
-        The persona after each request's last agent turn is kept in a bounded LRU cache keyed by a hash of the
-        messages so far; the dialogue's next request (that prefix + this persona's reply + a new agent turn)
-        starts from it and replays only the two new messages. A miss replays everything (same result).
+        The persona after each request's last agent turn (and that request's token count) is kept in a bounded
+        LRU cache keyed by a hash of the messages so far; the dialogue's next request (that prefix + this
+        persona's reply + a new agent turn) starts from it and replays and counts only the two new messages. A
+        miss replays and counts everything (same result).
         """
         if messages[0]["role"] != "system":
             raise BackendInputError("messages[0] must be the persona system message "
@@ -332,14 +335,17 @@ class ScriptedPersonaBackend:
         if len(messages) < 2 or messages[-1]["role"] != "user":
             raise BackendInputError("the last message must be the agent's turn (role 'user')")
         keys = _prefix_keys(messages)
-        start, persona = 1, None
+        start, persona, prompt_tokens = 1, None, 0
         if len(messages) >= 4 and messages[-2]["role"] == "assistant" and messages[-3]["role"] == "user":
-            persona = self._cached(keys[-3])
-            start = len(messages) - 2 if persona is not None else 1
-        persona = persona or ScriptedPersona(self.scenario, profile)
+            hit = self._cached(keys[-3])
+            if hit is not None:
+                (persona, prompt_tokens), start = hit, len(messages) - 2
+        if persona is None:
+            persona, prompt_tokens = ScriptedPersona(self.scenario, profile), count_tokens(messages[0]["content"])
         outcome = TurnOutcome((), "agree", STATUS_CONTINUE)
         for i in range(start, len(messages)):
             role, content = messages[i]["role"], messages[i]["content"]
+            prompt_tokens += count_tokens(content)
             if role == "user":
                 outcome = persona.react(content)
             elif role == "assistant":
@@ -347,8 +353,8 @@ class ScriptedPersonaBackend:
             else:
                 raise BackendInputError(f"messages[{i}]: role {role!r} is not expected after the persona "
                                         "(only 'user' = agent turns and 'assistant' = the persona)")
-        self._remember(keys[-1], persona)
-        return persona, outcome
+        self._remember(keys[-1], persona, prompt_tokens)
+        return persona, outcome, prompt_tokens
 
     def _line(self, key: str | tuple[str, object], rng: random.Random | None) -> str:
         spec = self.scenario.scripted
@@ -371,7 +377,7 @@ class ScriptedPersonaBackend:
 
     def complete(self, messages: list[dict[str, str]], params: SamplingParams) -> BackendResult:
         """Answer the last agent turn `params.n` times (wording varies per choice unless temperature is 0)."""
-        persona, outcome = self.replay(messages)
+        persona, outcome, prompt_tokens = self.replay(messages)
         digest = hashlib.sha256(messages[0]["content"].encode()).hexdigest()
         turn_index = sum(1 for m in messages if m["role"] == "user")
         choices = []
@@ -381,7 +387,6 @@ class ScriptedPersonaBackend:
                 material = f"{digest}|{self.seed}|{params.seed}|{turn_index}|{i}".encode()
                 rng = random.Random(int.from_bytes(hashlib.sha256(material).digest()[:8], "big"))
             choices.append(_truncate(self.render(persona, outcome, rng), params.max_tokens))
-        prompt_tokens = sum(count_tokens(m["content"]) for m in messages)
         return BackendResult(choices=choices, prompt_tokens=prompt_tokens)
 
 

@@ -100,6 +100,25 @@ def _largest_state_jumps(lines: list[dict]) -> tuple[int, int]:
     return max(jumps["cache"]), max(jumps["simulator"])
 
 
+def _seed_cache(path: Path) -> None:
+    """Write, before training, one stored reply per (stage, state level) of the cache, each recorded in an extreme
+    user state (every dimension at its minimum or at its maximum): every staged agent turn finds a bucket to hit
+    whatever the warm model's share of well-formed turns, and a loop that took a cached reply's state instead of
+    the dialogue's own would jump the user's state across the whole range."""
+    from llm_agent.scenario import load_scenario
+
+    scenario = load_scenario(SCENARIO)
+    ranges = scenario.state_ranges
+    states = [{d: r.min for d, r in ranges.items()}, {d: (r.min + r.max) // 2 for d, r in ranges.items()},
+              {d: r.max for d, r in ranges.items()}]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for stage in scenario.stage_ids:
+            for i, state in enumerate(states):
+                f.write(json.dumps({"scenario": scenario.name, "stage": stage, "reply": f"Seeded reply {stage}.{i}.",
+                                    "state": state, "status": 0, "ts": time.time()}) + "\n")
+
+
 def _kill_when_busy(trainer, servers, url: str, killed: list) -> threading.Thread:
     """SIGKILL the instance at `url` once it has served simulator turns during training step 1."""
     name = url.split("//", 1)[1]
@@ -141,7 +160,9 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
     from llm_agent.reward import compute_reward
 
     servers, urls = sims
-    config = _config(warm_model_path, tmp_path, urls, STEPS)
+    config = _config(warm_model_path, tmp_path, urls, STEPS,
+                     ("rollout_loop.config.cache.stage_hit_rates={0:1.0,1:1.0,2:1.0,3:1.0}",))
+    _seed_cache(Path(config.rollout_loop.config.cache.path))
     trainer, pool = _trainer(config)
     killed: list[float] = []
     try:

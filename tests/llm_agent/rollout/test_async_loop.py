@@ -4,7 +4,7 @@ re-requested malformed replies, simulator failures, truncation and the controlle
 wait for each other; pacing metrics; config checks."""
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import threading
 import time
 
@@ -116,7 +116,8 @@ class RecordingPolicy(ProgrammedPolicy):
 
 
 class DelayedSim(ProgrammedSim):
-    """ProgrammedSim with `submit` (as UserSimClient): dialogue `slow` is answered after `slow_s`, others at once."""
+    """ProgrammedSim that hosts the async rollout on an event loop of its own and answers there (`run_on_loop`,
+    `acomplete`, as UserSimClient): dialogue `slow` is answered after `slow_s`, others at once."""
 
     def __init__(self, scenario, scripts, slow_s: float) -> None:
         super().__init__(scenario, scripts)
@@ -129,11 +130,20 @@ class DelayedSim(ProgrammedSim):
         time.sleep(self._delay(requests))
         return super().complete_batch(requests)
 
-    def submit(self, request):
-        future = concurrent.futures.Future()
-        answer = ProgrammedSim.complete_batch
-        threading.Timer(self._delay([request]), lambda: future.set_result(answer(self, [request])[0])).start()
-        return future
+    def run_on_loop(self, coroutine):
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        try:
+            return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
+            loop.close()
+
+    async def acomplete(self, request):
+        await asyncio.sleep(self._delay([request]))
+        return ProgrammedSim.complete_batch(self, [request])[0]
 
 
 def test_a_slow_simulator_turn_does_not_hold_up_the_other_dialogues(tok, scenario):

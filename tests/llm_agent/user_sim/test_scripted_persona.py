@@ -231,6 +231,41 @@ def test_prefix_cache_gives_the_same_transcript_as_full_replay(backend):
     assert not uncached._cache and backend._cache
 
 
+def reference_token_count(text: str) -> int:
+    """Words (runs of letters, digits and '_') plus every other non-space character, one character at a time."""
+    count, in_word = 0, False
+    for ch in text:
+        word = ch.isalnum() or ch == "_"
+        count += (word and not in_word) or (not word and not ch.isspace())
+        in_word = word
+    return count
+
+
+def test_prompt_tokens_counted_from_the_cache_equal_a_full_count(monkeypatch):
+    """On a prefix-cache hit only the two new messages are counted for `usage.prompt_tokens`; the total must still
+    equal a count of every message at every turn."""
+    import llm_agent.user_sim.scripted as scripted
+
+    counted: list[int] = []
+    real_count = scripted.count_tokens
+    monkeypatch.setattr(scripted, "count_tokens", lambda text: counted.append(1) or real_count(text))
+    backend = ScriptedPersonaBackend(SCENARIO, seed=0)
+    profile, agent, dialogue, user_reply = sample_profile(3), GoodAgent(), [], None
+    for turn in range(6):
+        dialogue.append(SCENARIO.parse_agent_output(SCENARIO.format_agent_output(agent.respond(user_reply), 0, 0, {})))
+        messages = SCENARIO.render_user_messages(profile, dialogue)
+        counted.clear()
+        result = backend.complete(messages, SamplingParams(seed=turn))
+        assert result.prompt_tokens == sum(reference_token_count(m["content"]) for m in messages), turn
+        assert len(counted) == (len(messages) if turn == 0 else 2), turn  # the cache was used from turn 1 on
+        user = SCENARIO.parse_user_output(result.choices[0].text)
+        dialogue.append(user)
+        user_reply = user.reply
+        if user.status != STATUS_CONTINUE:
+            break
+    assert turn >= 2
+
+
 def test_recorded_state_tags_override_the_replay(backend):
     profile = UserProfile(2, 2, 2, ())
     dialogue = [SCENARIO.parse_agent_output(SCENARIO.format_agent_output(INTRO, 0, 0, {}))]
