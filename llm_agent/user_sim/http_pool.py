@@ -1,11 +1,11 @@
 """The simulator client's HTTP connections: one aiohttp connection pool, replies read whole and size-capped.
 
 The client used httpx first. At 480 concurrent dialogues its per-request CPU (httpcore's pool bookkeeping, anyio
-cancel scopes, sniffio lookups: ~2 ms per request on our CPU box, more under load) was most of the rollout driver's
-CPU, and the driver, not the simulators, set the pace of the async rollout loop (bench/async_rollout.py,
-BENCHMARKS.md). aiohttp's connector does the same work for about a fifth of that CPU and its cost per request does
-not grow with the pool. Every reply is read to its end here (so its connection goes back to the pool) and
-refused beyond `max_response_bytes`, so a hostile or broken server cannot make the client buffer without bound.
+cancel scopes, sniffio lookups) was most of the rollout driver's CPU, and the driver, not the simulators, set the
+pace of the async rollout loop (bench/async_rollout.py). aiohttp does the same work for about a quarter of the
+CPU (0.48 against 1.76 ms per request, bench/user_sim_client_cpu.py, BENCHMARKS.md), and its connector's cost per
+request does not grow with the pool. Every reply is read to its end here (so its connection goes back to the pool)
+and refused beyond `max_response_bytes`, so a hostile or broken server cannot make the client buffer without bound.
 Proxy variables (HTTP_PROXY, ...) and ~/.netrc are ignored: simulators are reached directly (honouring them costs
 a thread hop and an environment scan per request in aiohttp).
 """
