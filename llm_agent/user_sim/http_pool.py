@@ -2,8 +2,8 @@
 
 The client used httpx first. At 480 concurrent dialogues its per-request CPU (httpcore's pool bookkeeping, anyio
 cancel scopes, sniffio lookups) was most of the rollout driver's CPU, and the driver, not the simulators, set the
-pace of the async rollout loop (bench/async_rollout.py). aiohttp does the same work for about a quarter of the
-CPU (0.48 against 1.76 ms per request, bench/user_sim_client_cpu.py, BENCHMARKS.md), and its connector's cost per
+pace of the async rollout loop (bench/async_rollout.py). aiohttp does the same work for under a third of the
+CPU (0.42 against 1.46 ms per request, bench/user_sim_client_cpu.py, BENCHMARKS.md), and its connector's cost per
 request does not grow with the pool. Every reply is read to its end here (so its connection goes back to the pool)
 and refused beyond `max_response_bytes`, so a hostile or broken server cannot make the client buffer without bound.
 Proxy variables (HTTP_PROXY, ...) and ~/.netrc are ignored: simulators are reached directly (honouring them costs
