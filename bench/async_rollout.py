@@ -23,7 +23,6 @@ fractions, p50/p95 dialogue time and generation batches; `async_over_sync_wall` 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
@@ -39,7 +38,8 @@ import torch
 from transformers import AutoTokenizer
 
 from bench.rollout_loop import GROUP_SIZE, SCENARIO
-from bench.user_sim_dispatch import machine, start_server, wait_healthy
+from bench.results import write_result
+from bench.user_sim_dispatch import start_server, wait_healthy
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.scenario import load_scenario
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
@@ -206,10 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [median_row(runs["sync"]), median_row(runs["async"])]
     summary = {"async_over_sync_wall": rows[1]["wall_s"] / rows[0]["wall_s"], "same_outcomes_every_run": same,
                "goal_at_most": 0.6}
-    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "machine": {**machine(), "load_avg_1m_at_start": load_at_start}, "runs": runs, "median": rows,
-              "summary": summary}
-    args.out.write_text(json.dumps(result, indent=2))
+    result = write_result(args, load_at_start, runs=runs, median=rows, summary=summary)
     lines = [f"{'mode':>5} {'wall s':>7} {'gen busy':>9} {'sim busy':>9} {'p50 s':>6} {'p95 s':>6} {'batches':>8}"
              f"   median of {args.repeats}; {args.dialogues} dialogues, <= {args.turns} turns"]
     for r in rows:

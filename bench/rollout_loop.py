@@ -24,11 +24,9 @@ rate), and the share of all lookups served (lower, since a hit is never followed
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -39,6 +37,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from bench.results import write_result
 from llm_agent.rollout.dialogue import ChatMarkers
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.scenario import load_scenario
@@ -207,15 +206,6 @@ def cache_run(tokenizer: Any, scenario: Any, dialogues: int, turns: int, steps: 
     return {"steps": rows, "stages_after_fill": summary}
 
 
-def machine() -> dict:
-    """Where the benchmark ran."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "load_avg_1m_at_end": os.getloadavg()[0]}
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Time the loop at each number of turns, run the cache steps, print a table and write the JSON results."""
     load_at_start = os.getloadavg()[0]
@@ -241,10 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
     first, last = rows[0], rows[-1]
     summary = {f"ratio_{last['turns']}_over_{first['turns']}_total": last["total_us"] / first["total_us"],
                f"ratio_{last['turns']}_over_{first['turns']}_loop_only": last["loop_only_us"] / first["loop_only_us"]}
-    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "turn_budget_tokens": budget, "machine": {**machine(), "load_avg_1m_at_start": load_at_start},
-              "overhead": rows, "cache": cache, "summary": summary}
-    args.out.write_text(json.dumps(result, indent=2))
+    result = write_result(args, load_at_start, {"torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+                          turn_budget_tokens=budget, overhead=rows, cache=cache, summary=summary)
 
     lines = [f"{'turns':>5} {'dialogue-turns':>15} {'total us':>9} {'loop only us':>13} {'policy us':>10} "
              f"{'sim us':>7}   per dialogue-turn, median of {args.repeats}"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import resource
@@ -30,7 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.user_sim_dispatch import machine, make_requests, start_server, wait_healthy
+from bench.results import write_result
+from bench.user_sim_dispatch import make_requests, start_server, wait_healthy
 from llm_agent.user_sim.client import ChatReply, ChatRequest, UserSimClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,10 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     complete = all(r["answered"] == len(requests) for rows in runs.values() for r in rows)
     summary = {"ours_over_httpx_cpu": medians["ours"]["cpu_ms_per_request"] / medians["httpx"]["cpu_ms_per_request"],
                "every_request_answered": complete}
-    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "machine": {**machine(), "load_avg_1m_at_start": load_at_start}, "runs": runs, "median": medians,
-              "summary": summary}
-    args.out.write_text(json.dumps(result, indent=2))
+    result = write_result(args, load_at_start, runs=runs, median=medians, summary=summary)
     lines = [f"{'client':>6} {'CPU ms/request':>15} {'wall s':>7}   median of {args.repeats}; {args.requests} "
              f"requests, {args.concurrency} in flight"]
     for name, row in medians.items():

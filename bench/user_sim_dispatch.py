@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -37,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.results import write_result
 from llm_agent.scenario import UserProfile, load_scenario
 from llm_agent.user_sim.client import ChatReply, ChatRequest, UserSimClient
 
@@ -181,14 +180,6 @@ def run_setup(label: str, urls: list[str], requests: list[ChatRequest], capacity
     return row
 
 
-def machine() -> dict:
-    """Where the benchmark ran."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "load_avg_1m_at_end": os.getloadavg()[0]}
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Start the servers, time every set-up, print a table and write the JSON results."""
     load_at_start = os.getloadavg()[0]
@@ -239,9 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dead_pair_answered_ours": rows[3]["ours_answered"] / args.requests,
         "dead_pair_answered_original": rows[3]["original_answered"] / args.requests,
     }
-    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "machine": {**machine(), "load_avg_1m_at_start": load_at_start}, "rows": rows, "summary": summary}
-    args.out.write_text(json.dumps(result, indent=2))
+    result = write_result(args, load_at_start, rows=rows, summary=summary)
 
     n = args.requests
     lines = [f"{'set-up':<30} {'ours (s)':>9} {'original (s)':>13} {'ours/orig':>10} {'answered':>13}  ours split"]
