@@ -42,12 +42,14 @@ COMPACT_SYSTEM_PROMPT = ("You are Mia from FoodLoop's merchant growth team. Phon
 
 @pytest.fixture(scope="session")
 def warm_model_path(tiny_model_path, tmp_path_factory) -> str:
-    """The tiny model fine-tuned (80 SFT steps, ~20 s) on scripted SOP-following calls with the compact system
-    prompt, so that about half of its sampled turns carry the reply tag and reach the simulator."""
+    """The tiny model fine-tuned (160 SFT steps, ~40 s) on scripted SOP-following calls with the compact system
+    prompt, so that about half of its sampled turns and most of its greedy ones carry the reply tag and reach the
+    simulator. (At 80 steps the loss was still ~1.1, just before it falls: on 2026-11-25 that model's greedy turns
+    were all format errors, while on the machine the tests were written on it had passed.)"""
     from utils.sft_warm_start import scripted_dialogues, sft_on_dialogues
 
     dialogues = scripted_dialogues(SCENARIO_FILE, 32, {"good": 1.0}, seed=0, max_turns=4,
                                    system_prompt=COMPACT_SYSTEM_PROMPT)
-    out = sft_on_dialogues(tiny_model_path, tmp_path_factory.mktemp("warm_model"), dialogues, steps=80, lr=1e-2,
+    out = sft_on_dialogues(tiny_model_path, tmp_path_factory.mktemp("warm_model"), dialogues, steps=160, lr=1e-2,
                            batch_size=8, seed=0)
     return str(out)
