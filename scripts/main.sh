@@ -9,7 +9,7 @@
 # and the trainer command, then exits without building, starting or training anything.
 #
 # With no settings this is the CPU demo: it builds the tiny local model (outputs/tiny_model) and warm-starts it
-# with two minutes of supervised fine-tuning on scripted calls (outputs/tiny_model_warm; WARM_START_STEPS=0
+# with two minutes of supervised fine-tuning on 1,024 scripted calls (outputs/tiny_model_warm; WARM_START_STEPS=0
 # skips it), writes the prompt data (outputs/prompt_data), starts two scripted user simulators on loopback,
 # trains a few steps on Ray with 2 FSDP workers on gloo, validates and checkpoints, stops the simulators it
 # started, writes the HTML report (outputs/reports/) and prints where everything went. About 5 minutes on 2 cores.
@@ -28,7 +28,7 @@
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
 # (1; 2 vLLM), SIM_MAX_MODEL_LEN (8192), SIM_GPU_MEMORY_UTILIZATION (0.9), SIM_EXTRA_ARGS (more vLLM flags),
 # SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free
-# port; 5000 vLLM), SCENARIO, WARM_START_STEPS (300, tiny model only), OUTPUT_DIR (outputs), PYTHON.
+# port; 5000 vLLM), SCENARIO, WARM_START_STEPS (250, tiny model only), OUTPUT_DIR (outputs), PYTHON.
 # ITERATIONS=N (> 1) trains in iterations as the original SEAD did (train, analyse the mistakes, write the next
 # profiles, continue from the last checkpoint; rerun to resume): see scripts/iterations.sh for its variables.
 set -euo pipefail
@@ -50,7 +50,7 @@ if [[ -n "$MODEL_PATH" ]]; then
 else                                 # the demo's tiny model (built below), warm-started unless WARM_START_STEPS=0
     PRESET=${PRESET:-cpu}; WHY=${WHY:-"no MODEL_PATH: the tiny demo model"}; TINY_DEMO=1
     DEMO_ARGS=(data.max_prompt_length=96)  # its compact agent prompt (assets/compact_agent_prompt.txt)
-    WARM_START_STEPS=${WARM_START_STEPS:-300}
+    WARM_START_STEPS=${WARM_START_STEPS:-250}
     MODEL_PATH=$OUTPUT_DIR/$( (( WARM_START_STEPS > 0 )) && echo tiny_model_warm || echo tiny_model)
 fi
 sead_apply_preset "$PRESET"
@@ -171,11 +171,15 @@ if [[ "$TINY_DEMO" == 1 ]]; then
     TINY=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" --hidden-size 128 \
         --intermediate-size 256 --layers 2 --heads 4 --vocab-size 2048 --tag-tokens | tail -n 1)
     if (( WARM_START_STEPS > 0 )); then  # a random model never writes a tagged turn: give RL something to start from
-        if [[ ! -f "$MODEL_PATH/sft_log.json" || "$TINY/config.json" -nt "$MODEL_PATH/sft_log.json" ]]; then
-            echo "warm start: $WARM_START_STEPS SFT steps on scripted calls, half completing (a few minutes, once)"
-            "$PYTHON" utils/sft_warm_start.py --model "$TINY" --out "$MODEL_PATH" --scenario "$SCENARIO" \
-                --n-dialogues 128 --quality-mix evasive=0.5,good=0.5 --max-turns "$MAX_TURNS" \
-                --steps "$WARM_START_STEPS" --lr 3e-3 --max-length 896 --system-prompt "$COMPACT_PROMPT" > /dev/null
+        WARM_ARGS=(--model "$TINY" --out "$MODEL_PATH" --scenario "$SCENARIO" --n-dialogues 1024
+                   --quality-mix evasive=0.65,good=0.35 --max-turns "$MAX_TURNS" --steps "$WARM_START_STEPS"
+                   --lr 3e-3 --max-length 896 --system-prompt "$COMPACT_PROMPT")
+        WARM_STAMP="$MODEL_PATH/warm_start_args.txt"  # a warm start made with other arguments is made again
+        if [[ ! -f "$MODEL_PATH/sft_log.json" || "$TINY/config.json" -nt "$MODEL_PATH/sft_log.json" \
+              || "$(cat "$WARM_STAMP" 2> /dev/null)" != "$(printf '%s\n' "${WARM_ARGS[@]}")" ]]; then
+            echo "warm start: $WARM_START_STEPS SFT steps on scripted calls, a third of them good (a few minutes, once)"
+            "$PYTHON" utils/sft_warm_start.py "${WARM_ARGS[@]}" > /dev/null
+            printf '%s\n' "${WARM_ARGS[@]}" > "$WARM_STAMP"
         fi
     fi
 fi

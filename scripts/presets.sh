@@ -31,26 +31,27 @@ _sead_default() {
 # ------------------------------------------------------------------------------------------------ CPU preset
 # The embedded demo: a small model (bench/learning.py's recipe: 0.5M parameters, the scenario's tags as whole
 # tokens, a compact agent prompt) warm-started on a mixture of scripted calls that complete and calls that
-# mostly do not, then a few GRPO steps of 4 prompts x 8 dialogues with the completion-only reward, on 2 CPU
-# workers; the policy generates with vLLM when the running Python has it (make vllm-env), else with HF generate.
-# Calls last up to 10 turns of 64 agent tokens within a 768-token budget, so a call can complete; validation (16
-# fixed profiles, greedy) runs before training and after the last step. The cache serves once a stage holds 2
+# mostly do not, then 4 GRPO steps of 8 prompts x 8 dialogues (two policy updates of 4 prompts each, lr 2e-4) with
+# the completion-only reward, on 2 CPU workers: the CI-sized learning test's recipe
+# (tests/llm_agent/test_learning_cr.py). The policy generates with vLLM when the running Python has it (make
+# vllm-env), else with HF generate. Calls last up to 10 turns of 64 agent tokens within a 768-token budget, so a
+# call can complete; validation (64 fixed profiles, greedy) runs before training and after the last step. The cache serves once a stage holds 2
 # replies (a few steps never fill 10).
 _sead_cpu_preset() {
     _sead_default EXPERIMENT cpu_demo
     _sead_default DEVICE auto
     _sead_default N_GPUS 2
     _sead_default STEPS 4
-    _sead_default TRAIN_PROMPTS 4
+    _sead_default TRAIN_PROMPTS 8
     _sead_default ROLLOUT_N 8
-    _sead_default MINI_BATCH "$TRAIN_PROMPTS"
+    _sead_default MINI_BATCH 4
     _sead_default TRAIN_SAMPLES 64
-    _sead_default TEST_SAMPLES 16
+    _sead_default TEST_SAMPLES 64
     _sead_default MAX_TURNS 10
     _sead_default MAX_TOKENS_PER_TURN 64
     _sead_default MAX_USER_TOKENS 48
     _sead_default RESPONSE_LENGTH 768
-    _sead_default LR 3e-4
+    _sead_default LR 2e-4
     _sead_default LR_WARMUP_RATIO 0.0
     _sead_default USE_KL_LOSS false
     _sead_default KL_LOSS_TYPE low_var_kl

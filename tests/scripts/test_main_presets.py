@@ -41,7 +41,8 @@ GPU = {
 }
 # Today's CPU demo settings (CPU preset).
 CPU = {
-    "data.train_batch_size": "4", "actor_rollout_ref.rollout.n": "8", "actor_rollout_ref.actor.optim.lr": "3e-4",
+    "data.train_batch_size": "8", "actor_rollout_ref.rollout.n": "8", "actor_rollout_ref.actor.optim.lr": "2e-4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
     "actor_rollout_ref.actor.use_kl_loss": "false", "actor_rollout_ref.actor.entropy_coeff": "0.0",
     "actor_rollout_ref.rollout.temperature": "0.7", "rollout_loop.config.max_turns": "10",
     "data.max_response_length": "768", "rollout_loop.config.max_tokens_per_turn": "64",
@@ -95,7 +96,7 @@ def test_without_model_path_the_cpu_preset_applies_and_nothing_is_built(tmp_path
     assert out.startswith("preset: cpu (no MODEL_PATH")
     assert {k: cmd[k] for k in CPU} == CPU
     assert cmd["actor_rollout_ref.model.path"] == f"{tmp_path / 'outputs'}/tiny_model_warm"
-    assert block["LR"] == ("3e-4", "preset") and block["MAX_TURNS"] == ("10", "preset")
+    assert block["LR"] == ("2e-4", "preset") and block["MAX_TURNS"] == ("10", "preset")
     assert not (tmp_path / "outputs").exists(), "the dry run built or wrote something"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in out
     assert_valid(overrides, tmp_path)
@@ -125,7 +126,7 @@ def test_environment_and_key_value_overrides_win(tmp_path):
     assert block["TEMPERATURE"] == ("1.2", "preset")
     assert overrides[-1] == "trainer.save_freq=7", "a key=value argument must come last so that it wins"
     _, _, forced, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", PRESET="cpu", USER_SIM_URLS="http://127.0.0.1:5000")
-    assert forced["actor_rollout_ref.actor.optim.lr"] == "3e-4" and forced["actor_rollout_ref.model.path"] == "/m/agent"
+    assert forced["actor_rollout_ref.actor.optim.lr"] == "2e-4" and forced["actor_rollout_ref.model.path"] == "/m/agent"
 
 
 def test_two_instance_script_runs_12_turns_on_the_gpu_preset(tmp_path):
