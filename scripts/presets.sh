@@ -35,8 +35,8 @@ _sead_default() {
 # the completion-only reward, on 2 CPU workers: the CI-sized learning test's recipe
 # (tests/llm_agent/test_learning_cr.py). The policy generates with vLLM when the running Python has it (make
 # vllm-env), else with HF generate. Calls last up to 10 turns of 64 agent tokens within a 768-token budget, so a
-# call can complete; validation (64 fixed profiles, greedy) runs before training and after the last step. The cache serves once a stage holds 2
-# replies (a few steps never fill 10).
+# call can complete; validation (64 fixed profiles, greedy) runs before training and after the last step. The
+# cache serves once a stage holds 2 replies (a few steps never fill 10).
 _sead_cpu_preset() {
     _sead_default EXPERIMENT cpu_demo
     _sead_default DEVICE auto

@@ -39,7 +39,7 @@ class SimulatorGateway:
     def __init__(self, client: Any) -> None:
         self.client = client
         self.meter = BusyMeter()
-        self._acomplete = getattr(client, "acomplete", None) if runs_on_client_loop(client) else None
+        self._acomplete = client.acomplete if runs_on_client_loop(client) else None
         self._executor = None if self._acomplete else ThreadPoolExecutor(1, thread_name_prefix="user-sim")
 
     async def complete(self, request: ChatRequest) -> Any:

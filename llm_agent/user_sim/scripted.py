@@ -42,6 +42,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from llm_agent.scenario import (STATE_DIMS, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, Behavior, Scenario,
                                 ScriptedSpec, UserProfile, UserTurn, load_scenario)
@@ -271,6 +272,14 @@ def count_tokens(text: str) -> int:
     return sum(1 for _ in _TOKEN_RE.finditer(text))
 
 
+class _CacheEntry(NamedTuple):
+    """The persona after a request's messages, their prompt-token count, and the entry's estimated bytes."""
+
+    persona: ScriptedPersona
+    prompt_tokens: int
+    size: int
+
+
 class ScriptedPersonaBackend:
     """ChatBackend answering as the scenario's scripted persona (deterministic for persona + seed)."""
 
@@ -278,7 +287,7 @@ class ScriptedPersonaBackend:
                  cache_bytes: int = 64 << 20) -> None:
         self.scenario = scenario
         self.seed = seed
-        self._cache: OrderedDict[str, tuple[ScriptedPersona, int, int]] = OrderedDict()  # persona, tokens, bytes
+        self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
         self._cached_bytes = 0
@@ -296,7 +305,7 @@ class ScriptedPersonaBackend:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-        return None if hit is None else (hit[0].copy(), hit[1])
+        return None if hit is None else (hit.persona.copy(), hit.prompt_tokens)
 
     def _remember(self, key: str, persona: ScriptedPersona, prompt_tokens: int) -> None:
         size = persona.footprint() + len(key)
@@ -305,11 +314,11 @@ class ScriptedPersonaBackend:
         with self._cache_lock:
             old = self._cache.pop(key, None)
             if old is not None:
-                self._cached_bytes -= old[2]
-            self._cache[key] = (persona.copy(), prompt_tokens, size)
+                self._cached_bytes -= old.size
+            self._cache[key] = _CacheEntry(persona.copy(), prompt_tokens, size)
             self._cached_bytes += size
             while len(self._cache) > self._cache_size or self._cached_bytes > self._cache_bytes:
-                self._cached_bytes -= self._cache.popitem(last=False)[1][2]
+                self._cached_bytes -= self._cache.popitem(last=False)[1].size
 
     @classmethod
     def from_scenario_file(cls, path: str | Path, seed: int = 0) -> "ScriptedPersonaBackend":
