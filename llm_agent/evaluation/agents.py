@@ -26,6 +26,7 @@ import torch
 from tensordict import TensorDict
 
 from llm_agent.evaluation.local_agents import HFRolloutAgent, VLLMRolloutAgent, pick_engine
+from llm_agent.openai_endpoint import EndpointError, OpenAIEndpoint
 from llm_agent.rollout.chat_layout import ChatLayout
 from llm_agent.scenario import Scenario
 from verl.protocol import DataProto
@@ -52,11 +53,10 @@ class OpenAIChatAgent:
 
     def __init__(self, base_url: str, tokenizer: Any, model: str | None = None, api_key: str | None = None,
                  concurrency: int = 16, timeout_s: float = 120.0, max_attempts: int = 3) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.http = OpenAIEndpoint(base_url, api_key=api_key, timeout_s=timeout_s)
+        self.base_url = self.http.base
         self.tokenizer = tokenizer
         self.layout = ChatLayout(tokenizer)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
         self.concurrency, self.max_attempts = max(1, concurrency), max(1, max_attempts)
         self.model = model or self._served_model()
         self.requests = 0
@@ -64,37 +64,30 @@ class OpenAIChatAgent:
     def _served_model(self) -> str:
         """The first model id of GET /v1/models (used when no model name was given)."""
         try:
-            response = self.http.get("/v1/models")
-            response.raise_for_status()
-            return str(response.json()["data"][0]["id"])
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-            raise RuntimeError(f"agent endpoint {self.base_url}: cannot list its models ({exc}); pass the model "
-                               "name explicitly") from None
+            return self.http.served_models()[0]
+        except EndpointError as exc:
+            raise RuntimeError(f"agent endpoint: cannot list its models ({exc}); pass the model name explicitly"
+                               ) from None
 
     def messages(self, text: str) -> list[dict[str, str]]:
         """The chat messages of one decoded agent-side context (system prompt, then user/assistant turns)."""
         return self.layout.messages(text)
 
     def _complete(self, messages: list[dict[str, str]], settings: dict[str, Any]) -> tuple[str, str]:
-        """(text, finish_reason) of one chat completion, retried on transport errors, 429 and 5xx."""
+        """(text, finish_reason) of one chat completion, retried on timeouts, connection errors, 408/429/5xx and
+        replies that are not a chat completion; each attempt has a total deadline (`timeout_s`)."""
         body = {"model": self.model, "messages": messages, **settings}
         last = ""
         for attempt in range(1, self.max_attempts + 1):
             try:
-                response = self.http.post("/v1/chat/completions", json=body)
-                if response.status_code == 429 or response.status_code >= 500:
-                    last = f"HTTP {response.status_code}: {response.text[:200]}"
-                else:
-                    response.raise_for_status()
-                    choice = response.json()["choices"][0]
-                    return choice["message"]["content"] or "", choice.get("finish_reason") or "stop"
-            except httpx.HTTPStatusError as exc:  # 4xx: the request itself is wrong, retrying cannot help
-                raise RuntimeError(f"agent endpoint {self.base_url} rejected a request: {exc.response.status_code} "
-                                   f"{exc.response.text[:300]}") from None
-            except (httpx.TransportError, KeyError, IndexError, ValueError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            time.sleep(min(2.0, 0.2 * 2 ** attempt))
-        raise RuntimeError(f"agent endpoint {self.base_url}: {self.max_attempts} attempts failed, last: {last}")
+                return self.http.chat(body)
+            except EndpointError as exc:
+                if exc.kind == "rejected":  # 4xx: the request itself is wrong, retrying cannot help
+                    raise RuntimeError(f"agent endpoint rejected a request: {exc}") from None
+                last = f"{exc.kind}: {exc}"
+            if attempt < self.max_attempts:
+                time.sleep(min(2.0, 0.2 * 2 ** attempt))
+        raise RuntimeError(f"agent endpoint: {self.max_attempts} attempts failed, last: {last}")
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """One endpoint answer per left-padded row, with HFRollout's output keys and shapes."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from llm_agent.profiles.rules import RuleTable
 from llm_agent.scenario import STATE_DIMS, Behavior, Scenario, UserProfile
+from verl.utils.untrusted import load_json
 
 __all__ = ["AnswerCheck", "SYSTEM_PROMPT", "check_answer", "profile_request"]
 
@@ -26,6 +27,7 @@ SYSTEM_PROMPT = ("You design believable simulated customers for training a phone
                  "initial state, you choose the behaviours from a numbered library that such a person would "
                  "plausibly show. You never change the state and never invent behaviours. You answer with one "
                  "JSON object and nothing else.")
+MAX_ANSWER_BYTES = 64 << 10  # a profile answer is a few hundred bytes
 REPAIR_CUTOFF = 0.9  # difflib ratio above which a behaviour text is taken to mean that library entry
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$", re.IGNORECASE)
 
@@ -72,7 +74,7 @@ def _json_object(text: str) -> Any:
     start, end = body.find("{"), body.rfind("}")
     if start < 0 or end < start:
         raise ValueError("no JSON object in the answer")
-    return json.loads(body[start:end + 1])
+    return load_json(body[start:end + 1], what="the answer's JSON object", max_bytes=MAX_ANSWER_BYTES)
 
 
 def _match(item: Any, library: Sequence[Behavior], by_text: Mapping[str, Behavior],

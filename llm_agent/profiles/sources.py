@@ -3,7 +3,8 @@
 `load_weights(path)` accepts a mistakes analysis JSON (`for_evaluation/analyze_mistakes.py`: a split's
 `recommended_weights.weights`), a checkpoint's `trainer_state.json` or its `global_step_N` directory (the state
 controller's weights at that step), or a plain `{group: {label: weight}}` mapping. `ChatEndpoint.complete`
-sends one chat-completions request and returns the text or raises `EndpointError`.
+sends one chat-completions request and returns the text or raises
+`llm_agent.openai_endpoint.EndpointError`.
 """
 from __future__ import annotations
 
@@ -13,17 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import httpx
+from llm_agent.openai_endpoint import OpenAIEndpoint
 
-__all__ = ["ChatEndpoint", "EndpointError", "load_weights"]
-
-
-class EndpointError(Exception):
-    """One failed request; `kind` is connection | timeout | http | garbage."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(detail)
-        self.kind = kind
+__all__ = ["ChatEndpoint", "load_weights"]
 
 
 def _controller_weights(controller: Any, where: str) -> dict[str, dict[str, float]]:
@@ -58,51 +51,23 @@ def load_weights(path: str | os.PathLike, split: str | None = None) -> dict[str,
 
 
 class ChatEndpoint:
-    """An OpenAI-compatible chat-completions endpoint (`base_url` with or without the /v1 suffix); `model` None
-    asks for the first model it serves (`GET /v1/models`) at the first request."""
+    """An OpenAI-compatible chat-completions endpoint (`base_url` with or without the /v1 suffix) asked with fixed
+    sampling settings; `model` None asks for the first model it serves (`GET /v1/models`) at the first request.
+    Each request has a total deadline of `timeout_s` and a size cap (`llm_agent.openai_endpoint`)."""
 
     def __init__(self, base_url: str, model: str | None, api_key: str | None = None, timeout_s: float = 60.0,
                  temperature: float = 0.7, max_tokens: int = 256) -> None:
-        url = base_url.strip().rstrip("/")
-        self.base = url if url.endswith("/v1") else url + "/v1"
-        self.url = self.base + "/chat/completions"
+        self.http = OpenAIEndpoint(base_url, api_key=api_key, timeout_s=timeout_s)
         self.model, self.temperature, self.max_tokens = model, temperature, max_tokens
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(timeout=timeout_s, headers=headers)
-
-    def _served_model(self) -> str:
-        try:
-            response = self._client.get(self.base + "/models")
-            return str(response.json()["data"][0]["id"])
-        except httpx.TimeoutException as exc:
-            raise EndpointError("timeout", f"{self.base}/models: {exc!r}") from None
-        except httpx.HTTPError as exc:
-            raise EndpointError("connection", f"{self.base}/models: {exc!r}") from None
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise EndpointError("garbage", f"{self.base}/models: no served model ({exc!r})") from None
 
     def complete(self, messages: list[dict[str, str]], seed: int) -> str:
         """The first choice's text for `messages` (request seed `seed`); EndpointError on any failure."""
         if self.model is None:
-            self.model = self._served_model()
+            self.model = self.http.served_models()[0]
         body = {"model": self.model, "messages": messages, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "seed": seed}
-        try:
-            response = self._client.post(self.url, json=body)
-        except httpx.TimeoutException as exc:
-            raise EndpointError("timeout", f"{self.url}: {exc!r}") from None
-        except httpx.HTTPError as exc:
-            raise EndpointError("connection", f"{self.url}: {exc!r}") from None
-        if response.status_code != 200:
-            raise EndpointError("http", f"{self.url}: HTTP {response.status_code}: {response.text[:200]!r}")
-        try:
-            content = response.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise EndpointError("garbage", f"{self.url}: not a chat completion ({exc!r})") from None
-        if not isinstance(content, str):
-            raise EndpointError("garbage", f"{self.url}: message content {content!r} is not a string")
-        return content
+        return self.http.chat(body)[0]
 
     def close(self) -> None:
         """Close the HTTP client."""
-        self._client.close()
+        self.http.close()

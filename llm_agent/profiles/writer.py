@@ -30,10 +30,11 @@ from typing import Any
 from tqdm import tqdm
 
 from llm_agent.controller import ControllerConfig, StateController, state_key
+from llm_agent.openai_endpoint import EndpointError
 from llm_agent.profiles.answers import check_answer, profile_request
 from llm_agent.profiles.pool import profile_of_row
 from llm_agent.profiles.rules import RuleTable
-from llm_agent.profiles.sources import ChatEndpoint, EndpointError
+from llm_agent.profiles.sources import ChatEndpoint
 from llm_agent.scenario import Scenario, UserProfile
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ProfileWriter", "WriterSettings", "profile_identity"]
 
 RULE_CHECKS = ("repair", "off")
+REJECTED_ANSWER_CHARS = 2000  # of a rejected answer's text kept in the rejected file
 
 
 @dataclass
@@ -149,9 +151,14 @@ class ProfileWriter:
         with self._lock:
             self.counts[key] += 1
 
-    def _reject(self, rejected: list[dict[str, Any]], index: int, attempt: int, reason: str, **extra: Any) -> None:
+    def _reject(self, rejected: list[dict[str, Any]], index: int, attempt: int, reason: str,
+                answer: str | None = None, **extra: Any) -> None:
+        """Keep one rejected answer with its reason; the answer's text is kept up to `REJECTED_ANSWER_CHARS`
+        characters (with its full length), so a flood of text cannot grow the rejected file."""
+        kept = None if answer is None else answer[:REJECTED_ANSWER_CHARS]
         rejected.append({"index": index, "attempt": attempt, "state": state_key(self.states[index]),
-                         "reason": reason, **extra})
+                         "reason": reason, "answer": kept, **extra,
+                         **({"answer_chars": len(answer)} if answer is not None and len(answer) > len(kept) else {})})
         self._count(f"rejected/{reason}")
 
     def _claim(self, profile: UserProfile) -> bool:
