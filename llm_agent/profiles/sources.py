@@ -8,15 +8,17 @@ sends one chat-completions request and returns the text or raises
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from llm_agent.openai_endpoint import OpenAIEndpoint
+from verl.utils.untrusted import load_json
 
 __all__ = ["ChatEndpoint", "load_weights"]
+
+MAX_WEIGHTS_FILE_BYTES = 256 << 20  # an analysis or trainer state is KBs to a few MB
 
 
 def _controller_weights(controller: Any, where: str) -> dict[str, dict[str, float]]:
@@ -32,7 +34,7 @@ def load_weights(path: str | os.PathLike, split: str | None = None) -> dict[str,
     if path.is_dir():
         path = path / "trainer_state.json"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = load_json(path.read_bytes(), what=str(path), max_bytes=MAX_WEIGHTS_FILE_BYTES)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: cannot read sampling weights: {exc}") from None
     if not isinstance(data, Mapping):

@@ -34,10 +34,13 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
+from verl.utils.untrusted import UntrustedInputError, load_json
+
 logger = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
+MAX_STATE_BYTES = 256 << 20  # a trainer state is KBs to a few MB (controller and cache state included)
 PARTIAL_SUFFIX = ".partial"
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 _PARTIAL_RE = re.compile(r"^global_step_(\d+)\.(partial|replaced)$")
@@ -263,19 +266,27 @@ def _to_jsonable(value: Any) -> Any:
 
 
 def save_trainer_state(directory: PathLike, state: dict[str, Any]) -> Path:
-    """Write ``state`` (numpy/torch values become lists/numbers) to ``directory/trainer_state.json``."""
+    """Write ``state`` (numpy/torch values become lists/numbers) to ``directory/trainer_state.json``; ValueError
+    on a NaN or infinite value (a resume would refuse it)."""
     path = Path(directory) / STATE_FILE
-    atomic_write_text(path, json.dumps(_to_jsonable(state), indent=1, sort_keys=True))
+    try:
+        text = json.dumps(_to_jsonable(state), indent=1, sort_keys=True, allow_nan=False)
+    except ValueError as exc:
+        raise ValueError(f"trainer state for {path} holds a non-finite number: {exc}") from None
+    atomic_write_text(path, text)
     return path
 
 
 def load_trainer_state(directory: PathLike) -> dict[str, Any]:
-    """Read ``directory/trainer_state.json`` (a JSON object); ValueError naming the file otherwise."""
+    """Read ``directory/trainer_state.json`` (a JSON object, no NaN/Infinity, within the outside-input limits of
+    :mod:`verl.utils.untrusted`); ValueError naming the file otherwise."""
     path = Path(directory) / STATE_FILE
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as exc:
+        state = load_json(path.read_bytes(), what=f"the trainer state {path}", max_bytes=MAX_STATE_BYTES)
+    except OSError as exc:
         raise ValueError(f"cannot read the trainer state {path}: {exc}") from exc
+    except UntrustedInputError as exc:
+        raise ValueError(f"cannot read {exc}") from None
     if not isinstance(state, dict):
         raise ValueError(f"the trainer state {path} must be a JSON object, got {type(state).__name__}")
     return state

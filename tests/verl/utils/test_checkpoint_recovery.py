@@ -48,6 +48,12 @@ def test_a_truncated_trainer_state_falls_back_to_the_newest_valid_checkpoint(tmp
     (lambda s: s["rng"].update(python=[3, [1, 2], None]), "'rng.python' is not a Python RNG state"),
     (lambda s: s["rng"]["numpy"].__setitem__(1, [1, 2, 3]), "'rng.numpy' is not a numpy RNG state"),
     (lambda s: s.update(global_step="3"), "'global_step' has the wrong type"),
+    (lambda s: s.update(global_step=-5), "'global_step' is -5, but the checkpoint directory is global_step_1"),
+    (lambda s: s.update(global_step=10**30), "but the checkpoint directory is global_step_1"),
+    (lambda s: s.update(kl_ctrl_value=-1e9), "'kl_ctrl_value' must be a finite number >= 0"),
+    (lambda s: s.update(dataloader={}), "'dataloader.epoch' must be an integer >= 0, got None"),
+    (lambda s: s["dataloader"].update(epoch=-1), "'dataloader.epoch' must be an integer >= 0, got -1"),
+    (lambda s: s["dataloader"].update(batch_index=True), "'dataloader.batch_index' must be an integer"),
 ])
 def test_missing_keys_and_corrupt_rng_state_name_the_file(tmp_path, damage, needle):
     _save(tmp_path, 1)
@@ -60,6 +66,32 @@ def test_missing_keys_and_corrupt_rng_state_name_the_file(tmp_path, damage, need
     assert str(path / STATE_FILE) in str(err.value) and needle in str(err.value)
     with pytest.raises(ValueError, match="no valid checkpoint under"):
         find_latest_checkpoint(tmp_path, check=check_trainer_state)
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_kl_coefficient_falls_back_to_the_previous_checkpoint(tmp_path, literal):
+    for step in (1, 2):
+        _save(tmp_path, step)
+    state_file = step_dir(tmp_path, 2) / STATE_FILE
+    state_file.write_text(state_file.read_text().replace('"kl_ctrl_value": 0.001', f'"kl_ctrl_value": {literal}'))
+    assert literal in state_file.read_text()
+    assert find_latest_checkpoint(tmp_path, check=check_trainer_state) == step_dir(tmp_path, 1)
+
+
+def test_a_deeply_nested_trainer_state_is_skipped_with_its_name(tmp_path, caplog):
+    for step in (1, 2):
+        _save(tmp_path, step)
+    state_file = step_dir(tmp_path, 2) / STATE_FILE
+    state_file.write_text('{"global_step": 2, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with caplog.at_level(logging.WARNING, logger="verl.utils.checkpoint"):
+        assert find_latest_checkpoint(tmp_path, check=check_trainer_state) == step_dir(tmp_path, 1)
+    assert str(state_file) in caplog.text and "nested" in caplog.text
+
+
+def test_a_non_finite_state_value_is_refused_at_save_time(tmp_path):
+    partial = begin_checkpoint(tmp_path, 1)
+    with pytest.raises(ValueError, match="non-finite"):
+        save_trainer_state(partial, {**_state(1), "kl_ctrl_value": float("nan")})
 
 
 def test_every_file_and_directory_is_fsynced_before_the_commit_rename(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the r
 ``rollout_loop/`` where the rollout-loop plug-in keeps files of its own (its optional ``save_checkpoint(dir)`` /
 ``load_checkpoint(dir)``). It is written into ``global_step_N.partial``, fsynced and committed by a rename
 (:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint; a checkpoint
-whose trainer state is unreadable, lacks a key or holds a corrupt RNG state is named and skipped for the newest
+whose trainer state is unreadable, lacks a key, holds an impossible value (a step that is not its directory's,
+a negative position, a non-finite KL coefficient) or a corrupt RNG state is named and skipped for the newest
 valid one (``resume_mode=auto``) or refused (``resume_path``). Resuming a
 checkpoint whose recorded model path differs from the configured one is an error unless
 ``trainer.resume_from_other_model=true``.
@@ -14,6 +15,7 @@ checkpoint whose recorded model path differs from the configured one is an error
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,16 +37,29 @@ logger = logging.getLogger(__name__)
 
 LOOP_DIR = "rollout_loop"  # the rollout-loop plug-in's own files inside global_step_N/
 REQUIRED_STATE = {"global_step": int, "dataloader": dict, "kl_ctrl_value": (int, float), "rng": dict}
+DATALOADER_POSITION = ("epoch", "batch_index")  # what the prompt loader resumes from
 
 
 def check_trainer_state(path: Path, state: dict[str, Any]) -> None:
-    """Raise ValueError naming ``path/trainer_state.json`` and the key unless ``state`` can be resumed from."""
+    """Raise ValueError naming ``path/trainer_state.json`` and the key unless ``state`` can be resumed from:
+    every required key with its type, a ``global_step`` equal to the directory's step, a dataloader position
+    of non-negative integers, a finite non-negative KL coefficient and a restorable RNG state."""
     where = Path(path) / STATE_FILE
     for key, kind in REQUIRED_STATE.items():
         if key not in state:
             raise ValueError(f"{where} has no {key!r} (keys present: {sorted(state)})")
         if isinstance(state[key], bool) or not isinstance(state[key], kind):
             raise ValueError(f"{where}: {key!r} has the wrong type ({type(state[key]).__name__})")
+    step = state["global_step"]
+    named = Path(path).name.removeprefix("global_step_")
+    if step < 0 or (named.isdigit() and step != int(named)):
+        raise ValueError(f"{where}: 'global_step' is {step}, but the checkpoint directory is {Path(path).name}")
+    for key in DATALOADER_POSITION:
+        value = state["dataloader"].get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}: 'dataloader.{key}' must be an integer >= 0, got {value!r}")
+    if not math.isfinite(state["kl_ctrl_value"]) or state["kl_ctrl_value"] < 0:
+        raise ValueError(f"{where}: 'kl_ctrl_value' must be a finite number >= 0, got {state['kl_ctrl_value']!r}")
     try:
         check_rng_state(state["rng"])
     except ValueError as exc:
