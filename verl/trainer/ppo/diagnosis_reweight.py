@@ -31,7 +31,7 @@ class TurnWeights:
 
     ``label_turns[label]``: turns carrying a weighted label; ``labelled_turns``: turns with any label;
     ``reweighted_turns``: turns with at least one weighted label, ``weight_sum`` the sum of their weights;
-    ``unweighted_labels``: label occurrences that have no weight.
+    ``unweighted_labels``: (turn, label) pairs whose label has no weight (a label counts once per turn).
     """
 
     weights: torch.Tensor
@@ -108,9 +108,10 @@ def reweight_advantages(data: Any, weights: Mapping[str, float], apply_to: str =
     batch and ``turn_labels`` in its ``non_tensor_batch``. ``apply_to``: ``all`` scales every labelled turn's
     advantages, ``negative`` / ``positive`` only the tokens whose advantage has that sign. Metrics (logged as
     they are): ``diagnosis/labelled_turns``, ``diagnosis/reweighted_turns``, ``diagnosis/mean_weight`` (over the
-    reweighted turns; 1 if none), ``diagnosis/unweighted_labels``, ``diagnosis/reweighted_token_frac`` (agent
-    tokens whose advantage was scaled by a weight other than 1), ``diagnosis/adv_abs_ratio`` (sum of |advantage|
-    over agent tokens after / before; 1 if it was 0) and ``diagnosis/turns/<label>`` for every weighted label.
+    reweighted turns; 1 if none), ``diagnosis/unweighted_labels`` (labels without a weight, once per turn),
+    ``diagnosis/reweighted_token_frac`` (agent tokens whose advantage was scaled by a weight other than 1),
+    ``diagnosis/adv_abs_ratio`` (sum of |advantage| over agent tokens after / before; 1 if it was 0) and
+    ``diagnosis/turns/<label>`` for every weighted label.
     """
     if apply_to not in DIAGNOSIS_APPLY_TO:
         raise ValueError(f"apply_to must be one of {list(DIAGNOSIS_APPLY_TO)}, got {apply_to!r}")

@@ -33,7 +33,8 @@ def estimator_inputs(fn: Callable[..., Any], data: Any, settings: dict[str, Any]
         "agent_turn_ids": lambda: agent_turn_ids(data.batch),
         TURN_SCORES: lambda: data.batch[TURN_SCORES],
     }
-    available = {"values": "values" in keys, "agent_turn_ids": "response_mask" in keys, TURN_SCORES: TURN_SCORES in keys}
+    available = {"values": "values" in keys, "agent_turn_ids": "response_mask" in keys,
+                 TURN_SCORES: TURN_SCORES in keys}
     kwargs: dict[str, Any] = {}
     for name in OPTIONAL_INPUTS:
         parameter = parameters.get(name)

@@ -146,7 +146,8 @@ def test_reweighting_matches_float64_reference(rng, apply_to):
     assert metrics["diagnosis/adv_abs_ratio"] == pytest.approx(float(data.batch["advantages"][agent].abs().sum()
                                                                      / before))
     expected = ref_reweight(advantages, mask, labels, apply_to)  # random advantages: a weight other than 1 changes them
-    changed = sum(1 for i, row in enumerate(mask) for t, m in enumerate(row) if m and expected[i][t] != advantages[i][t])
+    changed = sum(1 for i, row in enumerate(mask) for t, m in enumerate(row)
+                  if m and expected[i][t] != advantages[i][t])
     assert metrics["diagnosis/reweighted_token_frac"] == pytest.approx(changed / int(agent.sum()))
 
 
