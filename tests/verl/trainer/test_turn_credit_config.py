@@ -137,3 +137,15 @@ def test_compute_advantage_passes_norm_adv_by_std_to_grpo_vectorized():
     expected, _ = core_algos.compute_grpo_outcome_advantage(b["token_level_rewards"], b["response_mask"],
                                                             data.non_tensor_batch["uid"], norm_adv_by_std_in_grpo=False)
     torch.testing.assert_close(b["advantages"], expected)
+
+
+def test_compute_advantage_reads_the_turn_weight_from_the_trainers_config_object(paths):
+    cfg = load_config(compose_config(paths + ["algorithm.adv_estimator=turn_mixed", "actor_rollout_ref.rollout.n=2",
+                                              "algorithm.turn_mixed.turn_weight=0.25"]))
+    data = _dialogue_batch()
+    compute_advantage(data, "turn_mixed", config=cfg.algorithm)  # the typed AlgorithmConfig, as train_step passes
+    b = data.batch
+    expected, _ = core_algos.compute_turn_mixed_advantage(b["token_level_rewards"], b["response_mask"],
+                                                          data.non_tensor_batch["uid"], turn_scores=b["turn_scores"],
+                                                          turn_weight=0.25)
+    assert torch.equal(b["advantages"], expected)
