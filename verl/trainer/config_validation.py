@@ -220,7 +220,7 @@ def _check_paths(cfg: PPOTrainerConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.model.tokenizer_path={model.tokenizer_path!r} is not a directory")
     if cfg.need_critic and (not cfg.critic.model.path or not Path(cfg.critic.model.path).is_dir()):
         raise ConfigError(f"critic.model.path={cfg.critic.model.path!r} must be a local model directory "
-                          f"(algorithm.adv_estimator=gae trains a critic)")
+                          f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains a critic)")
     train = _as_list(cfg.data.train_files)
     if not train:
         raise ConfigError("data.train_files is required: a parquet file or a list of them (the built-in task "

@@ -39,6 +39,7 @@ from verl.trainer.ppo.advantages import (
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
 )
+from verl.trainer.ppo.advantages_turn import compute_turn_gae_advantage_return, compute_turn_mixed_advantage
 from verl.trainer.ppo.advantages_vectorized import (
     compute_grpo_vectorized_outcome_advantage,
     compute_rloo_vectorized_outcome_advantage,
@@ -58,7 +59,8 @@ __all__ = [
     "compute_grpo_outcome_advantage", "compute_grpo_vectorized_outcome_advantage", "compute_policy_loss",
     "compute_policy_loss_vanilla", "compute_rloo_vectorized_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
-    "compute_remax_outcome_advantage", "compute_rewards", "compute_rloo_outcome_advantage", "compute_value_loss",
+    "compute_remax_outcome_advantage", "compute_rewards", "compute_rloo_outcome_advantage",
+    "compute_turn_gae_advantage_return", "compute_turn_mixed_advantage", "compute_value_loss",
     "get_adv_estimator_fn", "get_kl_controller", "get_policy_loss_fn", "kl_penalty", "kl_penalty_forward",
     "register_adv_est", "register_policy_loss",
 ]  # fmt: skip
