@@ -246,8 +246,27 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction.*``: importance weights and rejection for the gap between the rollout engine's
+    and the trainer's policy (veRL's keys; :mod:`verl.trainer.ppo.rollout_corr_helper`)."""
+
+    rollout_is: Optional[Literal["token", "turn", "sequence"]] = None
+    rollout_is_threshold: Union[float, str] = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[Union[float, str]] = None
+    bypass_mode: bool = False
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything corrects (weights, rejection or bypass), beyond the metrics."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+
+
+@dataclass
 class AlgorithmConfig:
-    """``algorithm.*``: advantage estimation, KL shaping and dynamic sampling."""
+    """``algorithm.*``: advantage estimation, KL shaping, dynamic sampling and rollout correction."""
 
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -257,6 +276,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

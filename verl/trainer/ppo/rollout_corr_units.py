@@ -30,8 +30,8 @@ class Units:
 
     @classmethod
     def for_level(cls, level: str, response_mask: torch.Tensor, turn_ids: Optional[torch.Tensor] = None) -> "Units":
-        """Units of ``level`` (token | turn | sequence) over ``response_mask``; ``turn_ids`` (bs, R), -1 exactly
-        where the mask is 0, segments turns (default: maximal runs of consecutive mask tokens)."""
+        """Units of ``level`` (token | turn | sequence) over ``response_mask``; ``turn_ids`` (bs, R), >= 0 on every
+        mask token (ignored elsewhere), segments turns (default: maximal runs of consecutive mask tokens)."""
         if response_mask.dim() != 2:
             raise ValueError(f"response_mask must be (batch, response_length), got {tuple(response_mask.shape)}")
         inside = response_mask != 0
@@ -47,8 +47,9 @@ class Units:
             turn_ids = agent_turn_ids_from_mask(response_mask)
         elif turn_ids.shape != response_mask.shape:
             raise ValueError(f"turn_ids has shape {tuple(turn_ids.shape)}, response_mask {tuple(response_mask.shape)}")
-        elif bool(((turn_ids >= 0) != inside).any()):
-            raise ValueError("turn_ids must be >= 0 exactly where response_mask is non-zero")
+        elif bool((inside & (turn_ids < 0)).any()):
+            raise ValueError("turn_ids must be >= 0 wherever response_mask is non-zero (every loss token is in a turn)")
+        turn_ids = torch.where(inside, turn_ids.long(), minus_one)  # positions outside the mask belong to no turn
         count = int(turn_ids.max()) + 1 if turn_ids.numel() else 1
         return cls(turn_ids, count)
 

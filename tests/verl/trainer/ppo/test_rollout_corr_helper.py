@@ -144,8 +144,11 @@ def test_loop_turn_ids_define_the_turns():
     assert not torch.allclose(got, by_runs)
     _, rs_metrics = helper.compute_rollout_rejection_mask(old - rollout, mask, "turn_sum_k2", 0.02, turn_ids=joined)
     assert_metrics_match(rs_metrics, rejection(old - rollout, mask, [("turn_sum_k2", "0.02")], turn_ids=joined)[1])
-    with pytest.raises(ValueError, match="turn_ids must be >= 0 exactly where"):
-        helper.compute_rollout_correction_weights(old - rollout, mask, "turn", 1.5, turn_ids=torch.zeros_like(joined))
+    stale = torch.where(mask != 0, joined, torch.full_like(joined, 7))  # ids outside the mask are ignored
+    assert torch.equal(helper.compute_rollout_correction_weights(old - rollout, mask, "turn", 1.5, turn_ids=stale)[0],
+                       got)
+    with pytest.raises(ValueError, match="every loss token is in a turn"):
+        helper.compute_rollout_correction_weights(old - rollout, mask, "turn", 1.5, turn_ids=joined - 1)
 
 
 def test_one_bad_turn_of_a_long_dialogue_is_dropped_alone():
