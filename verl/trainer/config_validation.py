@@ -40,6 +40,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             if type(None) in args:
                 return None
             raise ConfigError(f"{key} must not be null")
+        non_null = [arg for arg in args if arg is not type(None)]
+        if len(non_null) == 1:  # Optional[X]: X's own message (e.g. the allowed values of a Literal)
+            return _coerce(value, non_null[0], key)
         for arg in args:
             if arg is type(None):
                 continue
