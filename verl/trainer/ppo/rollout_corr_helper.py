@@ -42,8 +42,7 @@ from verl.utils.torch_functional import masked_mean
 __all__ = ["SAFETY_BOUND", "SUPPORTED_ROLLOUT_RS_OPTIONS", "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS", "apply_bypass_mode",
            "compute_offpolicy_metrics", "compute_rollout_corr_metrics_from_logprobs",
            "compute_rollout_correction_and_add_to_batch", "compute_rollout_correction_and_rejection_mask",
-           "compute_rollout_correction_weights", "compute_rollout_rejection_mask", "needs_turn_ids",
-           "rollout_correction_tensors"]
+           "compute_rollout_correction_weights", "compute_rollout_rejection_mask", "rollout_correction_tensors"]
 
 Metrics = dict[str, torch.Tensor]
 
@@ -54,11 +53,6 @@ def _floats(metrics: Metrics) -> dict[str, float]:
         return {}
     values = torch.stack([v.detach().reshape(()).to(torch.float64) for v in metrics.values()]).tolist()
     return dict(zip(metrics, values))
-
-
-def needs_turn_ids(rollout_is: Optional[str], rollout_rs: Optional[str]) -> bool:
-    """Whether these options take ratios or statistics per agent turn."""
-    return rollout_is == "turn" or any(part.strip().startswith("turn_") for part in (rollout_rs or "").split(","))
 
 
 def _weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, rollout_is: str, threshold: Threshold,
@@ -271,9 +265,7 @@ def compute_rollout_correction_and_add_to_batch(batch: DataProto, rollout_corr_c
     """
     get = lambda key, default=None: _cfg_get(rollout_corr_config, key, default)  # noqa: E731
     rollout_is, rollout_rs = get("rollout_is"), get("rollout_rs")
-    turn_ids = None
-    if needs_turn_ids(rollout_is, rollout_rs) or rollout_rs is not None:
-        turn_ids = agent_turn_ids(batch.batch)
+    turn_ids = agent_turn_ids(batch.batch) if rollout_is == "turn" or rollout_rs is not None else None
     weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
         old_log_prob=batch.batch["old_log_probs"], rollout_log_prob=batch.batch["rollout_log_probs"],
         response_mask=batch.batch["response_mask"], rollout_is=rollout_is,
