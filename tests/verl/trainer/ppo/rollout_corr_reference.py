@@ -1,12 +1,16 @@
 """An independent float64 reference of rollout correction for the tests: plain Python loops over rows, units
 and tokens (no torch maths), written from the definitions in README ("Rollout correction") and veRL 0.9.x's
 documentation. Inputs are nested lists (or tensors, converted); a row's units are its loss tokens (token), its
-agent turns (turn) or all of its loss tokens (sequence)."""
+agent turns (turn) or all of its loss tokens (sequence). Also the tests' random dialogue-shaped inputs and
+their metric comparison."""
 from __future__ import annotations
 
 import math
 import statistics
 from typing import Optional
+
+import pytest
+import torch
 
 BOUND = 20.0
 
@@ -199,3 +203,30 @@ def offpolicy(old, rollout, mask) -> dict[str, float]:
             "ppl_ratio": _mean([math.exp(d) for d in diffs]),
             "chi2_token": _mean([math.exp(_clip(x)) ** 2 for x in ratios]) - 1.0,
             "chi2_seq": _mean([math.exp(2 * s) for s in seq_sums]) - 1.0}
+
+
+def dialogue_batch(seed: int, rows: int = 12, length: int = 40, dtype=torch.float64, scale: float = 0.2,
+                   masked_value: float = float("nan")):
+    """(old, rollout, mask): 1-5 agent turns per row separated by user turns, padding after; row 1 has no loss
+    token; positions outside the mask hold ``masked_value`` in both log-prob tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(rows, length, generator=gen, dtype=torch.float64) * 4
+    rollout = old + torch.randn(rows, length, generator=gen, dtype=torch.float64) * scale
+    mask = torch.zeros(rows, length)
+    for i in range(rows):
+        pos = int(torch.randint(0, 3, (1,), generator=gen))
+        for _ in range(int(torch.randint(1, 6, (1,), generator=gen))):
+            run = int(torch.randint(1, 7, (1,), generator=gen))
+            mask[i, pos:pos + run] = 1
+            pos += run + int(torch.randint(1, 4, (1,), generator=gen))
+    mask[1] = 0
+    outside = mask == 0
+    old, rollout = old.masked_fill(outside, masked_value), rollout.masked_fill(outside, masked_value)
+    return old.to(dtype), rollout.to(dtype), mask
+
+
+def assert_metrics_match(got: dict, expected: dict, rel: float = 1e-7):
+    """The same metric names, every value within ``rel`` (or 1e-9 absolute)."""
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=rel, abs=1e-9), key

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from rollout_corr_reference import offpolicy, rejection, units_of_row, weights
+from rollout_corr_reference import assert_metrics_match, dialogue_batch, offpolicy, rejection, units_of_row, weights
 
 from verl.errors import ContractError
 from verl.protocol import DataProto
@@ -17,32 +17,6 @@ from verl.trainer.ppo.rollout_corr_options import (
     rejection_options,
 )
 from verl.utils.agent_turns import AGENT_TURN_IDS, agent_turn_ids, agent_turn_ids_from_mask
-
-
-def dialogue_batch(seed: int, rows: int = 12, length: int = 40, dtype=torch.float64, scale: float = 0.2,
-                   masked_value: float = float("nan")):
-    """(old, rollout, mask): 1-5 agent turns per row separated by user turns, padding after; row 1 has no loss
-    token; positions outside the mask hold ``masked_value`` in both log-prob tensors."""
-    gen = torch.Generator().manual_seed(seed)
-    old = -torch.rand(rows, length, generator=gen, dtype=torch.float64) * 4
-    rollout = old + torch.randn(rows, length, generator=gen, dtype=torch.float64) * scale
-    mask = torch.zeros(rows, length)
-    for i in range(rows):
-        pos = int(torch.randint(0, 3, (1,), generator=gen))
-        for _ in range(int(torch.randint(1, 6, (1,), generator=gen))):
-            run = int(torch.randint(1, 7, (1,), generator=gen))
-            mask[i, pos:pos + run] = 1
-            pos += run + int(torch.randint(1, 4, (1,), generator=gen))
-    mask[1] = 0
-    outside = mask == 0
-    old, rollout = old.masked_fill(outside, masked_value), rollout.masked_fill(outside, masked_value)
-    return old.to(dtype), rollout.to(dtype), mask
-
-
-def assert_metrics_match(got: dict, expected: dict, rel: float = 1e-7):
-    assert sorted(got) == sorted(expected)
-    for key, value in expected.items():
-        assert got[key] == pytest.approx(value, rel=rel, abs=1e-9), key
 
 
 IS_CASES = [("token", 2.0, False), ("token", "0.5_1.5", False), ("token", 1.2, True), ("turn", 2.0, False),
