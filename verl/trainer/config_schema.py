@@ -267,8 +267,28 @@ class DiagnosisReweightConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction.*``: importance weights and rejection for the gap between the rollout engine's
+    and the trainer's policy (veRL's keys; :mod:`verl.trainer.ppo.rollout_corr_helper`)."""
+
+    rollout_is: Optional[Literal["token", "turn", "sequence"]] = None
+    rollout_is_threshold: Union[float, str] = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[Union[float, str]] = None
+    bypass_mode: bool = False
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything corrects (weights, rejection or bypass), beyond the metrics."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+
+
+@dataclass
 class AlgorithmConfig:
-    """``algorithm.*``: advantage estimation, KL shaping, dynamic sampling and turn-level credit."""
+    """``algorithm.*``: advantage estimation, KL shaping, dynamic sampling, turn-level credit and rollout
+    correction."""
 
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -280,6 +300,7 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     turn_mixed: TurnMixedConfig = field(default_factory=TurnMixedConfig)
     diagnosis_reweight: DiagnosisReweightConfig = field(default_factory=DiagnosisReweightConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

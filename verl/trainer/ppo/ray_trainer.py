@@ -4,9 +4,10 @@ One training step: uid per prompt -> ``repeat(rollout.n, interleave=True)`` -> g
 ``rollout_loop`` plug-in) -> ``response_mask`` -> reward plug-in -> (with ``algorithm.filter_groups``: drop the
 groups without a signal and generate more prompt batches until the train batch is full; see
 :mod:`verl.trainer.ppo.trainer_rollout`) -> balance rows across DP ranks (``DataProto.reorder`` moves every
-per-row field together) -> old log-probs -> reference log-probs -> values -> KL in reward -> advantages
-(driver; then ``algorithm.diagnosis_reweight`` scales those of labelled turns) -> critic update -> actor update
--> metrics (with the rollout's ``rollout/*``); validation every ``test_freq`` and a checkpoint every
+per-row field together) -> old log-probs (or, in rollout-correction bypass mode, the rollout's) -> reference
+log-probs -> values -> KL in reward -> rollout correction (:mod:`verl.trainer.ppo.trainer_rollout_corr`) ->
+advantages (driver; then ``algorithm.diagnosis_reweight`` scales those of labelled turns) -> critic update -> actor
+update -> metrics (with the rollout's ``rollout/*``); validation every ``test_freq`` and a checkpoint every
 ``save_freq`` steps (see :mod:`verl.utils.checkpoint`).
 """
 from __future__ import annotations
@@ -32,7 +33,9 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch
 from verl.trainer.ppo.diagnosis_reweight import reweight_advantages
 from verl.trainer.ppo.estimator_inputs import estimator_inputs
+from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
 from verl.trainer.ppo.trainer_checkpoint import TrainerCheckpointMixin
+from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs, correct_batch
 from verl.trainer.ppo.trainer_rollout import (
     GEN_INPUT_KEYS,
     TrainerRolloutMixin,
@@ -171,6 +174,9 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
                 if value:  # workers may run in another directory
                     OmegaConf.update(self.config, key, str(Path(value).resolve()))
             self.config.actor_rollout_ref.actor.optim.total_training_steps = self.total_training_steps
+            policy_loss = actor_policy_loss(self.typed.algorithm.rollout_correction)
+            if policy_loss is not None:  # bypass mode: the actor's loss corrects against the rollout's log-probs
+                self.config.actor_rollout_ref.actor.policy_loss = policy_loss
             self.config.critic.optim.total_training_steps = self.total_training_steps
         self.kl_ctrl = core_algos.get_kl_controller(dataclasses.asdict(self.typed.algorithm.kl_ctrl))
         self.global_steps = 0
@@ -223,12 +229,17 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
             metrics.update(rollout_metrics)
             if cfg.trainer.balance_batch:
                 metrics.update(balance_batch(batch, self.actor_rollout_wg.world_size))
-            with timer("old_log_prob", timing):
-                out = self.actor_rollout_wg.compute_log_prob(batch)
-                pop_metrics(out)
-                entropys = out.batch.pop("entropys")
-                metrics["actor/entropy"] = float(masked_mean(entropys, batch.batch["response_mask"]))
-                batch.union(out)
+            correction = cfg.algorithm.rollout_correction
+            check_rollout_log_probs(batch, correction)
+            if correction.bypass_mode:  # the rollout's log-probs are the old ones: no old-log-prob pass
+                apply_bypass_mode(batch)
+            else:
+                with timer("old_log_prob", timing):
+                    out = self.actor_rollout_wg.compute_log_prob(batch)
+                    pop_metrics(out)
+                    entropys = out.batch.pop("entropys")
+                    metrics["actor/entropy"] = float(masked_mean(entropys, batch.batch["response_mask"]))
+                    batch.union(out)
             if self.use_reference:
                 with timer("ref", timing):
                     batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
@@ -241,6 +252,8 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
                     metrics.update(kl_metrics)
                 else:
                     batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                if "rollout_log_probs" in batch.batch.keys():  # decoupled mode: weights, rejection, metrics
+                    metrics.update(correct_batch(batch, correction))
                 compute_advantage(batch, cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
                                   num_repeat=n, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
                                   config=cfg.algorithm)
