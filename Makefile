@@ -38,11 +38,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not vllm" -q
 
-$(VLLM_VENV)/.installed: setup.py requirements.txt requirements_vllm.txt constraints.txt
+$(VLLM_VENV)/.installed: setup.py requirements.txt requirements_vllm.txt constraints.txt constraints_lowest.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e ".[test]" -r requirements_vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -c constraints_lowest.txt -e ".[test]" \
+		-r requirements_vllm.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -c "import vllm, verl, llm_agent, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@

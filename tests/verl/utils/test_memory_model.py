@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from verl.utils.fsdp_utils import enable_activation_checkpointing
 from verl.utils.memory_model import ModelShape, forward_pass_peak, kv_cache_bytes, update_pass_peak
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from verl.workers.batching import response_logits
@@ -90,7 +91,7 @@ def test_update_peak_matches_measurement(tmp_path, dtype, checkpointing, padded)
     rows, seq_len, response_len = 2, 96, 48
     model = _small_model(dtype)
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.train()
     inputs = _inputs(rows, seq_len, padded)
 
