@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 from verl.protocol import DataProto
 from verl.utils.cuda_allocator import expandable_segments_off
 from verl.workers.batching import select_batch
+from verl.workers.rollout.vllm_rollout.cpu_shm import remove_stale_segments
 from verl.workers.rollout.hf_rollout import PROMPT_KEYS, check_left_padded, generation_tensors, sampling_setting
 from verl.workers.rollout.vllm_rollout.weight_sync import DEFAULT_BUCKET_BYTES, Stopwatch, WeightSyncStats
 
@@ -102,9 +103,16 @@ def reprocess_tied_lm_heads(model: torch.nn.Module) -> int:
 
 
 def _set_launcher_env(device_type: str) -> None:
-    """The variables vLLM's external launcher reads: this process's rank and local device."""
+    """The variables vLLM's external launcher reads: this process's rank and local device.
+
+    On CPU, the first rank also removes the shared-memory segments a killed earlier run left (their names are
+    the TP group's, see :mod:`.cpu_shm`) before any rank builds its engine."""
     if not dist.is_initialized():
         raise RuntimeError("vLLMRollout needs the worker's torch.distributed group: call init_distributed() first")
+    if device_type == "cpu" and dist.get_world_size() > 1:
+        if dist.get_rank() == 0:
+            remove_stale_segments()
+        dist.barrier()
     os.environ.update(ENGINE_ENV)
     os.environ["RANK"] = str(dist.get_rank())
     os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if device_type == "cuda" else 0)
