@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 
 from bench.train_step_flops import batch_flops, build_random_model, peak_flops, planned_memory_mib, utilisation
 from bench.train_step_worker import BenchActorWorker
+from bench.update_batch import make_batch
 from verl.protocol import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.trainer.config_schema import compose_config
@@ -58,20 +58,6 @@ logger = logging.getLogger("bench.train_step")
 GPU_PRESET = {"prompt_length": 3584, "response_length": 6144, "micro_batch": 1, "log_prob_micro_batch": 2,
               "rows_per_gpu": 4, "iters": 3, "model": "qwen2.5-7b"}
 GPU_PRESET_OVERRIDES = ("actor_rollout_ref.model.use_remove_padding=true",)
-
-
-def make_batch(batch: int, prompt_length: int, response_length: int, vocab: int, seed: int = 0) -> DataProto:
-    """Random full-length sequences with the keys update_actor needs (old_log_probs added later)."""
-    gen = torch.Generator().manual_seed(seed)
-    total = prompt_length + response_length
-    input_ids = torch.randint(0, vocab, (batch, total), generator=gen)
-    return DataProto.from_dict(tensors={
-        "input_ids": input_ids, "attention_mask": torch.ones(batch, total, dtype=torch.long),
-        "position_ids": torch.arange(total).expand(batch, total).clone(),
-        "responses": input_ids[:, prompt_length:].clone(),
-        "response_mask": torch.ones(batch, response_length, dtype=torch.long),
-        "advantages": torch.randn(batch, response_length, generator=gen),
-    })
 
 
 def _bench_overrides(model_path: Path, args: argparse.Namespace, extra: tuple[str, ...]) -> list[str]:

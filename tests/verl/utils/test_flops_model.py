@@ -11,6 +11,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from verl.utils.fsdp_utils import enable_activation_checkpointing
 from verl.utils.memory_model import ModelShape, causal_attention_flops, forward_flops, pass_flops, training_flops
 
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 SMALL = {"model_type": "qwen2", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
 

@@ -21,6 +21,8 @@ from verl.utils.memory_model import ModelShape, forward_pass_peak, kv_cache_byte
 from verl.utils.torch_functional import log_probs_and_entropy
 from verl.workers.batching import response_logits
 
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
              "tie_word_embeddings": False}

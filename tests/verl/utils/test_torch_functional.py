@@ -8,6 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import verl.utils.torch_functional as verl_F
 
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 
 def _masked_values(values: torch.Tensor, mask: torch.Tensor) -> list[float]:
     return [float(v) for v, m in zip(values.flatten().tolist(), mask.flatten().tolist()) if m]

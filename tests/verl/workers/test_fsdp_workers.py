@@ -15,7 +15,7 @@ from verl.protocol import DataProto
 from verl.utils.fsdp_utils import full_state_dict
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.oldest]  # oldest: also under transformers 5.17
 
 
 @pytest.fixture(scope="module", autouse=True)

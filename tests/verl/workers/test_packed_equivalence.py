@@ -16,6 +16,8 @@ from verl.utils.fsdp_utils import enable_activation_checkpointing
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
 
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 PROMPT, RESPONSE, ROWS = 12, 24, 8
 LOSS_AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 # Packed and padded forwards add the same numbers in a different order: log-probs agree to ~1e-6.

@@ -15,7 +15,7 @@ from verl.utils.fsdp_utils import full_state_dict
 from verl.utils.packed_attention import PACKED_SDPA
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.oldest]  # oldest: also under transformers 5.17
 
 PROMPT, RESPONSE, ROWS = 12, 24, 8
 
