@@ -16,7 +16,7 @@ Tokens are the attended prompt + response tokens (padding is not counted).
 ``--preset gpu``: the SEAD GPU preset's actor update (scripts/presets.sh): a Qwen2.5-7B-shaped model built from
 its config alone (random bf16 weights; ``--layers N`` keeps the width and shortens the depth so it fits fewer
 GPUs), 2,048 prompt + 6,144 response tokens per row (8,192: the preset's max_prompt_length and dialogue budget),
-micro-batches by the preset's token budgets (24,576 tokens per update micro-batch, 32,768 per log-prob forward),
+micro-batches by the preset's token budgets (16,384 tokens per update micro-batch, 32,768 per log-prob forward),
 gradient checkpointing, padding-free forwards, bf16 compute with fp32 master weights, FSDP2 on NCCL over every GPU
 Ray sees, 4 rows per GPU per update (bench/gpu_check.sh benchmarks 9,728-token rows on one GPU). The driver
 never touches ``torch.cuda``: whether to use GPUs comes from Ray's resources, and the device name, timings and
@@ -59,7 +59,7 @@ logger = logging.getLogger("bench.train_step")
 GPU_PRESET = {"prompt_length": 2048, "response_length": 6144, "micro_batch": 1, "log_prob_micro_batch": 2,
               "rows_per_gpu": 4, "iters": 3, "model": "qwen2.5-7b"}
 GPU_PRESET_OVERRIDES = ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24576",
+                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
                         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768")
 
 

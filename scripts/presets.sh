@@ -92,9 +92,10 @@ _sead_cpu_preset() {
 # markers) < 6144), so a dialogue ends by its outcome or max_turns, not by running out of tokens; prompts up to
 # sead_trainer.yaml's 2,048 tokens. Checkpoints keep the HF export only in the last one (a 14B fp32 export is
 # ~56 GB; `python -m verl.model_merger` exports any other later). As the original: padding-free forwards and the
-# reference model's parameters offloaded. Micro-batches by a token budget: 24,576 tokens (3 full dialogues) per
-# actor update micro-batch, 32,768 per log-prob forward (`python -m verl.trainer.plan` at 14B: update 68.5 GB,
-# within its 15% model error of 80 GB; README "GPU box"). The policy generates with vLLM: TP 2 engines colocated
+# reference model's parameters offloaded. Micro-batches by a token budget: 16,384 tokens (2 full dialogues) per
+# actor update micro-batch, 32,768 per log-prob forward (`python -m verl.trainer.plan` at 14B: update 61.3 GB, 47.8
+# GB for the reference pass: both fit 80 GB with the planner's 15% error to spare; README "GPU box"). The policy
+# generates with vLLM: TP 2 engines colocated
 # with the FSDP actor, 55% of each GPU while awake (the most that leaves the plan's margin beside the actor's
 # resident state at 14B), CUDA graphs, asleep during training (level 2), weights synced in buckets.
 _sead_gpu_preset() {
@@ -122,7 +123,7 @@ _sead_gpu_preset() {
     _sead_default MICRO_BATCH ""
     _sead_default LOGPROB_MICRO_BATCH ""
     _sead_default USE_DYNAMIC_BSZ true
-    _sead_default MAX_TOKEN_LEN 24576
+    _sead_default MAX_TOKEN_LEN 16384
     _sead_default LOGPROB_MAX_TOKEN_LEN 32768
     _sead_default TEST_FREQ 5
     _sead_default SAVE_FREQ 5

@@ -40,7 +40,7 @@ GPU = {
     "actor_rollout_ref.ref.fsdp_config.param_offload": "true",
     "actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size": "2",
     # token-budget micro-batches and the engine's memory as planned at 14B (README "GPU box")
-    "actor_rollout_ref.actor.use_dynamic_bsz": "true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "24576",
+    "actor_rollout_ref.actor.use_dynamic_bsz": "true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "16384",
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "32768",
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "32768",
     "actor_rollout_ref.rollout.gpu_memory_utilization": "0.55", "actor_rollout_ref.rollout.enforce_eager": "false",

@@ -111,7 +111,7 @@ PRESET_GPU = ["data.train_batch_size=60", "actor_rollout_ref.rollout.n=8", "trai
               "actor_rollout_ref.actor.ppo_mini_batch_size=60", "actor_rollout_ref.actor.use_kl_loss=true",
               "actor_rollout_ref.model.enable_gradient_checkpointing=true",
               "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24576",
+              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
               "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768",
               "actor_rollout_ref.ref.fsdp_config.param_offload=true", "actor_rollout_ref.rollout.name=vllm",
