@@ -95,9 +95,9 @@ _sead_cpu_preset() {
 # reference model's parameters offloaded. Micro-batches by a token budget: 16,384 tokens (2 full dialogues) per
 # actor update micro-batch, 32,768 per log-prob forward (`python -m verl.trainer.plan` at 14B: update 61.3 GB, 47.8
 # GB for the reference pass: both fit 80 GB with the planner's 15% error to spare; README "GPU box"). The policy
-# generates with vLLM: TP 2 engines colocated
-# with the FSDP actor, 55% of each GPU while awake (the most that leaves the plan's margin beside the actor's
-# resident state at 14B), CUDA graphs, asleep during training (level 2), weights synced in buckets.
+# generates with vLLM: TP 2 engines colocated with the FSDP actor, 55% of each GPU while awake (at 14B the planner
+# gives 74.6 of 80 GB with the actor's resident state beside it), CUDA graphs, asleep during training (level 2),
+# weights synced in buckets.
 _sead_gpu_preset() {
     _sead_default EXPERIMENT "$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")"
     _sead_default DEVICE cuda
