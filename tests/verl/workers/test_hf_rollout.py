@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl.utils.torch_functional import get_response_mask
 from verl.workers.rollout.hf_rollout import HFRollout
 
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 RESPONSE_LEN = 7
 
 

@@ -18,7 +18,7 @@ from verl.model_merger import merge
 from verl.utils.fsdp_utils import full_state_dict
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.oldest]  # oldest: also under transformers 5.17
 REPO = Path(__file__).resolve().parents[3]
 
 

@@ -16,6 +16,8 @@ from verl.utils.packed_attention import PACKED_SDPA, enable_packed_attention
 from verl.workers.batching import restore_row_order, split_micro_batches, token_budget_partition
 from verl.workers.packing import pack_batch, packed_log_probs
 
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 PROMPT, RESPONSE = 12, 24
 
 

@@ -1,10 +1,9 @@
 """A real 2-rank actor_rollout worker group generating with vLLM (FSDP2 on gloo, one engine per TP group), for
-the vLLM tests; and the clean-up of vLLM's CPU shared-memory segments around it."""
+the vLLM tests, with vLLM's CPU shared-memory segments cleaned up around it."""
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -13,27 +12,11 @@ from ppo_batch_helpers import actor_rollout_ref_config
 
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
+from verl.workers.rollout.vllm_rollout.cpu_shm import remove_stale_segments
 
 ENGINE = {"name": "vllm", "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5, "max_num_seqs": 16,
           "max_num_batched_tokens": 256, "max_model_len": None, "enforce_eager": True, "enable_prefix_caching": True,
           "dtype": "auto", "seed": 0, "free_cache_engine": True, "calculate_log_probs": True}
-
-
-def remove_stale_vllm_shm() -> None:
-    """Unlink vLLM's CPU shared-memory segments (TP > 1 on CPU) that no live process maps: Ray kills the workers
-    at shutdown, so vLLM never unlinks them, and a leftover name makes the next TP engine fail with EEXIST."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        return
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
-        except OSError:
-            continue
-    for segment in shm.iterdir():
-        if ("cpushm" in segment.name or segment.name.startswith("psm_")) and str(segment) not in mapped:
-            segment.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -41,7 +24,7 @@ def vllm_worker_group(model_path: str, tp: int, name: str, actor: dict[str, Any]
                       engine: dict[str, Any] | None = None) -> Iterator[RayWorkerGroup]:
     """Ray up, a 2-rank actor_rollout group with vLLM engines of TP `tp` (`actor`: actor_rollout_ref_config
     keywords; `engine`: rollout keys over ENGINE), initialised; everything torn down after."""
-    remove_stale_vllm_shm()
+    remove_stale_segments()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     config = actor_rollout_ref_config(model_path, **actor)
     config.rollout = OmegaConf.merge(config.rollout, ENGINE, engine or {}, {"tensor_model_parallel_size": tp})
@@ -57,4 +40,4 @@ def vllm_worker_group(model_path: str, tp: int, name: str, actor: dict[str, Any]
     finally:
         pool.remove()
         ray.shutdown()
-        remove_stale_vllm_shm()
+        remove_stale_segments()
