@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from llm_agent.user_sim.client_stats import ClientStats, InstanceState, percentile
+from llm_agent.user_sim.client.stats import ClientStats, InstanceState, percentile
 
 
 def test_percentile_interpolates_linearly():
