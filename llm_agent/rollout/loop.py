@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from llm_agent.cache import UserResponseCache
 from llm_agent.controller import StateController
@@ -44,15 +44,6 @@ __all__ = ["CACHE_SNAPSHOT", "LLMGenerationManager"]
 
 CACHE_SNAPSHOT = "user_response_cache.jsonl"  # the cache's replies, in a checkpoint's rollout_loop/ directory
 
-# What the trainer's per-step console line shows first for dialogue runs (metric, label).
-CONSOLE_METRICS: tuple[ConsoleMetric, ...] = (
-    ("dialogue/completion_rate", "CR%"),
-    (("dialogue/completion_rate", "dialogue/hang_up_rate", "dialogue/agent_ended_rate",
-      "dialogue/timeout_rate", "dialogue/truncated_rate", "dialogue/error_rate"), "done/hang/quit/time/trunc/err%"),
-    ("val/dialogue/completion_rate", "val CR%"),
-    ("rollout/time_generate_s", "gen_s"), ("rollout/time_user_sim_s", "sim_s"),
-)
-
 
 class LLMGenerationManager(RolloutLoop):
     """Runs SEAD dialogues for a generation batch; see the module docstring.
@@ -62,6 +53,15 @@ class LLMGenerationManager(RolloutLoop):
     (`is_validation=True`) use no cache and no controller and read every row's profile from the dataset's
     `user_profile` column.
     """
+
+    # Completion rate and outcome mix first, then the generation vs simulator time split.
+    console_metrics: ClassVar[Sequence[ConsoleMetric]] = (
+        ("dialogue/completion_rate", "CR%"),
+        (("dialogue/completion_rate", "dialogue/hang_up_rate", "dialogue/agent_ended_rate",
+          "dialogue/timeout_rate", "dialogue/truncated_rate", "dialogue/error_rate"), "done/hang/quit/time/trunc/err%"),
+        ("val/dialogue/completion_rate", "val CR%"),
+        ("rollout/time_generate_s", "gen_s"), ("rollout/time_user_sim_s", "sim_s"),
+    )
 
     def __init__(self, tokenizer: Any, actor_rollout_wg: Any, config: Mapping[str, Any], is_validation: bool,
                  client: SimulatorClient | None = None) -> None:
@@ -190,10 +190,6 @@ class LLMGenerationManager(RolloutLoop):
         return DataProto.from_dict(tensors=buffer.final_tensors(), non_tensors=columns, meta_info={"metrics": metrics})
 
     # --------------------------------------------------------------------------------------- trainer hooks
-    def console_metrics(self) -> Sequence[ConsoleMetric]:
-        """Completion rate and outcome mix first, then the generation vs simulator time split."""
-        return CONSOLE_METRICS
-
     def on_train_step_end(self, batch: DataProto, step: int) -> dict[str, float]:
         """After a training step: update the controller from every non-error dialogue sampled in the step (also
         those dynamic sampling left out of `batch`, so its completion rates are not biased toward mixed groups),

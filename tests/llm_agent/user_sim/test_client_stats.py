@@ -1,4 +1,4 @@
-"""The client's bookkeeping (llm_agent/user_sim/client_stats.py): counters, percentiles and the metrics keys."""
+"""The client's bookkeeping (llm_agent/user_sim/client/stats.py): counters, percentiles and the metrics keys."""
 from __future__ import annotations
 
 import threading

@@ -13,7 +13,7 @@ import abc
 import inspect
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Protocol, Union
+from typing import Any, Callable, ClassVar, Protocol, Union
 
 import torch
 
@@ -38,6 +38,9 @@ class RolloutLoop(abc.ABC):
     ``algorithm.filter_groups`` it is called several times in one step, each call a complete generation.
     """
 
+    # The metrics the per-step console line shows first, as (name or names, label) pairs.
+    console_metrics: ClassVar[Sequence[ConsoleMetric]] = ()
+
     def __init__(self, tokenizer: Any, actor_rollout_wg: Any, config: Mapping[str, Any], is_validation: bool) -> None:
         self.tokenizer = tokenizer
         self.actor_rollout_wg = actor_rollout_wg
@@ -46,10 +49,6 @@ class RolloutLoop(abc.ABC):
     @abc.abstractmethod
     def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
         """Generate for every row of ``gen_batch``; one output row per input row, in order."""
-
-    def console_metrics(self) -> Sequence[ConsoleMetric]:
-        """The metrics the per-step console line shows first, as (name or names, label) pairs."""
-        return ()
 
     def state_dict(self) -> Mapping[str, Any] | None:
         """JSON-ready state the trainer keeps in ``trainer_state.json`` (None: nothing to keep)."""

@@ -373,7 +373,7 @@ class RayPPOTrainer:
                 tracking.log_table("val/generations", ["input", "output", "score"], self._val_generations, step)
                 self._val_generations = []
             if console is not None:
-                first = self.rollout_loop.console_metrics()
+                first = self.rollout_loop.console_metrics
                 console.info(format_console_line(step, self.total_training_steps, metrics, first))
         try:
             seed = tcfg.seed
