@@ -2,14 +2,13 @@
 
 One training step: uid per prompt -> ``repeat(rollout.n, interleave=True)`` -> generation (the ``rollout_loop``
 plug-in, a :class:`~verl.trainer.ppo.plugins.RolloutLoop`; single-turn by default) -> ``response_mask`` -> reward
-plug-in -> (with ``algorithm.filter_groups``: drop the
-groups without a signal and generate more prompt batches until the train batch is full; see
-:mod:`verl.trainer.ppo.trainer_rollout`) -> balance rows across DP ranks (``DataProto.reorder`` moves every
-per-row field together) -> old log-probs -> reference log-probs -> values -> KL in reward -> advantages
-(driver) -> critic update -> actor update -> metrics (with the rollout's ``rollout/*``); validation every
-``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`). The trainer is
-composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and scoring) and
-:class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (save and resume).
+plug-in -> (with ``algorithm.filter_groups``: drop the groups without a signal and generate more prompt batches
+until the train batch is full; see :mod:`verl.trainer.ppo.trainer_rollout`) -> balance rows across DP ranks
+(``DataProto.reorder`` moves every per-row field together) -> old log-probs -> reference log-probs -> values -> KL
+in reward -> advantages (driver) -> critic update -> actor update -> metrics (with the rollout's ``rollout/*``);
+validation every ``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`). The
+trainer is composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and
+scoring) and :class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (save and resume).
 """
 from __future__ import annotations
 
@@ -17,9 +16,9 @@ import dataclasses
 import importlib
 import logging
 import random
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np

@@ -2,9 +2,8 @@
 
 One generation batch: a uid per prompt, ``repeat(rollout.n, interleave=True)``, the ReMax greedy baseline if
 needed, generation (the ``rollout_loop`` plug-in; by default single-turn generation by the worker group) and the
-reward plug-in. With
-``algorithm.filter_groups.enable`` the trainer draws further prompt batches from the data loader until
-``data.train_batch_size`` prompt groups with a signal are collected (:mod:`verl.trainer.ppo.filter_groups`).
+reward plug-in. With ``algorithm.filter_groups.enable`` the trainer draws further prompt batches from the data
+loader until ``data.train_batch_size`` prompt groups with a signal are collected (:mod:`verl.trainer.ppo.filter_groups`).
 The ``rollout/*`` metrics a rollout loop reports in its output's ``meta_info['metrics']`` are kept and logged.
 """
 from __future__ import annotations
