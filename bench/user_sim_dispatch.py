@@ -37,7 +37,7 @@ import httpx
 
 from bench.results import write_result
 from llm_agent.scenario import UserProfile, load_scenario
-from llm_agent.user_sim.client import ChatReply, ChatRequest, UserSimClient
+from llm_agent.user_sim.client import TurnReply, TurnRequest, UserSimClient
 
 logger = logging.getLogger("bench.user_sim_dispatch")
 
@@ -79,12 +79,12 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> N
     raise RuntimeError(f"simulator {url} not healthy within {timeout_s}s")
 
 
-def make_requests(n: int) -> list[ChatRequest]:
+def make_requests(n: int) -> list[TurnRequest]:
     """`n` first dialogue turns with the scenario's personas (what the rollout loop sends)."""
     scenario = load_scenario(SCENARIO)
     states = scenario.state_space()
     return [
-        ChatRequest(dialogue_id=f"d{i}",
+        TurnRequest(dialogue_id=f"d{i}",
                     messages=[{"role": "system",
                                "content": scenario.render_user_prompt(UserProfile(*states[i % len(states)]))},
                               {"role": "user", "content": f"Hello, this is Anna from the delivery app, call {i}."}],
@@ -93,12 +93,12 @@ def make_requests(n: int) -> list[ChatRequest]:
     ]
 
 
-async def _send_chunk(url: str, model: str, chunk: list[ChatRequest], capacity: int, timeout_s: float,
+async def _send_chunk(url: str, model: str, chunk: list[TurnRequest], capacity: int, timeout_s: float,
                       out: list, offset: int) -> None:
     """Send one contiguous chunk to one instance, at most `capacity` at a time; failures stay None."""
     slots = asyncio.Semaphore(capacity)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=capacity), timeout=timeout_s) as http:
-        async def one(i: int, req: ChatRequest) -> None:
+        async def one(i: int, req: TurnRequest) -> None:
             body = {"model": model, "messages": req.messages, "n": 1, "temperature": req.temperature,
                     "top_p": req.top_p, "max_tokens": req.max_tokens, "seed": req.seed}
             async with slots:
@@ -112,7 +112,7 @@ async def _send_chunk(url: str, model: str, chunk: list[ChatRequest], capacity: 
         await asyncio.gather(*(one(i, req) for i, req in enumerate(chunk)))
 
 
-def original_dispatch(urls: list[str], model: str, requests: list[ChatRequest], capacity: int,
+def original_dispatch(urls: list[str], model: str, requests: list[TurnRequest], capacity: int,
                       timeout_s: float = 60.0) -> list[str | None]:
     """SEAD's multi-URL client: ceil(B/n) contiguous chunks, one thread per chunk and instance, merged in order."""
     size = math.ceil(len(requests) / len(urls))
@@ -129,20 +129,20 @@ def original_dispatch(urls: list[str], model: str, requests: list[ChatRequest], 
     return out
 
 
-def time_ours(urls: list[str], model: str, requests: list[ChatRequest], max_in_flight: int) -> tuple[float, dict]:
+def time_ours(urls: list[str], model: str, requests: list[TurnRequest], max_in_flight: int) -> tuple[float, dict]:
     """Wall time of one batch through a fresh UserSimClient, and how many replies each instance served."""
     start = time.perf_counter()
     with UserSimClient(urls, model=model, max_in_flight=max_in_flight, timeout_s=60, backoff_s=0.05) as client:
-        results = client.complete_batch(requests)
+        results = client.complete(requests)
     wall = time.perf_counter() - start
     split: dict[str, int] = {}
     for r in results:
-        if isinstance(r, ChatReply):
+        if isinstance(r, TurnReply):
             split[r.instance] = split.get(r.instance, 0) + 1
     return wall, split
 
 
-def time_original(urls: list[str], model: str, requests: list[ChatRequest], capacity: int) -> tuple[float, int]:
+def time_original(urls: list[str], model: str, requests: list[TurnRequest], capacity: int) -> tuple[float, int]:
     """Wall time of one batch through the original chunked dispatch, and how many turns it answered."""
     start = time.perf_counter()
     results = original_dispatch(urls, model, requests, capacity)
@@ -150,7 +150,7 @@ def time_original(urls: list[str], model: str, requests: list[ChatRequest], capa
     return wall, sum(r is not None for r in results)
 
 
-def run_setup(label: str, urls: list[str], requests: list[ChatRequest], capacity: int, repeats: int,
+def run_setup(label: str, urls: list[str], requests: list[TurnRequest], capacity: int, repeats: int,
               baseline: bool, max_in_flight: int | None = None) -> dict:
     """Alternate ours and (optionally) the original `repeats` times on one set of instances.
 

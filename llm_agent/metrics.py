@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from llm_agent.rollout.outcome import Outcome
 from llm_agent.scenario import STATE_DIMS, Scenario
 from verl.protocol import DataProto
 
@@ -50,7 +51,7 @@ __all__ = [
     "turn_state_error", "user_turn_count",
 ]
 
-OUTCOMES: tuple[str, ...] = ("completed", "hung_up", "agent_ended", "timeout", "truncated", "error")
+OUTCOMES: tuple[str, ...] = tuple(outcome.value for outcome in Outcome)
 RECORD_KEYS: tuple[str, ...] = ("profile", "outcome", "num_turns", "turns", "cache_hits", "format_errors")
 USER_TURN_SOURCES: tuple[str, ...] = ("simulator", "cache")
 _RATE_OF_OUTCOME = {"hung_up": "hang_up_rate", "timeout": "timeout_rate", "truncated": "truncated_rate",

@@ -254,7 +254,7 @@ def scripted_dialogues(scenario_path: str | Path, n: int, quality_mix: Mapping[s
     Each call draws an agent quality from `quality_mix` (name -> weight) and a user profile (uniform initial
     state, 1-3 library behaviours), then alternates the agent (`agent_factory(quality, seed)`: a callable from
     the agent-side messages so far to its raw output) with the scripted simulator
-    (llm_agent.user_sim.scripted.ScriptedPersonaBackend, in process, seeded per call and turn). A transcript is
+    (llm_agent.user_sim.server.scripted.ScriptedPersonaBackend, in process, seeded per call and turn). A transcript is
     `Scenario.render_agent_messages` of the call: system prompt, opening, the agent's raw turns and the user's
     spoken replies, exactly what the policy sees in the rollout loop. A call ends when the user completes or
     hangs up, the agent ends it (status 1/-1), the agent's output has no reply tag (the transcript ends with
@@ -263,8 +263,8 @@ def scripted_dialogues(scenario_path: str | Path, n: int, quality_mix: Mapping[s
     tiny model, matching the prompts it is then trained on with RL); the agents never read it.
     """
     from llm_agent.scenario import STATUS_CONTINUE, UserProfile, load_scenario, sample_behaviors
-    from llm_agent.user_sim.backend import SamplingParams
-    from llm_agent.user_sim.scripted import ScriptedPersonaBackend
+    from llm_agent.user_sim.server.backend import SamplingParams
+    from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
     names = list(quality_mix)
     weights = [quality_mix[q] for q in names]

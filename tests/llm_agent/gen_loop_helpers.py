@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from llm_agent.scenario import Scenario, UserProfile
-from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure
+from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest
 from verl.protocol import DataProto
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ class ProgrammedPolicy:
                                             "response_mask": out_mask})
 
 
-class ProgrammedSim:
+class ProgrammedSim(SimulatorClient):
     """Simulator client: the k-th heard agent turn of dialogue `key` gets `scripts[key][k]`.
 
     An entry is (reply, status) for a well-formed reply with state (2, 2, 2), FAIL for a TurnFailure, or a plain
@@ -101,10 +101,10 @@ class ProgrammedSim:
 
     def __init__(self, scenario: Scenario, scripts: dict[str, list]) -> None:
         self.scenario, self.scripts = scenario, scripts
-        self.requests: list[ChatRequest] = []
+        self.requests: list[TurnRequest] = []
         self.batches = 0
 
-    def complete_batch(self, requests: list[ChatRequest]) -> list[ChatReply | TurnFailure]:
+    def complete(self, requests: list[TurnRequest]) -> list[TurnReply | TurnFailure]:
         """Answer each request from its dialogue's script."""
         self.batches += 1
         results = []
@@ -118,7 +118,7 @@ class ProgrammedSim:
                 continue
             text = entry if isinstance(entry, str) else self.scenario.format_user_output(
                 entry[0], {"cooperation": 2, "emotion": 2, "trust": 2}, entry[1])
-            results.append(ChatReply(req.dialogue_id, text, "fake:0", 0.0, 1))
+            results.append(TurnReply(req.dialogue_id, text, "fake:0", 0.0, 1))
         return results
 
     def calls_for(self, key: str) -> int:

@@ -80,8 +80,8 @@ class ShortWorkerGroup(ProgrammedPolicy):
 class SwappingSim(InProcessUserSim):
     """Fault: answers in reverse order."""
 
-    def complete_batch(self, requests):
-        return list(reversed(super().complete_batch(requests)))
+    def complete(self, requests):
+        return list(reversed(super().complete(requests)))
 
 
 def test_misbehaving_worker_group_or_client_fails_loudly(tok, scenario):

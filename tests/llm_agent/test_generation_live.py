@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.scenario import UserProfile, UserTurn, load_scenario
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
-from llm_agent.user_sim.client import ChatRequest
+from llm_agent.user_sim.client import TurnRequest
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def replay_matches(scenario, record) -> None:
             continue
         history.append(agent)
         messages = scenario.render_user_messages(profile, history)
-        reply = sim.complete_batch([ChatRequest(record["dialogue_id"], messages, temperature=0.0)])[0]
+        reply = sim.complete([TurnRequest(record["dialogue_id"], messages, temperature=0.0)])[0]
         expected = scenario.parse_user_output(reply.text)
         got = (turn["user_reply"], turn["user_status"], turn["user_state"])
         assert got == (expected.reply, expected.status, expected.state), f"{record['dialogue_id']} turn {k}"

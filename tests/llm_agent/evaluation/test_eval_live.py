@@ -20,8 +20,8 @@ from llm_agent.evaluation.runner import EvalSettings, dialogues_path, evaluate_a
 from llm_agent.evaluation.sims import LocalSimulators, free_port
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedAgent, ScriptedPolicyWorkerGroup
-from llm_agent.user_sim.backend import BackendResult, Completion
-from llm_agent.user_sim.server import ServerConfig, build_app
+from llm_agent.user_sim.server.backend import BackendResult, Completion
+from llm_agent.user_sim.server.app import ServerConfig, build_app
 from tests.llm_agent.gen_loop_helpers import REPO, SCENARIO_PATH
 from utils.create_prompt_data import create_prompt_data
 

@@ -15,8 +15,8 @@ from for_evaluation_cli import load_script
 from llm_agent.evaluation.runner import dialogues_path, results_path
 from llm_agent.evaluation.sims import free_port
 from llm_agent.scenario import UserProfile
-from llm_agent.user_sim.scripted import ScriptedPersonaBackend
-from llm_agent.user_sim.server import ServerConfig, build_app
+from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
+from llm_agent.user_sim.server.app import ServerConfig, build_app
 from tests.llm_agent.gen_loop_helpers import SCENARIO_PATH
 from utils.create_prompt_data import create_prompt_data
 from verl.utils.dataset import RLHFDataset

@@ -25,9 +25,9 @@ class RecordingSim(InProcessUserSim):
         super().__init__(scenario)
         self.dialogue_ids = set()
 
-    def complete_batch(self, requests):
+    def complete(self, requests):
         self.dialogue_ids.update(r.dialogue_id for r in requests)
-        return super().complete_batch(requests)
+        return super().complete(requests)
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +102,10 @@ def test_an_interrupted_run_resumes_with_the_missing_dialogues_only(tok, scenari
     class FailingSim(InProcessUserSim):
         """Dies on the first request of the third chunk (dialogues test6..test7)."""
 
-        def complete_batch(self, requests):
+        def complete(self, requests):
             if any(r.dialogue_id == "test6#0" for r in requests):
                 raise Interrupt
-            return super().complete_batch(requests)
+            return super().complete(requests)
 
     with pytest.raises(Interrupt):
         run(tok, scenario, test_file, tmp_path, sim=FailingSim(scenario))

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from llm_agent.scenario import UserProfile, load_scenario
-from llm_agent.user_sim.backend import SamplingParams
-from llm_agent.user_sim.repetition import REPETITION_WINDOW
-from llm_agent.user_sim.scripted import ScriptedPersona, ScriptedPersonaBackend
+from llm_agent.user_sim.server.backend import SamplingParams
+from llm_agent.user_sim.server.repetition import REPETITION_WINDOW
+from llm_agent.user_sim.server.scripted import ScriptedPersona, ScriptedPersonaBackend
 
 SCENARIO = load_scenario(Path(__file__).resolve().parents[3] / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
 PROFILE = UserProfile(2, 2, 2, behaviors=())

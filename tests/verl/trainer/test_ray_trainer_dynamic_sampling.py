@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from verl.protocol import DataProto
+from verl.trainer.ppo.plugins import RolloutLoop
 
 STEPS, PROMPTS, N = 2, 4, 4
 PROBE_SECONDS = 0.5  # the duration the probe reports per generation batch (summed over a step's batches)
@@ -41,7 +42,7 @@ def parity_reward(data: DataProto, tokenizer) -> tuple[torch.Tensor, dict[str, f
     return reward, {"parity/rows": float(len(data))}
 
 
-class ProbeRolloutLoop:
+class ProbeRolloutLoop(RolloutLoop):
     """Rollout-loop plug-in: single-turn generation, metrics in ``meta_info['metrics']`` and a record of what
     ``on_train_step_end`` received."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from llm_agent.user_sim.http_pool import HTTPReply
+from llm_agent.user_sim.client.http_pool import HTTPReply
 
 __all__ = ["AttemptError", "SimulatorCheckError", "completion_text", "instance_name", "parse_urls",
            "raise_for_status", "served_model_ids"]

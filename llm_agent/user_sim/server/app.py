@@ -40,15 +40,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from llm_agent.user_sim.backend import BackendInputError, BackendResult, ChatBackend, Completion, SamplingParams
-from llm_agent.user_sim.chat_request import (DEFAULT_MAX_MESSAGES, ApiError, ChatRequest,  # noqa: F401 (re-export)
-                                             parse_chat_request)
-from llm_agent.user_sim.faults import FAULT_KINDS, FaultConfig, FaultInjector
-from llm_agent.user_sim.http_guard import guarded_protocol, install_log_limits, usable_connection_cap
+from llm_agent.user_sim.server.backend import BackendInputError, BackendResult, ChatBackend, Completion, SamplingParams
+from llm_agent.user_sim.server.chat_request import DEFAULT_MAX_MESSAGES, ApiError, ChatRequest, parse_chat_request
+from llm_agent.user_sim.server.faults import FAULT_KINDS, FaultConfig, FaultInjector
+from llm_agent.user_sim.server.http_guard import guarded_protocol, install_log_limits, usable_connection_cap
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_SCENARIO = str(REPO_ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 API_KEY_ENV = "SEAD_USER_SIM_API_KEY"
@@ -282,10 +281,10 @@ def _make_backend(args: argparse.Namespace) -> ChatBackend:
     if args.backend == "hf":
         if not args.model:
             raise SystemExit("--backend hf needs --model PATH (a local transformers model directory)")
-        from llm_agent.user_sim.hf_backend import HFChatBackend
+        from llm_agent.user_sim.server.hf_backend import HFChatBackend
 
         return HFChatBackend(args.model, seed=args.seed)
-    from llm_agent.user_sim.scripted import ScriptedPersonaBackend
+    from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
     return ScriptedPersonaBackend.from_scenario_file(args.scenario, seed=args.seed)
 
@@ -377,7 +376,3 @@ def main(argv: list[str] | None = None) -> None:
                                timeout_keep_alive=5, timeout_graceful_shutdown=3)
     install_log_limits()  # after uvicorn configured its loggers
     uvicorn.Server(uv_config).run()
-
-
-if __name__ == "__main__":
-    main()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llm_agent.user_sim.backend import BackendInputError, BackendResult, Completion, SamplingParams
+from llm_agent.user_sim.server.backend import BackendInputError, BackendResult, Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
 

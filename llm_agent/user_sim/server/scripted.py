@@ -46,8 +46,8 @@ from typing import NamedTuple
 
 from llm_agent.scenario import (STATE_DIMS, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, Behavior, Scenario,
                                 ScriptedSpec, UserProfile, UserTurn, load_scenario)
-from llm_agent.user_sim.backend import BackendInputError, BackendResult, Completion, SamplingParams
-from llm_agent.user_sim.repetition import REPETITION_WINDOW, fingerprint, similar_to_any
+from llm_agent.user_sim.server.backend import BackendInputError, BackendResult, Completion, SamplingParams
+from llm_agent.user_sim.server.repetition import REPETITION_WINDOW, fingerprint, similar_to_any
 
 logger = logging.getLogger(__name__)
 

@@ -134,7 +134,7 @@ class RateLimitFilter(logging.Filter):
 
 def install_log_limits() -> None:
     """Attach a RateLimitFilter to the loggers that can flood under attack (asyncio, uvicorn, this package)."""
-    for name in ("asyncio", "uvicorn.error", "uvicorn.access", "llm_agent.user_sim.server", __name__):
+    for name in ("asyncio", "uvicorn.error", "uvicorn.access", "llm_agent.user_sim.server.app", __name__):
         log = logging.getLogger(name)
         if not any(isinstance(f, RateLimitFilter) for f in log.filters):
             log.addFilter(RateLimitFilter())

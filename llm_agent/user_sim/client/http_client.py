@@ -23,15 +23,16 @@ import os
 import random
 import threading
 import time
-from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
 
-from llm_agent.user_sim.client_stats import ClientStats, InstanceState
-from llm_agent.user_sim.http_pool import ResponseTooLarge, SimulatorHTTP
-from llm_agent.user_sim.client_wire import (AttemptError, SimulatorCheckError, completion_text, instance_name,
+from llm_agent.user_sim.client.config import UserSimConfig
+from llm_agent.user_sim.client.http_pool import ResponseTooLarge, SimulatorHTTP
+from llm_agent.user_sim.client.protocol import SimulatorClient, TurnFailure, TurnReply, TurnRequest, TurnResult
+from llm_agent.user_sim.client.stats import ClientStats, InstanceState
+from llm_agent.user_sim.client.wire import (AttemptError, SimulatorCheckError, completion_text, instance_name,
                                             parse_urls, raise_for_status, served_model_ids)
 
 logger = logging.getLogger(__name__)
@@ -40,69 +41,22 @@ T = TypeVar("T")
 
 MAX_SHED_PAUSE_S = 2.0  # the longest pause before re-sending a request an instance shed
 
-__all__ = ["ChatReply", "ChatRequest", "SimulatorCheckError", "TurnFailure", "UserSimClient", "parse_urls"]
+__all__ = ["UserSimClient"]
 
 
-@dataclass(frozen=True)
-class ChatRequest:
-    """One dialogue's next user turn: the rendered chat messages and the decoding parameters."""
+class UserSimClient(SimulatorClient):
+    """Sends dialogue turns to N simulator instances with least-in-flight routing, retries and health probes.
 
-    dialogue_id: str
-    messages: list[dict]
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 256
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        where = f"ChatRequest(dialogue_id={self.dialogue_id!r})"
-        if not isinstance(self.messages, list) or not self.messages:
-            raise ValueError(f"{where}: messages must be a non-empty list of dicts")
-        for i, message in enumerate(self.messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ValueError(f"{where}: messages[{i}] must be a dict with a string 'role', got {message!r}")
-            if not isinstance(message.get("content"), str):
-                raise ValueError(f"{where}: messages[{i}]['content'] must be a string")
-        if self.temperature < 0:
-            raise ValueError(f"{where}: temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"{where}: top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"{where}: max_tokens must be >= 1, got {self.max_tokens}")
-
-
-@dataclass(frozen=True)
-class ChatReply:
-    """A simulator's answer: its text, the instance (host:port) that served it, the answering request's latency
-    in seconds, and how many attempts the turn took (1 = no retry)."""
-
-    dialogue_id: str
-    text: str
-    instance: str
-    latency_s: float
-    attempts: int
-
-
-@dataclass(frozen=True)
-class TurnFailure:
-    """A turn no instance answered: why, after how many attempts, and each attempt's error."""
-
-    dialogue_id: str
-    reason: str
-    attempts: int
-    errors: list[str] = field(default_factory=list)
-
-
-class UserSimClient:
-    """Sends dialogue turns to N simulator instances with least-in-flight routing, retries and health probes."""
+    A `SimulatorClient` with an event loop of its own: `acomplete` is awaited on it, inside `run_on_loop`.
+    """
 
     def __init__(
         self,
         urls: str | list[str],
         model: str | None = None,
         api_key: str | None = None,
-        timeout_s: float = 60.0,
-        max_attempts: int = 3,
+        timeout_s: float = UserSimConfig.timeout_s,
+        max_attempts: int = UserSimConfig.max_attempts,
         deadline_s: float | None = None,
         down_after_failures: int = 3,
         probe_interval_s: float = 2.0,
@@ -188,16 +142,17 @@ class UserSimClient:
         for inst in self._instances:
             inst.model_lock = asyncio.Lock()
 
-    def complete_batch(self, requests: list[ChatRequest]) -> list[ChatReply | TurnFailure]:
-        """Complete every request concurrently; returns one ChatReply or TurnFailure per request, in order."""
+    def complete(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
+        """Complete every request concurrently; returns one TurnReply or TurnFailure per request, in order.
+        `deadline_s` bounds the whole batch."""
         if self._closed:
-            raise RuntimeError("UserSimClient.complete_batch called after close()")
+            raise RuntimeError("UserSimClient.complete called after close()")
         for i, req in enumerate(requests):
-            if not isinstance(req, ChatRequest):
-                raise TypeError(f"complete_batch: requests[{i}] is {type(req).__name__}, expected ChatRequest")
+            if not isinstance(req, TurnRequest):
+                raise TypeError(f"complete: requests[{i}] is {type(req).__name__}, expected TurnRequest")
         if not requests:
             return []
-        return self._call(self._complete_all(requests))
+        return self._call(self._complete_all(list(requests)))
 
     def run_on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run `coroutine` on the client's event loop and wait for its result (cancelled if the wait is
@@ -216,18 +171,18 @@ class UserSimClient:
             future.cancel()
             raise
 
-    async def acomplete(self, request: ChatRequest) -> ChatReply | TurnFailure:
+    async def acomplete(self, request: TurnRequest) -> TurnResult:
         """Complete one request (one dialogue's turn); await it on the client's loop (inside `run_on_loop`).
         `deadline_s` bounds this request alone."""
         if self._closed:
             raise RuntimeError("UserSimClient.acomplete called after close()")
-        if not isinstance(request, ChatRequest):
-            raise TypeError(f"acomplete: request is {type(request).__name__}, expected ChatRequest")
+        if not isinstance(request, TurnRequest):
+            raise TypeError(f"acomplete: request is {type(request).__name__}, expected TurnRequest")
         if asyncio.get_running_loop() is not self._loop:
             raise RuntimeError("UserSimClient.acomplete must be awaited on the client's own loop (run_on_loop)")
         return (await self._complete_all([request]))[0]
 
-    async def _complete_all(self, requests: list[ChatRequest]) -> list[ChatReply | TurnFailure]:
+    async def _complete_all(self, requests: list[TurnRequest]) -> list[TurnResult]:
         deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
         results = await asyncio.gather(*(self._complete_one(req, deadline) for req in requests))
         failed = sum(isinstance(r, TurnFailure) for r in results)
@@ -259,7 +214,7 @@ class UserSimClient:
         """Seconds left before the batch deadline (None when there is no deadline)."""
         return None if deadline is None else deadline - time.monotonic()
 
-    async def _complete_one(self, req: ChatRequest, deadline: float | None) -> ChatReply | TurnFailure:
+    async def _complete_one(self, req: TurnRequest, deadline: float | None) -> TurnResult:
         """All attempts of one turn, each on the least-loaded up instance not yet tried when possible.
 
         A request an instance shed (`overloaded`) does not use up an attempt: it is sent again after a pause
@@ -294,10 +249,10 @@ class UserSimClient:
                     return TurnFailure(req.dialogue_id, f"request rejected: {exc}", attempts, errors)
                 pause = self.backoff_s * 2 ** (attempts - 1) * random.uniform(0.5, 1.0)
                 continue
-            return ChatReply(req.dialogue_id, text, inst.name, latency, attempts + 1)
+            return TurnReply(req.dialogue_id, text, inst.name, latency, attempts + 1)
         return TurnFailure(req.dialogue_id, f"all {attempts} attempts failed", attempts, errors)
 
-    async def _send(self, req: ChatRequest, tried: list[str], deadline: float | None) -> tuple[InstanceState, str, float]:
+    async def _send(self, req: TurnRequest, tried: list[str], deadline: float | None) -> tuple[InstanceState, str, float]:
         """One request: wait for an in-flight slot, route, send, validate, and update the instance's health."""
         try:
             async with asyncio.timeout_at(deadline):  # the loop's clock is time.monotonic()
@@ -343,7 +298,7 @@ class UserSimClient:
         inst.consecutive_failures = 0
         return inst, text, latency
 
-    async def _post(self, inst: InstanceState, req: ChatRequest) -> str:
+    async def _post(self, inst: InstanceState, req: TurnRequest) -> str:
         """POST the chat completion to one instance and return the reply text (raises on any failure)."""
         if inst.model is None:
             await self._discover_model(inst)
