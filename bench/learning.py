@@ -39,16 +39,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.learning_check import controller_check, controller_table, valid_values
+from bench.learning_stats import paired_comparison
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH
 
-from bench.learning_check import controller_check, controller_table, valid_values  # noqa: E402
-from bench.learning_stats import paired_comparison  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 logger = logging.getLogger("bench.learning")
 
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 # The compact agent prompt the tiny model is warm-started and trained with (the scenario's own is ~1300 tokens);
 # scripts/main.sh's CPU demo uses the same file.
 COMPACT_SYSTEM_PROMPT = (REPO / "assets/compact_agent_prompt.txt").read_text(encoding="utf-8").strip()

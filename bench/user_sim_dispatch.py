@@ -36,13 +36,13 @@ from pathlib import Path
 import httpx
 
 from bench.results import write_result
-from llm_agent.scenario import UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 from llm_agent.user_sim.client import ChatReply, ChatRequest, UserSimClient
 
 logger = logging.getLogger("bench.user_sim_dispatch")
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 
 
 def free_port() -> int:

@@ -34,10 +34,6 @@ def tiny_model_path(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0))
 
 
-SCENARIO_FILE = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
-# A short agent system prompt for CPU training tests (the scenario's own is ~1300 tokens for the tiny tokenizer).
-COMPACT_SYSTEM_PROMPT = ("You are Mia from FoodLoop's merchant growth team. Phone the restaurant manager, get "
-                         "them to claim the free trial credit in the app, and answer in the tags.")
 
 
 @pytest.fixture(scope="session")
@@ -46,9 +42,11 @@ def warm_model_path(tiny_model_path, tmp_path_factory) -> str:
     prompt, so that about half of its sampled turns and most of its greedy ones carry the reply tag and reach the
     simulator. (At 80 steps the loss was still ~1.1, just before it falls: on 2026-11-25 that model's greedy turns
     were all format errors, while on the machine the tests were written on it had passed.)"""
+    from llm_agent.scenario import DEFAULT_SCENARIO_PATH
+    from tests.helpers.repo import COMPACT_SYSTEM_PROMPT
     from utils.sft_warm_start import scripted_dialogues, sft_on_dialogues
 
-    dialogues = scripted_dialogues(SCENARIO_FILE, 32, {"good": 1.0}, seed=0, max_turns=4,
+    dialogues = scripted_dialogues(str(DEFAULT_SCENARIO_PATH), 32, {"good": 1.0}, seed=0, max_turns=4,
                                    system_prompt=COMPACT_SYSTEM_PROMPT)
     out = sft_on_dialogues(tiny_model_path, tmp_path_factory.mktemp("warm_model"), dialogues, steps=160, lr=1e-2,
                            batch_size=8, seed=0)

@@ -1,6 +1,6 @@
 """The iteration driver (utils/iterate.py) with a stand-in trainer: phases, resume, no iteration trained twice.
 
-The stand-in (iterate_fake_trainer.py) checkpoints through verl.utils.checkpoint like the real trainer; the
+The stand-in (tests/helpers/iterate_fake_trainer.py) checkpoints through verl.utils.checkpoint like the real trainer; the
 slow end-to-end run with the real trainer and a SIGKILL is tests/scripts/test_main_iterations.py.
 """
 from __future__ import annotations
@@ -16,12 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from llm_agent.profiles.sources import load_weights
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH
 from llm_agent.stand_ins.profile_llm import ScriptedProfileLLM
 from utils.iterate import main, with_overrides
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE = Path(__file__).with_name("iterate_fake_trainer.py")
-SCENARIO = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+FAKE = REPO / "tests" / "helpers" / "iterate_fake_trainer.py"
+SCENARIO = str(DEFAULT_SCENARIO_PATH)
 
 
 @dataclass

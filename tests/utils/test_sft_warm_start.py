@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH
 from utils.sft_warm_start import (assistant_nll, check_messages, collate, encode_dialogue, parse_quality_mix,
                                   read_dialogues, scripted_dialogues, sft_on_dialogues)
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIO_PATH = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO_PATH = DEFAULT_SCENARIO_PATH
 
 DIALOGUE = [
     {"role": "system", "content": "You are Mia."},

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import uvicorn
-from checkpoint_fixtures import write_checkpoint
 
 from llm_agent.evaluation.agents import OpenAIChatAgent
 from llm_agent.evaluation.runner import EvalSettings, dialogues_path, evaluate_agent
@@ -22,8 +21,10 @@ from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedAgent, ScriptedPolicyWorkerGroup
 from llm_agent.user_sim.backend import BackendResult, Completion
 from llm_agent.user_sim.server import ServerConfig, build_app
-from tests.llm_agent.gen_loop_helpers import REPO, SCENARIO_PATH
 from utils.create_prompt_data import create_prompt_data
+
+from tests.helpers.checkpoint_fixtures import write_checkpoint
+from tests.helpers.repo import REPO, SCENARIO_PATH
 
 pytestmark = pytest.mark.slow
 

@@ -7,12 +7,13 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 from PIL import Image
-from report_fixtures import controller_weight, write_run
 
 from for_evaluation import metrics_vis
 from llm_agent.evaluation.plots import FIGURE_NAMES, build_figures, load_run, plot_runs
 from llm_agent.evaluation.run_data import find_latest_run, read_step_metrics, resolve_run
 from llm_agent.evaluation.series import cache_stage_series, ema, outcome_mix
+
+from tests.helpers.report_fixtures import controller_weight, write_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

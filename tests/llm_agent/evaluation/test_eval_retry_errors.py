@@ -10,16 +10,17 @@ import time
 
 import pytest
 import uvicorn
-from for_evaluation_cli import load_script
 
 from llm_agent.evaluation.runner import dialogues_path, results_path
 from llm_agent.evaluation.sims import free_port
 from llm_agent.scenario import UserProfile
 from llm_agent.user_sim.scripted import ScriptedPersonaBackend
 from llm_agent.user_sim.server import ServerConfig, build_app
-from tests.llm_agent.gen_loop_helpers import SCENARIO_PATH
 from utils.create_prompt_data import create_prompt_data
 from verl.utils.dataset import RLHFDataset
+
+from tests.helpers.for_evaluation_cli import load_script
+from tests.helpers.repo import SCENARIO_PATH
 
 pytestmark = pytest.mark.slow
 N_DIALOGUES = 8

@@ -14,10 +14,11 @@ import time
 
 import pytest
 from PIL import Image
-from report_fixtures import SEARCH_WORD, synthetic_dialogues
 
 from llm_agent.evaluation.report import build_report
 from llm_agent.evaluation.run_data import resolve_run
+
+from tests.helpers.report_fixtures import SEARCH_WORD, synthetic_dialogues
 
 CHROMIUM = os.environ.get("SEAD_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("SEAD_CHROMEDRIVER", "/usr/bin/chromedriver")

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from llm_agent.scenario import UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure, UserSimClient, parse_urls
-from tests.llm_agent.sim_servers import SimServers, free_port
+
+from tests.helpers.sim_servers import SimServers, free_port
 
 REPO = Path(__file__).resolve().parents[3]
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 
 
 @functools.cache

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from llm_agent.user_sim.client import ChatRequest, SimulatorCheckError, UserSimClient
-from tests.conftest import SCENARIO_FILE
-from tests.llm_agent.sim_servers import REPO, SimServers, free_port
 
-SCENARIO = str(REPO / SCENARIO_FILE)
+from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.sim_servers import SimServers, free_port
+
+SCENARIO = str(SCENARIO_PATH)
 
 
 @pytest.fixture()

@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.llm_agent.sim_servers import free_port
+from tests.helpers.sim_servers import free_port
+
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 START = REPO_ROOT / "scripts" / "start_user_sims.sh"

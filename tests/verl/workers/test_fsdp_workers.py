@@ -8,12 +8,14 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ppo_batch_helpers import RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_ppo_batch, make_prompts
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from verl.protocol import DataProto
 from verl.utils.fsdp_utils import full_state_dict
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
+
+from tests.helpers.ppo_batch_helpers import (RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_ppo_batch,
+                                             make_prompts)
 
 pytestmark = pytest.mark.slow
 

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from ppo_batch_helpers import RESPONSE_LEN, actor_rollout_ref_config, make_prompts
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from verl.model_merger import merge
 from verl.utils.fsdp_utils import full_state_dict
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+from tests.helpers.ppo_batch_helpers import RESPONSE_LEN, actor_rollout_ref_config, make_prompts
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[3]

@@ -9,11 +9,12 @@ import copy
 import pytest
 import torch
 from omegaconf import OmegaConf
-from ppo_batch_helpers import actor_config, make_dialogue_batch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
+
+from tests.helpers.ppo_batch_helpers import actor_config, make_dialogue_batch
 
 PROMPT, RESPONSE, ROWS = 12, 24, 8
 LOSS_AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from ppo_batch_helpers import actor_rollout_ref_config, critic_config, make_dialogue_batch, make_prompts
 
 from verl.utils.fsdp_utils import full_state_dict
 from verl.utils.packed_attention import PACKED_SDPA
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
+
+from tests.helpers.ppo_batch_helpers import actor_rollout_ref_config, critic_config, make_dialogue_batch, make_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -8,13 +8,14 @@ import pytest
 import ray
 import torch
 from omegaconf import OmegaConf
-from ppo_batch_helpers import actor_config, actor_rollout_ref_config, make_dialogue_batch
 from transformers import AutoModelForCausalLM
 
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.utils.optim import build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+from tests.helpers.ppo_batch_helpers import actor_config, actor_rollout_ref_config, make_dialogue_batch
 
 pytestmark = pytest.mark.slow
 

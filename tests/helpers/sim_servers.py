@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.repo import REPO
+
 
 
 def free_port() -> int:
