@@ -3,7 +3,11 @@ files, the default scenario file named in one module only, and the shared test h
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from llm_agent.scenario import DEFAULT_SCENARIO_NAME, DEFAULT_SCENARIO_PATH, SCENARIO_DIR
 
@@ -35,3 +39,19 @@ def test_test_helpers_live_in_tests_helpers():
     stray = [str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("*.py")
              if not p.name.startswith("test_") and p.name != "conftest.py" and p.parent.name != "helpers"]
     assert stray == []
+
+
+@pytest.mark.processes
+def test_the_evaluation_commands_run_as_scripts_from_anywhere_and_as_modules(tmp_path):
+    commands = sorted(p.stem for p in (REPO / "for_evaluation").glob("*.py") if p.stem != "__init__")
+    assert {"evaluate", "metrics_table", "metrics_vis", "report", "analyze_mistakes"} <= set(commands)
+    runs = {}
+    for name in commands:  # all at once: each is mostly an interpreter start and imports
+        runs[f"{name}.py"] = subprocess.Popen([sys.executable, str(REPO / "for_evaluation" / f"{name}.py"), "--help"],
+                                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for name in ("report", "metrics_vis"):  # scripts/main.sh runs the report as a module
+        runs[f"-m {name}"] = subprocess.Popen([sys.executable, "-m", f"for_evaluation.{name}", "--help"], cwd=REPO,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for how, proc in runs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0 and "usage:" in out, (how, err[-2000:])

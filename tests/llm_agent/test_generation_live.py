@@ -18,7 +18,7 @@ from tests.helpers.gen_loop_helpers import assert_same_dialogues, greedy_rollout
 from tests.helpers.repo import SCENARIO_PATH
 from tests.helpers.sim_servers import SimServers
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 class KillDuringTurn:

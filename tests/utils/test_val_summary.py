@@ -53,6 +53,7 @@ def test_bad_lines_are_named(tmp_path, line, message):
         read_validations(path)
 
 
+@pytest.mark.processes
 def test_command_line_prints_the_line_and_fails_clearly(tmp_path):
     path = _write(tmp_path / "val.jsonl", [(0, 4, 0.25), (3, 4, 0.75)])
     run = subprocess.run([sys.executable, "-m", "utils.val_summary", str(path)], cwd=REPO, capture_output=True,

@@ -26,7 +26,7 @@ from utils.create_prompt_data import create_prompt_data
 from tests.helpers.checkpoint_fixtures import write_checkpoint
 from tests.helpers.repo import REPO, SCENARIO_PATH
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 class ScriptedAgentBackend:
@@ -121,6 +121,7 @@ def _evaluate_cmd(model, test_file, out):
             "--max-response-length", "400", "--chunk-size", "2", "--n-resamples", "50", "--num-sims", "2"]
 
 
+@pytest.mark.slow
 def test_evaluate_cli_on_a_trainer_checkpoint_is_resumed_after_a_kill(warm_model_path, test_file, tmp_path):
     # the checkpoint root as the CPU demo leaves it (trainer.save_hf_model=every): its latest step is evaluated
     checkpoint = tmp_path / "checkpoints"

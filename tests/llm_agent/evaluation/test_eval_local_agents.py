@@ -60,7 +60,7 @@ def test_results_name_the_engine_of_local_agents_only():
     assert AgentSpec.parse("scripted:good").describe("hf") == "scripted:good"
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_checkpoint_without_hf_export_generates_from_its_sharded_state(tiny_model_path, tmp_path):
     step = write_checkpoint(tiny_model_path, tmp_path / "ckpt", step=4, hf_export=False)
     actor = step / "actor"

@@ -37,7 +37,6 @@ def _axes(fig, title):
     return found[0]
 
 
-@pytest.mark.slow  # renders every figure in both formats (about 10 s on 2 busy cores)
 def test_fixture_run_writes_every_figure_as_png_and_svg(tmp_path, scenario):
     write_run(tmp_path / "outputs", "exp", scenario, with_time=True)
     out = tmp_path / "plots"

@@ -22,7 +22,7 @@ from verl.utils.dataset import RLHFDataset
 from tests.helpers.for_evaluation_cli import load_script
 from tests.helpers.repo import SCENARIO_PATH
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 N_DIALOGUES = 8
 FAILING_ROWS = (1, 4, 6)
 

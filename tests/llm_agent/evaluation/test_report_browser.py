@@ -26,7 +26,7 @@ N_DIALOGUES = 10_000
 PAGE_SIZE = 50
 logger = logging.getLogger(__name__)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 def _require_browser() -> None:

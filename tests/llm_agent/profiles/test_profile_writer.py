@@ -106,6 +106,7 @@ def test_an_endpoint_that_does_not_answer_falls_back_to_the_rules(tmp_path, rule
         "fallback/attempts_exhausted", 0) == 80
 
 
+@pytest.mark.processes
 def test_resume_after_a_kill_writes_only_what_is_missing(tmp_path):
     out = tmp_path / "p.jsonl"
     cmd = [sys.executable, "-m", "utils.generate_profiles", "--n", "60", "--out", str(out), "--concurrency", "2"]

@@ -47,7 +47,7 @@ def test_listens_on_names_the_process_holding_the_port():
     assert not port_in_use(port)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_server_started_while_signals_are_held_back_still_stops_on_sigterm(tmp_path):
     """The instances CLI blocks SIGTERM while it records a PID; the server must not inherit that mask (it did: the
     stop then waited out its 20 s grace and used SIGKILL)."""
@@ -75,7 +75,7 @@ def test_a_server_started_while_signals_are_held_back_still_stops_on_sigterm(tmp
         group.stop_all()
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_decoy_with_the_right_start_time_is_not_a_simulator():
     decoy = subprocess.Popen(["sleep", "60"])
     try:
@@ -86,7 +86,7 @@ def test_a_decoy_with_the_right_start_time_is_not_a_simulator():
         decoy.wait()
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_stop_process_kills_the_descendants_it_found_and_nothing_else(tmp_path):
     parent = subprocess.Popen(["bash", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
     bystander = subprocess.Popen(["sleep", "60"])
@@ -106,7 +106,7 @@ def test_stop_process_kills_the_descendants_it_found_and_nothing_else(tmp_path):
             proc.wait()
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_an_instance_that_exits_fails_the_wait_with_its_log(tmp_path):
     log = tmp_path / "dead.log"
     proc = launch([sys.executable, "-c", "import sys; print('no scenario here'); sys.exit(3)"], os.environ, log,

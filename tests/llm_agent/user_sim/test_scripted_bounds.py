@@ -63,7 +63,6 @@ def _request(big_turn: str) -> list[dict[str, str]]:
             {"role": "user", "content": big_turn}]
 
 
-@pytest.mark.slow
 def test_persona_cache_memory_is_bounded():
     """Distinct 900 KB agent turns were retained whole in the persona cache (60 of them: 61 MB); now <= 16 KB each."""
     backend = ScriptedPersonaBackend(SCENARIO)

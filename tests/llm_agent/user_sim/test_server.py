@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 SCENARIO_PATH = DEFAULT_SCENARIO_PATH
 API_KEY = "sk-test-key"
 MODEL = "user-sim"
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 def _free_port() -> int:

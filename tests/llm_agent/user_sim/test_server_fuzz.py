@@ -23,7 +23,7 @@ from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 
 from tests.helpers.sim_servers import SimServers
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 PERSONA = SCENARIO.render_user_prompt(UserProfile(2, 1, 3, behaviors=()))
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,

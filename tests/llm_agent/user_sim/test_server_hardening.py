@@ -21,7 +21,7 @@ from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 from tests.helpers.repo import REPO
 from tests.helpers.sim_servers import SimServers, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 PERSONA = SCENARIO.render_user_prompt(UserProfile(2, 2, 2, behaviors=()))
 

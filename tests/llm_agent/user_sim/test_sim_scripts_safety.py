@@ -17,7 +17,7 @@ from llm_agent.user_sim.processes import free_port, start_ticks, stat_field
 REPO_ROOT = Path(__file__).resolve().parents[3]
 START = REPO_ROOT / "scripts" / "start_user_sims.sh"
 STOP = REPO_ROOT / "scripts" / "stop_user_sims.sh"
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 def _env(run_dir: Path, **extra: str) -> dict[str, str]:

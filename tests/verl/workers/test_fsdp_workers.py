@@ -17,7 +17,6 @@ from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 from tests.helpers.ppo_batch_helpers import (RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_ppo_batch,
                                              make_prompts)
 
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -16,7 +16,7 @@ from verl.workers.rollout.hf_rollout import HFRollout
 from tests.helpers.ppo_batch_helpers import (RESPONSE_LEN, actor_config, actor_rollout_ref_config, make_ppo_batch,
                                              make_prompts)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 ROWS = 8
 MINI_BATCH_PROMPTS = 4  # global rows per optimizer step (rollout.n = 1): 2 mini-batches, 2 rows per rank each

@@ -18,7 +18,7 @@ from verl.workers.rollout.hf_rollout import HFRollout
 
 from tests.helpers.ppo_batch_helpers import make_prompts
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 ROWS_PER_RANK = 4
 

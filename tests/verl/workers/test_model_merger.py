@@ -19,7 +19,7 @@ from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
 from tests.helpers.ppo_batch_helpers import RESPONSE_LEN, actor_rollout_ref_config, make_prompts
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 REPO = Path(__file__).resolve().parents[3]
 
 

@@ -16,7 +16,6 @@ from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
 from tests.helpers.ppo_batch_helpers import actor_rollout_ref_config, critic_config, make_dialogue_batch, make_prompts
 
-pytestmark = pytest.mark.slow
 
 PROMPT, RESPONSE, ROWS = 12, 24, 8
 

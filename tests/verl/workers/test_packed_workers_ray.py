@@ -17,7 +17,7 @@ from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
 from tests.helpers.ppo_batch_helpers import actor_config, actor_rollout_ref_config, make_dialogue_batch
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 PROMPT, RESPONSE, ROWS = 12, 24, 8
 MINI_BATCH_PROMPTS = 4  # 2 mini-batches of 2 rows per rank

@@ -37,7 +37,6 @@ def test_empty_cache_calls_cuda_only_with_a_gpu(monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.slow
 def test_every_phase_frees_cached_memory(tiny_model_path, monkeypatch):
     phases = []
     monkeypatch.setattr(fsdp_workers, "empty_cache", lambda: phases.append(len(phases)))
