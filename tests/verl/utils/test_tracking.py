@@ -101,6 +101,7 @@ def test_wandb_mode_honours_the_users_settings(tmp_path, monkeypatch, env, netrc
     assert wandb_mode() == expected
 
 
+@pytest.mark.processes
 def test_mlflow_local_store_holds_metrics_params_and_tables(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
