@@ -6,7 +6,6 @@ import gc
 import random
 import tracemalloc
 
-import pytest
 
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 from llm_agent.user_sim.backend import SamplingParams
