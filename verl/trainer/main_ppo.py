@@ -59,7 +59,6 @@ def run_ppo(config: DictConfig) -> dict[str, Any]:
     from verl.single_controller.ray import RayResourcePool
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
     from verl.utils.dataset import load_tokenizer
-    from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
     started_ray = False
     if not ray.is_initialized():
@@ -70,6 +69,8 @@ def run_ppo(config: DictConfig) -> dict[str, Any]:
             ray.init(address="local", num_cpus=ray_cpus(typed), include_dashboard=False,
                      logging_level=logging.WARNING)
         started_ray = True
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
+
     try:
         model = typed.actor_rollout_ref.model
         tokenizer = load_tokenizer(model.tokenizer_path or model.path)
