@@ -219,6 +219,8 @@ def parse_start(argv: Sequence[str], environ: Mapping[str, str]) -> StartOptions
     if not args.seed.lstrip("-").isdigit():
         raise UsageError(f"--seed must be an integer, got '{args.seed}'")
     max_model_len = _uint(args.max_model_len, f"--max-model-len must be a positive integer, got '{args.max_model_len}'")
+    if max_model_len < 1:
+        raise UsageError(f"--max-model-len must be a positive integer, got '{args.max_model_len}'")
     model = args.model
     if model and os.path.exists(_absolute(model, base)):
         model = _absolute(model, base)  # else a hub id, passed through
