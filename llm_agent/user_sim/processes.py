@@ -398,7 +398,8 @@ class SimulatorGroup:
         except BaseException:
             self.stop_all()
             raise
-        logger.info("started %d simulators: %s (PIDs %s)", n, ",".join(urls), [self.procs[u].pid for u in urls])
+        logger.info("started %d %s simulators: %s (PIDs %s)", n, self.spec.backend, ",".join(urls),
+                    [self.procs[u].pid for u in urls])
         return urls
 
     def wait_ready(self, *urls: str, timeout_s: float = 60.0) -> None:

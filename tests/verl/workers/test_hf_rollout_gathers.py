@@ -18,7 +18,7 @@ from verl.workers.rollout.hf_rollout import HFRollout
 
 from tests.helpers.ppo_batch_helpers import make_prompts
 
-pytestmark = pytest.mark.processes
+pytestmark = pytest.mark.slow
 
 ROWS_PER_RANK = 4
 
