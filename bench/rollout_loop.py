@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 from bench.results import write_result
 from llm_agent.rollout.dialogue import ChatMarkers
 from llm_agent.generation import LLMGenerationManager
-from llm_agent.scenario import load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim, never_ending_replies
 from llm_agent.user_sim.client import SimulatorClient
@@ -51,7 +51,7 @@ from verl.utils.torch_functional import compute_position_id_with_mask
 logger = logging.getLogger("bench.rollout_loop")
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 GROUP_SIZE = 8  # rows per uid (GRPO n)
 STAGE_RATES = {0: 0.9, 1: 0.5, 2: 0.2, 3: 0.0}
 

@@ -30,8 +30,9 @@ from pathlib import Path
 import httpx
 
 from bench.results import write_result
-from bench.user_sim_dispatch import make_requests, start_server, wait_healthy
+from bench.user_sim_dispatch import latency_flags, make_requests
 from llm_agent.user_sim.client import TurnReply, TurnRequest, UserSimClient
+from llm_agent.user_sim.processes import SimulatorGroup
 
 REPO = Path(__file__).resolve().parents[1]
 POOL_CONNECTIONS = 8  # connections per httpx pool in the reference client
@@ -101,9 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     requests = make_requests(args.requests)
     runs: dict[str, list[dict]] = {"ours": [], "httpx": []}
     with tempfile.TemporaryDirectory() as tmp:
-        url, proc = start_server(0.0, 0.0, 1, Path(tmp))
-        try:
-            wait_healthy(url, proc)
+        with SimulatorGroup(Path(tmp)) as sims:
+            url = sims.start(*latency_flags(0.0, 0.0, 1))
+            sims.wait_ready(url, timeout_s=90)
             model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
             for _ in range(args.repeats):
                 for name, run in (("ours", lambda: run_ours(url, requests, args.concurrency)),
@@ -111,9 +112,6 @@ def main(argv: list[str] | None = None) -> dict:
                     cpu, wall, answered = run()
                     runs[name].append({"cpu_ms_per_request": 1e3 * cpu / len(requests), "wall_s": wall,
                                        "answered": answered})
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
     medians = {name: {key: statistics.median(r[key] for r in rows) for key in ("cpu_ms_per_request", "wall_s")}
                for name, rows in runs.items()}
     complete = all(r["answered"] == len(requests) for rows in runs.values() for r in rows)

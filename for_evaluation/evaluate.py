@@ -20,22 +20,15 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-
-from llm_agent.evaluation.agents import AgentSpec, LocalEngineOptions, build_agent  # noqa: E402
-from llm_agent.evaluation.local_agents import ENGINES, pick_engine  # noqa: E402
-from llm_agent.evaluation.runner import EvalSettings, evaluate_agent  # noqa: E402
-from llm_agent.evaluation.sims import LocalSimulators  # noqa: E402
-from llm_agent.rollout.config import GenerationConfig, resolve_path  # noqa: E402
-from llm_agent.scenario import load_scenario  # noqa: E402
-from llm_agent.user_sim.client import UserSimConfig, parse_urls  # noqa: E402
-
-DEFAULT_SCENARIO = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+from llm_agent.evaluation.agents import AgentSpec, LocalEngineOptions, build_agent
+from llm_agent.evaluation.local_agents import ENGINES, pick_engine
+from llm_agent.evaluation.runner import EvalSettings, evaluate_agent
+from llm_agent.evaluation.sims import LocalSimulators
+from llm_agent.rollout.config import GenerationConfig, resolve_path
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
+from llm_agent.user_sim.client import UserSimConfig, parse_urls
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--agent", action="append", required=True, metavar="[NAME=]SPEC", help="agent to evaluate (repeatable)")
     p.add_argument("--test-file", default="outputs/prompt_data/cpu_demo/test.parquet", help="test parquet")
-    p.add_argument("--scenario", default=DEFAULT_SCENARIO, help="scenario YAML")
+    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH), help="scenario YAML")
     p.add_argument("--out", default="outputs/evaluation", help="output directory")
     p.add_argument("--user-sim-urls", default=None, help="running simulators (comma-separated base URLs)")
     p.add_argument("--num-sims", type=int, default=2, help="scripted simulators to start without --user-sim-urls")

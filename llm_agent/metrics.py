@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from llm_agent.rollout.outcome import Outcome
 from llm_agent.scenario import STATE_DIMS, Scenario
-from verl.protocol import DataProto
+
+if TYPE_CHECKING:  # records are read from a batch's arrays: the metrics (and the CLIs on them) never need torch
+    from verl.protocol import DataProto
 
 __all__ = [
     "METRIC_KEYS", "OUTCOMES", "RECORD_KEYS", "USER_TURN_SOURCES", "claimed_done", "dialogue_metrics",

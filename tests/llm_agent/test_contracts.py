@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gen_loop_helpers import ProgrammedSim, agent_text, make_gen_batch
+from tests.helpers.gen_loop_helpers import ProgrammedSim, agent_text, make_gen_batch
 from omegaconf import OmegaConf
 
 from llm_agent.generation import LLMGenerationManager
@@ -179,7 +179,7 @@ def test_env_answers_for_another_dialogue_are_refused(tok, scenario):
 
 
 def test_async_mode_needs_no_running_loop(tok, scenario):
-    from gen_loop_helpers import SCENARIO_PATH, ProgrammedPolicy
+    from tests.helpers.gen_loop_helpers import SCENARIO_PATH, ProgrammedPolicy
 
     loop = LLMGenerationManager(tok, ProgrammedPolicy(tok, {}), {
         "scenario": str(SCENARIO_PATH), "mode": "async", "max_turns": 2, "max_response_length": 512,

@@ -5,14 +5,13 @@ import itertools
 import json
 import logging
 import random
-from pathlib import Path
 
 import pytest
 
 from llm_agent.controller import ControllerConfig, StateController, bound_weights, parse_state_key
-from llm_agent.scenario import STATE_DIMS, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, STATE_DIMS, load_scenario
 
-SCENARIO_PATH = Path(__file__).resolve().parents[2] / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO_PATH = DEFAULT_SCENARIO_PATH
 VALID = {"cooperation": [1, 2, 3], "emotion": [1, 2], "trust": [1, 2, 3, 4]}  # the scenario's ranges minus extremes
 
 

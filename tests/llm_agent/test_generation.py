@@ -6,14 +6,16 @@ import json
 
 import pytest
 import torch
-from gen_loop_helpers import (FAIL, SCENARIO_PATH, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
-                              prompt_messages)
 
 from llm_agent.cache import CacheConfig, UserResponseCache
 from llm_agent.rollout.dialogue import TokenBuffer
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.rollout.config import ConfigError, GenerationConfig
 from llm_agent.scenario import UserProfile
+
+from tests.helpers.gen_loop_helpers import (FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
+                                            prompt_messages)
+from tests.helpers.repo import SCENARIO_PATH
 
 
 def base_config(tmp_path, **overrides):

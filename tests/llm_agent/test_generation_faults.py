@@ -3,12 +3,14 @@ injected simulator failures, misbehaving worker groups / clients, and the shippe
 from __future__ import annotations
 
 import pytest
-from gen_loop_helpers import SCENARIO_PATH, ProgrammedPolicy, agent_text, make_gen_batch
 
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.rollout.config import GenerationConfig
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
+
+from tests.helpers.gen_loop_helpers import ProgrammedPolicy, agent_text, make_gen_batch
+from tests.helpers.repo import SCENARIO_PATH
 
 
 def config(**overrides):

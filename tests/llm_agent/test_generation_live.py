@@ -6,8 +6,6 @@ import threading
 
 import pytest
 import torch
-from gen_loop_helpers import SCENARIO_PATH, assert_same_dialogues, greedy_rollouts_in_both_modes, make_gen_batch
-from tests.llm_agent.sim_servers import SimServers
 from transformers import AutoTokenizer
 
 from llm_agent.generation import LLMGenerationManager
@@ -16,7 +14,11 @@ from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.user_sim.client import TurnRequest
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 
-pytestmark = pytest.mark.slow
+from tests.helpers.gen_loop_helpers import assert_same_dialogues, greedy_rollouts_in_both_modes, make_gen_batch
+from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.sim_servers import SimServers
+
+pytestmark = pytest.mark.processes
 
 
 class KillDuringTurn:
@@ -110,7 +112,7 @@ def test_loop_survives_a_simulator_killed_mid_loop(mode, tiny_model_path, tmp_pa
 @pytest.fixture()
 def actor_group(tiny_model_path):
     import ray
-    from tests.verl.workers.ppo_batch_helpers import actor_rollout_ref_config
+    from tests.helpers.ppo_batch_helpers import actor_rollout_ref_config
 
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.workers.fsdp_workers import ActorRolloutRefWorker

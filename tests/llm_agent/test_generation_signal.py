@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gen_loop_helpers import SCENARIO_PATH, ProgrammedPolicy, agent_text, make_gen_batch
 
 from llm_agent.generation import CACHE_SNAPSHOT, LLMGenerationManager
 from llm_agent.user_sim.client import SimulatorClient, TurnReply, TurnRequest
+
+from tests.helpers.gen_loop_helpers import ProgrammedPolicy, agent_text, make_gen_batch
+from tests.helpers.repo import SCENARIO_PATH
 
 
 class FlakySim(SimulatorClient):
@@ -99,7 +101,7 @@ def test_loop_checkpoint_hooks_carry_the_cache_replies(tok, scenario, tmp_path):
 
 def test_row_alignment_check_catches_records_moved_without_their_tensors(tok, scenario, tmp_path):
     """The check test_sead_training applies after balancing must be able to fail."""
-    from row_alignment import misaligned_rows
+    from tests.helpers.row_alignment import misaligned_rows
 
     keys = ["a", "b", "c"]
     scripts = {k: [agent_text(scenario, f"Hello from {k}."), agent_text(scenario, f"Still {k} here.")]
@@ -138,7 +140,7 @@ def test_controller_learns_from_every_sampled_dialogue_of_the_step_not_only_the_
 
 def test_the_loop_refuses_to_start_on_a_dead_simulator_url(tok, scenario, tmp_path):
     from llm_agent.user_sim.client import SimulatorCheckError
-    from tests.llm_agent.sim_servers import free_port
+    from tests.helpers.sim_servers import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     cfg = _config(tmp_path, user_sim={"urls": dead, "timeout_s": 2})

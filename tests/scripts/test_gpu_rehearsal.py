@@ -68,6 +68,7 @@ def _rehearsal_sizes() -> set[str]:
     return set(done.stdout.split())
 
 
+@pytest.mark.processes  # runs main.sh --dry-run twice
 def test_the_rehearsal_is_the_gpu_preset_with_only_device_and_sizes_changed(tmp_path):
     assert _rehearsal_sizes() <= set(DEVICE_AND_SIZES), "the rehearsal changes a variable that is not a size"
     gpu, _ = _trainer_overrides(tmp_path, MODEL_PATH="/models/Qwen2.5-14B-Instruct")

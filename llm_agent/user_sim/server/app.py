@@ -32,7 +32,6 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -40,15 +39,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH
 from llm_agent.user_sim.server.backend import BackendInputError, BackendResult, ChatBackend, Completion, SamplingParams
-from llm_agent.user_sim.server.chat_request import DEFAULT_MAX_MESSAGES, ApiError, ChatRequest, parse_chat_request
+from llm_agent.user_sim.server.chat_request import (DEFAULT_MAX_MESSAGES, ApiError, ChatRequest,  # noqa: F401
+                                                    parse_chat_request)
 from llm_agent.user_sim.server.faults import FAULT_KINDS, FaultConfig, FaultInjector
 from llm_agent.user_sim.server.http_guard import guarded_protocol, install_log_limits, usable_connection_cap
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_SCENARIO = str(REPO_ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 API_KEY_ENV = "SEAD_USER_SIM_API_KEY"
 
@@ -296,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=5000)
     p.add_argument("--model", default=None, help="local model directory (hf backend)")
-    p.add_argument("--scenario", default=DEFAULT_SCENARIO, help="scenario YAML (scripted backend)")
+    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH), help="scenario YAML (scripted backend)")
     p.add_argument("--served-model-name", default="user-sim")
     p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)
     p.add_argument("--api-key-file", default=None,

@@ -13,9 +13,10 @@ from llm_agent.metrics import records_from_batch
 from llm_agent.rollout.records import RECORD_COLUMNS, object_column
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
-from tests.llm_agent.gen_loop_helpers import SCENARIO_PATH
 from utils.create_prompt_data import create_prompt_data
 from verl.utils.dataset import RLHFDataset
+
+from tests.helpers.repo import SCENARIO_PATH
 
 
 class RecordingSim(InProcessUserSim):

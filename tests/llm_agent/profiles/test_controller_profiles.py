@@ -9,10 +9,10 @@ import pytest
 
 from llm_agent.controller import ControllerConfig, StateController
 from llm_agent.profiles.rules import load_rule_table
-from llm_agent.scenario import UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 
 REPO = Path(__file__).resolve().parents[3]
-SCENARIO = load_scenario(REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 RULES = load_rule_table()
 
 

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from gen_loop_helpers import FAIL, SCENARIO_PATH, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch
 
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.reward import compute_reward
@@ -18,6 +17,9 @@ from llm_agent.rollout.config import ConfigError, GenerationConfig
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.user_sim.client import TurnReply
+
+from tests.helpers.gen_loop_helpers import FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch
+from tests.helpers.repo import SCENARIO_PATH
 
 TENSORS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
 RECORDS = ("uid", "dialogue_id", "profile", "outcome", "num_turns", "turns", "messages", "cache_hits",

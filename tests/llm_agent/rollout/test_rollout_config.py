@@ -9,15 +9,15 @@ import pytest
 
 from llm_agent.rollout.config import ConfigError, GenerationConfig, MIN_AGENT_TURN_TOKENS, MIN_USER_TURN_TOKENS
 from llm_agent.rollout.dialogue import ChatMarkers
-from llm_agent.scenario import load_scenario
-from tests.conftest import SCENARIO_FILE
-from tests.llm_agent.sim_servers import REPO
+from llm_agent.scenario import SCENARIO_DIR, load_scenario
 
-SCENARIOS = sorted((REPO / "verl/trainer/config/format_prompt").glob("*.yaml"))
+from tests.helpers.repo import SCENARIO_PATH
+
+SCENARIOS = sorted(SCENARIO_DIR.glob("*.yaml"))
 
 
 def config(**overrides):
-    cfg = {"scenario": str(REPO / SCENARIO_FILE), "max_turns": 4, "max_tokens_per_turn": 96,
+    cfg = {"scenario": str(SCENARIO_PATH), "max_turns": 4, "max_tokens_per_turn": 96,
            "max_response_length": 512, "max_user_tokens": 128, "cache": {"enabled": False}}
     cfg.update(overrides)
     return cfg

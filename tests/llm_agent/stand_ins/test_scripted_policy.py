@@ -15,8 +15,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llm_agent.scenario import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, UserProfile, load_scenario, \
-    sample_behaviors
+from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, SCENARIO_DIR, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED,
+                                UserProfile, load_scenario, sample_behaviors)
 from llm_agent.stand_ins.scripted_policy import ScriptedAgent, ScriptedPolicyWorkerGroup, too_similar
 from llm_agent.user_sim.client import TurnReply, TurnRequest, TurnFailure
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
@@ -25,8 +25,8 @@ from verl.utils.torch_functional import compute_position_id_with_mask
 from verl.workers.rollout.hf_rollout import HFRollout
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-SCENARIO_FILES = sorted((REPO_ROOT / "verl/trainer/config/format_prompt").glob("*.yaml"))
-OUTBOUND = load_scenario(REPO_ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.yaml"))
+OUTBOUND = load_scenario(DEFAULT_SCENARIO_PATH)
 KEYS = {"prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"}
 
 

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from llm_agent.scenario import UserProfile, load_scenario
-from llm_agent.user_sim.client import TurnReply, TurnRequest, TurnFailure, UserSimClient, parse_urls
-from tests.llm_agent.sim_servers import SimServers, free_port
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.user_sim.client import TurnFailure, TurnReply, TurnRequest, UserSimClient, parse_urls
+
+from tests.helpers.sim_servers import SimServers, free_port
 
 REPO = Path(__file__).resolve().parents[3]
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 
 
 @functools.cache
@@ -136,7 +137,7 @@ def test_all_instances_dead_gives_turn_failures_within_deadline():
     assert stats["user_sim/turn_failures"] == 40 and stats["user_sim/instances_down"] == 2
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_load_splits_evenly_over_two_servers(sims):
     a, b = sims.urls["a"], sims.urls["b"]
     requests = dialogue_requests(200)
@@ -153,7 +154,7 @@ def test_load_splits_evenly_over_two_servers(sims):
     assert 0.01 < stats["user_sim/latency_p50_s"] <= stats["user_sim/latency_p95_s"] < 5
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_concurrent_batches_from_two_threads(sims):
     a, b = sims.urls["a"], sims.urls["b"]
     out: dict[str, list] = {}
@@ -169,7 +170,7 @@ def test_concurrent_batches_from_two_threads(sims):
         assert_all_answered(out[prefix], dialogue_requests(50, prefix=prefix))
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_server_killed_mid_batch_all_dialogues_answered_by_the_other(sims):
     slow = ("--inject-latency-ms", "100", "--inject-latency-sigma", "0.3")
     victim, survivor = sims.start(*slow), sims.start(*slow)
@@ -196,7 +197,7 @@ def test_server_killed_mid_batch_all_dialogues_answered_by_the_other(sims):
     assert stats["user_sim/failovers"] >= 1
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_hanging_server_does_not_stall_the_batch(sims):
     hang, a = sims.urls["hang"], sims.urls["a"]
     requests = dialogue_requests(60)
@@ -213,7 +214,7 @@ def test_hanging_server_does_not_stall_the_batch(sims):
     assert stats[f"user_sim/{name(hang)}/down"] == 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("fault, counter", [("garbage", "failures_garbage"), ("error", "failures_http")])
 def test_bad_answers_are_retried_elsewhere_and_counted(sims, fault, counter):
     bad, a = sims.urls[fault], sims.urls["a"]
@@ -233,7 +234,7 @@ def test_bad_answers_are_retried_elsewhere_and_counted(sims, fault, counter):
     assert max(r.attempts for r in results) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_rejected_request_is_not_retried_or_blamed_on_the_server(sims):
     a = sims.urls["a"]
     with UserSimClient(a, model="no-such-model", timeout_s=5) as client:
@@ -244,7 +245,7 @@ def test_rejected_request_is_not_retried_or_blamed_on_the_server(sims):
     assert stats[f"user_sim/{name(a)}/down"] == 0.0 and stats[f"user_sim/{name(a)}/failures"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_down_instance_is_used_again_after_a_probe(sims):
     a = sims.urls["a"]
     port = free_port()
@@ -268,7 +269,7 @@ def test_down_instance_is_used_again_after_a_probe(sims):
     assert replies_by_instance(results).get(name(flaky), 0) >= 10
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_api_key_is_sent_and_a_missing_key_is_a_rejection(sims, monkeypatch):
     auth = sims.urls["auth"]
     monkeypatch.delenv("SEAD_USER_SIM_API_KEY", raising=False)
@@ -283,7 +284,7 @@ def test_api_key_is_sent_and_a_missing_key_is_a_rejection(sims, monkeypatch):
     assert all(isinstance(r, TurnFailure) and r.attempts == 1 and "401" in r.reason for r in results)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_deadline_bounds_turns_queued_behind_a_hanging_server(sims):
     hang = sims.urls["hang"]
     with UserSimClient(hang, timeout_s=30, deadline_s=1.0, max_in_flight=2) as client:
@@ -298,6 +299,7 @@ def test_deadline_bounds_turns_queued_behind_a_hanging_server(sims):
     assert stats[f"user_sim/{name(hang)}/failures"] == 0, "a deadline cut is not the server's fault"
 
 
+@pytest.mark.processes
 def test_many_concurrent_requests_are_all_answered_and_acomplete_takes_the_same_path(sims):
     """100 turns in flight over two instances, all answered; `acomplete`, awaited on the client's loop through
     `run_on_loop` (the async rollout loop), answers single requests through the same path, and both refuse misuse:
@@ -323,6 +325,7 @@ def test_many_concurrent_requests_are_all_answered_and_acomplete_takes_the_same_
         client.run_on_loop(singles())
 
 
+@pytest.mark.processes
 def test_a_saturated_server_sheds_load_and_every_turn_is_still_answered(tmp_path):
     """A server with one worker thread and a queue of one answers most of 40 concurrent turns with 503 `overloaded`:
     each such turn is sent again (not an attempt used up, not a failure of the instance) until answered."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from llm_agent.user_sim.client import TurnRequest, SimulatorCheckError, UserSimClient
-from tests.conftest import SCENARIO_FILE
-from tests.llm_agent.sim_servers import REPO, SimServers, free_port
+from llm_agent.user_sim.client import SimulatorCheckError, TurnRequest, UserSimClient
 
-SCENARIO = str(REPO / SCENARIO_FILE)
+from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.sim_servers import SimServers, free_port
+
+SCENARIO = str(SCENARIO_PATH)
 
 
 @pytest.fixture()
@@ -23,7 +24,7 @@ def _request(scenario_messages):
     return TurnRequest("d#0", scenario_messages, max_tokens=64, seed=1)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_start_up_check_names_each_dead_or_wrong_instance(servers):
     good = servers.start("--scenario", SCENARIO, "--served-model-name", "sim-a")
     other = servers.start("--scenario", SCENARIO, "--served-model-name", "sim-b")
@@ -40,7 +41,7 @@ def test_start_up_check_names_each_dead_or_wrong_instance(servers):
     assert f"{dead}: unreachable" in message
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_restart_under_another_served_name_is_picked_up_unless_the_model_was_configured(servers, scenario):
     from llm_agent.scenario import UserProfile
     from llm_agent.user_sim.client import TurnFailure

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from llm_agent.scenario import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, UserProfile, load_scenario, \
-    sample_behaviors
+from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, SCENARIO_DIR, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED,
+                                UserProfile, load_scenario, sample_behaviors)
 from llm_agent.user_sim.server.backend import BackendInputError, SamplingParams
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-SCENARIO = load_scenario(REPO_ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 SPEC = SCENARIO.scripted
 V = SCENARIO.vars
 
@@ -304,7 +304,7 @@ def test_max_tokens_truncates_with_finish_reason_length(backend):
     assert short.completion_tokens == 5 and full.text.startswith(short.text)
 
 
-SCENARIO_FILES = sorted((REPO_ROOT / "verl/trainer/config/format_prompt").glob("*.yaml"))
+SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.yaml"))
 
 
 def _plain(cues) -> list[str]:

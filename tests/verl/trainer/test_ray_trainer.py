@@ -261,7 +261,7 @@ def _launch(args, log_path: Path) -> subprocess.Popen:
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_cli_reports_config_errors_by_key(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "data.train_batch_size=7"], cwd=tmp_path,
                           env=_env(), capture_output=True, text=True, timeout=120)

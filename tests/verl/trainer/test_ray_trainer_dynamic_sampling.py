@@ -109,7 +109,7 @@ def _rewards_by_group(batch: DataProto) -> dict[str, list[float]]:
     return groups
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_filter_groups_trains_on_groups_with_a_signal_and_logs_rollout_metrics(tiny_model_path, tmp_path,
                                                                                ray_cluster):
     trainer, loop, metrics = _run(tiny_model_path, tmp_path, filter_on=True)
@@ -136,7 +136,7 @@ def test_filter_groups_trains_on_groups_with_a_signal_and_logs_rollout_metrics(t
         "groups of a later generation batch were trained on"
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_without_filter_groups_a_step_is_one_generation_batch(tiny_model_path, tmp_path, ray_cluster):
     trainer, loop, metrics = _run(tiny_model_path, tmp_path, filter_on=False)
     assert loop.calls == STEPS and not any(k.startswith("filter_groups/") for m in metrics.values() for k in m)

@@ -1,19 +1,14 @@
 """Module-level DataProto operations with veRL's names: padding to a divisor and back, folding the batch dim.
 
-They only use DataProto's own methods (and `type(data)` to build results), so this module does not import
-`verl.protocol`, which re-exports everything here.
+They build on DataProto's own methods (`select_idxs`, `slice`) and constructor; `verl.protocol` re-exports them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from verl.errors import ContractError
-
-if TYPE_CHECKING:
-    from verl.protocol import DataProto
+from verl.protocol.data_proto import DataProto
 
 __all__ = ["DP_PAD_ROWS_KEY", "fold_batch_dim", "pad_dataproto_to_divisor", "unfold_batch_dim", "unpad_dataproto"]
 

@@ -1,11 +1,13 @@
-"""Tests of verl.protocol_utils: value comparison, meta_info merging and row-index validation."""
+"""Tests of verl.protocol.values and verl.protocol.rows: value comparison, meta_info merging, row-index validation."""
 
 import numpy as np
 import pytest
 import torch
 
-from verl import protocol, protocol_utils
-from verl.protocol_utils import as_index_array, merge_meta_info, to_row_array, values_equal
+from verl import protocol
+from verl.protocol import values
+from verl.protocol.rows import as_index_array
+from verl.protocol.values import merge_meta_info, to_row_array, values_equal
 
 
 def test_values_equal_handles_nan_containers_and_type_mismatches():
@@ -46,4 +48,4 @@ def test_to_row_array_keeps_one_object_per_row():
 
 
 def test_verl_protocol_re_exports_union_tensor_dict():
-    assert protocol.union_tensor_dict is protocol_utils.union_tensor_dict
+    assert protocol.union_tensor_dict is values.union_tensor_dict

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,8 +16,8 @@ from llm_agent.scenario import Scenario, UserProfile
 from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest
 from verl.protocol import DataProto
 
-REPO = Path(__file__).resolve().parents[2]
-SCENARIO_PATH = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+from tests.helpers.repo import SCENARIO_PATH
+
 FAIL = "FAIL"
 _KEY = re.compile(r"\[(\w+)\]")
 

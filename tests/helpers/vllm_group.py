@@ -8,11 +8,12 @@ from typing import Any
 
 import ray
 from omegaconf import OmegaConf
-from ppo_batch_helpers import actor_rollout_ref_config
 
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
 from verl.workers.rollout.vllm_rollout.cpu_shm import remove_stale_segments
+
+from tests.helpers.ppo_batch_helpers import actor_rollout_ref_config
 
 ENGINE = {"name": "vllm", "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5, "max_num_seqs": 16,
           "max_num_batched_tokens": 256, "max_model_len": None, "enforce_eager": True, "enable_prefix_caching": True,

@@ -1,4 +1,4 @@
-"""Value comparison, meta_info merging, row-index validation and TensorDict/ndarray-dict union used by `verl.protocol`.
+"""Deep value equality and the merges built on it: meta_info dicts, TensorDicts and dicts of per-row arrays.
 
 These helpers know nothing of `DataProto`; `union_tensor_dict` and `union_numpy_dict` are re-exported from
 `verl.protocol` (their veRL home). Contract violations raise `ContractError` (a ValueError and an AssertionError).
@@ -6,7 +6,7 @@ These helpers know nothing of `DataProto`; `union_tensor_dict` and `union_numpy_
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -15,13 +15,7 @@ from tensordict import TensorDict
 
 from verl.errors import ContractError
 
-__all__ = [
-    "IndexLike", "as_index_array", "merge_meta_info", "rows_to_index", "to_row_array", "union_numpy_dict",
-    "union_tensor_dict", "values_equal",
-]  # fmt: skip
-
-IndexLike = Sequence[int] | np.ndarray | torch.Tensor
-"""Row indices: a list of ints, an int ndarray or tensor, or a boolean mask of the batch length."""
+__all__ = ["merge_meta_info", "to_row_array", "union_numpy_dict", "union_tensor_dict", "values_equal"]
 
 
 def values_equal(a: Any, b: Any, _in_progress: set[tuple[int, int]] | None = None) -> bool:
@@ -95,31 +89,6 @@ def to_row_array(values: Any, key: str) -> np.ndarray:
             array[i] = value
         return array
     raise TypeError(f"non_tensor_batch[{key!r}] must be an np.ndarray (or a list), got {type(values).__name__}")
-
-
-def as_index_array(idxs: IndexLike, length: int) -> np.ndarray:
-    """Turn a list, ndarray, tensor (int or bool mask) into an int64 index array validated against `length`."""
-    if isinstance(idxs, torch.Tensor):
-        idxs = idxs.detach().cpu().numpy()
-    array = np.asarray(idxs)
-    if array.ndim != 1:
-        raise IndexError(f"row indices must be 1-D, got shape {array.shape}")
-    if array.dtype == bool:
-        if array.shape[0] != length:
-            raise IndexError(f"boolean mask has length {array.shape[0]}, but the batch has {length} rows")
-        return np.flatnonzero(array)
-    if array.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(array.dtype, np.integer):
-        raise IndexError(f"row indices must be integers or a boolean mask, got dtype {array.dtype}")
-    if array.min() < -length or array.max() >= length:
-        raise IndexError(f"row index out of range for a batch of {length} rows: min {array.min()}, max {array.max()}")
-    return np.where(array < 0, array + length, array).astype(np.int64)
-
-
-def rows_to_index(rows: list[int]) -> np.ndarray:
-    """DataLoader collate function of make_iterator: a list of row numbers -> an int64 index array."""
-    return np.asarray(rows, dtype=np.int64)
 
 
 def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:

@@ -1,4 +1,4 @@
-"""DataProto: the batch container passed between the trainer (driver) and the workers.
+"""`DataProto`, the batch container passed between the trainer (driver) and the workers, and `DataProtoItem`, one row.
 
 A `DataProto` has three parts, with veRL's names and semantics:
 
@@ -10,17 +10,16 @@ Per-row data (uids, profiles, messages, outcomes) belongs in `batch` or `non_ten
 `meta_info`: every row operation (select, reorder, repeat, chunk, concat) moves the first two together and
 only copies `meta_info` along unchanged, so per-row lists kept there silently fall out of step with the rows.
 
-Contract violations raise `verl.errors.ContractError`, both a ValueError and an AssertionError (veRL's type).
-The parts live in sibling modules and are re-exported here under their veRL names: DataProto-free helpers
-(`union_tensor_dict`, `union_numpy_dict`) in `verl.protocol_utils`, row operations and `DataProtoConfig` in
-`verl.protocol_rows`, padding/folding functions in `verl.protocol_ops`, tensor (de)serialisation in
-`verl.protocol_serialization`, and `DataProtoFuture` in `verl.protocol_future`.
+Contract violations raise `verl.errors.ContractError`, both a ValueError and an AssertionError (veRL's type). The
+row arithmetic is in `verl.protocol.rows`, value equality and merging in `verl.protocol.values`, the TensorDict
+form in `verl.protocol.serialization`; none of them imports this module.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import pickle
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,38 +28,23 @@ import torch
 from tensordict import TensorDict
 
 from verl.errors import ContractError
-from verl.protocol_future import DataProtoFuture
-from verl.protocol_ops import (
-    DP_PAD_ROWS_KEY,
-    fold_batch_dim,
-    pad_dataproto_to_divisor,
-    unfold_batch_dim,
-    unpad_dataproto,
-)
-from verl.protocol_rows import DataProtoConfig, RowOpsMixin
-from verl.protocol_serialization import (
-    TensorDictIOMixin,
-    deserialize_single_tensor,
-    deserialize_tensordict,
-    serialize_single_tensor,
-    serialize_tensordict,
-)
-from verl.protocol_utils import (
+from verl.protocol.config import DataProtoConfig
+from verl.protocol.rows import (
     IndexLike,
     as_index_array,
-    merge_meta_info,
-    to_row_array,
-    union_numpy_dict,
-    union_tensor_dict,
-    values_equal,
+    chunk_bounds,
+    mini_batch_indices,
+    padding_index,
+    permutation_index,
+    repeat_index,
+    sample_repeat_index,
+    split_bounds,
+    unfold_columns,
 )
+from verl.protocol.serialization import parts_from_tensordict, tensordict_from_parts
+from verl.protocol.values import merge_meta_info, to_row_array, union_tensor_dict, values_equal
 
-__all__ = [
-    "DP_PAD_ROWS_KEY", "DataProto", "DataProtoConfig", "DataProtoFuture", "DataProtoItem", "collate_fn",
-    "deserialize_single_tensor", "deserialize_tensordict", "fold_batch_dim", "pad_dataproto_to_divisor",
-    "serialize_single_tensor", "serialize_tensordict", "unfold_batch_dim", "union_numpy_dict", "union_tensor_dict",
-    "unpad_dataproto",
-]  # fmt: skip
+__all__ = ["DataProto", "DataProtoItem"]
 
 
 @dataclass(eq=False)
@@ -73,7 +57,7 @@ class DataProtoItem:
 
 
 @dataclass(eq=False, repr=False)
-class DataProto(RowOpsMixin, TensorDictIOMixin):
+class DataProto:
     """A batch of rows: tensors (`batch`), per-row numpy arrays (`non_tensor_batch`) and batch-wide `meta_info`.
 
     Equality is identity (comparing tensors/arrays has no single truth value); `repr` is a one-line summary.
@@ -354,21 +338,97 @@ class DataProto(RowOpsMixin, TensorDictIOMixin):
             meta_info["metrics"] = gathered
         return type(data[0])(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
 
-def collate_fn(items: Sequence[DataProtoItem | Mapping[str, Any]]) -> DataProto:
-    """Stack rows (dicts or DataProtoItems) into a DataProto: tensors are stacked, other values kept per row."""
-    if not items:
-        raise ValueError("collate_fn: needs at least one row")
-    tensors: dict[str, list[torch.Tensor]] = {}
-    non_tensors: dict[str, list[Any]] = {}
-    for i, item in enumerate(items):
-        if isinstance(item, DataProtoItem):
-            item = {**({} if item.batch is None else dict(item.batch.items())), **item.non_tensor_batch}
-        if not isinstance(item, Mapping):
-            raise TypeError(f"collate_fn: row {i} is a {type(item).__name__}, expected a dict or DataProtoItem")
-        for key, value in item.items():
-            (tensors if isinstance(value, torch.Tensor) else non_tensors).setdefault(key, []).append(value)
-    for key, values in {**tensors, **non_tensors}.items():
-        if len(values) != len(items):
-            raise ValueError(f"collate_fn: key {key!r} is present in {len(values)} of {len(items)} rows")
-    stacked = {key: torch.stack(values) for key, values in tensors.items()}
-    return DataProto.from_dict(tensors=stacked, non_tensors=non_tensors)
+    # Row layout: reorder, repeat, pad, split and iterate (tensors and non-tensors move together).
+
+    def reorder(self, indices: IndexLike) -> None:
+        """Permute the rows in place (tensors and non-tensors alike); `indices` must be a permutation of range(len)."""
+        index = permutation_index(indices, len(self))
+        if self.batch is not None:
+            self.batch = self.batch[torch.from_numpy(index)]
+        self.non_tensor_batch = {key: value[index] for key, value in self.non_tensor_batch.items()}
+
+    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
+        """Repeat every row `repeat_times` times: interleaved (a a b b) or tiled (a b a b)."""
+        return self.select_idxs(repeat_index(len(self), repeat_times, interleave))
+
+    def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
+        """Repeat row i `repeat_times[i]` times, keeping copies of a row together (a a a b c c for [3, 1, 2])."""
+        return self.select_idxs(sample_repeat_index(repeat_times, len(self)))
+
+    def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> DataProto:
+        """Cut dim 1 of each `split_keys` entry into `n_split` parts that become consecutive rows; every other entry
+        is repeated `n_split` times (row i becomes rows i*n_split .. i*n_split + n_split - 1)."""
+        batch, non_tensor_batch = unfold_columns(self.batch, self.non_tensor_batch, n_split, split_keys)
+        return type(self)(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=self.meta_info)
+
+    def is_padding_enabled(self) -> bool:
+        """True when this DataProto (meta_info flag) or the process (`DataProtoConfig.auto_padding`) allows padding."""
+        return bool(self.meta_info.get(DataProtoConfig.auto_padding_key, False)) or DataProtoConfig.auto_padding
+
+    def padding(self, padding_size: int, padding_candidate: str = "") -> None:
+        """Append `padding_size` copies of the last row (the first with `padding_candidate="first"`), in place."""
+        index = padding_index(len(self), padding_size, padding_candidate)
+        if index is not None:
+            padded = self.select_idxs(index)
+            self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
+
+    def chunk(self, chunks: int) -> list[DataProto]:
+        """Split into `chunks` consecutive parts, each carrying the meta_info.
+
+        The batch size must divide by `chunks`, unless padding is enabled (`is_padding_enabled`): then the first
+        `len % chunks` parts get one row more (numpy's array_split).
+        """
+        bounds = chunk_bounds(len(self), chunks, allow_uneven=self.is_padding_enabled())
+        return [self.slice(start, end) for start, end in bounds]
+
+    def split(self, split_size: int) -> list[DataProto]:
+        """Split into consecutive parts of `split_size` rows (the last part may be smaller)."""
+        return [self.slice(start, end) for start, end in split_bounds(len(self), split_size)]
+
+    def make_iterator(
+        self, mini_batch_size: int, epochs: int, seed: int | None = None, dataloader_kwargs: dict | None = None
+    ) -> Iterator[DataProto]:
+        """Yield mini-batches of `mini_batch_size` rows for `epochs` passes.
+
+        `dataloader_kwargs` go to the torch DataLoader over the row numbers (e.g. `{"shuffle": True}`); `seed`
+        seeds its generator, so the shuffled order is reproducible. Each mini-batch carries a copy of meta_info.
+        """
+        indices = mini_batch_indices(len(self), mini_batch_size, epochs, seed, dataloader_kwargs)
+        return (self.select_idxs(index) for index in indices)
+
+    # The TensorDict form and pickle files.
+
+    @classmethod
+    def from_tensordict(
+        cls, tensor_dict: TensorDict, meta_info: dict | None = None, num_batch_dims: int = 1
+    ) -> DataProto:
+        """Build from a TensorDict as `to_tensordict` writes it: tensors -> batch, `NonTensorStack`s (one value per
+        row) -> non_tensor_batch, `NonTensorData` (one value) -> meta_info (merged over `meta_info`)."""
+        if num_batch_dims != 1:
+            raise ContractError(
+                f"from_tensordict: a DataProto has exactly one batch dim; num_batch_dims={num_batch_dims}"
+            )
+        tensors, non_tensors, meta = parts_from_tensordict(tensor_dict, meta_info)
+        data = cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
+        if data.batch is None and tensor_dict.batch_size:
+            data.batch = TensorDict({}, batch_size=tensor_dict.batch_size[:1])
+        return data
+
+    def to_tensordict(self) -> TensorDict:
+        """One TensorDict holding everything: tensors as they are, each non-tensor as a `NonTensorStack` (nested
+        lists and dicts kept per row), each meta_info value as `NonTensorData` (see `verl.utils.tensordict_utils`)."""
+        return tensordict_from_parts(self.batch, self.non_tensor_batch, self.meta_info)
+
+    def save_to_disk(self, filepath: str) -> None:
+        """Pickle this DataProto to `filepath`."""
+        with open(filepath, "wb") as f:
+            pickle.dump(self, f)
+
+    @classmethod
+    def load_from_disk(cls, filepath: str) -> DataProto:
+        """Load a DataProto written by `save_to_disk` (pickle: only load files you trust)."""
+        with open(filepath, "rb") as f:
+            data = pickle.load(f)
+        if not isinstance(data, cls):
+            raise TypeError(f"{filepath} does not hold a {cls.__name__} but a {type(data).__name__}")
+        return data

@@ -6,16 +6,15 @@ None state) and non-monotone stage sequences, so the independent reference compu
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from llm_agent.scenario import STATE_DIMS, Scenario
+from llm_agent.scenario import STATE_DIMS, Scenario, scenario_path
 from verl.protocol import DataProto
 
-SCENARIO_PATH = str(Path(__file__).resolve().parents[2] / "verl/trainer/config/format_prompt/inbound_support.yaml")
+SCENARIO_PATH = str(scenario_path("inbound_support"))
 OUTCOME_WEIGHTS = {"completed": 4, "hung_up": 2, "agent_ended": 2, "timeout": 1, "truncated": 1, "error": 1}
 MAX_TURNS = 8
 

@@ -1,7 +1,7 @@
 """Test helper: a trainer checkpoint of a model written by the real actor worker, in a child process.
 
-`write_checkpoint(model, root, step, hf_export)` runs this file as a script: an `ActorRolloutRefWorker` (FSDP2 on a
-1-rank gloo group) loads `model` and saves its actor state into `root/global_step_<step>/actor/` through the
+`write_checkpoint(model, root, step, hf_export)` runs this module (`python -m`): an `ActorRolloutRefWorker` (FSDP2
+on a 1-rank gloo group) loads `model` and saves its actor state into `root/global_step_<step>/actor/` through the
 trainer's checkpoint protocol (`.partial` directory, trainer_state.json, commit and tracker file). With
 `hf_export=False` the checkpoint holds only `sharded_state/`, config and tokenizer, as the GPU preset's
 intermediate checkpoints do (`trainer.save_hf_model=last`). A child process keeps the worker's process group out
@@ -14,14 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
-WORKER_HELPERS = REPO / "tests" / "verl" / "workers"
+from tests.helpers.repo import REPO
 
 
 def write_checkpoint(model_path: str, root: Path, step: int = 1, hf_export: bool = False) -> Path:
     """Write the checkpoint (see the module docstring); returns `root/global_step_<step>`."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(WORKER_HELPERS)]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__, model_path, str(root), str(step), str(int(hf_export))],
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.checkpoint_fixtures", model_path, str(root), str(step), str(int(hf_export))],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"writing the checkpoint failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -30,8 +29,8 @@ def write_checkpoint(model_path: str, root: Path, step: int = 1, hf_export: bool
 
 def _main(model_path: str, root: str, step: int, hf_export: bool) -> None:
     import torch.distributed as dist
-    from ppo_batch_helpers import actor_rollout_ref_config
 
+    from tests.helpers.ppo_batch_helpers import actor_rollout_ref_config
     from verl.utils.checkpoint import begin_checkpoint, commit_checkpoint, save_trainer_state
     from verl.workers.fsdp_workers import ActorRolloutRefWorker
 

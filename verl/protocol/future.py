@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from verl.protocol.data_proto import DataProto
+
 __all__ = ["DataProtoFuture"]
 
 _UNSET = object()
@@ -38,8 +40,6 @@ class DataProtoFuture:
     @staticmethod
     def concat(data: Sequence[Any]) -> DataProtoFuture:
         """A future of the concatenation (`DataProto.concat`) of the DataProtos behind the object refs `data`."""
-        from verl.protocol import DataProto
-
         return DataProtoFuture(collect_fn=DataProto.concat, futures=data)
 
     def chunk(self, chunks: int) -> list[DataProtoFuture]:
