@@ -11,9 +11,11 @@
 # prints the preset, then `python -m verl.trainer.plan`'s memory and time plan of that trainer command (the model's
 # config.json must exist; vLLM need not be installed).
 #
-# With no settings this is the CPU demo: it builds the tiny local model (outputs/tiny_model) and warm-starts it
-# with two minutes of supervised fine-tuning on 1,024 scripted calls (outputs/tiny_model_warm; WARM_START_STEPS=0
-# skips it), writes the prompt data (outputs/prompt_data), starts two scripted user simulators on loopback,
+# First the scenario is checked (utils/check_scenario.py: it loads, its behaviour categories have rules), and
+# running simulators named in USER_SIM_URLS must answer: errors come in seconds, before anything is built.
+# With no settings this is the CPU demo: it builds the tiny local model (outputs/models/<experiment>/tiny_model)
+# and warm-starts it with two minutes of supervised fine-tuning on 1,024 scripted calls (.../tiny_model_warm;
+# WARM_START_STEPS=0 skips it), writes the prompt data (outputs/prompt_data), starts two scripted user simulators on loopback,
 # trains a few steps on Ray with 2 FSDP workers on gloo, validates and checkpoints, stops the simulators it
 # started, writes the HTML report (outputs/reports/) and prints where everything went. About 5 minutes on 2 cores.
 #
@@ -25,15 +27,17 @@
 #
 # (scripts/2ins_main.sh: the same with two one-GPU simulator instances on ports 5000/5001 and 12 turns.) With
 # USER_SIM_URLS set, already running simulators are used and none is started. The experiment name (checkpoints,
-# logs, rollout log, cache) defaults to <model directory name>_<scenario name> on the GPU preset, and the
-# trainer refuses to resume a checkpoint of another model (trainer.resume_from_other_model=true forces it).
+# logs, rollout log, cache, the demo's models) defaults to <model directory name>_<scenario name> on the GPU
+# preset and cpu_demo_<scenario name> on the CPU one; the trainer refuses to resume a checkpoint of another model
+# (trainer.resume_from_other_model=true forces it) or one trained with another tokenizer or scenario file.
 # Environment besides the preset variables: PRESET, PRINT_CONFIG_ONLY, MODEL_PATH (the tiny model),
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
 # (1; 2 vLLM), SIM_MAX_MODEL_LEN (8192), SIM_GPU_MEMORY_UTILIZATION (0.9), SIM_EXTRA_ARGS (more vLLM flags),
 # SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free
-# port; 5000 vLLM), SCENARIO (python -m llm_agent.scenario prints the default), WARM_START_STEPS (250, tiny model
-# only), AGENT_PROMPT_FILE (the agent's system prompt written into the prompt data; default the scenario's, the
-# tiny model's compact one), OUTPUT_DIR (outputs), PYTHON.
+# port; 5000 vLLM), SCENARIO (a path or a shipped scenario's name; python -m llm_agent.scenario prints the
+# default; one per run: a trainer override naming another is refused), WARM_START_STEPS (250, tiny model only),
+# AGENT_PROMPT_FILE (the agent's system prompt written into the prompt data; default the scenario's, for the tiny
+# model its agent.compact_prompt), OUTPUT_DIR (outputs), PYTHON.
 # ITERATIONS=N (> 1) trains in iterations as the original SEAD did (train, analyse the mistakes, write the next
 # profiles, continue from the last checkpoint; rerun to resume): see scripts/iterations.sh for its variables.
 set -euo pipefail
