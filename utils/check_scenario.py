@@ -6,8 +6,8 @@ the controller's default `profile_source=rules` every behaviour category of its 
 behaviour rule table. Only the file named is read, so a broken draft beside it in `format_prompt/` does not
 matter. A scenario name (`inbound_support`) stands for the shipped `format_prompt/<name>.yaml`.
 
-    python -m utils.check_scenario verl/trainer/config/format_prompt/outbound_ad_trial.yaml [--rules PATH]
-    -> scenario outbound_ad_trial: ok (4 stages, 63 behaviours in 9 categories, each with a rule in ...)
+    python -m utils.check_scenario path/to/mine.yaml [--rules PATH]   # or a shipped name: inbound_support
+    -> scenario mine: ok (4 stages, 99 behaviours in 14 categories, each with a rule in assets/behavior_rules.yaml)
 
 Exit status 0 when the run can use it, 2 with the reason on stderr otherwise.
 """

@@ -111,7 +111,8 @@ def test_a_checkpoint_of_another_tokenizer_or_scenario_is_refused_with_the_reaso
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     recorded = run_inputs(tokenizer, str(DEFAULT_SCENARIO_PATH))
     # relative to the repository root, as the trainer's config names it; the digest is of the file's bytes
-    assert run_inputs(tokenizer, "verl/trainer/config/format_prompt/outbound_ad_trial.yaml") == recorded
+    repo = Path(__file__).resolve().parents[3]
+    assert run_inputs(tokenizer, str(DEFAULT_SCENARIO_PATH.relative_to(repo))) == recorded
     assert recorded["scenario"] == hashlib.sha256(DEFAULT_SCENARIO_PATH.read_bytes()).hexdigest()
     edited = tmp_path / "edited.yaml"
     edited.write_bytes(DEFAULT_SCENARIO_PATH.read_bytes() + b"\n# a comment\n")
