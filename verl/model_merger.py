@@ -104,8 +104,8 @@ def load_adapter(local_dir: str | Path, base_model: str | Path | None = None,
     tensors = get_peft_model_state_dict(_peft_skeleton(local, config, base_model), state_dict=state,
                                         adapter_name=ADAPTER_NAME, save_embedding_layers=False)
     if len(tensors) != len(state):
-        raise ValueError(f"{local}: {SHARDED_STATE_DIR}/ holds tensors that are no part of its adapter: "
-                         f"{sorted(set(state) - set(tensors))[:4]}")
+        raise ValueError(f"{local}: {len(state) - len(tensors)} of the {len(state)} tensors of {SHARDED_STATE_DIR}/ "
+                         f"are no part of its adapter (adapter_config.json)")
     return config, tensors
 
 

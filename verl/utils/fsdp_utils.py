@@ -343,7 +343,15 @@ def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dic
     """
     on_cuda = next(model.parameters()).device.type == "cuda"
     options = StateDictOptions(full_state_dict=True, cpu_offload=on_cuda, ignore_frozen_params=trainable_only)
-    return get_model_state_dict(model, options=options)
+    state = get_model_state_dict(model, options=options)
+    return _without_frozen_aliases(model, state) if trainable_only else state
+
+
+def _without_frozen_aliases(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without the keys of frozen parameters: ``ignore_frozen_params`` keeps a frozen tied parameter under
+    its second name (e.g. a tied ``lm_head.weight``)."""
+    trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {key: value for key, value in state.items() if key in trainable}
 
 
 def save_hf_pretrained(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
@@ -382,6 +390,13 @@ def _hf_class(model: torch.nn.Module) -> type:
     raise TypeError(f"{cls.__name__} is not a transformers PreTrainedModel")
 
 
+def _model_state(model: torch.nn.Module, trainable_only: bool) -> dict[str, Any]:
+    """The sharded model state (its trainable parameters only, with ``trainable_only``)."""
+    if not trainable_only:
+        return get_model_state_dict(model)
+    return _without_frozen_aliases(model, get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)))
+
+
 def save_sharded_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
     process_group: dist.ProcessGroup | None = None, trainable_only: bool = False,
@@ -392,8 +407,7 @@ def save_sharded_state(
     ``process_group`` carries the save's coordination (default: the default group). ``trainable_only`` leaves the
     frozen parameters out (a LoRA model's base, which the run reloads from its model path).
     """
-    options = StateDictOptions(ignore_frozen_params=trainable_only)
-    state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
+    state: dict[str, Any] = {"model": _model_state(model, trainable_only)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, checkpoint_id=str(Path(path) / SHARDED_STATE_DIR), process_group=process_group)
@@ -408,14 +422,13 @@ def load_sharded_state(
     ckpt_dir = Path(path) / SHARDED_STATE_DIR
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"no sharded model/optimizer state at {ckpt_dir} (written by save_checkpoint)")
-    options = StateDictOptions(ignore_frozen_params=trainable_only)
-    state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
+    state: dict[str, Any] = {"model": _model_state(model, trainable_only)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=str(ckpt_dir), process_group=process_group)
     if trainable_only:
         result = set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
-        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         restored_wrongly = set(result.unexpected_keys) | (set(result.missing_keys) - frozen)
         if restored_wrongly:
             raise RuntimeError(f"{ckpt_dir}: trainable parameters not restored: {sorted(restored_wrongly)[:5]}")
