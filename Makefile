@@ -39,7 +39,7 @@ test: $(STAMP)
 	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "$(VLLM_TEST_MARK)" -q -rs
 
 test-fast: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not vllm" -q
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not processes and not vllm" -q
 
 $(VLLM_VENV)/.installed: setup.py requirements.txt requirements_vllm.txt constraints.txt constraints_lowest.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -29,9 +29,9 @@
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
 # (1; 2 vLLM), SIM_MAX_MODEL_LEN (8192), SIM_GPU_MEMORY_UTILIZATION (0.9), SIM_EXTRA_ARGS (more vLLM flags),
 # SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free
-# port; 5000 vLLM), SCENARIO, WARM_START_STEPS (250, tiny model only), AGENT_PROMPT_FILE (the agent's system
-# prompt written into the prompt data; default the scenario's, the tiny model's compact one), OUTPUT_DIR
-# (outputs), PYTHON.
+# port; 5000 vLLM), SCENARIO (python -m llm_agent.scenario prints the default), WARM_START_STEPS (250, tiny model
+# only), AGENT_PROMPT_FILE (the agent's system prompt written into the prompt data; default the scenario's, the
+# tiny model's compact one), OUTPUT_DIR (outputs), PYTHON.
 # ITERATIONS=N (> 1) trains in iterations as the original SEAD did (train, analyse the mistakes, write the next
 # profiles, continue from the last checkpoint; rerun to resume): see scripts/iterations.sh for its variables.
 set -euo pipefail
@@ -46,7 +46,7 @@ OUTPUT_DIR=${OUTPUT_DIR:-outputs}
 MODEL_PATH=${MODEL_PATH:-}
 USER_SIM_MODEL=${USER_SIM_MODEL:-}
 USER_SIM_URLS=${USER_SIM_URLS:-}
-SCENARIO=${SCENARIO:-verl/trainer/config/format_prompt/outbound_ad_trial.yaml}
+SCENARIO=${SCENARIO:-$("$PYTHON" -m llm_agent.scenario)}  # the default scenario (llm_agent/scenario/paths.py)
 if [[ -n "${PRESET:-}" ]]; then WHY="PRESET=$PRESET in the environment"; fi
 if [[ -n "$MODEL_PATH" ]]; then
     PRESET=${PRESET:-gpu}; WHY=${WHY:-"MODEL_PATH is set"}; TINY_DEMO=0; DEMO_ARGS=()
@@ -176,7 +176,7 @@ if [[ -n "${AGENT_PROMPT_FILE:-}" ]]; then PROMPT_ARGS=(--system_prompt "$(cat "
 if [[ "$TINY_DEMO" == 1 ]]; then
     COMPACT_PROMPT=$(cat "${AGENT_PROMPT_FILE:-assets/compact_agent_prompt.txt}")  # the scenario's is ~1300 tokens
     PROMPT_ARGS=(--system_prompt "$COMPACT_PROMPT")
-    TINY=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" --hidden-size 128 \
+    TINY=$("$PYTHON" -m utils.make_tiny_model --out "$OUTPUT_DIR/tiny_model" --hidden-size 128 \
         --intermediate-size 256 --layers 2 --heads 4 --vocab-size 2048 --tag-tokens | tail -n 1)
     if (( WARM_START_STEPS > 0 )); then  # a random model never writes a tagged turn: give RL something to start from
         WARM_ARGS=(--model "$TINY" --out "$MODEL_PATH" --scenario "$SCENARIO" --n-dialogues 1024
@@ -186,12 +186,12 @@ if [[ "$TINY_DEMO" == 1 ]]; then
         if [[ ! -f "$MODEL_PATH/sft_log.json" || "$TINY/config.json" -nt "$MODEL_PATH/sft_log.json" \
               || "$(cat "$WARM_STAMP" 2> /dev/null)" != "$(printf '%s\n' "${WARM_ARGS[@]}")" ]]; then
             echo "warm start: $WARM_START_STEPS SFT steps on scripted calls, a third of them good (a few minutes, once)"
-            "$PYTHON" utils/sft_warm_start.py "${WARM_ARGS[@]}" > /dev/null
+            "$PYTHON" -m utils.sft_warm_start "${WARM_ARGS[@]}" > /dev/null
             printf '%s\n' "${WARM_ARGS[@]}" > "$WARM_STAMP"
         fi
     fi
 fi
-"$PYTHON" utils/create_prompt_data.py --scenario "$SCENARIO" --train_samples "$TRAIN_SAMPLES" \
+"$PYTHON" -m utils.create_prompt_data --scenario "$SCENARIO" --train_samples "$TRAIN_SAMPLES" \
     --test_samples "$TEST_SAMPLES" --out_dir "$DATA_DIR" "${PROMPT_ARGS[@]}" > /dev/null
 
 STARTED_SIMS=0
@@ -232,7 +232,7 @@ echo "training metrics (one JSON line per step):        $LOG_DIR/metrics.jsonl"
 echo "validation metrics (one JSON line per validation): $VAL_METRICS"
 echo "rollout log (every dialogue of every step):        $ROLLOUT_LOG"
 echo "user-response cache:                              $CKPT_DIR/user_response_cache.jsonl"
-"$PYTHON" utils/val_summary.py "$VAL_METRICS" || true
-REPORT=$("$PYTHON" for_evaluation/report.py "$LOG_DIR" --dialogues "$ROLLOUT_LOG" --scenario "$SCENARIO" \
+"$PYTHON" -m utils.val_summary "$VAL_METRICS" || true
+REPORT=$("$PYTHON" -m for_evaluation.report "$LOG_DIR" --dialogues "$ROLLOUT_LOG" --scenario "$SCENARIO" \
     --out "$OUTPUT_DIR/reports/$EXPERIMENT.html")
 echo "report (plots, metrics, mistakes, dialogues; open in a browser): $REPORT"

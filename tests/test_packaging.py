@@ -27,7 +27,7 @@ def _sources() -> str:
 def test_python_requires_matches_the_code():
     setup = (REPO / "setup.py").read_text()
     assert 'python_requires=">=3.11"' in setup
-    assert "asyncio.timeout(" in (REPO / "llm_agent/user_sim/client.py").read_text()  # new in 3.11
+    assert "asyncio.timeout(" in (REPO / "llm_agent/user_sim/client/http_client.py").read_text()  # new in 3.11
 
 
 def test_install_requires_has_no_exact_pins_and_constraints_pin_torch():

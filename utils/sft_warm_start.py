@@ -5,10 +5,10 @@ fine-tunes it on transcripts (lists of {"role", "content"} messages rendered wit
 template) with the loss on the assistant tokens only; `scripted_dialogues` plays scripted agents of mixed
 quality against the scripted simulator (in-process) to produce such transcripts from the agent's side.
 
-    python utils/sft_warm_start.py --model outputs/tiny_model --out outputs/tiny_sft \\
+    python -m utils.sft_warm_start --model outputs/tiny_model --out outputs/tiny_sft \\
         --dialogues dialogues.jsonl --steps 150 [--lr 1e-2 --batch-size 8 --seed 0 --max-length 1024]
-    python utils/sft_warm_start.py --model outputs/tiny_model --out outputs/tiny_sft --steps 150 \\
-        --scenario verl/trainer/config/format_prompt/outbound_ad_trial.yaml [--n-dialogues 64 \\
+    python -m utils.sft_warm_start --model outputs/tiny_model --out outputs/tiny_sft --steps 150 \\
+        --scenario verl/trainer/config/format_prompt/inbound_support.yaml [--n-dialogues 64 \\
         --quality-mix good=0.4,bad=0.1,malformed=0.5 --max-turns 3 --system-prompt "..."]
 
 `dialogues.jsonl` holds one transcript per line: a JSON list of messages, or an object with a "messages" list.
@@ -22,17 +22,12 @@ import argparse
 import json
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +249,7 @@ def scripted_dialogues(scenario_path: str | Path, n: int, quality_mix: Mapping[s
     Each call draws an agent quality from `quality_mix` (name -> weight) and a user profile (uniform initial
     state, 1-3 library behaviours), then alternates the agent (`agent_factory(quality, seed)`: a callable from
     the agent-side messages so far to its raw output) with the scripted simulator
-    (llm_agent.user_sim.scripted.ScriptedPersonaBackend, in process, seeded per call and turn). A transcript is
+    (llm_agent.user_sim.server.scripted.ScriptedPersonaBackend, in process, seeded per call and turn). A transcript is
     `Scenario.render_agent_messages` of the call: system prompt, opening, the agent's raw turns and the user's
     spoken replies, exactly what the policy sees in the rollout loop. A call ends when the user completes or
     hangs up, the agent ends it (status 1/-1), the agent's output has no reply tag (the transcript ends with
@@ -263,8 +258,8 @@ def scripted_dialogues(scenario_path: str | Path, n: int, quality_mix: Mapping[s
     tiny model, matching the prompts it is then trained on with RL); the agents never read it.
     """
     from llm_agent.scenario import STATUS_CONTINUE, UserProfile, load_scenario, sample_behaviors
-    from llm_agent.user_sim.backend import SamplingParams
-    from llm_agent.user_sim.scripted import ScriptedPersonaBackend
+    from llm_agent.user_sim.server.backend import SamplingParams
+    from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
     names = list(quality_mix)
     weights = [quality_mix[q] for q in names]

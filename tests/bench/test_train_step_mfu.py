@@ -74,7 +74,6 @@ def test_padding_is_not_counted():
     assert flops.recompute_forward == 0
 
 
-@pytest.mark.slow
 def test_random_model_keeps_the_width_with_fewer_layers(tmp_path, tiny_model_path):
     from transformers import AutoModelForCausalLM
 

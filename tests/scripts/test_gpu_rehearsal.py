@@ -68,6 +68,7 @@ def _rehearsal_sizes() -> set[str]:
     return set(done.stdout.split())
 
 
+@pytest.mark.processes  # runs main.sh --dry-run twice
 def test_the_rehearsal_is_the_gpu_preset_with_only_device_and_sizes_changed(tmp_path):
     assert _rehearsal_sizes() <= set(DEVICE_AND_SIZES), "the rehearsal changes a variable that is not a size"
     gpu, _ = _trainer_overrides(tmp_path, MODEL_PATH="/models/Qwen2.5-14B-Instruct")
@@ -105,7 +106,7 @@ def _run(tmp_path: Path, log: Path, **env: str) -> subprocess.CompletedProcess:
 def test_gpu_preset_rehearsal_trains_checkpoints_and_resumes(tmp_path, warm_model_path):
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import COMPACT_SYSTEM_PROMPT
+    from tests.helpers.repo import COMPACT_SYSTEM_PROMPT
 
     prompt = tmp_path / "agent_prompt.txt"
     prompt.write_text(COMPACT_SYSTEM_PROMPT)

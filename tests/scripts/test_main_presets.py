@@ -17,6 +17,8 @@ from llm_agent.rollout.config import GenerationConfig
 from verl.trainer.config_schema import compose_config
 from verl.trainer.config_validation import build_config
 
+pytestmark = pytest.mark.processes
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_VARS = ("EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS "
                "MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE "

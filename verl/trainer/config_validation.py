@@ -4,17 +4,24 @@
 :mod:`verl.trainer.config_schema`, failing on unknown keys with their full dotted name (and a close match) and on
 values of the wrong type; ``validate_config`` adds the cross-field rules (required paths, batch-size divisibility,
 enumerations); ``load_config`` does both. Every failure is a :class:`ConfigError` naming the key.
+
+The same coercer builds the plug-ins' config sections (``rollout_loop.config`` and its blocks): a plug-in declares
+each section as a dataclass deriving from :class:`ConfigSection` (defaults written once, in the dataclass; value
+checks in ``__post_init__``, naming keys with :func:`config_key`) and builds it with ``Section.from_dict(mapping)``.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import logging
 import math
 import types
 import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, ClassVar, Literal, Mapping, Optional, TypeVar, Union
 
 from verl.trainer.config_ranges import check_ranges
 from verl.trainer.config_schema import GROUP_ESTIMATORS, KL_ESTIMATORS, LOGGERS, ConfigError, PPOTrainerConfig
@@ -22,6 +29,26 @@ from verl.trainer.config_schema import GROUP_ESTIMATORS, KL_ESTIMATORS, LOGGERS,
 logger = logging.getLogger(__name__)
 
 VLLM_MAX_LORA_RANK = 512  # the largest max_lora_rank vLLM accepts (0.32; the engine reads its own list at start)
+
+T = TypeVar("T")
+_SECTION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("config_section_key", default="")
+
+
+def config_key(name: str) -> str:
+    """The full dotted key of field ``name`` of the config section being built (e.g.
+    ``rollout_loop.config.user_sim.timeout_s`` inside ``UserSimConfig.__post_init__``); ``name`` alone when the
+    section is constructed directly in code."""
+    prefix = _SECTION_KEY.get()
+    return f"{prefix}.{name}" if prefix else name
+
+
+@contextlib.contextmanager
+def _section(prefix: str) -> Iterator[None]:
+    token = _SECTION_KEY.set(prefix)
+    try:
+        yield
+    finally:
+        _SECTION_KEY.reset(token)
 
 
 def _type_name(tp: Any) -> str:
@@ -36,7 +63,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return _build_dataclass(tp, value, key)
+        return build_dataclass(tp, value, key)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None:
@@ -91,7 +118,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported annotation {tp!r} for {key}")
 
 
-def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+def build_dataclass(cls: type[T], raw: Mapping[str, Any], prefix: str) -> T:
+    """Build the dataclass ``cls`` from ``raw``: every key must be a field (else ConfigError naming
+    ``prefix.key`` and a close match), every value of the field's annotated type (nested dataclasses built the same
+    way); missing keys take the dataclass defaults. ``cls.__post_init__`` runs with ``prefix`` as the section key,
+    so the ConfigErrors it raises name full keys through :func:`config_key`."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
@@ -105,7 +136,37 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
         if name in raw:
             dotted = f"{prefix}.{name}" if prefix else name
             kwargs[name] = _coerce(raw[name], hints[name], dotted)
-    return cls(**kwargs)
+    with _section(prefix):
+        return cls(**kwargs)
+
+
+def plain(value: Any) -> Any:
+    """OmegaConf containers (or any Mapping / non-string Sequence) as plain dicts and lists, leaves unchanged."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [plain(v) for v in value]
+    return value
+
+
+class ConfigSection:
+    """Base of a plug-in's config-section dataclass: ``from_dict`` builds it with the trainer's coercer.
+
+    ``SECTION_KEY`` is the section's dotted key in the trainer config (e.g. ``rollout_loop.config``), used in error
+    messages when ``from_dict`` is given no other.
+    """
+
+    SECTION_KEY: ClassVar[str] = ""
+
+    @classmethod
+    def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str | None = None) -> T:
+        """Build the section from a (plain or OmegaConf) mapping; None gives the defaults. Every problem is a
+        ConfigError naming the full key (``where``, default ``SECTION_KEY``, then the field)."""
+        prefix = cls.SECTION_KEY if where is None else where
+        data = {} if data is None else plain(data)
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{prefix or cls.__name__} must be a mapping, got {type(data).__name__}")
+        return build_dataclass(cls, data, prefix)
 
 
 def to_container(cfg: Any) -> dict[str, Any]:
@@ -127,7 +188,7 @@ def to_container(cfg: Any) -> dict[str, Any]:
 
 def build_config(cfg: Any) -> PPOTrainerConfig:
     """Type-check a job config (DictConfig or mapping) into a :class:`PPOTrainerConfig`; unknown keys fail."""
-    return _build_dataclass(PPOTrainerConfig, to_container(cfg), "")
+    return build_dataclass(PPOTrainerConfig, to_container(cfg), "")
 
 
 def _as_list(files: Optional[Union[str, list[str]]]) -> list[str]:

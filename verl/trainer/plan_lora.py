@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.trainer.config_schema import ConfigError
+from verl.trainer.config_validation import VLLM_MAX_LORA_RANK
 from verl.utils import memory_model as mm
 from verl.utils.lora import ALL_LINEAR, LoraSettings
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank values
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, VLLM_MAX_LORA_RANK)  # vLLM 0.32's max_lora_rank values
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,13 @@ import copy
 
 import pytest
 import torch
-from ppo_batch_helpers import RESPONSE_LEN, actor_config, make_ppo_batch
 from transformers import AutoModelForCausalLM
 
 from verl.utils.optim import build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.metric_buffer import MetricBuffer
+
+from tests.helpers.ppo_batch_helpers import RESPONSE_LEN, actor_config, make_ppo_batch
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,17 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ppo_batch_helpers import RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_ppo_batch, make_prompts
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from verl.protocol import DataProto
 from verl.utils.fsdp_utils import full_state_dict
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
-pytestmark = [pytest.mark.slow, pytest.mark.oldest]  # oldest: also under transformers 5.17
+from tests.helpers.ppo_batch_helpers import (RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_ppo_batch,
+                                             make_prompts)
+
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,12 +10,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from peft import PeftModel
-from ppo_batch_helpers import RESPONSE_LEN, make_prompts
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from vllm_group import vllm_worker_group
 
 from verl.workers.rollout.hf_rollout import HFRollout
+
+from tests.helpers.ppo_batch_helpers import RESPONSE_LEN, make_prompts
+from tests.helpers.vllm_group import vllm_worker_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

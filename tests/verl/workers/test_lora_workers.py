@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from peft import PeftModel
-from ppo_batch_helpers import RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_ppo_batch, make_prompts
 from test_fsdp_workers import hf_logprobs
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -20,6 +19,9 @@ from verl.model_merger import merge
 from verl.protocol import DataProto
 from verl.utils.fsdp_utils import full_state_dict
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
+
+from tests.helpers.ppo_batch_helpers import (RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_ppo_batch,
+                                             make_prompts)
 
 pytestmark = [pytest.mark.slow, pytest.mark.oldest]  # oldest: also under transformers 5.17 and peft 0.18
 

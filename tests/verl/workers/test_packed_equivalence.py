@@ -9,12 +9,13 @@ import copy
 import pytest
 import torch
 from omegaconf import OmegaConf
-from ppo_batch_helpers import actor_config, make_dialogue_batch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from verl.utils.fsdp_utils import enable_activation_checkpointing
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
+
+from tests.helpers.ppo_batch_helpers import actor_config, make_dialogue_batch
 
 pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
 

@@ -9,13 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from ppo_batch_helpers import actor_rollout_ref_config, critic_config, make_dialogue_batch, make_prompts
 
 from verl.utils.fsdp_utils import full_state_dict
 from verl.utils.packed_attention import PACKED_SDPA
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
-pytestmark = [pytest.mark.slow, pytest.mark.oldest]  # oldest: also under transformers 5.17
+from tests.helpers.ppo_batch_helpers import actor_rollout_ref_config, critic_config, make_dialogue_batch, make_prompts
+
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 
 PROMPT, RESPONSE, ROWS = 12, 24, 8
 
