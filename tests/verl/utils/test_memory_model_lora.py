@@ -14,9 +14,9 @@ from verl.utils.torch_functional import log_probs_and_entropy
 from verl.workers.batching import response_logits
 
 
-@pytest.mark.parametrize("dtype, checkpointing, modules", [
-    (torch.float32, False, "all-linear"), (torch.bfloat16, True, "all-linear"),
-    (torch.bfloat16, False, ("q_proj", "v_proj")), (torch.float32, True, ("q_proj", "v_proj")),
+@pytest.mark.parametrize("dtype, checkpointing, modules", [  # each setting both ways; the GPU preset's first
+    (torch.bfloat16, True, "all-linear"), (torch.bfloat16, False, ("q_proj", "v_proj")),
+    (torch.float32, True, ("q_proj", "v_proj")),
 ])
 def test_lora_update_peak_is_a_close_upper_bound(tmp_path, dtype, checkpointing, modules):
     """A rank-16 adapter computing in ``dtype`` (as FSDP's mixed precision runs it) on the small Qwen2: the profiler's

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from peft import PeftModel
+from safetensors.torch import load_file
 from test_fsdp_workers import hf_logprobs
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -23,7 +24,8 @@ from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 from tests.helpers.ppo_batch_helpers import (RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_ppo_batch,
                                              make_prompts)
 
-pytestmark = [pytest.mark.slow, pytest.mark.oldest]  # oldest: also under transformers 5.17 and peft 0.18
+# peft 0.18 and transformers 5.17 (the lowest declared) run the adapter code in tests/verl/utils/test_lora.py (marked
+# oldest) and the vLLM pass's tests/verl/workers/test_lora_vllm.py
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -103,6 +105,8 @@ def test_lora_checkpoint_resumes_token_for_token_and_exports_the_adapter(tiny_mo
     ckpt = tmp_path / "global_step_1" / "actor"
     first.save_checkpoint(str(ckpt), global_step=1)
     assert {"adapter_config.json", "adapter_model.safetensors", "config.json"} <= set(os.listdir(ckpt))
+    without_export = tmp_path / "no_hf" / "actor"
+    first.save_checkpoint(str(without_export), save_hf_model=False)
     probe = make_ppo_batch(8, first.tokenizer.vocab_size, seed=9)
     saved_log_probs = first.compute_log_prob(probe).batch["old_log_probs"]
     # the uninterrupted run: two more sampled rollouts and one update between them
@@ -132,24 +136,16 @@ def test_lora_checkpoint_resumes_token_for_token_and_exports_the_adapter(tiny_mo
     agent_model = load_policy_model(ckpt, torch.float32)
     torch.testing.assert_close(hf_logprobs(agent_model, probe), saved_log_probs, rtol=1e-5, atol=1e-5)
 
-
-def test_adapter_from_the_sharded_state_without_the_hf_export(tiny_model_path, tmp_path):
-    worker = _lora_actor(tiny_model_path, role="actor_rollout", optim={"lr": 1e-2}, use_kl_loss=False)
-    worker.update_actor(_update_batch(worker, seed=1, with_ref=False))
-    with_export, without = tmp_path / "with" / "actor", tmp_path / "without" / "actor"
-    worker.save_checkpoint(str(with_export))
-    worker.save_checkpoint(str(without), save_hf_model=False)
-    assert (without / "adapter_config.json").is_file() and not (without / "adapter_model.safetensors").exists()
-    adapter = merge(without, tmp_path / "adapter", adapter_only=True)
-    from safetensors.torch import load_file
-
-    exported, rebuilt = load_file(with_export / "adapter_model.safetensors"), load_file(adapter / "adapter_model.safetensors")
+    # without the HF export the merger rebuilds the same adapter from the sharded state; an adapter directory alone
+    # is an agent (its base from adapter_config.json)
+    assert (without_export / "adapter_config.json").is_file()
+    assert not (without_export / "adapter_model.safetensors").exists()
+    adapter = merge(without_export, tmp_path / "adapter", adapter_only=True)
+    exported, rebuilt = load_file(ckpt / "adapter_model.safetensors"), load_file(adapter / "adapter_model.safetensors")
     assert exported.keys() == rebuilt.keys() and all(torch.equal(exported[k], rebuilt[k]) for k in exported)
     assert {v.dtype for v in rebuilt.values()} == {torch.float32}
-    probe = make_ppo_batch(8, worker.tokenizer.vocab_size, seed=9)
-    expected = worker.compute_log_prob(probe).batch["old_log_probs"]
-    torch.testing.assert_close(hf_logprobs(load_policy_model(adapter, torch.float32), probe), expected,
-                               rtol=1e-5, atol=1e-5)  # an adapter directory alone: its base from adapter_config.json
+    torch.testing.assert_close(hf_logprobs(load_policy_model(adapter, torch.float32), probe), saved_log_probs,
+                               rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="holds no LoRA adapter"):
         merge(tmp_path / "merged_dir_missing", tmp_path / "x", adapter_only=True)
 
