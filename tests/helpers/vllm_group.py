@@ -22,15 +22,12 @@ ENGINE = {"name": "vllm", "tensor_model_parallel_size": 1, "gpu_memory_utilizati
 
 @contextlib.contextmanager
 def vllm_worker_group(model_path: str, tp: int, name: str, actor: dict[str, Any],
-                      engine: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
-                      ) -> Iterator[RayWorkerGroup]:
+                      engine: dict[str, Any] | None = None) -> Iterator[RayWorkerGroup]:
     """Ray up, a 2-rank actor_rollout group with vLLM engines of TP `tp` (`actor`: actor_rollout_ref_config
-    keywords; `engine`: rollout keys over ENGINE; `model`: model keys, e.g. LoRA's), initialised; everything torn
-    down after."""
+    keywords; `engine`: rollout keys over ENGINE), initialised; everything torn down after."""
     remove_stale_segments()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     config = actor_rollout_ref_config(model_path, **actor)
-    config.model = OmegaConf.merge(config.model, model or {})
     config.rollout = OmegaConf.merge(config.rollout, ENGINE, engine or {}, {"tensor_model_parallel_size": tp})
     pool = RayResourcePool([2], use_gpu=False, name_prefix=f"{name}_pool")
     try:
