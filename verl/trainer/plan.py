@@ -607,10 +607,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-step-ms", type=float, default=30.0,
                         help="HF generate's per-token overhead (python, sampling, synced_gpus)")
     parser.add_argument("--vllm-step-ms", type=float, default=5.0, help="vLLM's per-step overhead")
+    parser.add_argument("--host-gbps", type=float, default=Hardware.host_gbps,
+                        help="host <-> GPU copies (GB/s; a LoRA engine's base wakes from host memory)")
     args, overrides = parser.parse_known_args(argv)
     hw = Hardware(memory_bytes=args.gpu_memory_gb * GB, bf16_tflops=args.gpu_tflops, mfu=args.mfu,
                   hbm_tbps=args.hbm_tbps, decode_step_overhead_s=args.decode_step_ms / 1e3,
-                  vllm_step_overhead_s=args.vllm_step_ms / 1e3)
+                  vllm_step_overhead_s=args.vllm_step_ms / 1e3, host_gbps=args.host_gbps)
     try:
         base = OmegaConf.to_container(compose_config([], args.config_name), resolve=False)
         print(plan(check_overrides(overrides, base=base), args.config_name, hw))
