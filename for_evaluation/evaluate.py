@@ -7,7 +7,9 @@
         --user-sim-urls http://127.0.0.1:5000,http://127.0.0.1:5001
 
 An agent is `[NAME=]SPEC`: a Hugging Face model directory, a checkpoint (`global_step_N`, its `actor/`, or a
-checkpoint root: the latest complete step; with or without its HF export), generating through the trainer's
+checkpoint root: the latest complete step; with or without its HF export; a LoRA run's: its base with the adapter
+merged), a LoRA adapter directory (`adapter_config.json` naming a local base model, e.g. `python -m
+verl.model_merger --adapter_only`'s output) or a merged one, generating through the trainer's
 `vLLMRollout` or `HFRollout` (--engine; auto = vLLM when it is installed), an OpenAI-compatible endpoint
 `http(s)://...` (with --tokenizer), or `scripted:good|bad|malformed|ender` (the scripted stand-in, with
 --tokenizer). Without --user-sim-urls it starts
