@@ -7,7 +7,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-MODES = ("ok", "trickle", "flood", "nested", "nested_503", "nested_post", "surrogate", "stall", "overloaded_slow")
+MODES = ("ok", "trickle", "flood", "nested", "nested_503", "nested_post", "surrogate", "stall", "overloaded_slow",
+         "raw")
 SLOW_S = 0.9  # how long an "overloaded_slow" answer takes
 FLOOD_BYTES = 50 << 20
 
@@ -74,6 +75,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.server.stopping.wait(SLOW_S)
                 self._send(503, json.dumps({"error": {"message": "busy", "type": "server_error",
                                                       "code": "overloaded"}}).encode())
+            elif mode == "raw":  # whatever status and body the test set last (`HostileOpenAIServer.answer_with`)
+                self._send(*self.server.raw)
             elif mode == "surrogate":
                 self._send(200, completion("hello \ud800 there") if self.command == "POST" else good)
             else:
@@ -96,9 +99,14 @@ class HostileOpenAIServer:
         self.server = _Server(("127.0.0.1", 0), _Handler)
         self.server.mode, self.server.content, self.server.requests = mode, content, 0
         self.server.api_key = api_key
+        self.server.raw = (200, completion(content))
         self.server.stopping = threading.Event()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def answer_with(self, status: int, body: bytes) -> None:
+        """In mode "raw", answer every request from now on with `status` and `body`."""
+        self.server.raw = (status, body)
 
     @property
     def requests(self) -> int:
