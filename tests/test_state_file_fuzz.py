@@ -20,7 +20,7 @@ from verl.utils.checkpoint import STATE_FILE, get_rng_state, load_trainer_state
 
 from tests.helpers.hostile_json import NESTED_PROBES, dumps, hostile_text, json_values
 
-FUZZ = settings(max_examples=50, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SCENARIO = "fuzz_scenario"
 NESTED_LINES = st.integers(2, 2000).map(lambda n: b'{"a": ' * n + b"1" + b"}" * n)

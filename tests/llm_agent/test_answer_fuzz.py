@@ -19,7 +19,7 @@ from llm_agent.user_sim.client.wire import AttemptError, completion_text, raise_
 from tests.helpers.hostile_json import NESTED_PROBES, completion_body, dumps, hostile_text, json_values, reply_bodies
 from tests.helpers.hostile_openai import HostileOpenAIServer
 
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 STATUSES = st.sampled_from([200, 200, 200, 400, 408, 429, 500, 503])
 ATTEMPT_KINDS = {"overloaded", "http", "rejected", "garbage"}

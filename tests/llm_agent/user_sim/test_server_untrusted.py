@@ -94,9 +94,9 @@ def test_health_answers_while_slow_body_clients_keep_reconnecting_at_the_connect
         sims.wait_ready(url)
         attack = SlowBodies(int(url.rsplit(":", 1)[1]), 45)
         attack.thread.start()
-        time.sleep(1.5)  # the attackers fill the cap
+        time.sleep(1.0)  # the attackers fill the cap
         ok = 0
-        for _ in range(40):
+        for _ in range(20):
             try:
                 ok += httpx.get(f"{url}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
@@ -107,4 +107,4 @@ def test_health_answers_while_slow_body_clients_keep_reconnecting_at_the_connect
     finally:
         sims.stop_all()
     assert attack.reconnects > 0, "the attack never reached the connection cap"
-    assert ok >= 36, f"only {ok} of 40 /health polls answered"
+    assert ok >= 18, f"only {ok} of 20 /health polls answered"
