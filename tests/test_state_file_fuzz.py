@@ -83,8 +83,8 @@ CACHE_LINES = st.one_of(
 
 @FUZZ
 @given(lines=st.lists(CACHE_LINES, max_size=6), newline_at_end=st.booleans())
-@example(lines=[b'{"scenario": "fuzz_scenario", "stage": 0, "reply": "hi \\ud800", "state": {}, "status": 0, '
-                b'"ts": 1.0}', b'{"scenario": "fuzz'], newline_at_end=False).via("item 2: surrogate, torn line")
+@example(lines=[(b'{"scenario": "fuzz_scenario", "stage": 0, "reply": "hi \\ud800", "state": {}, "status": 0, '
+                 b'"ts": 1.0}'), b'{"scenario": "fuzz'], newline_at_end=False).via("item 2: surrogate, torn line")
 def test_a_cache_file_loads_moves_bad_lines_aside_and_reloads_the_same(lines, newline_at_end):
     data = _file(lines, newline_at_end)
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["DECAY_S", "LoadScore", "MIN_USEFUL_SHARE"]
+__all__ = ["DECAY_S", "MIN_USEFUL_SHARE", "LoadScore"]
 
 DECAY_S = 5.0  # seconds for an estimate to move 63% of the way to the recent replies
 MIN_USEFUL_SHARE = 0.02  # a 100%-failing instance costs 50 times a healthy one of the same speed
