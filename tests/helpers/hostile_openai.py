@@ -102,7 +102,8 @@ class HostileOpenAIServer:
         self.server.raw = (200, completion(content))
         self.server.stopping = threading.Event()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # a short poll: shutdown() waits for the serving loop to look at its flag (0.5 s by default)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
     def answer_with(self, status: int, body: bytes) -> None:
         """In mode "raw", answer every request from now on with `status` and `body`."""
