@@ -18,12 +18,12 @@ from llm_agent.evaluation.dialogue_log import TORN_SUFFIX, drop_torn_tail, read_
 from verl.trainer.ppo.trainer_checkpoint import check_trainer_state
 from verl.utils.checkpoint import STATE_FILE, get_rng_state, load_trainer_state
 
-from tests.helpers.hostile_json import NESTED_PROBES, dumps, hostile_text, json_values
+from tests.helpers.hostile_json import NESTED_PROBES, dumps, hostile_text, json_values, nested_json
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SCENARIO = "fuzz_scenario"
-NESTED_LINES = st.integers(2, 2000).map(lambda n: b'{"a": ' * n + b"1" + b"}" * n)
+NESTED_LINES = nested_json()
 RAW_LINES = st.binary(max_size=48).map(lambda b: b.replace(b"\n", b" "))
 
 

@@ -11,6 +11,11 @@ DEEP = 100_000  # levels: far past the recursion limit of a naive decoder
 NESTED_PROBES = (b"[" * DEEP + b"]" * DEEP, b'{"a": ' * DEEP + b"1" + b"}" * DEEP)
 
 
+def nested_json() -> st.SearchStrategy[bytes]:
+    """Objects nested 2 to 2,000 levels deep (the probes above, cut to a size that keeps examples fast)."""
+    return st.integers(2, 2000).map(lambda n: b'{"a": ' * n + b"1" + b"}" * n)
+
+
 def hostile_text(max_size: int = 24) -> st.SearchStrategy[str]:
     """Text mixing any code point with lone surrogates (what a JSON `\\udXXX` escape decodes to)."""
     return st.lists(st.one_of(st.characters(), st.sampled_from(SURROGATES)), max_size=max_size).map("".join)
@@ -37,8 +42,8 @@ def completion_body(content) -> bytes:
 
 def reply_bodies() -> st.SearchStrategy[bytes]:
     """What an OpenAI-compatible endpoint may answer: raw bytes, any JSON, a completion with any content, a
-    truncated completion, or one of the nested probes."""
+    truncated completion, or deeply nested JSON."""
     return st.one_of(st.binary(max_size=64), json_values().map(dumps), json_values().map(completion_body),
                      hostile_text().map(completion_body),
                      st.tuples(hostile_text().map(completion_body), st.integers(1, 40)).map(lambda p: p[0][:-p[1]]),
-                     st.sampled_from(NESTED_PROBES))
+                     nested_json(), st.integers(2, 2000).map(lambda n: b"[" * n + b"]" * n))

@@ -16,7 +16,8 @@ from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.user_sim.client.http_pool import HTTPReply
 from llm_agent.user_sim.client.wire import AttemptError, completion_text, raise_for_status, served_model_ids
 
-from tests.helpers.hostile_json import NESTED_PROBES, completion_body, dumps, hostile_text, json_values, reply_bodies
+from tests.helpers.hostile_json import (NESTED_PROBES, completion_body, dumps, hostile_text, json_values, nested_json,
+                                       reply_bodies)
 from tests.helpers.hostile_openai import HostileOpenAIServer
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
@@ -91,7 +92,7 @@ def _profile_answers() -> st.SearchStrategy[str]:
         "cooperation": json_values(2), "reason": hostile_text()}).map(lambda v: dumps(v).decode())
     wrapped = st.tuples(hostile_text(8), shaped, hostile_text(8)).map(lambda p: f"{p[0]}```json\n{p[1]}\n```{p[2]}")
     return st.one_of(hostile_text(64), json_values().map(lambda v: dumps(v).decode()), shaped, wrapped,
-                     st.sampled_from([p.decode() for p in NESTED_PROBES]))
+                     nested_json().map(bytes.decode))
 
 
 @FUZZ
