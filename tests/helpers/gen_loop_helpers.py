@@ -157,8 +157,13 @@ def greedy_rollouts_in_both_modes(tokenizer, worker_group, scenario: Scenario, k
 
 
 def assert_same_dialogues(outs: dict[str, DataProto]) -> None:
-    """Sync and async outputs carry the same tokens, masks, outcomes and records."""
-    for key in ("responses", "response_mask", "attention_mask", "input_ids"):
+    """Sync and async outputs carry the same tokens, masks, agent turns, outcomes and records, and the same
+    rollout log-probs up to float rounding (other batch compositions pad the contexts differently)."""
+    for key in ("responses", "response_mask", "attention_mask", "input_ids", "agent_turn_ids"):
         assert torch.equal(outs["sync"].batch[key], outs["async"].batch[key]), key
+    assert ("rollout_log_probs" in outs["sync"].batch.keys()) == ("rollout_log_probs" in outs["async"].batch.keys())
+    if "rollout_log_probs" in outs["sync"].batch.keys():
+        torch.testing.assert_close(outs["sync"].batch["rollout_log_probs"], outs["async"].batch["rollout_log_probs"],
+                                   rtol=0, atol=1e-4)
     for key in ("outcome", "turns", "messages", "num_turns"):
         assert list(outs["sync"].non_tensor_batch[key]) == list(outs["async"].non_tensor_batch[key]), key
