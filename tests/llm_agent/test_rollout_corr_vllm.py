@@ -15,6 +15,7 @@ Measured (tiny model): bf16 turns' mean k3 1e-7..3e-6 per row, the stale turns' 
 from __future__ import annotations
 
 import importlib.util
+from itertools import pairwise
 
 import pytest
 import torch
@@ -23,13 +24,12 @@ from transformers import AutoTokenizer
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.scenario import load_scenario
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
-from verl.protocol import DataProto
-from verl.trainer.config_schema import RolloutCorrectionConfig
-from verl.trainer.ppo.trainer_rollout_corr import correct_batch
-
 from tests.helpers.gen_loop_helpers import make_gen_batch
 from tests.helpers.repo import SCENARIO_PATH
 from tests.helpers.vllm_group import vllm_worker_group
+from verl.protocol import DataProto
+from verl.trainer.config_schema import RolloutCorrectionConfig
+from verl.trainer.ppo.trainer_rollout_corr import correct_batch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -81,7 +81,7 @@ def _first_run(mask: torch.Tensor) -> torch.Tensor:
     for row in range(mask.size(0)):
         cols = mask[row].nonzero().flatten().tolist()
         if cols:
-            end = next((a + 1 for a, b in zip(cols, cols[1:]) if b != a + 1), cols[-1] + 1)
+            end = next((a + 1 for a, b in pairwise(cols) if b != a + 1), cols[-1] + 1)
             first[row, cols[0]:end] = True
     return first
 
