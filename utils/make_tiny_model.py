@@ -5,11 +5,11 @@ they exist, plus a built-in corpus) and saved with a ChatML chat template; a Qwe
 random weights (head_dim 32, the smallest size vLLM's CPU attention accepts) is initialised from a seed. Both
 are written with `save_pretrained`, so `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(dir)` load them.
 With `tag_tokens`, every scenario's agent tags (`<stage>`, `</stage>`, ...) become single tokens, so a
-tagged agent turn is about 40 tokens instead of 90 (cheaper to train and generate on a CPU). Nothing is
-downloaded.
+tagged agent turn is about 40 tokens instead of 90 (cheaper to train and generate on a CPU); `user_tag_tokens`
+does the same for the user simulator's tags (a tiny simulator model). Nothing is downloaded.
 
     python utils/make_tiny_model.py --out outputs/tiny_model [--seed 0] [--vocab-size 1024] \
-        [--hidden-size 64 --intermediate-size 128 --layers 2 --heads 2 --kv-heads 1 --tag-tokens]
+        [--hidden-size 64 --intermediate-size 128 --layers 2 --heads 2 --kv-heads 1 --tag-tokens] [--user-tag-tokens]
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ _TAGS = ("response", "stage", "status", "user_reply", "user_status", "cooperatio
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of the tiny model (and whether the scenario tags are whole tokens); the defaults are what the
-    tests use."""
+    """Shape of the tiny model (and whether the scenarios' agent / user tags are whole tokens); the defaults are
+    what the tests use."""
 
     vocab_size: int = 1024
     hidden_size: int = 64
@@ -55,6 +55,7 @@ class TinyModelSpec:
     num_key_value_heads: int = 1
     max_position_embeddings: int = 4096
     tag_tokens: bool = False
+    user_tag_tokens: bool = False
 
 
 def builtin_corpus(seed: int, n_lines: int = 600) -> list[str]:
@@ -78,13 +79,14 @@ def scenario_corpus(root: Path = REPO_ROOT) -> list[str]:
     return lines
 
 
-def scenario_tags(root: Path = REPO_ROOT) -> list[str]:
-    """The opening and closing markup of every agent tag of the project's scenarios, sorted."""
+def scenario_tags(root: Path = REPO_ROOT, side: str = "agent") -> list[str]:
+    """The opening and closing markup of every `side` ("agent" or "user") tag of the project's scenarios, sorted."""
     from llm_agent.scenario import load_scenario
 
     names = set()
     for path in sorted(root.glob(SCENARIO_GLOBS[0])):
-        names.update(load_scenario(path).agent_tags.tags.values())
+        scenario = load_scenario(path)
+        names.update((scenario.agent_tags if side == "agent" else scenario.user_tags).tags.values())
     return sorted(f"<{slash}{name}>" for name in names if name for slash in ("", "/"))
 
 
@@ -124,7 +126,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec = T
 
     out = Path(out_dir)
     corpus = scenario_corpus() + builtin_corpus(seed)
-    tags = scenario_tags() if spec.tag_tokens else []
+    tags = (scenario_tags() if spec.tag_tokens else []) + (scenario_tags(side="user") if spec.user_tag_tokens else [])
     fingerprint = hashlib.sha256(
         json.dumps({"seed": seed, "spec": asdict(spec), "corpus": corpus, "tags": tags}).encode()
     ).hexdigest()
@@ -176,12 +178,13 @@ def main() -> None:
                         help="attention heads (keep hidden-size / heads >= 32 for vLLM on CPU)")
     parser.add_argument("--kv-heads", type=int, default=TinyModelSpec.num_key_value_heads, help="key/value heads")
     parser.add_argument("--tag-tokens", action="store_true", help="make every scenario agent tag one token")
+    parser.add_argument("--user-tag-tokens", action="store_true", help="make every scenario user tag one token")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     spec = TinyModelSpec(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                          intermediate_size=args.intermediate_size, num_hidden_layers=args.layers,
                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         tag_tokens=args.tag_tokens)
+                         tag_tokens=args.tag_tokens, user_tag_tokens=args.user_tag_tokens)
     if spec.hidden_size % spec.num_attention_heads or spec.num_attention_heads % spec.num_key_value_heads:
         parser.error("--hidden-size must be a multiple of --heads, and --heads a multiple of --kv-heads")
     path = build_tiny_model(args.out, seed=args.seed, spec=spec)
