@@ -6,7 +6,7 @@ log-likelihood over the loss-carrying tokens of the step's batch (a token mean o
 is split into micro-batches and ranks). Each step takes `config.batch_size` rows, drawn epoch by epoch in an
 order shuffled by `random.Random(config.seed)` (the same on every rank). AdamW at `config.lr` with an optional
 linear warm-up and cosine decay (`verl.utils.optim.lr_factor`), the gradient's global norm clipped to
-`config.grad_clip`.
+`config.grad_clip` (its norm before clipping is logged per step).
 
 Launched by `torchrun --nproc_per_node N` (WORLD_SIZE > 1), every rank joins one process group (NCCL on CUDA,
 gloo on CPU), rank 0 reads the checkpoint and the model is sharded with FSDP2
@@ -264,6 +264,7 @@ def train_sft(model_path: str | Path, rows: Sequence[SFTRow], out_dir: str | Pat
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     autocast = _compute_dtype(config, rt)
     losses: list[float] = []
+    grad_norms: list[float] = []
     skipped = 0
     started = time.monotonic()
     schedule = batch_schedule(len(rows), config.steps, config.batch_size, config.seed)
@@ -292,6 +293,7 @@ def train_sft(model_path: str | Path, rows: Sequence[SFTRow], out_dir: str | Pat
         if rt.distributed:
             dist.all_reduce(step_nll)
         grad_norm = clip_grad_norm(model, config.grad_clip)
+        grad_norms.append(grad_norm)
         if math.isfinite(grad_norm):
             optimizer.step()
         else:
@@ -309,7 +311,8 @@ def train_sft(model_path: str | Path, rows: Sequence[SFTRow], out_dir: str | Pat
     _export(model, tokenizer, out, config, rt)
     if rt.rank == 0:
         log = {"model": str(model_path), **asdict(config), "world_size": rt.world, "n_rows": len(rows),
-               "seconds": round(seconds, 3), "skipped_steps": skipped, **dict(extra_log or {}), "losses": losses}
+               "seconds": round(seconds, 3), "skipped_steps": skipped, **dict(extra_log or {}), "losses": losses,
+               "grad_norms": grad_norms}
         (out / LOG_FILE).write_text(json.dumps(log) + "\n", encoding="utf-8")
         logger.info("sft: %d steps on %d rows (%d rank(s)) in %.1f s, loss %.4f -> %.4f; saved to %s",
                     config.steps, len(rows), rt.world, seconds, losses[0], losses[-1], out)
