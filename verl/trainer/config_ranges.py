@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from verl.trainer.config_schema import ConfigError, OptimConfig, PPOTrainerConfig
+from verl.trainer.config_schema import DIAGNOSIS_WEIGHT_MAX, AlgorithmConfig, ConfigError, OptimConfig, PPOTrainerConfig
 
 
 def _number(key: str, value: Any, low: Optional[float] = None, high: Optional[float] = None,
@@ -47,6 +47,19 @@ def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int) -
         raise ConfigError(f"{prefix}.top_k must be -1 (off) or >= 0, got {top_k}")
 
 
+def _check_turn_credit(algo: AlgorithmConfig) -> None:
+    """The turn-level estimator's weight and the diagnosis reweighting's label weights."""
+    _number("algorithm.turn_mixed.turn_weight", algo.turn_mixed.turn_weight, 0.0)
+    diagnosis, key = algo.diagnosis_reweight, "algorithm.diagnosis_reweight"
+    for label, weight in diagnosis.weights.items():
+        if not isinstance(label, str) or not label.strip():
+            raise ConfigError(f"{key}.weights: labels must be non-empty strings, got {label!r}")
+        _number(f"{key}.weights.{label}", weight, 0.0, DIAGNOSIS_WEIGHT_MAX)
+    if diagnosis.enable and not diagnosis.weights:
+        raise ConfigError(f"{key}.enable=true needs at least one label weight, e.g. "
+                          f"+{key}.weights.false_claim=1.5")
+
+
 def check_ranges(cfg: PPOTrainerConfig) -> None:
     """Raise ConfigError naming the first key whose value is out of its range (see the module docstring)."""
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
@@ -72,6 +85,7 @@ def check_ranges(cfg: PPOTrainerConfig) -> None:
     _number("algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, 0.0, low_open=True)
     if algo.kl_ctrl.horizon <= 0:
         raise ConfigError(f"algorithm.kl_ctrl.horizon must be positive, got {algo.kl_ctrl.horizon}")
+    _check_turn_credit(algo)
     trainer = cfg.trainer
     if trainer.ray_num_cpus is not None and trainer.ray_num_cpus < 0:
         raise ConfigError(f"trainer.ray_num_cpus must be >= 0 or null, got {trainer.ray_num_cpus}")

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
 CONFIG_NAME = "ppo_trainer"
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_vectorized", "rloo_vectorized")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_vectorized", "rloo_vectorized",
+                    "turn_mixed")
+CRITIC_ESTIMATORS = ("gae", "turn_gae")
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard", "mlflow")
 
@@ -21,6 +23,9 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 Strategy = Literal["fsdp2", "fsdp"]
 ParamDtype = Literal["auto", "fp32", "bf16"]
 WarmupStyle = Literal["constant", "cosine"]
+DiagnosisApplyTo = Literal["all", "negative", "positive"]
+DIAGNOSIS_APPLY_TO: tuple[str, ...] = get_args(DiagnosisApplyTo)
+DIAGNOSIS_WEIGHT_MAX = 2.0  # the bound of a label weight in algorithm.diagnosis_reweight.weights: [0, 2]
 
 
 class ConfigError(ValueError):
@@ -203,7 +208,7 @@ class CriticModelConfig:
 
 @dataclass
 class CriticConfig:
-    """``critic.*``: what CriticWorker receives (only built for GAE)."""
+    """``critic.*``: what CriticWorker receives (only built for the estimators that read values: gae, turn_gae)."""
 
     strategy: Strategy = "fsdp2"
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
@@ -246,8 +251,44 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class TurnMixedConfig:
+    """``algorithm.turn_mixed.*``: the ``turn_mixed`` estimator (outcome + turn-level advantage)."""
+
+    turn_weight: float = 1.0
+
+
+@dataclass
+class DiagnosisReweightConfig:
+    """``algorithm.diagnosis_reweight.*``: scale the advantages of agent turns by their failure labels (SEAL)."""
+
+    enable: bool = False
+    weights: dict[str, float] = field(default_factory=dict)
+    apply_to: DiagnosisApplyTo = "all"
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction.*``: importance weights and rejection for the gap between the rollout engine's
+    and the trainer's policy (veRL's keys; :mod:`verl.trainer.ppo.rollout_corr_helper`)."""
+
+    rollout_is: Optional[Literal["token", "turn", "sequence"]] = None
+    rollout_is_threshold: Union[float, str] = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[Union[float, str]] = None
+    bypass_mode: bool = False
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything corrects (weights, rejection or bypass), beyond the metrics."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+
+
+@dataclass
 class AlgorithmConfig:
-    """``algorithm.*``: advantage estimation, KL shaping and dynamic sampling."""
+    """``algorithm.*``: advantage estimation, KL shaping, dynamic sampling, turn-level credit and rollout
+    correction."""
 
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -257,6 +298,9 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    turn_mixed: TurnMixedConfig = field(default_factory=TurnMixedConfig)
+    diagnosis_reweight: DiagnosisReweightConfig = field(default_factory=DiagnosisReweightConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -329,8 +373,8 @@ class PPOTrainerConfig:
 
     @property
     def need_critic(self) -> bool:
-        """Whether a value model is trained (GAE only)."""
-        return self.algorithm.adv_estimator == "gae"
+        """Whether a value model is trained (the estimators that read values: gae, turn_gae)."""
+        return self.algorithm.adv_estimator in CRITIC_ESTIMATORS
 
 
 def compose_config(overrides: Optional[list[str]] = None, config_name: str = CONFIG_NAME) -> Any:

@@ -40,6 +40,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             if type(None) in args:
                 return None
             raise ConfigError(f"{key} must not be null")
+        non_null = [arg for arg in args if arg is not type(None)]
+        if len(non_null) == 1:  # Optional[X]: X's own message (e.g. the allowed values of a Literal)
+            return _coerce(value, non_null[0], key)
         for arg in args:
             if arg is type(None):
                 continue
@@ -220,7 +223,7 @@ def _check_paths(cfg: PPOTrainerConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.model.tokenizer_path={model.tokenizer_path!r} is not a directory")
     if cfg.need_critic and (not cfg.critic.model.path or not Path(cfg.critic.model.path).is_dir()):
         raise ConfigError(f"critic.model.path={cfg.critic.model.path!r} must be a local model directory "
-                          f"(algorithm.adv_estimator=gae trains a critic)")
+                          f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains a critic)")
     train = _as_list(cfg.data.train_files)
     if not train:
         raise ConfigError("data.train_files is required: a parquet file or a list of them (the built-in task "
@@ -295,6 +298,38 @@ def _check_filter_groups(cfg: PPOTrainerConfig) -> None:
     if filt.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
         raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: "
                           "groups are filtered before the KL penalty is computed; use seq_reward")
+
+
+def _check_rollout_correction(cfg: PPOTrainerConfig) -> None:
+    """``algorithm.rollout_correction``: parsable, finite thresholds; options that can take effect together."""
+    from verl.trainer.ppo.rollout_corr_options import parse_rollout_is_threshold, rejection_options
+
+    corr, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    try:
+        parse_rollout_is_threshold(corr.rollout_is_threshold)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{key}.rollout_is_threshold={corr.rollout_is_threshold!r}: {exc}") from None
+    if corr.rollout_rs is not None:
+        try:
+            rejection_options(corr.rollout_rs, corr.rollout_rs_threshold)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{key}.rollout_rs={corr.rollout_rs!r}, rollout_rs_threshold="
+                              f"{corr.rollout_rs_threshold!r}: {exc}") from None
+    elif corr.rollout_rs_threshold is not None:
+        logger.warning("%s.rollout_rs_threshold is set but rollout_rs is null: nothing is rejected", key)
+    if corr.loss_type == "reinforce" and not corr.bypass_mode:
+        raise ConfigError(f"{key}.loss_type=reinforce is the loss of bypass mode: set {key}.bypass_mode=true or "
+                          "loss_type=ppo_clip")
+    if corr.rollout_is_batch_normalize and corr.rollout_is is None:
+        logger.warning("%s.rollout_is_batch_normalize has no effect without rollout_is", key)
+    if corr.bypass_mode and corr.loss_type == "ppo_clip" and corr.rollout_is is not None:
+        logger.warning("%s: with bypass_mode and loss_type=ppo_clip the PPO ratio already is pi/pi_rollout; the "
+                       "rollout_is weights are only logged, not applied", key)
+    if corr.enabled and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
+        raise ConfigError(f"{key} (rollout_is, rollout_rs or bypass_mode) needs the rollout engine's log-probs: "
+                          "set actor_rollout_ref.rollout.calculate_log_probs=true")
+
+
 def _check_vllm(cfg: PPOTrainerConfig) -> None:
     """The vLLM engine keys (only when ``rollout.name=vllm``); vLLM itself must be importable."""
     rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
@@ -330,6 +365,7 @@ def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     check_ranges(cfg)
     _check_choices(cfg)
     _check_filter_groups(cfg)
+    _check_rollout_correction(cfg)
     _check_batch_sizes(cfg)
     _check_vllm(cfg)
 

@@ -10,7 +10,8 @@ from verl.trainer.config_schema import CONFIG_DIR, ConfigError, PPOTrainerConfig
 from verl.trainer.config_validation import build_config, load_config
 
 YAML_PATH = CONFIG_DIR / "ppo_trainer.yaml"
-FREE_FORM = {"reward.kwargs", "rollout_loop.config"}
+# mappings whose keys are data, not config keys: plug-in kwargs, and the label -> weight table
+FREE_FORM = {"reward.kwargs", "rollout_loop.config", "algorithm.diagnosis_reweight.weights"}
 
 
 def _yaml_job_tree() -> dict:

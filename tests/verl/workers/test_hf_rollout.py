@@ -85,3 +85,23 @@ def test_right_padded_prompts_are_rejected(rollout, tokenizer):
     prompts.batch["attention_mask"][2, -1] = 0
     with pytest.raises(ValueError, match=r"must be left-padded .* rows \[2\] end with padding"):
         rollout.generate_sequences(prompts)
+
+
+@pytest.mark.parametrize("temperature,do_sample", [(1.0, True), (0.7, True), (0.7, False)])
+def test_calculate_log_probs_match_the_models_log_probs(tiny_model_path, tokenizer, temperature, do_sample):
+    """rollout_log_probs are log softmax(logits / temperature) of the sampled tokens, as a full forward of the
+    same model computes them, and 0 after EOS."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    config = OmegaConf.create({"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": -1,
+                               "response_length": RESPONSE_LEN, "micro_batch_size_per_gpu": 3,
+                               "calculate_log_probs": True})
+    torch.manual_seed(0)
+    out = HFRollout(model, config).generate_sequences(_prompts(tokenizer, n=6, do_sample=do_sample)).batch
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                       position_ids=out["position_ids"]).logits[:, PROMPT_LEN - 1:-1] / temperature
+    expected = torch.log_softmax(logits.double(), -1).gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
+    mask = out["response_mask"].bool()
+    assert out["rollout_log_probs"].dtype == torch.float32
+    assert (out["rollout_log_probs"].double() - expected).abs()[mask].max() < 1e-4
+    assert (out["rollout_log_probs"][~mask] == 0).all()

@@ -1,5 +1,9 @@
 """Advantage estimators (GAE, GRPO, RLOO, REINFORCE++, REINFORCE++ with baseline, ReMax) and their registry.
 
+The vectorized GRPO/RLOO live in :mod:`~verl.trainer.ppo.advantages_vectorized` and the turn-level estimators
+for multi-turn rows (``turn_mixed``, ``turn_gae``) in :mod:`~verl.trainer.ppo.advantages_turn`; all are named in
+:class:`AdvantageEstimator` and registered here.
+
 Names, parameter orders and semantics follow veRL's ``verl.trainer.ppo.core_algos``, which is where veRL keeps
 them; :mod:`verl.trainer.ppo.core_algos` re-exports everything here, so ``core_algos.AdvantageEstimator``,
 ``core_algos.get_adv_estimator_fn``, ``core_algos.compute_grpo_outcome_advantage`` etc. work as in veRL.
@@ -39,6 +43,8 @@ class AdvantageEstimator(str, Enum):
     REMAX = "remax"
     GRPO_VECTORIZED = "grpo_vectorized"
     RLOO_VECTORIZED = "rloo_vectorized"
+    TURN_MIXED = "turn_mixed"
+    TURN_GAE = "turn_gae"
 
 
 ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}

@@ -1,5 +1,5 @@
-"""PPO / GRPO losses: the in-reward KL penalty, loss aggregation, policy/value/entropy losses and the
-policy-loss registry.
+"""PPO / GRPO losses: the in-reward KL penalty, loss aggregation, policy/value/entropy losses (with the
+REINFORCE and bypass-mode losses of rollout correction) and the policy-loss registry.
 
 Names, parameter orders and semantics follow veRL's ``verl.trainer.ppo.core_algos`` so that code and configs
 written for veRL carry over. All tensors are (batch, response_length) unless stated; ``response_mask`` is 1 on
@@ -39,6 +39,7 @@ from verl.trainer.ppo.advantages import (
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
 )
+from verl.trainer.ppo.advantages_turn import compute_turn_gae_advantage_return, compute_turn_mixed_advantage
 from verl.trainer.ppo.advantages_vectorized import (
     compute_grpo_vectorized_outcome_advantage,
     compute_rloo_vectorized_outcome_advantage,
@@ -51,14 +52,17 @@ from verl.trainer.ppo.kl import (
     kl_penalty,
     kl_penalty_forward,
 )
+from verl.trainer.ppo.rollout_corr_helper import rollout_correction_tensors
 
 __all__ = [
     "ADV_ESTIMATOR_REGISTRY", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSS_REGISTRY", "AdaptiveKLController",
     "AdvantageEstimator", "FixedKLController", "agg_loss", "compute_entropy_loss", "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage", "compute_grpo_vectorized_outcome_advantage", "compute_policy_loss",
-    "compute_policy_loss_vanilla", "compute_rloo_vectorized_outcome_advantage",
+    "compute_policy_loss_bypass_mode", "compute_policy_loss_reinforce", "compute_policy_loss_vanilla",
+    "compute_rloo_vectorized_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
-    "compute_remax_outcome_advantage", "compute_rewards", "compute_rloo_outcome_advantage", "compute_value_loss",
+    "compute_remax_outcome_advantage", "compute_rewards", "compute_rloo_outcome_advantage",
+    "compute_turn_gae_advantage_return", "compute_turn_mixed_advantage", "compute_value_loss",
     "get_adv_estimator_fn", "get_kl_controller", "get_policy_loss_fn", "kl_penalty", "kl_penalty_forward",
     "register_adv_est", "register_policy_loss",
 ]  # fmt: skip
@@ -264,6 +268,80 @@ def compute_policy_loss_vanilla(
         "actor/pg_clipfrac_lower": clipfrac_lower.detach(),
     }
     return pg_loss, metrics
+
+
+def compute_policy_loss_reinforce(
+    rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-sum",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """REINFORCE with optional importance weights (veRL's bypass-mode ``loss_type=reinforce``): per token
+    ``-A * log_prob * w`` (``w`` = ``rollout_is_weights``, detached, or 1), no clipping, aggregated by
+    :func:`agg_loss` (``config.global_batch_info`` / ``agg_kwargs`` as in :func:`compute_policy_loss_vanilla`).
+    Returns ``(pg_loss, {"actor/ppo_kl": mean(rollout_log_prob - log_prob)})``."""
+    _check_loss_config(config, "compute_policy_loss_reinforce")
+    _check_same_shape(rollout_log_prob=rollout_log_prob, log_prob=log_prob, advantages=advantages,
+                      response_mask=response_mask)
+    pg_losses = -advantages * log_prob
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    agg_kwargs = {**(_cfg_get(config, "global_batch_info") or {}), **agg_kwargs}
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        ppo_kl = verl_F.masked_mean(rollout_log_prob - log_prob, response_mask.to(log_prob.dtype))
+    return pg_loss, {"actor/ppo_kl": ppo_kl.detach()}
+
+
+@register_policy_loss("bypass_mode")
+def compute_policy_loss_bypass_mode(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    turn_ids: torch.Tensor | None = None,
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss of rollout-correction bypass mode, where ``old_log_prob`` are the rollout's log-probs.
+
+    IS weights and the rejection mask of ``config.policy_loss.rollout_correction`` are computed from the current
+    ``log_prob`` against them (without gradient; ``turn_ids`` for turn-level options, default runs of the mask;
+    ``rollout_is_batch_normalize`` normalises over this micro-batch). ``loss_type=ppo_clip``: the vanilla PPO loss
+    on the rejection mask (its ratio already is pi/pi_rollout; weights only logged); ``reinforce``:
+    :func:`compute_policy_loss_reinforce` with the weights. ``rollout_is_weights`` is ignored (veRL's signature).
+    Returns the loss and its metrics plus the ``rollout_corr/*`` ones, as detached tensors.
+    """
+    corr = _cfg_get(_cfg_get(config, "policy_loss"), "rollout_correction")
+    if corr is None:
+        raise ValueError("policy loss bypass_mode needs config.policy_loss.rollout_correction (the trainer sets it "
+                         "when algorithm.rollout_correction.bypass_mode=true)")
+    loss_type = _cfg_get(corr, "loss_type", "ppo_clip")
+    weights, mask, metrics = None, response_mask, {}
+    if bool(response_mask.any()):  # a micro-batch of DP padding rows only has nothing to correct
+        weights, mask, metrics = rollout_correction_tensors(
+            log_prob.detach(), old_log_prob, response_mask, rollout_is=_cfg_get(corr, "rollout_is"),
+            rollout_is_threshold=_cfg_get(corr, "rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=_cfg_get(corr, "rollout_is_batch_normalize", False),
+            rollout_rs=_cfg_get(corr, "rollout_rs"), rollout_rs_threshold=_cfg_get(corr, "rollout_rs_threshold"),
+            turn_ids=turn_ids)
+    if loss_type == "reinforce":
+        pg_loss, pg_metrics = compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, mask, loss_agg_mode,
+                                                            config, weights, **agg_kwargs)
+    elif loss_type == "ppo_clip":
+        pg_loss, pg_metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, mask, loss_agg_mode,
+                                                          config, None, **agg_kwargs)
+    else:
+        raise ValueError(f"rollout_correction.loss_type must be ppo_clip or reinforce, got {loss_type!r}")
+    pg_metrics.update(metrics)
+    return pg_loss, pg_metrics
 
 
 def compute_policy_loss(

@@ -4,9 +4,11 @@ One training step: uid per prompt -> ``repeat(rollout.n, interleave=True)`` -> g
 ``rollout_loop`` plug-in) -> ``response_mask`` -> reward plug-in -> (with ``algorithm.filter_groups``: drop the
 groups without a signal and generate more prompt batches until the train batch is full; see
 :mod:`verl.trainer.ppo.trainer_rollout`) -> balance rows across DP ranks (``DataProto.reorder`` moves every
-per-row field together) -> old log-probs -> reference log-probs -> values -> KL in reward -> advantages
-(driver) -> critic update -> actor update -> metrics (with the rollout's ``rollout/*``); validation every
-``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`).
+per-row field together) -> old log-probs (or, in rollout-correction bypass mode, the rollout's) -> reference
+log-probs -> values -> KL in reward -> rollout correction (:mod:`verl.trainer.ppo.trainer_rollout_corr`) ->
+advantages (driver; then ``algorithm.diagnosis_reweight`` scales those of labelled turns) -> critic update -> actor
+update -> metrics (with the rollout's ``rollout/*``); validation every ``test_freq`` and a checkpoint every
+``save_freq`` steps (see :mod:`verl.utils.checkpoint`).
 """
 from __future__ import annotations
 
@@ -29,7 +31,11 @@ from verl.trainer.config_schema import PPOTrainerConfig
 from verl.trainer.config_validation import load_config
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch
+from verl.trainer.ppo.diagnosis_reweight import reweight_advantages
+from verl.trainer.ppo.estimator_inputs import estimator_inputs
+from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
 from verl.trainer.ppo.trainer_checkpoint import TrainerCheckpointMixin
+from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs, correct_batch
 from verl.trainer.ppo.trainer_rollout import (
     GEN_INPUT_KEYS,
     TrainerRolloutMixin,
@@ -94,7 +100,9 @@ def compute_advantage(data: DataProto, adv_estimator: str, gamma: float = 1.0, l
     """Add ``advantages`` and ``returns`` (bs, R) computed on the driver by the named estimator.
 
     GAE uses ``values``; group estimators group rows by ``non_tensor_batch['uid']``; ReMax uses
-    ``reward_baselines``. ``num_repeat`` (rollout.n) is accepted for veRL compatibility.
+    ``reward_baselines``; a registered estimator also gets the inputs it names among
+    :data:`~verl.trainer.ppo.estimator_inputs.OPTIONAL_INPUTS` (``values``, ``agent_turn_ids``, ``turn_scores``,
+    ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``). ``num_repeat`` (rollout.n) is accepted for veRL compatibility.
     """
     if "response_mask" not in data.batch.keys():
         data.batch["response_mask"] = compute_response_mask(data)
@@ -112,6 +120,8 @@ def compute_advantage(data: DataProto, adv_estimator: str, gamma: float = 1.0, l
             kwargs["index"] = data.non_tensor_batch["uid"]
         if "reward_baselines" in data.batch.keys():
             kwargs["reward_baselines"] = data.batch["reward_baselines"]
+        kwargs.update(estimator_inputs(fn, data, {"gamma": gamma, "lam": lam,
+                                                  "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo}))
         advantages, returns = fn(**kwargs)
     data.batch["advantages"], data.batch["returns"] = advantages, returns
     return data
@@ -140,7 +150,8 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
         self.use_critic = self.typed.need_critic
         self.use_reference = self.typed.need_reference
         if self.use_critic and Role.Critic not in self.role_worker_mapping:
-            raise ValueError("algorithm.adv_estimator=gae needs a Role.Critic worker class")
+            raise ValueError(f"algorithm.adv_estimator={self.typed.algorithm.adv_estimator} needs a Role.Critic "
+                             "worker class")
         kwargs = dict(self.typed.reward.kwargs)
         base_fn = reward_fn or import_dotted(self.typed.reward.path, "reward.path")
         self.reward_fn = lambda data: base_fn(data, self.tokenizer, **kwargs)
@@ -163,6 +174,9 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
                 if value:  # workers may run in another directory
                     OmegaConf.update(self.config, key, str(Path(value).resolve()))
             self.config.actor_rollout_ref.actor.optim.total_training_steps = self.total_training_steps
+            policy_loss = actor_policy_loss(self.typed.algorithm.rollout_correction)
+            if policy_loss is not None:  # bypass mode: the actor's loss corrects against the rollout's log-probs
+                self.config.actor_rollout_ref.actor.policy_loss = policy_loss
             self.config.critic.optim.total_training_steps = self.total_training_steps
         self.kl_ctrl = core_algos.get_kl_controller(dataclasses.asdict(self.typed.algorithm.kl_ctrl))
         self.global_steps = 0
@@ -215,12 +229,17 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
             metrics.update(rollout_metrics)
             if cfg.trainer.balance_batch:
                 metrics.update(balance_batch(batch, self.actor_rollout_wg.world_size))
-            with timer("old_log_prob", timing):
-                out = self.actor_rollout_wg.compute_log_prob(batch)
-                pop_metrics(out)
-                entropys = out.batch.pop("entropys")
-                metrics["actor/entropy"] = float(masked_mean(entropys, batch.batch["response_mask"]))
-                batch.union(out)
+            correction = cfg.algorithm.rollout_correction
+            check_rollout_log_probs(batch, correction)
+            if correction.bypass_mode:  # the rollout's log-probs are the old ones: no old-log-prob pass
+                apply_bypass_mode(batch)
+            else:
+                with timer("old_log_prob", timing):
+                    out = self.actor_rollout_wg.compute_log_prob(batch)
+                    pop_metrics(out)
+                    entropys = out.batch.pop("entropys")
+                    metrics["actor/entropy"] = float(masked_mean(entropys, batch.batch["response_mask"]))
+                    batch.union(out)
             if self.use_reference:
                 with timer("ref", timing):
                     batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
@@ -233,9 +252,14 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
                     metrics.update(kl_metrics)
                 else:
                     batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                if "rollout_log_probs" in batch.batch.keys():  # decoupled mode: weights, rejection, metrics
+                    metrics.update(correct_batch(batch, correction))
                 compute_advantage(batch, cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
                                   num_repeat=n, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
                                   config=cfg.algorithm)
+                diagnosis = cfg.algorithm.diagnosis_reweight
+                if diagnosis.enable:
+                    metrics.update(reweight_advantages(batch, diagnosis.weights, diagnosis.apply_to))
             if self.use_critic:
                 with timer("update_critic", timing):
                     metrics.update(reduce_metrics(pop_metrics(self.critic_wg.update_critic(batch))))

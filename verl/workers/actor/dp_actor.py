@@ -12,6 +12,7 @@ from tensordict import TensorDict
 
 from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
+from verl.utils.agent_turns import AGENT_TURN_IDS
 from verl.utils.fsdp_utils import clip_grad_norm
 from verl.utils.packed_attention import enable_packed_attention
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 UPDATE_KEYS = MODEL_INPUT_KEYS + ("response_mask", "old_log_probs", "advantages")
+OPTIONAL_UPDATE_KEYS = ("rollout_is_weights", AGENT_TURN_IDS)  # used when the batch has them (rollout correction)
 
 
 class DataParallelPPOActor:
@@ -43,6 +45,8 @@ class DataParallelPPOActor:
     ``config.use_remove_padding`` runs every forward on packed rows (:mod:`verl.workers.packing`; the worker
     copies it from ``actor_rollout_ref.model.use_remove_padding``); ``config.use_dynamic_bsz`` forms the update's
     micro-batches by ``ppo_max_token_len_per_gpu`` tokens instead of ``ppo_micro_batch_size_per_gpu`` rows.
+    ``config.policy_loss.loss_mode`` names the registered policy loss (default ``vanilla``; the trainer sets
+    ``bypass_mode`` for rollout correction's bypass mode); batch ``rollout_is_weights`` multiply the token losses.
     """
 
     def __init__(self, config: DictConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
@@ -54,6 +58,8 @@ class DataParallelPPOActor:
             raise ValueError(
                 f"actor.loss_agg_mode={self.loss_agg_mode!r}; expected one of {list(core_algos.LOSS_AGG_MODES)}"
             )
+        self.loss_mode = str((config.get("policy_loss", None) or {}).get("loss_mode", "vanilla"))
+        self.policy_loss_fn = core_algos.get_policy_loss_fn(self.loss_mode)
         self.use_remove_padding = bool(config.get("use_remove_padding", False))
         self.use_dynamic_bsz = bool(config.get("use_dynamic_bsz", False))
         if self.use_remove_padding:
@@ -133,9 +139,10 @@ class DataParallelPPOActor:
         log_prob, entropy = self._forward_micro_batch(
             micro, temperature, calculate_entropy=True, entropy_grad=entropy_coeff != 0
         )
-        pg_loss, metrics = core_algos.compute_policy_loss_vanilla(
-            micro["old_log_probs"], log_prob, micro["advantages"], mask,
-            loss_agg_mode=self.loss_agg_mode, config=cfg, **loss_info,
+        extra = {"turn_ids": micro.get(AGENT_TURN_IDS, None)} if self.loss_mode == "bypass_mode" else {}
+        pg_loss, metrics = self.policy_loss_fn(
+            micro["old_log_probs"], log_prob, micro["advantages"], mask, loss_agg_mode=self.loss_agg_mode,
+            config=cfg, rollout_is_weights=micro.get("rollout_is_weights", None), **extra, **loss_info,
         )  # fmt: skip
         entropy_loss = core_algos.agg_loss(entropy, mask, self.loss_agg_mode, **loss_info)
         loss = pg_loss - entropy_coeff * entropy_loss if entropy_coeff != 0 else pg_loss
@@ -175,6 +182,7 @@ class DataParallelPPOActor:
             raise RuntimeError("update_policy: this actor was built without an optimizer")
         cfg = self.config
         keys = UPDATE_KEYS + (("ref_log_prob",) if cfg.get("use_kl_loss", False) else ())
+        keys += tuple(k for k in OPTIONAL_UPDATE_KEYS if data.batch is not None and k in data.batch.keys())
         batch = select_batch(mask_padding_rows(data, "update_policy"), keys, "update_policy")
         mini_batch_size = int(cfg.ppo_mini_batch_size)
         micro_batch_size = int(cfg.get("ppo_micro_batch_size_per_gpu", 0) or 0)

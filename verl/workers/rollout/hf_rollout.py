@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from tensordict import TensorDict
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 
 from verl.protocol import DataProto
 from verl.utils.fsdp_utils import generation_model, unwrap_model
 from verl.utils.torch_functional import get_response_mask
 from verl.workers.batching import select_batch
+from verl.workers.rollout.hf_logprobs import SampledTokenLogProbs
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class HFRollout:
     """Generate responses for left-padded prompts with ``module.generate`` (veRL's ``HFRollout``).
 
     ``config`` is the ``actor_rollout_ref.rollout`` block: ``do_sample``, ``temperature``, ``top_p``, ``top_k``
-    (-1 = off), ``response_length`` and ``micro_batch_size_per_gpu`` (rows per ``generate`` call; null = all).
+    (-1 = off), ``response_length``, ``micro_batch_size_per_gpu`` (rows per ``generate`` call; null = all) and
+    ``calculate_log_probs`` (add ``rollout_log_probs``: log softmax(logits / temperature) of each sampled token).
     On FSDP2 the weights are gathered once per :meth:`generate_sequences` and kept for all its micro-batches, so
     the KV cache of a micro-batch, not the weights, bounds its size (``python -m verl.trainer.plan`` estimates it).
     The prompt batch's ``meta_info`` overrides the sampling keys per call and must carry ``eos_token_id`` and
@@ -118,19 +120,28 @@ class HFRollout:
         input_ids = prompts["input_ids"].to(device)
         prompt_mask = prompts["attention_mask"].to(device)
         synced = dist.is_initialized() and dist.get_world_size() > 1
+        recorder = None
+        if self.config.get("calculate_log_probs", False):
+            recorder = SampledTokenLogProbs(float(self._setting(meta_info, "temperature", 1.0)))
         output = model.generate(
-            input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config, synced_gpus=synced
+            input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config, synced_gpus=synced,
+            logits_processor=LogitsProcessorList([recorder] if recorder is not None else []),
         )
         responses = output[:, input_ids.size(1) :]
+        log_probs = recorder.log_probs(responses) if recorder is not None else None
         if responses.size(1) < response_length:
             pad_block = responses.new_full((responses.size(0), response_length - responses.size(1)), pad)
             responses = torch.cat([responses, pad_block], dim=1)
         tensors = generation_tensors(input_ids, prompt_mask, prompts["position_ids"].to(device), responses, eos, pad)
+        if log_probs is not None:  # 0 after EOS, as vLLM's
+            log_probs = torch.nn.functional.pad(log_probs, (0, response_length - log_probs.size(1)))
+            tensors["rollout_log_probs"] = log_probs * tensors["response_mask"]
         return TensorDict({k: v.cpu() for k, v in tensors.items()}, batch_size=[input_ids.size(0)])
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generate one response per prompt row; returns ``prompts, responses, input_ids, attention_mask,
-        position_ids, response_mask`` with responses right-padded to exactly ``response_length``."""
+        position_ids, response_mask`` (+ ``rollout_log_probs`` with ``calculate_log_probs``) with responses
+        right-padded to exactly ``response_length``."""
         batch = select_batch(prompts, PROMPT_KEYS, "generate_sequences")
         check_left_padded(batch["attention_mask"])
         micro_batch_size = int(self.config.get("micro_batch_size_per_gpu", None) or batch.batch_size[0])

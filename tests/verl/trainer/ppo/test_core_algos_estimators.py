@@ -311,6 +311,8 @@ def test_registry_maps_every_estimator_name():
         "remax": compute_remax_outcome_advantage,
         "grpo_vectorized": core_algos.compute_grpo_vectorized_outcome_advantage,
         "rloo_vectorized": core_algos.compute_rloo_vectorized_outcome_advantage,
+        "turn_mixed": core_algos.compute_turn_mixed_advantage,
+        "turn_gae": core_algos.compute_turn_gae_advantage_return,
     }
     assert {e.value for e in AdvantageEstimator} == set(expected)
     for name, fn in expected.items():
