@@ -13,7 +13,8 @@ and failed ones are left out) and/or from a dedicated run of scripted calls (`--
 `--quality-mix` against the scenario's scripted persona, its replies as written, think tag included). Only
 replies that pass the simulator report card's checks are kept (exact tag protocol, state jumps within the
 scenario's limits, no state moving against the agent's turn: llm_agent/simulator_report/checks.py); the counts
-of what was dropped and why go to `simulator_sft.json`. The loss is on the reply tokens only. When a reply is
+of what was dropped and why go to `simulator_sft.json`. The loss is on the reply tokens only (`--number-weight`
+weighs the reply's number tokens, the states and the status, above its words). When a reply is
 exactly what the next request shows as the simulator's earlier turn (logged replies are; `--reply-format
 canonical` makes scripted ones so), a dialogue's examples share one sequence with the loss on each kept reply,
 which is the same objective at a fraction of the tokens.
@@ -32,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -52,6 +54,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCENARIO = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
 INFO_FILE = "simulator_sft.json"
 REPLY_FORMATS = ("raw", "canonical")
+_NUMBER_TOKEN = re.compile(r"-?\d+|-")
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,19 @@ def _chains(examples: Sequence[SimulatorExample]) -> list[tuple[list[dict[str, s
     return chains
 
 
+def weigh_numbers(tokenizer, rows: Sequence[SFTRow], weight: float) -> list[SFTRow]:
+    """`rows` with the loss weight of every loss-carrying number token (one that decodes to an integer or a minus
+    sign: the state and status values of a reply) multiplied by `weight`."""
+    if weight == 1:
+        return list(rows)
+    if weight <= 0:
+        raise ValueError(f"number_weight must be > 0, got {weight}")
+    numbers = {i for i in {t for r in rows for t, m in zip(r.input_ids, r.loss_mask) if m}
+               if _NUMBER_TOKEN.fullmatch(tokenizer.decode([i]).strip())}
+    return [SFTRow(r.input_ids, [m * weight if m and t in numbers else m for t, m in zip(r.input_ids, r.loss_mask)])
+            for r in rows]
+
+
 def encode_examples(tokenizer, examples: Sequence[SimulatorExample], max_length: int
                     ) -> tuple[list[SFTRow], int]:
     """Training rows of `examples` (shared sequences where possible) and how many examples were dropped because
@@ -158,6 +174,7 @@ class TinyRecipe:
     max_length: int = 2048
     sft: SFTConfig = SFTConfig(steps=300, lr=3e-3, batch_size=8, seed=0, warmup_steps=20, lr_schedule="cosine",
                                min_lr_ratio=0.1)
+    number_weight: float = 5.0
     seed: int = 0
 
 
@@ -180,9 +197,10 @@ def tiny_fingerprint(recipe: TinyRecipe, scenario_path: str | Path) -> str:
 
 def fine_tune(model: str | Path, out: str | Path, examples: Sequence[SimulatorExample], scenario: Scenario,
               config: SFTConfig, max_length: int, reply_format: str = "raw", max_jump: int | None = None,
-              info: Mapping[str, object] | None = None) -> Path:
-    """Filter `examples`, encode them (loss on the replies) and fine-tune `model` into `out` (see the module
-    docstring); `simulator_sft.json` in `out` records the counts and `info`."""
+              number_weight: float = 1.0, info: Mapping[str, object] | None = None) -> Path:
+    """Filter `examples`, encode them (loss on the replies, number tokens weighted by `number_weight`) and
+    fine-tune `model` into `out` (see the module docstring); `simulator_sft.json` in `out` records the counts and
+    `info`."""
     from transformers import AutoTokenizer
 
     if reply_format not in REPLY_FORMATS:
@@ -192,17 +210,18 @@ def fine_tune(model: str | Path, out: str | Path, examples: Sequence[SimulatorEx
         kept = [SimulatorExample(e.group, e.messages, canonical(scenario, e.reply)) for e in kept]
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows, too_long = encode_examples(tokenizer, kept, max_length)
+    rows = weigh_numbers(tokenizer, rows, number_weight)
     if not rows:
         raise ValueError(f"no training example left: {len(examples)} examples, dropped {dict(dropped)}, "
                          f"{too_long} longer than max_length={max_length}")
     counts = {"examples": len(examples), "kept": len(kept) - too_long, "dropped": dict(dropped),
               "too_long": too_long, "rows": len(rows), "tokens": sum(len(r.input_ids) for r in rows),
-              "reply_tokens": sum(sum(r.loss_mask) for r in rows)}
+              "reply_tokens": sum(sum(1 for m in r.loss_mask if m) for r in rows)}
     logger.info("simulator sft: %s", counts)
     path = train_sft(model, rows, out, config, extra_log={"simulator_examples": counts})
     if int(os.environ.get("RANK", "0")) == 0:
         record = {"scenario": str(scenario.path), "reply_format": reply_format, "max_length": max_length,
-                  **counts, **dict(info or {})}
+                  "number_weight": number_weight, **counts, **dict(info or {})}
         (Path(path) / INFO_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
     return path
 
@@ -220,6 +239,7 @@ def tiny_simulator(out: str | Path, scenario_path: str | Path = REPO_ROOT / DEFA
     base = build_tiny_model(out.parent / f"{out.name}_base", seed=recipe.seed, spec=recipe.spec)
     examples = scripted_examples(scenario, recipe.n_calls, recipe.quality_mix, recipe.seed, recipe.max_turns)
     return fine_tune(base, out, examples, scenario, recipe.sft, recipe.max_length, recipe.reply_format,
+                     number_weight=recipe.number_weight,
                      info={"fingerprint": fingerprint, "recipe": asdict(recipe), "base": str(base)})
 
 
@@ -241,6 +261,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reply-format", choices=REPLY_FORMATS, default="raw",
                    help="scripted replies as written (raw, think tag included) or as later requests show them")
     p.add_argument("--max-jump", type=int, default=None, help="the checks' largest allowed state change per turn")
+    p.add_argument("--number-weight", type=float, default=1.0,
+                   help="loss weight of the reply's number tokens (states, status) relative to its other tokens")
     p.add_argument("--max-length", type=int, default=8192, help="tokens per training sequence")
     defaults = SFTConfig(steps=1, lr=1.0)
     p.add_argument("--steps", type=int, default=None, help="optimizer steps")
@@ -279,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                min_lr_ratio=args.min_lr_ratio, gradient_checkpointing=args.gradient_checkpointing,
                                param_dtype=args.param_dtype, export_dtype=args.export_dtype)
             path = fine_tune(args.model, args.out, examples, scenario, config, args.max_length, args.reply_format,
-                             args.max_jump, info={"base": args.model, "rollouts": args.rollouts,
+                             args.max_jump, args.number_weight, info={"base": args.model, "rollouts": args.rollouts,
                                                   "split": args.split, "scripted_calls": args.scripted})
     except (OSError, ValueError) as exc:
         raise SystemExit(f"simulator_sft: {exc}") from None

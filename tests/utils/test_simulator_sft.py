@@ -18,7 +18,7 @@ from llm_agent.scenario import load_scenario
 from tests.llm_agent.sim_servers import SimServers
 from utils.sft_warm_start import encode_dialogue
 from utils.simulator_sft import (SimulatorExample, TinyRecipe, canonical, encode_examples, filter_examples,
-                                 logged_examples, scripted_examples, tiny_fingerprint, tiny_simulator)
+                                 logged_examples, scripted_examples, tiny_fingerprint, tiny_simulator, weigh_numbers)
 from verl.trainer.fsdp_sft_trainer import SFTConfig, collate, masked_nll_sum
 from utils.make_tiny_model import TinyModelSpec
 
@@ -100,6 +100,20 @@ def test_a_dropped_reply_stays_in_the_history_without_loss(tiny_model_path, scen
     assert len(rows) == 1
     masked_text = tok.decode([t for t, m in zip(rows[0].input_ids, rows[0].loss_mask) if m])
     assert masked_text == group[0].reply + tok.eos_token + group[2].reply + tok.eos_token
+
+
+def test_number_weight_weighs_the_state_and_status_values_only(tiny_model_path, scenario, examples):
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    example = SimulatorExample("g", examples[0].messages, canonical(scenario, examples[0].reply))
+    (row,), _ = encode_examples(tok, [example], max_length=100_000)
+    (weighted,) = weigh_numbers(tok, [row], 5.0)
+    heavy = "".join(tok.decode([t]) for t, w in zip(weighted.input_ids, weighted.loss_mask) if w == 5.0)
+    user = scenario.parse_user_output(example.reply)
+    assert heavy == "".join(str(v) for v in (*user.state.values(), user.status))  # the four values, in order
+    assert [w for w in weighted.loss_mask if w not in (0, 5.0)] == [1] * (sum(row.loss_mask) - len(heavy.replace("-", "")))
+    assert weigh_numbers(tok, [row], 1.0) == [row]
+    with pytest.raises(ValueError, match="number_weight"):
+        weigh_numbers(tok, [row], 0.0)
 
 
 def test_logged_examples_are_the_simulator_turns_of_a_log(scenario, examples, tmp_path):

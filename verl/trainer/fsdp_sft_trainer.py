@@ -3,7 +3,7 @@ FSDP2 over every rank of a `torchrun` launch.
 
 `train_sft(model_path, rows, out_dir, config)` minimises, per optimizer step, the mean next-token negative
 log-likelihood over the loss-carrying tokens of the step's batch (a token mean over the whole batch, however it
-is split into micro-batches and ranks). Each step takes `config.batch_size` rows, drawn epoch by epoch in an
+is split into micro-batches and ranks; a row's loss mask may also weigh tokens, making it a weighted mean). Each step takes `config.batch_size` rows, drawn epoch by epoch in an
 order shuffled by `random.Random(config.seed)` (the same on every rank). AdamW at `config.lr` with an optional
 linear warm-up and cosine decay (`verl.utils.optim.lr_factor`), the gradient's global norm clipped to
 `config.grad_clip` (its norm before clipping is logged per step).
@@ -46,10 +46,11 @@ EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class SFTRow:
-    """Token ids of one training sequence and a 0/1 mask that is 1 exactly on the tokens that carry loss."""
+    """Token ids of one training sequence and its loss mask: 1 exactly on the tokens that carry loss (or, more
+    generally, each token's non-negative loss weight; 0 = no loss)."""
 
     input_ids: list[int]
-    loss_mask: list[int]
+    loss_mask: list[float]
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ class SFTConfig:
 
 
 def masked_nll_sum(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
-                   ) -> tuple[torch.Tensor, int]:
-    """Summed next-token negative log-likelihood over the positions with loss_mask 1, and their count.
+                   ) -> tuple[torch.Tensor, float]:
+    """Next-token negative log-likelihood summed over the positions, weighted by loss_mask (1: the token carries
+    loss), and the sum of the weights (the count of loss-carrying tokens for a 0/1 mask).
 
     Token t is predicted from the logits at t-1, so the first token of a row never carries loss."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
@@ -114,27 +116,28 @@ def masked_nll_sum(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     weights = loss_mask[:, 1:].to(logits.dtype)
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                             reduction="none").view_as(weights)
-    return (nll * weights).sum(), int(weights.sum().item())
+    return (nll * weights).sum(), float(weights.sum().item())
 
 
 def assistant_nll(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
-                  ) -> tuple[torch.Tensor, int]:
-    """Mean next-token negative log-likelihood over the positions with loss_mask 1, and their count."""
+                  ) -> tuple[torch.Tensor, float]:
+    """Mean next-token negative log-likelihood over the loss-carrying positions (weighted by loss_mask), and the
+    sum of the weights."""
     total, count = masked_nll_sum(model, input_ids, attention_mask, loss_mask)
-    return total / max(count, 1), count
+    return total / (count or 1.0), count
 
 
 def collate(rows: Sequence[SFTRow], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad rows into input_ids / attention_mask / loss_mask tensors."""
+    """Right-pad rows into input_ids / attention_mask (long) and loss_mask (float32) tensors."""
     width = max(len(r.input_ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
-    loss = torch.zeros((len(rows), width), dtype=torch.long)
+    loss = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, r in enumerate(rows):
         n = len(r.input_ids)
         ids[i, :n] = torch.tensor(r.input_ids)
         attention[i, :n] = 1
-        loss[i, :n] = torch.tensor(r.loss_mask)
+        loss[i, :n] = torch.tensor(r.loss_mask, dtype=torch.float32)
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
 
 
@@ -276,19 +279,19 @@ def train_sft(model_path: str | Path, rows: Sequence[SFTRow], out_dir: str | Pat
         mine = [rows[i] for i in batch[rt.rank::rt.world]]
         micro = config.micro_batch_size or len(mine)
         chunks = [collate(mine[i:i + micro], tokenizer.pad_token_id) for i in range(0, len(mine), micro)]
-        count = sum(int(c["loss_mask"][:, 1:].sum()) for c in chunks)
+        count = sum(float(c["loss_mask"][:, 1:].sum()) for c in chunks)
         if rt.distributed:
             totals = torch.tensor([count], dtype=torch.float64, device=rt.device)
             dist.all_reduce(totals)
-            count = int(totals.item())
-        scale = rt.world / max(count, 1)
+            count = float(totals.item())
+        scale = rt.world / (count or 1.0)
         optimizer.zero_grad(set_to_none=True)
         step_nll = torch.zeros((), dtype=torch.float64, device=rt.device)
         for chunk in chunks:
             chunk = {k: v.to(rt.device) for k, v in chunk.items()}
             with torch.autocast(rt.device.type, dtype=autocast, enabled=autocast is not None):
                 total, _ = masked_nll_sum(model, chunk["input_ids"], chunk["attention_mask"], chunk["loss_mask"])
-            (total * scale if rt.distributed else total / max(count, 1)).backward()
+            (total * scale if rt.distributed else total / (count or 1.0)).backward()
             step_nll += total.detach().double()
         if rt.distributed:
             dist.all_reduce(step_nll)
@@ -299,7 +302,7 @@ def train_sft(model_path: str | Path, rows: Sequence[SFTRow], out_dir: str | Pat
         else:
             skipped += 1
             logger.warning("sft step %d: gradient norm %s; step skipped", step + 1, grad_norm)
-        losses.append(float(step_nll.item()) / max(count, 1))
+        losses.append(float(step_nll.item()) / (count or 1.0))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
         if rt.rank == 0 and (step % 20 == 0 or step == config.steps - 1):
             logger.info("sft step %d/%d loss %.4f", step + 1, config.steps, losses[-1])

@@ -34,7 +34,8 @@ def random_rows(vocab: int, n: int = 6, seed: int = 0) -> list[SFTRow]:
 
 
 def float64_loss(model_path: str, rows: list[SFTRow]) -> float:
-    """Token-mean NLL of the rows' loss-carrying tokens under the untrained model, one row at a time in float64."""
+    """Weighted token-mean NLL of the rows' loss-carrying tokens under the untrained model, one row at a time in
+    float64 (weights: the rows' loss masks)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
@@ -44,8 +45,8 @@ def float64_loss(model_path: str, rows: list[SFTRow]) -> float:
             logp = torch.log_softmax(model(input_ids=torch.tensor([row.input_ids])).logits[0], dim=-1)
             for t in range(1, len(row.input_ids)):
                 if row.loss_mask[t]:
-                    total -= float(logp[t - 1, row.input_ids[t]])
-                    count += 1
+                    total -= row.loss_mask[t] * float(logp[t - 1, row.input_ids[t]])
+                    count += row.loss_mask[t]
     return total / count
 
 
@@ -76,6 +77,17 @@ def test_first_loss_is_the_float64_token_mean_and_micro_batches_do_not_change_th
     untrained = train_sft(tiny_model_path, rows, tmp_path / "other_seed", SFTConfig(steps=3, lr=1e-2, batch_size=4,
                                                                                    seed=2))
     assert any(not torch.equal(a[k], weights(untrained)[k]) for k in a)  # another data order, another model
+
+
+def test_weighted_loss_masks_give_the_weighted_token_mean(tiny_model_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    rows = random_rows(len(AutoTokenizer.from_pretrained(tiny_model_path)), n=4, seed=3)
+    weighted = [SFTRow(r.input_ids, [m * (3.0 if i % 2 else 1.0) for i, m in enumerate(r.loss_mask)]) for r in rows]
+    out = train_sft(tiny_model_path, weighted, tmp_path / "w", SFTConfig(steps=1, lr=1e-3, batch_size=4))
+    expected = float64_loss(tiny_model_path, [weighted[i] for i in batch_schedule(4, 1, 4, 0)[0]])
+    assert json.loads((out / "sft_log.json").read_text())["losses"][0] == pytest.approx(expected, rel=1e-5)
+    assert expected != pytest.approx(float64_loss(tiny_model_path, rows), rel=1e-3)  # the weights mattered
 
 
 def test_batch_schedule_is_the_seeded_epoch_order():
