@@ -12,7 +12,8 @@ export TORCHDYNAMO_DISABLE ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast vllm-env bench clean-venv
+.PHONY: install demo test test-fast vllm-env bench clean-venv gpu-check gpu-check-wheels gpu-check-dry-run \
+	gpu-check-smoke
 
 $(STAMP): setup.py requirements.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,27 +28,45 @@ demo: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/main.sh
 
 # The tests marked `vllm` run in a second pass with the vLLM environment's python (vLLM in process: the policy's
-# rollout engine); without that environment the same pass runs them with .venv's python, which skips each with
-# its reason.
+# rollout engine; the GPU preset's CPU rehearsal), together with the tests marked `oldest`: .venv-vllm holds the
+# lowest declared versions (constraints_lowest.txt) while .venv holds the newest. Without that environment the
+# same pass runs the `vllm` tests with .venv's python, which skips each with its reason.
 VLLM_TEST_PY = $(if $(wildcard $(VLLM_VENV)/.installed),$(VLLM_VENV),$(VENV))
+VLLM_TEST_MARK = $(if $(wildcard $(VLLM_VENV)/.installed),(vllm or oldest) and not gpu,vllm and not gpu)
 
 test: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not vllm" -q
-	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "vllm and not gpu" -q -rs
+	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "$(VLLM_TEST_MARK)" -q -rs
 
 test-fast: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not vllm" -q
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not processes and not vllm" -q
 
-$(VLLM_VENV)/.installed: setup.py requirements.txt requirements_vllm.txt constraints.txt
+$(VLLM_VENV)/.installed: setup.py requirements.txt requirements_vllm.txt constraints.txt constraints_lowest.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e ".[test]" -r requirements_vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -c constraints_lowest.txt -e ".[test]" \
+		-r requirements_vllm.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -c "import vllm, verl, llm_agent, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.installed
+
+# The one-call GPU check (bench/gpu_check.sh): `make gpu-check-wheels` here (network or pip's cache) fills the
+# git-ignored .gpu_check/wheels that travel with the tree; `make gpu-check` on the GPU machine (its python3);
+# the dry run and the CPU smoke mode anywhere with .venv's python (CI runs both: tests/bench/test_gpu_check.py).
+gpu-check-wheels:
+	bash bench/gpu_check.sh --build-wheels
+
+gpu-check:
+	bash bench/gpu_check.sh
+
+gpu-check-dry-run: $(STAMP)
+	PY=$(PY) bash bench/gpu_check.sh --dry-run
+
+gpu-check-smoke: $(STAMP)
+	PY=$(PY) bash bench/gpu_check.sh --cpu-smoke
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

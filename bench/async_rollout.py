@@ -39,10 +39,11 @@ from transformers import AutoTokenizer
 
 from bench.rollout_loop import GROUP_SIZE, SCENARIO
 from bench.results import write_result
-from bench.user_sim_dispatch import start_server, wait_healthy
+from bench.user_sim_dispatch import latency_flags
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.scenario import load_scenario
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
+from llm_agent.user_sim.processes import SimulatorGroup
 from utils.make_tiny_model import build_tiny_model
 from verl.protocol import DataProto
 from verl.utils.torch_functional import compute_position_id_with_mask
@@ -183,14 +184,12 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(Path(tmp) / "tiny", seed=0), padding_side="left")
         # one base seed for both, as for two replicas of one simulator: a reply depends on the request only
-        servers = [start_server(args.median_ms, args.sigma, 1, Path(tmp)),
-                   start_server(args.median_ms * args.slow_factor, args.sigma, 1, Path(tmp))]
-        try:
-            for url, proc in servers:
-                wait_healthy(url, proc)
-            urls = [url for url, _ in servers]
+        with SimulatorGroup(Path(tmp)) as sims:
+            urls = [sims.start(*latency_flags(args.median_ms, args.sigma, 1)),
+                    sims.start(*latency_flags(args.median_ms * args.slow_factor, args.sigma, 1))]
+            sims.wait_ready(*urls, timeout_s=90)
             policy = CostedPolicy(tokenizer, scenario, args.call_ms, args.step_ms, args.step_row_us)
-            pids = [proc.pid for _, proc in servers]
+            pids = [sims.procs[url].pid for url in urls]
             warm_up = one_run("sync", policy, scenario, urls, args, pids)  # fills the memo
             logger.warning("warm-up: %d agent turns computed", warm_up["memo_misses"])
             runs: dict[str, list[dict]] = {"sync": [], "async": []}
@@ -198,10 +197,6 @@ def main(argv: list[str] | None = None) -> dict:
                 for mode in ("sync", "async"):
                     runs[mode].append(one_run(mode, policy, scenario, urls, args, pids))
                     logger.warning("repeat %d %s: %.2fs", repeat, mode, runs[mode][-1]["wall_s"])
-        finally:
-            for _, proc in servers:
-                proc.terminate()
-                proc.wait(timeout=30)
     same = all(r["outcomes"] == warm_up["outcomes"] and r["memo_misses"] == 0 for r in runs["sync"] + runs["async"])
     rows = [median_row(runs["sync"]), median_row(runs["async"])]
     summary = {"async_over_sync_wall": rows[1]["wall_s"] / rows[0]["wall_s"], "same_outcomes_every_run": same,

@@ -12,7 +12,7 @@
    already answers (see BENCHMARKS.md for both).
 2. GRPO on the real trainer (Ray, 2 FSDP workers on gloo, `python -m verl.trainer.main_ppo` code path via
    RayPPOTrainer; 8 prompts x 8 dialogues per step, two policy updates of 4 prompts each) against two scripted
-   simulator servers (scripts/start_user_sims.sh), with the SEAD rollout loop, the state controller on, the cache
+   simulator servers (llm_agent.user_sim.processes), with the SEAD rollout loop, the state controller on, the cache
    off (the cache does not change what is learnable here) and the reward's default weights: completion only.
 3. Greedy validation on the fixed test profiles (utils/create_prompt_data.py test split) before training and
    every `--test-freq` steps: the CR curve. The controller's per-step CR by initial-state value and its sampling
@@ -32,23 +32,21 @@ import json
 import logging
 import os
 import platform
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.learning_check import controller_check, controller_table, valid_values
+from bench.learning_stats import paired_comparison
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH
+from llm_agent.user_sim.processes import ServerSpec, SimulatorGroup
 
-from bench.learning_check import controller_check, controller_table, valid_values  # noqa: E402
-from bench.learning_stats import paired_comparison  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 logger = logging.getLogger("bench.learning")
 
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 # The compact agent prompt the tiny model is warm-started and trained with (the scenario's own is ~1300 tokens);
 # scripts/main.sh's CPU demo uses the same file.
 COMPACT_SYSTEM_PROMPT = (REPO / "assets/compact_agent_prompt.txt").read_text(encoding="utf-8").strip()
@@ -108,32 +106,6 @@ def warm_start(s: LearningSettings, work: Path) -> tuple[Path, float]:
     return warm, time.monotonic() - started
 
 
-class ScriptedSimulators:
-    """Scripted simulator servers started with scripts/start_user_sims.sh and stopped with stop_user_sims.sh."""
-
-    def __init__(self, run_dir: Path, instances: int, seed: int) -> None:
-        self.run_dir, self.instances, self.seed = run_dir, instances, seed
-        self.urls = ""
-
-    def __enter__(self) -> str:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        env = {**os.environ, "PYTHON": sys.executable}
-        out = subprocess.run(["bash", "scripts/start_user_sims.sh", "--backend", "scripted", "--num-instances",
-                              str(self.instances), "--base-port", str(port), "--scenario", str(SCENARIO),
-                              "--run-dir", str(self.run_dir), "--seed", str(self.seed)],
-                             cwd=REPO, env=env, check=True, capture_output=True, text=True)
-        self.urls = out.stdout.strip().splitlines()[-1]
-        return self.urls
-
-    def __exit__(self, *exc_info) -> None:
-        subprocess.run(["bash", "scripts/stop_user_sims.sh", "--run-dir", str(self.run_dir)], cwd=REPO,
-                       check=False, capture_output=True)
-
-
 def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], work: Path, urls: str) -> list[str]:
     """The sead_trainer overrides of the GRPO run."""
     loop = "rollout_loop.config"
@@ -185,7 +157,9 @@ def run_grpo(s: LearningSettings, model: Path, work: Path) -> float:
     if own_ray:
         ray.init(address="local", num_cpus=8, include_dashboard=False)
     try:
-        with ScriptedSimulators(work / "sims", s.sim_instances, s.seed) as urls:
+        spec = ServerSpec(scenario=str(SCENARIO), seed=s.seed, log_level="warning")
+        with SimulatorGroup(work / "sims", spec) as sims:
+            urls = ",".join(sims.start_many(s.sim_instances))
             config = compose_config(trainer_overrides(s, model, data, work, urls), config_name="sead_trainer")
             pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
             trainer = RayPPOTrainer(config, load_tokenizer(str(model)), {Role.ActorRollout: ActorRolloutRefWorker},

@@ -33,11 +33,11 @@ from llm_agent.profiles.pool import read_profile_file
 from llm_agent.profiles.rules import load_rule_table
 from llm_agent.profiles.sources import ChatEndpoint
 from llm_agent.profiles.writer import ProfileWriter, WriterSettings
-from llm_agent.scenario import load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.stand_ins.profile_llm import ScriptedProfileLLM
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 
 
 def violation_share(profiles, rules, scenario) -> dict:

@@ -36,13 +36,14 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from utils.make_tiny_model import build_tiny_model
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH
 from verl.protocol import DataProto
 from verl.utils.fsdp_utils import build_fsdp_model, create_device_mesh
 from verl.utils.torch_functional import compute_position_id_with_mask
 
 logger = logging.getLogger("bench.rollout_engine")
 REPO = Path(__file__).resolve().parents[1]
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 QWEN2_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
              "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
              "tie_word_embeddings": True, "rope_theta": 1000000.0}
@@ -65,7 +66,7 @@ def build_model(shape: str, out: Path) -> Path:
 def turn_batches(tokenizer, dialogues: int, turns: int, context_cap: int) -> list[DataProto]:
     """One left-padded batch per agent turn: every dialogue's transcript up to that turn (last `context_cap`
     tokens), ending with the assistant prompt."""
-    from tests.conftest import COMPACT_SYSTEM_PROMPT
+    from tests.helpers.repo import COMPACT_SYSTEM_PROMPT
     from utils.sft_warm_start import scripted_dialogues
 
     calls = scripted_dialogues(SCENARIO, dialogues, {"good": 1.0}, seed=0, max_turns=turns,

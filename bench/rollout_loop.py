@@ -10,7 +10,7 @@ instant=True)`: a fixed, well-formed turn per stage, never ending the call) and 
 runs exactly `max_turns` turns and nearly all the time is the loop's own work: building the left-padded context
 batch, appending tokens, decoding and parsing agent turns, rendering simulator requests, tokenizing user
 turns, and the final tensors and records. The per-dialogue-turn time is wall time / (dialogues x turns); the
-time inside the stand-ins' own `generate_sequences` and `complete_batch` (timed by thin wrappers) is reported
+time inside the stand-ins' own `generate_sequences` and `complete` (timed by thin wrappers) is reported
 separately, and "loop only" excludes both. A loop whose per-turn work grew with the context would show a
 32-turn/4-turn ratio well above 1.
 
@@ -40,9 +40,10 @@ from transformers import AutoTokenizer
 from bench.results import write_result
 from llm_agent.rollout.dialogue import ChatMarkers
 from llm_agent.generation import LLMGenerationManager
-from llm_agent.scenario import load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim, never_ending_replies
+from llm_agent.user_sim.client import SimulatorClient
 from utils.make_tiny_model import build_tiny_model
 from verl.protocol import DataProto
 from verl.utils.torch_functional import compute_position_id_with_mask
@@ -50,7 +51,7 @@ from verl.utils.torch_functional import compute_position_id_with_mask
 logger = logging.getLogger("bench.rollout_loop")
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 GROUP_SIZE = 8  # rows per uid (GRPO n)
 STAGE_RATES = {0: 0.9, 1: 0.5, 2: 0.2, 3: 0.0}
 
@@ -70,17 +71,17 @@ class TimedPolicy:
             self.seconds += time.perf_counter() - start
 
 
-class TimedSim:
-    """The instant simulator with the time spent inside its `complete_batch` added up (`seconds`)."""
+class TimedSim(SimulatorClient):
+    """The instant simulator with the time spent inside its `complete` added up (`seconds`)."""
 
     def __init__(self, sim: InProcessUserSim) -> None:
         self.sim, self.seconds = sim, 0.0
 
-    def complete_batch(self, requests: list) -> list:
+    def complete(self, requests: list) -> list:
         """Delegate and time."""
         start = time.perf_counter()
         try:
-            return self.sim.complete_batch(requests)
+            return self.sim.complete(requests)
         finally:
             self.seconds += time.perf_counter() - start
 

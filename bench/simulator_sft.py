@@ -22,11 +22,11 @@ from pathlib import Path
 
 from bench.results import write_result
 from for_evaluation.simulator_report import cards_table
-from llm_agent.scenario import load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.simulator_report import ProbeSampling, build_card, build_probe_set, run_probes
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.user_sim.client import UserSimClient
-from utils.simulator_sft import DEFAULT_SCENARIO, INFO_FILE, tiny_simulator
+from utils.simulator_sft import INFO_FILE, tiny_simulator
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 4096
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "simulator_sft.json")
     args = p.parse_args(argv)
     load_at_start = os.getloadavg()[0]
-    scenario = load_scenario(REPO / DEFAULT_SCENARIO)
-    tiny = tiny_simulator(args.out_root / "tiny", REPO / DEFAULT_SCENARIO)
+    scenario = load_scenario(DEFAULT_SCENARIO_PATH)
+    tiny = tiny_simulator(args.out_root / "tiny", DEFAULT_SCENARIO_PATH)
     info = json.loads((tiny / INFO_FILE).read_text())
     sft_log = json.loads((tiny / "sft_log.json").read_text())
     probes = build_probe_set(scenario, args.probe_dialogues)

@@ -15,11 +15,12 @@ Tokens are the attended prompt + response tokens (padding is not counted).
 
 ``--preset gpu``: the SEAD GPU preset's actor update (scripts/presets.sh): a Qwen2.5-7B-shaped model built from
 its config alone (random bf16 weights; ``--layers N`` keeps the width and shortens the depth so it fits fewer
-GPUs), 3,584 prompt + 6,144 response tokens per row (9,728), micro-batch 1 (log-prob micro-batch 2), gradient
-checkpointing, padding-free forwards, bf16 compute with fp32 master weights, FSDP2 on NCCL over every GPU Ray
-sees, 4 rows per GPU per update. The driver never touches ``torch.cuda``: whether to use GPUs comes from Ray's
-resources, and the device name, timings and memory (allocated and reserved) are read in the workers. MFU and
-HFU are defined in :mod:`bench.train_step_flops`.
+GPUs), 2,048 prompt + 6,144 response tokens per row (8,192: the preset's max_prompt_length and dialogue budget),
+micro-batches by the preset's token budgets (16,384 tokens per update micro-batch, 32,768 per log-prob forward),
+gradient checkpointing, padding-free forwards, bf16 compute with fp32 master weights, FSDP2 on NCCL over every GPU
+Ray sees, 4 rows per GPU per update (bench/gpu_check.sh benchmarks 9,728-token rows on one GPU). The driver
+never touches ``torch.cuda``: whether to use GPUs comes from Ray's resources, and the device name, timings and
+memory (allocated and reserved) are read in the workers. MFU and HFU are defined in :mod:`bench.train_step_flops`.
 
 ``--long-dialogues``: one batch of calls whose lengths follow a skewed distribution between 256 and 4096 tokens
 (:mod:`bench.long_dialogues`), trained by one worker twice in the same run: padded rows in micro-batches of
@@ -41,10 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 
 from bench.train_step_flops import batch_flops, build_random_model, peak_flops, planned_memory_mib, utilisation
 from bench.train_step_worker import BenchActorWorker
+from bench.update_batch import make_batch
 from verl.protocol import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.trainer.config_schema import compose_config
@@ -55,23 +56,11 @@ REPO = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("bench.train_step")
 
 # The GPU preset of scripts/presets.sh, as far as the actor update goes.
-GPU_PRESET = {"prompt_length": 3584, "response_length": 6144, "micro_batch": 1, "log_prob_micro_batch": 2,
+GPU_PRESET = {"prompt_length": 2048, "response_length": 6144, "micro_batch": 1, "log_prob_micro_batch": 2,
               "rows_per_gpu": 4, "iters": 3, "model": "qwen2.5-7b"}
-GPU_PRESET_OVERRIDES = ("actor_rollout_ref.model.use_remove_padding=true",)
-
-
-def make_batch(batch: int, prompt_length: int, response_length: int, vocab: int, seed: int = 0) -> DataProto:
-    """Random full-length sequences with the keys update_actor needs (old_log_probs added later)."""
-    gen = torch.Generator().manual_seed(seed)
-    total = prompt_length + response_length
-    input_ids = torch.randint(0, vocab, (batch, total), generator=gen)
-    return DataProto.from_dict(tensors={
-        "input_ids": input_ids, "attention_mask": torch.ones(batch, total, dtype=torch.long),
-        "position_ids": torch.arange(total).expand(batch, total).clone(),
-        "responses": input_ids[:, prompt_length:].clone(),
-        "response_mask": torch.ones(batch, response_length, dtype=torch.long),
-        "advantages": torch.randn(batch, response_length, generator=gen),
-    })
+GPU_PRESET_OVERRIDES = ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
+                        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768")
 
 
 def _bench_overrides(model_path: Path, args: argparse.Namespace, extra: tuple[str, ...]) -> list[str]:
@@ -238,7 +227,7 @@ def format_table(result: dict[str, Any]) -> str:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=("default", "gpu"), default="default",
-                        help="gpu: the GPU preset's 7B-shaped actor update at 9,728 tokens per row (see above)")
+                        help="gpu: the GPU preset's 7B-shaped actor update at 8,192 tokens per row (see above)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda when Ray sees a GPU on this machine")
     parser.add_argument("--model", choices=("tiny", "qwen2-0.5b", "qwen2.5-7b"), default=None,
@@ -254,7 +243,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "long dialogues: 4; --preset gpu: 1)")
     parser.add_argument("--log-prob-micro-batch", type=int, default=None,
                         help="rows per log-prob forward (default: --micro-batch; --preset gpu: 2)")
-    parser.add_argument("--prompt-length", type=int, default=None, help="default 96 on CPU, 960 on CUDA, 3584 "
+    parser.add_argument("--prompt-length", type=int, default=None, help="default 96 on CPU, 960 on CUDA, 2048 "
                         "with --preset gpu; long dialogues: 256 (prompt width)")
     parser.add_argument("--response-length", type=int, default=None, help="default 32 on CPU, 64 on CUDA, 6144 "
                         "with --preset gpu; long dialogues: 3840 (conversation width)")

@@ -6,7 +6,7 @@
 One scripted simulator server on loopback (no injected latency) answers `--requests` first dialogue turns, at
 most `--concurrency` in flight, sent by
 
-- ours: `UserSimClient.complete_batch` (routing, retries, health, stats; aiohttp underneath), and
+- ours: `UserSimClient.complete` (routing, retries, health, stats; aiohttp underneath), and
 - httpx: bare `httpx.AsyncClient`s in pools of 8 connections, each request on the least busy pool (the layout of
   the client when it was built on httpx: httpcore's per-request work grows with its pool), sending the same
   bodies and parsing the replies, with no routing, retries or stats: a floor for what that client cost.
@@ -30,8 +30,9 @@ from pathlib import Path
 import httpx
 
 from bench.results import write_result
-from bench.user_sim_dispatch import make_requests, start_server, wait_healthy
-from llm_agent.user_sim.client import ChatReply, ChatRequest, UserSimClient
+from bench.user_sim_dispatch import latency_flags, make_requests
+from llm_agent.user_sim.client import TurnReply, TurnRequest, UserSimClient
+from llm_agent.user_sim.processes import SimulatorGroup
 
 REPO = Path(__file__).resolve().parents[1]
 POOL_CONNECTIONS = 8  # connections per httpx pool in the reference client
@@ -43,24 +44,24 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_ours(url: str, requests: list[ChatRequest], concurrency: int) -> tuple[float, float, int]:
+def run_ours(url: str, requests: list[TurnRequest], concurrency: int) -> tuple[float, float, int]:
     """(CPU s, wall s, replies) of one batch through a UserSimClient (built and closed outside the timing)."""
     with UserSimClient(url, max_in_flight=concurrency, timeout_s=60) as client:
-        client.complete_batch(requests[:concurrency])  # connections open before the timing, as in a long run
+        client.complete(requests[:concurrency])  # connections open before the timing, as in a long run
         cpu0, wall0 = cpu_s(), time.perf_counter()
-        results = client.complete_batch(requests)
+        results = client.complete(requests)
         cpu, wall = cpu_s() - cpu0, time.perf_counter() - wall0
-    return cpu, wall, sum(isinstance(r, ChatReply) for r in results)
+    return cpu, wall, sum(isinstance(r, TurnReply) for r in results)
 
 
-async def _httpx_batch(url: str, model: str, requests: list[ChatRequest], concurrency: int
+async def _httpx_batch(url: str, model: str, requests: list[TurnRequest], concurrency: int
                        ) -> tuple[float, float, int]:
     slots = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS)
     pools = [httpx.AsyncClient(limits=limits, timeout=60) for _ in range(-(-concurrency // POOL_CONNECTIONS))]
     busy = [0] * len(pools)
 
-    async def one(req: ChatRequest) -> bool:
+    async def one(req: TurnRequest) -> bool:
         body = {"model": model, "messages": req.messages, "n": 1, "temperature": req.temperature,
                 "top_p": req.top_p, "max_tokens": req.max_tokens, "seed": req.seed}
         async with slots:
@@ -82,7 +83,7 @@ async def _httpx_batch(url: str, model: str, requests: list[ChatRequest], concur
         await asyncio.gather(*(pool.aclose() for pool in pools))
 
 
-def run_httpx(url: str, model: str, requests: list[ChatRequest], concurrency: int) -> tuple[float, float, int]:
+def run_httpx(url: str, model: str, requests: list[TurnRequest], concurrency: int) -> tuple[float, float, int]:
     """(CPU s, wall s, replies) of one batch through pools of bare httpx.AsyncClients."""
     return asyncio.run(_httpx_batch(url, model, requests, concurrency))
 
@@ -101,9 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     requests = make_requests(args.requests)
     runs: dict[str, list[dict]] = {"ours": [], "httpx": []}
     with tempfile.TemporaryDirectory() as tmp:
-        url, proc = start_server(0.0, 0.0, 1, Path(tmp))
-        try:
-            wait_healthy(url, proc)
+        with SimulatorGroup(Path(tmp)) as sims:
+            url = sims.start(*latency_flags(0.0, 0.0, 1))
+            sims.wait_ready(url, timeout_s=90)
             model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
             for _ in range(args.repeats):
                 for name, run in (("ours", lambda: run_ours(url, requests, args.concurrency)),
@@ -111,9 +112,6 @@ def main(argv: list[str] | None = None) -> dict:
                     cpu, wall, answered = run()
                     runs[name].append({"cpu_ms_per_request": 1e3 * cpu / len(requests), "wall_s": wall,
                                        "answered": answered})
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
     medians = {name: {key: statistics.median(r[key] for r in rows) for key in ("cpu_ms_per_request", "wall_s")}
                for name, rows in runs.items()}
     complete = all(r["answered"] == len(requests) for rows in runs.values() for r in rows)

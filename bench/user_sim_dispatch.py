@@ -25,10 +25,7 @@ import asyncio
 import logging
 import math
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -36,55 +33,27 @@ from pathlib import Path
 import httpx
 
 from bench.results import write_result
-from llm_agent.scenario import UserProfile, load_scenario
-from llm_agent.user_sim.client import ChatReply, ChatRequest, UserSimClient
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.user_sim.client import TurnReply, TurnRequest, UserSimClient
+from llm_agent.user_sim.processes import SimulatorGroup, free_port
 
 logger = logging.getLogger("bench.user_sim_dispatch")
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def latency_flags(median_ms: float, sigma: float, seed: int) -> tuple[str, ...]:
+    """Server flags of a scripted simulator with injected lognormal latency and its own seed."""
+    return ("--seed", str(seed), "--inject-latency-ms", str(median_ms), "--inject-latency-sigma", str(sigma))
 
 
-def start_server(median_ms: float, sigma: float, seed: int, log_dir: Path) -> tuple[str, subprocess.Popen]:
-    """Launch one scripted simulator with injected latency; returns its URL and process (not yet ready)."""
-    port = free_port()
-    log = open(log_dir / f"sim_{port}.log", "w")
-    cmd = [sys.executable, "-m", "llm_agent.user_sim.server", "--backend", "scripted", "--port", str(port),
-           "--log-level", "warning", "--seed", str(seed), "--inject-latency-ms", str(median_ms),
-           "--inject-latency-sigma", str(sigma)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    return f"http://127.0.0.1:{port}", proc
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
-    """Poll GET /health until it answers 200; raise if the process exits or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"simulator {url} exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"simulator {url} not healthy within {timeout_s}s")
-
-
-def make_requests(n: int) -> list[ChatRequest]:
+def make_requests(n: int) -> list[TurnRequest]:
     """`n` first dialogue turns with the scenario's personas (what the rollout loop sends)."""
     scenario = load_scenario(SCENARIO)
     states = scenario.state_space()
     return [
-        ChatRequest(dialogue_id=f"d{i}",
+        TurnRequest(dialogue_id=f"d{i}",
                     messages=[{"role": "system",
                                "content": scenario.render_user_prompt(UserProfile(*states[i % len(states)]))},
                               {"role": "user", "content": f"Hello, this is Anna from the delivery app, call {i}."}],
@@ -93,12 +62,12 @@ def make_requests(n: int) -> list[ChatRequest]:
     ]
 
 
-async def _send_chunk(url: str, model: str, chunk: list[ChatRequest], capacity: int, timeout_s: float,
+async def _send_chunk(url: str, model: str, chunk: list[TurnRequest], capacity: int, timeout_s: float,
                       out: list, offset: int) -> None:
     """Send one contiguous chunk to one instance, at most `capacity` at a time; failures stay None."""
     slots = asyncio.Semaphore(capacity)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=capacity), timeout=timeout_s) as http:
-        async def one(i: int, req: ChatRequest) -> None:
+        async def one(i: int, req: TurnRequest) -> None:
             body = {"model": model, "messages": req.messages, "n": 1, "temperature": req.temperature,
                     "top_p": req.top_p, "max_tokens": req.max_tokens, "seed": req.seed}
             async with slots:
@@ -112,7 +81,7 @@ async def _send_chunk(url: str, model: str, chunk: list[ChatRequest], capacity: 
         await asyncio.gather(*(one(i, req) for i, req in enumerate(chunk)))
 
 
-def original_dispatch(urls: list[str], model: str, requests: list[ChatRequest], capacity: int,
+def original_dispatch(urls: list[str], model: str, requests: list[TurnRequest], capacity: int,
                       timeout_s: float = 60.0) -> list[str | None]:
     """SEAD's multi-URL client: ceil(B/n) contiguous chunks, one thread per chunk and instance, merged in order."""
     size = math.ceil(len(requests) / len(urls))
@@ -129,20 +98,20 @@ def original_dispatch(urls: list[str], model: str, requests: list[ChatRequest], 
     return out
 
 
-def time_ours(urls: list[str], model: str, requests: list[ChatRequest], max_in_flight: int) -> tuple[float, dict]:
+def time_ours(urls: list[str], model: str, requests: list[TurnRequest], max_in_flight: int) -> tuple[float, dict]:
     """Wall time of one batch through a fresh UserSimClient, and how many replies each instance served."""
     start = time.perf_counter()
     with UserSimClient(urls, model=model, max_in_flight=max_in_flight, timeout_s=60, backoff_s=0.05) as client:
-        results = client.complete_batch(requests)
+        results = client.complete(requests)
     wall = time.perf_counter() - start
     split: dict[str, int] = {}
     for r in results:
-        if isinstance(r, ChatReply):
+        if isinstance(r, TurnReply):
             split[r.instance] = split.get(r.instance, 0) + 1
     return wall, split
 
 
-def time_original(urls: list[str], model: str, requests: list[ChatRequest], capacity: int) -> tuple[float, int]:
+def time_original(urls: list[str], model: str, requests: list[TurnRequest], capacity: int) -> tuple[float, int]:
     """Wall time of one batch through the original chunked dispatch, and how many turns it answered."""
     start = time.perf_counter()
     results = original_dispatch(urls, model, requests, capacity)
@@ -150,7 +119,7 @@ def time_original(urls: list[str], model: str, requests: list[ChatRequest], capa
     return wall, sum(r is not None for r in results)
 
 
-def run_setup(label: str, urls: list[str], requests: list[ChatRequest], capacity: int, repeats: int,
+def run_setup(label: str, urls: list[str], requests: list[TurnRequest], capacity: int, repeats: int,
               baseline: bool, max_in_flight: int | None = None) -> dict:
     """Alternate ours and (optionally) the original `repeats` times on one set of instances.
 
@@ -198,13 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
     log_dir = args.out.parent / "user_sim_dispatch_logs"
     log_dir.mkdir(exist_ok=True)
 
-    servers = {"fast1": start_server(args.median_ms, args.sigma, 1, log_dir),
-               "fast2": start_server(args.median_ms, args.sigma, 2, log_dir),
-               "slow": start_server(args.median_ms * args.slow_factor, args.sigma, 3, log_dir)}
-    try:
-        for url, proc in servers.values():
-            wait_healthy(url, proc)
-        url = {key: value[0] for key, value in servers.items()}
+    with SimulatorGroup(log_dir) as sims:
+        url = {"fast1": sims.start(*latency_flags(args.median_ms, args.sigma, 1)),
+               "fast2": sims.start(*latency_flags(args.median_ms, args.sigma, 2)),
+               "slow": sims.start(*latency_flags(args.median_ms * args.slow_factor, args.sigma, 3))}
+        sims.wait_ready(*url.values(), timeout_s=90)
         requests = make_requests(args.requests)
         rows = [
             run_setup("1 instance", [url["fast1"]], requests, args.capacity, args.repeats, baseline=False),
@@ -215,11 +182,6 @@ def main(argv: list[str] | None = None) -> dict:
             run_setup("2 instances, one dead", [url["fast1"], f"http://127.0.0.1:{free_port()}"], requests,
                       args.capacity, args.repeats, baseline=True, max_in_flight=args.capacity),
         ]
-    finally:
-        for _, proc in servers.values():
-            proc.terminate()
-        for _, proc in servers.values():
-            proc.wait(timeout=10)
 
     one = rows[0]["ours_median_s"]
     summary = {

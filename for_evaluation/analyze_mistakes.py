@@ -17,15 +17,9 @@ import logging
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-
-from llm_agent.evaluation.analysis import analyze_by_split, parse_controller_overrides  # noqa: E402
-from llm_agent.evaluation.run_data import read_dialogues, resolve_run  # noqa: E402
-from llm_agent.scenario import load_scenario  # noqa: E402
-
-DEFAULT_SCENARIO = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+from llm_agent.evaluation.analysis import analyze_by_split, parse_controller_overrides
+from llm_agent.evaluation.run_data import read_dialogues, resolve_run
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,7 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("source", metavar="RUN_OR_DIALOGUES", help="a run or a dialogues/rollouts JSONL file")
-    p.add_argument("--scenario", default=str(REPO_ROOT / DEFAULT_SCENARIO), help="the dialogues' scenario YAML")
+    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH), help="the dialogues' scenario YAML")
     p.add_argument("--split", default=None, help="analyse only this split (train, val, ...)")
     p.add_argument("--min-step", type=int, default=None, help="first step to include")
     p.add_argument("--max-step", type=int, default=None, help="last step to include")

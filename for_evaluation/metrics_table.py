@@ -15,14 +15,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-
-from llm_agent.evaluation.table import FORMATS, build_table, load_evaluation, render  # noqa: E402
+from llm_agent.evaluation.table import FORMATS, build_table, load_evaluation, render
 
 SUFFIX = {"terminal": "txt", "markdown": "md", "csv": "csv", "latex": "tex"}
 

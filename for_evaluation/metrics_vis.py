@@ -16,12 +16,8 @@ import logging
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-
-from llm_agent.evaluation.plots import load_run, plot_runs  # noqa: E402
-from llm_agent.evaluation.run_data import default_plot_dir, find_latest_run, resolve_run  # noqa: E402
+from llm_agent.evaluation.plots import load_run, plot_runs
+from llm_agent.evaluation.run_data import default_plot_dir, find_latest_run, resolve_run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

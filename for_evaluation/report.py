@@ -17,16 +17,10 @@ import logging
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-
-from llm_agent.evaluation.analysis import parse_controller_overrides  # noqa: E402
-from llm_agent.evaluation.report import DEFAULT_BROWSER_LIMIT, build_report  # noqa: E402
-from llm_agent.evaluation.run_data import find_latest_run, resolve_run  # noqa: E402
-from llm_agent.scenario import load_scenario  # noqa: E402
-
-DEFAULT_SCENARIO = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+from llm_agent.evaluation.analysis import parse_controller_overrides
+from llm_agent.evaluation.report import DEFAULT_BROWSER_LIMIT, build_report
+from llm_agent.evaluation.run_data import find_latest_run, resolve_run
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="the HTML file to write")
     p.add_argument("--dialogues", default=None,
                    help="the run's rollout log when it is not where main.sh puts it (<root>/rollouts/<experiment>)")
-    p.add_argument("--scenario", default=str(REPO_ROOT / DEFAULT_SCENARIO),
+    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH),
                    help="the run's scenario YAML (stage names, state ranges; default: the demo's)")
     p.add_argument("--smooth", type=float, default=0.6, help="EMA weight of the training curves (0: raw)")
     p.add_argument("--bootstrap", type=int, default=200,

@@ -25,12 +25,11 @@ from typing import Any
 
 from llm_agent.evaluation.report_simulator import render_simulator_page
 from llm_agent.evaluation.run_data import read_dialogues
-from llm_agent.scenario import load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.simulator_report import (PROBE_SEED, ProbeSampling, build_card, build_probe_set, dialogues_from_log,
                                         run_probes)
 from llm_agent.simulator_report.card import METRIC_KEYS
 
-DEFAULT_SCENARIO = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
 logger = logging.getLogger("simulator_report")
 
 
@@ -44,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     what.add_argument("--dialogues", help="grade the simulator turns of a rollout log / evaluation dialogues file")
     p.add_argument("--card", action="append", default=[], help="an earlier card (JSON) to show alongside")
     p.add_argument("--name", default=None, help="the card's name (default: from what is graded)")
-    p.add_argument("--scenario", default=DEFAULT_SCENARIO, help="scenario YAML")
+    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH), help="scenario YAML")
     p.add_argument("--model", default=None, help="served model name (default: what /v1/models lists)")
     p.add_argument("--split", default=None, help="only logged dialogues of this split (train, val, ...)")
     p.add_argument("--probe-dialogues", type=int, default=48, help="scripted calls in the probe set")

@@ -27,15 +27,17 @@ import math
 import random
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from llm_agent.config_checks import checked_mapping
 from llm_agent.profiles.pool import ProfilePool
 from llm_agent.profiles.rules import RuleTable, load_rule_table
 from llm_agent.scenario import STATE_DIMS, Scenario, UserProfile, sample_behaviors
+from verl.trainer.config_ranges import check_number
+from verl.trainer.config_schema import ConfigError
+from verl.trainer.config_validation import ConfigSection, config_key
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +47,17 @@ PROFILE_SOURCES = ("uniform", "rules", "pool")
 
 
 @dataclass
-class ControllerConfig:
+class ControllerConfig(ConfigSection):
     """Settings of the state controller (see the module docstring for the update rule).
 
     `enabled` is read by the rollout loop (disabled: profiles come from the dataset). `smoothing` is the weight
     of the new target in the exponential moving average (1 = no smoothing). `floor` is the least weight of any
-    valid value and `max_ratio` the largest allowed max/min between valid values (`math.inf`: no limit).
+    valid value and `max_ratio` the largest allowed max/min between valid values (`.inf`: no limit).
     `profile_source` picks how behaviours are drawn (uniform | rules | pool); `rules_path` is the rule table
     (None: assets/behavior_rules.yaml) and `pool_path` the profiles written ahead (required by `pool`).
     """
+
+    SECTION_KEY = "controller"
 
     enabled: bool = True
     target_completion_rate: float = 0.5
@@ -71,44 +75,21 @@ class ControllerConfig:
     pool_path: str | None = None
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type == "bool" and not isinstance(value, bool):
-                raise ValueError(f"{f.name} must be true or false, got {value!r}")
-            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{f.name} must be an integer, got {value!r}")
-            if f.type == "float":
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-                    raise ValueError(f"{f.name} must be a number, got {value!r}")
-                setattr(self, f.name, float(value))
-            if f.type in ("str", "str | None") and not isinstance(value, str) and not (
-                    value is None and f.type == "str | None"):
-                raise ValueError(f"{f.name} must be a string, got {value!r}")
-        checks = [
-            ("target_completion_rate", 0.0 <= self.target_completion_rate <= 1.0, "must be in [0, 1]"),
-            ("dead_band", 0.0 <= self.dead_band < 1.0, "must be in [0, 1)"),
-            ("smoothing", 0.0 < self.smoothing <= 1.0, "must be in (0, 1] (1 = no smoothing)"),
-            ("floor", 0.0 <= self.floor < 1.0, "must be in [0, 1)"),
-            ("max_ratio", self.max_ratio >= 1.0, "must be >= 1 (max/min weight ratio; inf = no limit)"),
-            ("min_behaviors", self.min_behaviors >= 0, "must be >= 0"),
-            ("max_behaviors", self.max_behaviors >= self.min_behaviors,
-             f"must be >= min_behaviors ({self.min_behaviors})"),
-            ("profile_source", self.profile_source in PROFILE_SOURCES, f"must be one of {list(PROFILE_SOURCES)}"),
-            ("pool_path", self.profile_source != "pool" or bool(self.pool_path),
-             "must name the profiles file when profile_source is pool"),
-        ]
-        for name, ok, reason in checks:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} {reason}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None, where: str = "controller") -> "ControllerConfig":
-        """Build from a mapping (e.g. `rollout_loop.config.controller`); errors name `where` and the key."""
-        values = checked_mapping(d, cls, where)
-        try:
-            return cls(**values)
-        except ValueError as exc:
-            raise ValueError(f"{where}.{exc}") from None
+        check_number(config_key("target_completion_rate"), self.target_completion_rate, 0.0, 1.0)
+        check_number(config_key("dead_band"), self.dead_band, 0.0, 1.0, high_open=True)
+        check_number(config_key("smoothing"), self.smoothing, 0.0, 1.0, low_open=True)
+        check_number(config_key("floor"), self.floor, 0.0, 1.0, high_open=True)
+        check_number(config_key("max_ratio"), self.max_ratio, 1.0, allow_inf=True)
+        check_number(config_key("min_behaviors"), self.min_behaviors, 0)
+        if self.max_behaviors < self.min_behaviors:
+            raise ConfigError(f"{config_key('max_behaviors')}={self.max_behaviors} must be >= "
+                              f"{config_key('min_behaviors')} ({self.min_behaviors})")
+        if self.profile_source not in PROFILE_SOURCES:
+            raise ConfigError(f"{config_key('profile_source')}={self.profile_source!r} must be one of "
+                              f"{list(PROFILE_SOURCES)}")
+        if self.profile_source == "pool" and not self.pool_path:
+            raise ConfigError(f"{config_key('pool_path')}={self.pool_path!r} must name the profiles file when "
+                              "profile_source is pool")
 
 
 def parse_state_key(key: str) -> tuple[int, int, int]:

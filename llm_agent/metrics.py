@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llm_agent.rollout.outcome import Outcome
 from llm_agent.scenario import STATE_DIMS, Scenario
-from verl.protocol import DataProto
+
+if TYPE_CHECKING:  # records are read from a batch's arrays: the metrics (and the CLIs on them) never need torch
+    from verl.protocol import DataProto
 
 __all__ = [
     "METRIC_KEYS", "OUTCOMES", "RECORD_KEYS", "USER_TURN_SOURCES", "claimed_done", "dialogue_metrics",
@@ -50,7 +53,7 @@ __all__ = [
     "turn_state_error", "user_turn_count",
 ]
 
-OUTCOMES: tuple[str, ...] = ("completed", "hung_up", "agent_ended", "timeout", "truncated", "error")
+OUTCOMES: tuple[str, ...] = tuple(outcome.value for outcome in Outcome)
 RECORD_KEYS: tuple[str, ...] = ("profile", "outcome", "num_turns", "turns", "cache_hits", "format_errors")
 USER_TURN_SOURCES: tuple[str, ...] = ("simulator", "cache")
 _RATE_OF_OUTCOME = {"hung_up": "hang_up_rate", "timeout": "timeout_rate", "truncated": "truncated_rate",

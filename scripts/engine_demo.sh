@@ -30,7 +30,7 @@ export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 
 if [[ -z "$MODEL_PATH" ]]; then
-    MODEL_PATH=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" | tail -n 1)
+    MODEL_PATH=$("$PYTHON" -m utils.make_tiny_model --out "$OUTPUT_DIR/tiny_model" | tail -n 1)
 fi
 if [[ ! -f "$DATA_DIR/train.parquet" ]]; then
     "$PYTHON" -m verl.tasks.repeat_letter --out_dir "$DATA_DIR"

@@ -40,7 +40,7 @@ sead_iterate() {
         args+=(--sim-restart-command "bash scripts/stop_user_sims.sh --run-dir ${RUN_DIR@Q} && \
 bash scripts/start_user_sims.sh ${SIM_ARGS[*]@Q}")
     fi
-    "$PYTHON" utils/iterate.py "${args[@]}" "$@" -- "${TRAIN_CMD[@]}"
+    "$PYTHON" -m utils.iterate "${args[@]}" "$@" -- "${TRAIN_CMD[@]}"
     local last
     last=$ITER_ROOT/iter_$(printf '%02d' "$ITERATIONS")
     ROLLOUT_LOG=$last/rollouts.jsonl

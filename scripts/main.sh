@@ -2,10 +2,11 @@
 # The SEAD main job: train the service agent with GRPO against user simulators, with the state controller and
 # the user-response cache on (config: verl/trainer/config/sead_trainer.yaml).
 #
-# Settings come from one of two presets (scripts/presets.sh), printed in one block at start; every value in it
-# can be set in the environment. PRESET=cpu|gpu picks one; by default a MODEL_PATH selects `gpu` (the SEAD
-# paper's settings: 60 prompts x 8 dialogues, lr 1e-6 with warm-up, KL loss, 15 turns, ...) and no MODEL_PATH
-# selects `cpu` (the embedded demo). PRINT_CONFIG_ONLY=1 (or --dry-run as the first argument) prints the preset
+# Settings come from one of the presets (scripts/presets.sh), printed in one block at start; every value in it
+# can be set in the environment. PRESET=cpu|gpu|rehearsal picks one; by default a MODEL_PATH selects `gpu` (the
+# SEAD paper's settings: 60 prompts x 8 dialogues, lr 1e-6 with warm-up, KL loss, 15 turns, ...) and no MODEL_PATH
+# selects `cpu` (the embedded demo). `rehearsal` is the GPU preset on CPU with only the device and the sizes
+# changed (run it from the vLLM environment: PATH=$PWD/.venv-vllm/bin:$PATH PRESET=rehearsal bash scripts/main.sh). PRINT_CONFIG_ONLY=1 (or --dry-run as the first argument) prints the preset
 # and the trainer command, then exits without building, starting or training anything.
 #
 # With no settings this is the CPU demo: it builds the tiny local model (outputs/tiny_model) and warm-starts it
@@ -28,7 +29,9 @@
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
 # (1; 2 vLLM), SIM_MAX_MODEL_LEN (8192), SIM_GPU_MEMORY_UTILIZATION (0.9), SIM_EXTRA_ARGS (more vLLM flags),
 # SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free
-# port; 5000 vLLM), SCENARIO, WARM_START_STEPS (250, tiny model only), OUTPUT_DIR (outputs), PYTHON.
+# port; 5000 vLLM), SCENARIO (python -m llm_agent.scenario prints the default), WARM_START_STEPS (250, tiny model
+# only), AGENT_PROMPT_FILE (the agent's system prompt written into the prompt data; default the scenario's, the
+# tiny model's compact one), OUTPUT_DIR (outputs), PYTHON.
 # ITERATIONS=N (> 1) trains in iterations as the original SEAD did (train, analyse the mistakes, write the next
 # profiles, continue from the last checkpoint; rerun to resume): see scripts/iterations.sh for its variables.
 set -euo pipefail
@@ -43,7 +46,7 @@ OUTPUT_DIR=${OUTPUT_DIR:-outputs}
 MODEL_PATH=${MODEL_PATH:-}
 USER_SIM_MODEL=${USER_SIM_MODEL:-}
 USER_SIM_URLS=${USER_SIM_URLS:-}
-SCENARIO=${SCENARIO:-verl/trainer/config/format_prompt/outbound_ad_trial.yaml}
+SCENARIO=${SCENARIO:-$("$PYTHON" -m llm_agent.scenario)}  # the default scenario (llm_agent/scenario/paths.py)
 if [[ -n "${PRESET:-}" ]]; then WHY="PRESET=$PRESET in the environment"; fi
 if [[ -n "$MODEL_PATH" ]]; then
     PRESET=${PRESET:-gpu}; WHY=${WHY:-"MODEL_PATH is set"}; TINY_DEMO=0; DEMO_ARGS=()
@@ -104,10 +107,14 @@ trainer_command() {
         actor_rollout_ref.rollout.name="$ROLLOUT_ENGINE"
         actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP"
         actor_rollout_ref.rollout.gpu_memory_utilization="$ROLLOUT_GPU_MEM"
-        actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"
-        actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"
+        ${LOGPROB_MICRO_BATCH:+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"}
+        ${LOGPROB_MICRO_BATCH:+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="$LOGPROB_MICRO_BATCH"}
         actor_rollout_ref.actor.ppo_mini_batch_size="$MINI_BATCH"
-        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="$MICRO_BATCH"
+        ${MICRO_BATCH:+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="$MICRO_BATCH"}
+        actor_rollout_ref.actor.use_dynamic_bsz="$USE_DYNAMIC_BSZ"
+        ${MAX_TOKEN_LEN:+actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$MAX_TOKEN_LEN"}
+        ${LOGPROB_MAX_TOKEN_LEN:+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="$LOGPROB_MAX_TOKEN_LEN"}
+        ${LOGPROB_MAX_TOKEN_LEN:+actor_rollout_ref.ref.log_prob_max_token_len_per_gpu="$LOGPROB_MAX_TOKEN_LEN"}
         actor_rollout_ref.actor.optim.lr="$LR"
         actor_rollout_ref.actor.optim.lr_warmup_steps_ratio="$LR_WARMUP_RATIO"
         actor_rollout_ref.actor.use_kl_loss="$USE_KL_LOSS"
@@ -165,10 +172,11 @@ if [[ "$DRY_RUN" == 1 ]]; then
 fi
 
 PROMPT_ARGS=()
+if [[ -n "${AGENT_PROMPT_FILE:-}" ]]; then PROMPT_ARGS=(--system_prompt "$(cat "$AGENT_PROMPT_FILE")"); fi
 if [[ "$TINY_DEMO" == 1 ]]; then
-    COMPACT_PROMPT=$(cat assets/compact_agent_prompt.txt)  # the scenario's own prompt is ~1300 tokens
+    COMPACT_PROMPT=$(cat "${AGENT_PROMPT_FILE:-assets/compact_agent_prompt.txt}")  # the scenario's is ~1300 tokens
     PROMPT_ARGS=(--system_prompt "$COMPACT_PROMPT")
-    TINY=$("$PYTHON" utils/make_tiny_model.py --out "$OUTPUT_DIR/tiny_model" --hidden-size 128 \
+    TINY=$("$PYTHON" -m utils.make_tiny_model --out "$OUTPUT_DIR/tiny_model" --hidden-size 128 \
         --intermediate-size 256 --layers 2 --heads 4 --vocab-size 2048 --tag-tokens | tail -n 1)
     if (( WARM_START_STEPS > 0 )); then  # a random model never writes a tagged turn: give RL something to start from
         WARM_ARGS=(--model "$TINY" --out "$MODEL_PATH" --scenario "$SCENARIO" --n-dialogues 1024
@@ -178,12 +186,12 @@ if [[ "$TINY_DEMO" == 1 ]]; then
         if [[ ! -f "$MODEL_PATH/sft_log.json" || "$TINY/config.json" -nt "$MODEL_PATH/sft_log.json" \
               || "$(cat "$WARM_STAMP" 2> /dev/null)" != "$(printf '%s\n' "${WARM_ARGS[@]}")" ]]; then
             echo "warm start: $WARM_START_STEPS SFT steps on scripted calls, a third of them good (a few minutes, once)"
-            "$PYTHON" utils/sft_warm_start.py "${WARM_ARGS[@]}" > /dev/null
+            "$PYTHON" -m utils.sft_warm_start "${WARM_ARGS[@]}" > /dev/null
             printf '%s\n' "${WARM_ARGS[@]}" > "$WARM_STAMP"
         fi
     fi
 fi
-"$PYTHON" utils/create_prompt_data.py --scenario "$SCENARIO" --train_samples "$TRAIN_SAMPLES" \
+"$PYTHON" -m utils.create_prompt_data --scenario "$SCENARIO" --train_samples "$TRAIN_SAMPLES" \
     --test_samples "$TEST_SAMPLES" --out_dir "$DATA_DIR" "${PROMPT_ARGS[@]}" > /dev/null
 
 STARTED_SIMS=0
@@ -224,7 +232,7 @@ echo "training metrics (one JSON line per step):        $LOG_DIR/metrics.jsonl"
 echo "validation metrics (one JSON line per validation): $VAL_METRICS"
 echo "rollout log (every dialogue of every step):        $ROLLOUT_LOG"
 echo "user-response cache:                              $CKPT_DIR/user_response_cache.jsonl"
-"$PYTHON" utils/val_summary.py "$VAL_METRICS" || true
-REPORT=$("$PYTHON" for_evaluation/report.py "$LOG_DIR" --dialogues "$ROLLOUT_LOG" --scenario "$SCENARIO" \
+"$PYTHON" -m utils.val_summary "$VAL_METRICS" || true
+REPORT=$("$PYTHON" -m for_evaluation.report "$LOG_DIR" --dialogues "$ROLLOUT_LOG" --scenario "$SCENARIO" \
     --out "$OUTPUT_DIR/reports/$EXPERIMENT.html")
 echo "report (plots, metrics, mistakes, dialogues; open in a browser): $REPORT"

@@ -1,15 +1,19 @@
 # The training presets of scripts/main.sh and scripts/2ins_main.sh (sourced, not run).
 #
-# `sead_apply_preset cpu|gpu` gives every preset variable below its preset value unless the environment already
-# sets it (a non-empty value wins), and `sead_print_preset` prints them all in one block, each marked `preset`
-# or `environment`. The GPU preset reproduces the SEAD paper's training settings; the CPU preset is the
-# embedded demo (tiny model, 2 cores, minutes). Edit a preset's values in its own block below.
+# `sead_apply_preset cpu|gpu|rehearsal` gives every preset variable below its preset value unless the environment
+# already sets it (a non-empty value wins), and `sead_print_preset` prints them all in one block, each marked
+# `preset` or `environment` (an empty value is not passed to the trainer: its config default applies). The GPU
+# preset reproduces the SEAD paper's training settings; the CPU preset is the embedded demo (tiny model, 2 cores,
+# minutes); the rehearsal is the GPU preset itself on CPU, with only the device and the sizes of
+# SEAD_REHEARSAL_SIZES changed (tests/scripts/test_gpu_rehearsal.py runs it in CI). Edit a preset's values in its
+# own block below.
 
 # Every preset variable, in the order they are printed.
 SEAD_PRESET_VARS=(EXPERIMENT DEVICE N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS
                   MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE
-                  KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH TEST_FREQ SAVE_FREQ
-                  MAX_CKPT SAVE_HF_MODEL POLICY_GPUS ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM PRESET_OVERRIDES)
+                  KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH USE_DYNAMIC_BSZ
+                  MAX_TOKEN_LEN LOGPROB_MAX_TOKEN_LEN TEST_FREQ SAVE_FREQ MAX_CKPT SAVE_HF_MODEL POLICY_GPUS
+                  ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM PRESET_OVERRIDES)
 declare -gA SEAD_PRESET_ORIGIN=()
 
 # The policy's rollout engine on CPU: vllm when $PYTHON can import vLLM (the .venv-vllm environment), else hf.
@@ -18,13 +22,16 @@ _sead_cpu_engine() {
         2> /dev/null; then echo vllm; else echo hf; fi
 }
 
-# Give $1 the value $2 unless the environment set it (non-empty); remember which one it got.
+# Give $1 the value $2 unless the environment set it (non-empty) or a preset applied before gave it one (the
+# rehearsal's sizes); remember where it came from ($3, default `preset`).
 _sead_default() {
-    if [[ -n "${!1:-}" ]]; then
+    if [[ -n "${SEAD_PRESET_ORIGIN[$1]:-}" ]]; then
+        return
+    elif [[ -n "${!1:-}" ]]; then
         SEAD_PRESET_ORIGIN[$1]=environment
     else
         printf -v "$1" '%s' "$2"
-        SEAD_PRESET_ORIGIN[$1]=preset
+        SEAD_PRESET_ORIGIN[$1]=${3:-preset}
     fi
 }
 
@@ -61,6 +68,9 @@ _sead_cpu_preset() {
     _sead_default GRAD_CKPT false
     _sead_default MICRO_BATCH 4
     _sead_default LOGPROB_MICRO_BATCH 8
+    _sead_default USE_DYNAMIC_BSZ false
+    _sead_default MAX_TOKEN_LEN ""
+    _sead_default LOGPROB_MAX_TOKEN_LEN ""
     _sead_default TEST_FREQ "$STEPS"
     _sead_default SAVE_FREQ 2
     _sead_default MAX_CKPT 2
@@ -79,11 +89,15 @@ _sead_cpu_preset() {
 # serve the simulator) with trainer.device=cuda (a CPU-only torch fails at once instead of training on the CPU),
 # 50 steps (the paper's 5 iterations of 10), 30 fixed validation profiles. The
 # per-dialogue budget of 6144 tokens fits 15 turns even at their limits (15 x (256 agent + 128 user + the role
-# markers) < 6144), so a dialogue ends by its outcome or max_turns, not by running out of tokens. Checkpoints
-# keep the HF export only in the last one (a 14B fp32 export is ~56 GB; `python -m verl.model_merger` exports
-# any other later). As the original: padding-free forwards and the reference model's parameters offloaded. The
-# policy generates with vLLM (TP 2 engines colocated with the FSDP actor, 40% of each GPU while awake, asleep
-# during training).
+# markers) < 6144), so a dialogue ends by its outcome or max_turns, not by running out of tokens; prompts up to
+# sead_trainer.yaml's 2,048 tokens. Checkpoints keep the HF export only in the last one (a 14B fp32 export is
+# ~56 GB; `python -m verl.model_merger` exports any other later). As the original: padding-free forwards and the
+# reference model's parameters offloaded. Micro-batches by a token budget: 16,384 tokens (2 full dialogues) per
+# actor update micro-batch, 32,768 per log-prob forward (`python -m verl.trainer.plan` at 14B: update 61.3 GB, 47.8
+# GB for the reference pass: both fit 80 GB with the planner's 15% error to spare; README "GPU box"). The policy
+# generates with vLLM: TP 2 engines colocated with the FSDP actor, 55% of each GPU while awake (at 14B the planner
+# gives 74.6 of 80 GB with the actor's resident state beside it), CUDA graphs, asleep during training (level 2),
+# weights synced in buckets.
 _sead_gpu_preset() {
     _sead_default EXPERIMENT "$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")"
     _sead_default DEVICE cuda
@@ -106,8 +120,11 @@ _sead_gpu_preset() {
     _sead_default ENTROPY_COEFF 0.001
     _sead_default TEMPERATURE 1.2
     _sead_default GRAD_CKPT true
-    _sead_default MICRO_BATCH 1
-    _sead_default LOGPROB_MICRO_BATCH 2
+    _sead_default MICRO_BATCH ""
+    _sead_default LOGPROB_MICRO_BATCH ""
+    _sead_default USE_DYNAMIC_BSZ true
+    _sead_default MAX_TOKEN_LEN 16384
+    _sead_default LOGPROB_MAX_TOKEN_LEN 32768
     _sead_default TEST_FREQ 5
     _sead_default SAVE_FREQ 5
     _sead_default MAX_CKPT 2
@@ -115,17 +132,36 @@ _sead_gpu_preset() {
     _sead_default POLICY_GPUS "$(seq -s, 0 $((N_GPUS - 1)))"
     _sead_default ROLLOUT_ENGINE vllm
     _sead_default ROLLOUT_TP 2
-    _sead_default ROLLOUT_GPU_MEM 0.4
+    _sead_default ROLLOUT_GPU_MEM 0.55
     _sead_default PRESET_OVERRIDES "actor_rollout_ref.model.use_remove_padding=true \
-actor_rollout_ref.ref.fsdp_config.param_offload=true"
+actor_rollout_ref.ref.fsdp_config.param_offload=true actor_rollout_ref.rollout.enforce_eager=false \
+actor_rollout_ref.rollout.free_cache_engine=true"
 }
 
-# Apply preset $1 (cpu | gpu); needs MODEL_PATH and SCENARIO set. Exits with a message on another name.
+# ------------------------------------------------------------------------------------- GPU preset rehearsal
+# The GPU preset on CPU: every value above except the device and the sizes below (2 CPU workers as one TP-2 vLLM
+# engine, 2 x 2 dialogues of 2 short turns, token budgets of about one and two rows, a checkpoint every step), so
+# that a key added to the GPU preset is rehearsed too. Without a MODEL_PATH it runs on the demo's tiny model.
+declare -gA SEAD_REHEARSAL_SIZES=(
+    [DEVICE]=cpu [N_GPUS]=2 [POLICY_GPUS]=none [STEPS]=2 [TRAIN_PROMPTS]=2 [ROLLOUT_N]=2 [MINI_BATCH]=2
+    [TRAIN_SAMPLES]=8 [TEST_SAMPLES]=2 [MAX_TURNS]=2 [MAX_TOKENS_PER_TURN]=64 [MAX_USER_TOKENS]=48
+    [RESPONSE_LENGTH]=256 [MAX_TOKEN_LEN]=512 [LOGPROB_MAX_TOKEN_LEN]=1024 [TEST_FREQ]=2 [SAVE_FREQ]=1
+)
+_sead_rehearsal_preset() {
+    local name
+    for name in "${!SEAD_REHEARSAL_SIZES[@]}"; do
+        _sead_default "$name" "${SEAD_REHEARSAL_SIZES[$name]}" rehearsal
+    done
+    _sead_gpu_preset
+}
+
+# Apply preset $1 (cpu | gpu | rehearsal); needs MODEL_PATH and SCENARIO set. Exits with a message on another name.
 sead_apply_preset() {
     case "$1" in
         cpu) _sead_cpu_preset ;;
         gpu) _sead_gpu_preset ;;
-        *) echo "PRESET must be cpu or gpu, got '$1'" >&2; exit 2 ;;
+        rehearsal) _sead_rehearsal_preset ;;
+        *) echo "PRESET must be cpu, gpu or rehearsal, got '$1'" >&2; exit 2 ;;
     esac
 }
 
@@ -134,6 +170,6 @@ sead_print_preset() {
     echo "preset: $1 ($2); any variable below can be set in the environment"
     local name
     for name in "${SEAD_PRESET_VARS[@]}"; do
-        printf '  %-20s %-40s (%s)\n' "$name" "${!name}" "${SEAD_PRESET_ORIGIN[$name]}"
+        printf '  %-22s %-40s (%s)\n' "$name" "${!name:--}" "${SEAD_PRESET_ORIGIN[$name]}"
     done
 }

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from packaging.version import Version
+
 REPO = Path(__file__).resolve().parents[1]
 # distribution name -> the import name(s) that use it
 IMPORT_NAMES = {"pyyaml": ["yaml"], "hydra-core": ["hydra"], "tensorboard": ["torch.utils.tensorboard"]}
@@ -25,7 +27,7 @@ def _sources() -> str:
 def test_python_requires_matches_the_code():
     setup = (REPO / "setup.py").read_text()
     assert 'python_requires=">=3.11"' in setup
-    assert "asyncio.timeout(" in (REPO / "llm_agent/user_sim/client.py").read_text()  # new in 3.11
+    assert "asyncio.timeout(" in (REPO / "llm_agent/user_sim/client/http_client.py").read_text()  # new in 3.11
 
 
 def test_install_requires_has_no_exact_pins_and_constraints_pin_torch():
@@ -42,3 +44,22 @@ def test_every_declared_dependency_is_imported():
         if not any(re.search(rf"^\s*(import|from)\s+{re.escape(m)}\b", sources, re.M) for m in modules):
             unused.append(name)
     assert unused == []
+
+
+def _lower_bound(requirement: str) -> Version:
+    return Version(re.search(r">=([0-9][0-9.]*)", requirement).group(1))
+
+
+def test_the_lowest_versions_ci_installs_are_the_declared_lower_bounds():
+    """constraints_lowest.txt (installed into .venv-vllm) pins each package it names at requirements.txt's lower
+    bound, and the vLLM requirements start from the same transformers."""
+    declared = {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower(): r for r in _requirements()}
+    lines = (REPO / "constraints_lowest.txt").read_text().splitlines()
+    pins = dict(line.split("==") for line in lines if line.strip() and not line.startswith("#"))
+    assert "transformers" in pins
+    for name, version in pins.items():
+        assert _lower_bound(declared[name]) == Version(version), name
+    vllm_transformers = next(line for line in (REPO / "requirements_vllm.txt").read_text().splitlines()
+                             if line.startswith("transformers"))
+    assert _lower_bound(vllm_transformers) == Version(pins["transformers"])
+    assert _lower_bound(declared["torch"]) == Version("2.11")  # the oldest torch whose signatures the tests hold

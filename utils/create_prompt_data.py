@@ -6,7 +6,7 @@ of `UserProfile.to_dict()`). During training the state controller samples the pr
 only when the controller is off); validation and evaluation use the fixed, seeded profiles of the test file, so
 their curves stay comparable across runs and iterations.
 
-    python utils/create_prompt_data.py --scenario verl/trainer/config/format_prompt/outbound_ad_trial.yaml \\
+    python -m utils.create_prompt_data [--scenario verl/trainer/config/format_prompt/inbound_support.yaml] \\
         --train_samples 64 --test_samples 16 --out_dir outputs/prompt_data [--profiles generated.jsonl]
 
 Profiles are drawn uniformly from the scenario's state space (extremes excluded unless --allow_extremes) with
@@ -20,19 +20,14 @@ import argparse
 import json
 import logging
 import random
-import sys
 from pathlib import Path
 from typing import Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-
-from llm_agent.profiles.pool import profile_of_row  # noqa: E402
-from llm_agent.scenario import STATE_DIMS, Scenario, UserProfile, load_scenario, sample_behaviors  # noqa: E402
+from llm_agent.profiles.pool import profile_of_row
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, STATE_DIMS, Scenario, UserProfile, load_scenario, sample_behaviors
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +121,7 @@ def create_prompt_data(scenario_path: str | Path, out_dir: str | Path, train_sam
 def main(argv: list[str] | None = None) -> None:
     """Command line: see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", default=str(REPO_ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"),
+    parser.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH),
                         help="scenario YAML")
     parser.add_argument("--train_samples", type=int, required=True, help="number of training rows")
     parser.add_argument("--test_samples", type=int, required=True, help="number of validation rows")

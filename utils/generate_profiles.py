@@ -1,6 +1,6 @@
 """Write believable user profiles: sampled states whose behaviours an LLM (or the rule table) chooses to fit.
 
-    python utils/generate_profiles.py --n 1000 --out outputs/profiles/next.jsonl \\
+    python -m utils.generate_profiles --n 1000 --out outputs/profiles/next.jsonl \\
         [--weights outputs/iterations/cpu_demo/iter_01/mistakes.json] \\
         [--llm-url http://127.0.0.1:8000/v1 --llm-model Qwen2.5-14B-Instruct] [--concurrency 16]
 
@@ -20,25 +20,18 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-
-from llm_agent.profiles.rules import DEFAULT_RULES_PATH, load_rule_table  # noqa: E402
-from llm_agent.profiles.sources import ChatEndpoint, load_weights  # noqa: E402
-from llm_agent.profiles.writer import RULE_CHECKS, ProfileWriter, WriterSettings  # noqa: E402
-from llm_agent.scenario import load_scenario  # noqa: E402
-
-DEFAULT_SCENARIO = REPO_ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+from llm_agent.profiles.rules import DEFAULT_RULES_PATH, load_rule_table
+from llm_agent.profiles.sources import ChatEndpoint, load_weights
+from llm_agent.profiles.writer import RULE_CHECKS, ProfileWriter, WriterSettings
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO), help="scenario YAML (ranges and library)")
+    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH), help="scenario YAML (ranges and library)")
     p.add_argument("--n", type=int, required=True, help="number of profiles")
     p.add_argument("--out", required=True, help="output JSONL (resumed when it exists)")
     p.add_argument("--weights", default=None, help="sampling weights file (default: uniform)")

@@ -1,6 +1,6 @@
 """Iterated training, as in the original SEAD: train, analyse the mistakes, write the next profiles, continue.
 
-    python utils/iterate.py --iterations 5 --steps-per-iteration 10 --root outputs/iterations/EXP \\
+    python -m utils.iterate --iterations 5 --steps-per-iteration 10 --root outputs/iterations/EXP \\
         --ckpt-dir outputs/checkpoints/EXP --scenario SCENARIO.yaml --train-samples 600 \\
         [--profiles 1000] [--llm-url URL] [--sim-restart-command CMD] [--dry-run] -- TRAINER COMMAND ...
 
@@ -31,19 +31,15 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-
-from llm_agent.evaluation.analysis import analyze_by_split  # noqa: E402
-from llm_agent.evaluation.run_data import read_dialogues  # noqa: E402
-from llm_agent.profiles.pool import read_profile_file  # noqa: E402
-from llm_agent.profiles.rules import load_rule_table  # noqa: E402
-from llm_agent.profiles.sources import ChatEndpoint, load_weights  # noqa: E402
-from llm_agent.profiles.writer import ProfileWriter, WriterSettings  # noqa: E402
-from llm_agent.scenario import load_scenario  # noqa: E402
-from utils.create_prompt_data import TRAIN_FILE, prompt_rows, write_rows  # noqa: E402
-from verl.utils.checkpoint import find_latest_checkpoint  # noqa: E402
+from llm_agent.evaluation.analysis import analyze_by_split
+from llm_agent.evaluation.run_data import read_dialogues
+from llm_agent.profiles.pool import read_profile_file
+from llm_agent.profiles.rules import load_rule_table
+from llm_agent.profiles.sources import ChatEndpoint, load_weights
+from llm_agent.profiles.writer import ProfileWriter, WriterSettings
+from llm_agent.scenario import load_scenario
+from utils.create_prompt_data import TRAIN_FILE, prompt_rows, write_rows
+from verl.utils.checkpoint import find_latest_checkpoint
 
 logger = logging.getLogger("iterate")
 

@@ -8,7 +8,7 @@ With `tag_tokens`, every scenario's agent tags (`<stage>`, `</stage>`, ...) beco
 tagged agent turn is about 40 tokens instead of 90 (cheaper to train and generate on a CPU); `user_tag_tokens`
 does the same for the user simulator's tags (a tiny simulator model). Nothing is downloaded.
 
-    python utils/make_tiny_model.py --out outputs/tiny_model [--seed 0] [--vocab-size 1024] \
+    python -m utils.make_tiny_model --out outputs/tiny_model [--seed 0] [--vocab-size 1024] \
         [--hidden-size 64 --intermediate-size 128 --layers 2 --heads 2 --kv-heads 1 --tag-tokens] [--user-tag-tokens]
 """
 from __future__ import annotations
@@ -17,16 +17,14 @@ import argparse
 import json
 import logging
 import random
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from llm_agent.scenario import SCENARIO_DIR
+
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-SCENARIO_GLOBS = ("verl/trainer/config/format_prompt/*.yaml", "assets/*.jsonl")
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -70,21 +68,20 @@ def builtin_corpus(seed: int, n_lines: int = 600) -> list[str]:
     return lines
 
 
-def scenario_corpus(root: Path = REPO_ROOT) -> list[str]:
+def scenario_corpus() -> list[str]:
     """Return the lines of the project's scenario YAMLs and behaviour library, in a stable order."""
     lines: list[str] = []
-    for pattern in SCENARIO_GLOBS:
-        for path in sorted(root.glob(pattern)):
-            lines.extend(line for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    for path in sorted(SCENARIO_DIR.glob("*.yaml")) + sorted(ASSETS_DIR.glob("*.jsonl")):
+        lines.extend(line for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
     return lines
 
 
-def scenario_tags(root: Path = REPO_ROOT, side: str = "agent") -> list[str]:
+def scenario_tags(side: str = "agent") -> list[str]:
     """The opening and closing markup of every `side` ("agent" or "user") tag of the project's scenarios, sorted."""
     from llm_agent.scenario import load_scenario
 
     names = set()
-    for path in sorted(root.glob(SCENARIO_GLOBS[0])):
+    for path in sorted(SCENARIO_DIR.glob("*.yaml")):
         scenario = load_scenario(path)
         names.update((scenario.agent_tags if side == "agent" else scenario.user_tags).tags.values())
     return sorted(f"<{slash}{name}>" for name in names if name for slash in ("", "/"))
@@ -126,7 +123,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec = T
 
     out = Path(out_dir)
     corpus = scenario_corpus() + builtin_corpus(seed)
-    tags = (scenario_tags() if spec.tag_tokens else []) + (scenario_tags(side="user") if spec.user_tag_tokens else [])
+    tags = (scenario_tags() if spec.tag_tokens else []) + (scenario_tags("user") if spec.user_tag_tokens else [])
     fingerprint = hashlib.sha256(
         json.dumps({"seed": seed, "spec": asdict(spec), "corpus": corpus, "tags": tags}).encode()
     ).hexdigest()

@@ -5,10 +5,10 @@ fine-tunes it on transcripts (lists of {"role", "content"} messages rendered wit
 template) with the loss on the assistant tokens only; `scripted_dialogues` plays scripted agents of mixed
 quality against the scripted simulator (in-process) to produce such transcripts from the agent's side.
 
-    python utils/sft_warm_start.py --model outputs/tiny_model --out outputs/tiny_sft \\
+    python -m utils.sft_warm_start --model outputs/tiny_model --out outputs/tiny_sft \\
         --dialogues dialogues.jsonl --steps 150 [--lr 1e-2 --batch-size 8 --seed 0 --max-length 1024]
-    python utils/sft_warm_start.py --model outputs/tiny_model --out outputs/tiny_sft --steps 150 \\
-        --scenario verl/trainer/config/format_prompt/outbound_ad_trial.yaml [--n-dialogues 64 \\
+    python -m utils.sft_warm_start --model outputs/tiny_model --out outputs/tiny_sft --steps 150 \\
+        --scenario verl/trainer/config/format_prompt/inbound_support.yaml [--n-dialogues 64 \\
         --quality-mix good=0.4,bad=0.1,malformed=0.5 --max-turns 3 --system-prompt "..."]
 
 `dialogues.jsonl` holds one transcript per line: a JSON list of messages, or an object with a "messages" list.
@@ -21,21 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
-
-from llm_agent.stand_ins.scripted_calls import AgentFactory, scripted_calls  # noqa: E402
-from verl.trainer.fsdp_sft_trainer import SFTConfig, SFTRow, train_sft  # noqa: E402
+from llm_agent.stand_ins.scripted_calls import AgentFactory, scripted_calls
+from verl.trainer.fsdp_sft_trainer import SFTConfig, SFTRow, train_sft
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 LOSS_ON = ("all", "last")
+
 
 def check_messages(messages: object, where: str) -> list[dict[str, str]]:
     """Validate a transcript; ValueError names `where` and the message index of the first problem."""

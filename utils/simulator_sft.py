@@ -34,14 +34,13 @@ import json
 import logging
 import os
 import re
-import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from llm_agent.evaluation.run_data import read_dialogues
-from llm_agent.scenario import Scenario, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, Scenario, load_scenario
 from llm_agent.simulator_report import ReplyChecker, ScriptedReference, dialogues_from_log
 from llm_agent.stand_ins.scripted_calls import scripted_calls
 from utils.make_tiny_model import TinyModelSpec, build_tiny_model
@@ -51,7 +50,6 @@ from verl.trainer.fsdp_sft_trainer import SFTConfig, SFTRow, train_sft
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SCENARIO = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
 INFO_FILE = "simulator_sft.json"
 REPLY_FORMATS = ("raw", "canonical")
 _NUMBER_TOKEN = re.compile(r"-?\d+|-")
@@ -181,7 +179,7 @@ class TinyRecipe:
 # The code whose behaviour decides what the tiny simulator is: a change in any of it makes the simulator again.
 _PRODUCERS = ("utils/simulator_sft.py", "utils/make_tiny_model.py", "utils/sft_warm_start.py",
               "verl/trainer/fsdp_sft_trainer.py", "llm_agent/stand_ins/scripted_calls.py",
-              "llm_agent/stand_ins/scripted_policy.py", "llm_agent/user_sim/scripted.py",
+              "llm_agent/stand_ins/scripted_policy.py", "llm_agent/user_sim/server/scripted.py",
               "llm_agent/simulator_report/checks.py", "llm_agent/simulator_report/reference.py")
 
 
@@ -226,7 +224,7 @@ def fine_tune(model: str | Path, out: str | Path, examples: Sequence[SimulatorEx
     return path
 
 
-def tiny_simulator(out: str | Path, scenario_path: str | Path = REPO_ROOT / DEFAULT_SCENARIO,
+def tiny_simulator(out: str | Path, scenario_path: str | Path = DEFAULT_SCENARIO_PATH,
                    recipe: TinyRecipe = TinyRecipe()) -> Path:
     """The CI simulator at `out`: made with `recipe` unless `out` already holds one with the same fingerprint."""
     out = Path(out)
@@ -251,7 +249,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="make (or reuse) the CI's tiny simulator; other training "
                                                        "options do not apply")
     p.add_argument("--model", help="the base model directory (local)")
-    p.add_argument("--scenario", default=str(REPO_ROOT / DEFAULT_SCENARIO), help="scenario YAML")
+    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH), help="scenario YAML")
     p.add_argument("--rollouts", nargs="+", default=[], help="rollout logs / evaluation dialogues files")
     p.add_argument("--split", default=None, help="only logged dialogues of this split (e.g. train)")
     p.add_argument("--scripted", type=int, default=0, help="scripted calls to add as examples")

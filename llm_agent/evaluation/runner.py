@@ -29,6 +29,7 @@ from llm_agent.evaluation.stats import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, me
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.metrics import records_from_batch
 from llm_agent.reward import compute_reward
+from llm_agent.rollout.config import GenerationConfig
 from llm_agent.rollout.records import RECORD_COLUMNS, append_jsonl, log_lines, object_column
 from llm_agent.scenario import load_scenario
 from verl.utils.dataset import RLHFDataset
@@ -72,11 +73,11 @@ class EvalSettings:
     test_file: str
     max_dialogues: int = 1000
     max_prompt_length: int = 4096
-    max_turns: int = 10
-    max_tokens_per_turn: int = 128
-    max_response_length: int = 1024
-    max_user_tokens: int = 128
-    seed: int = 0
+    max_turns: int = GenerationConfig.max_turns
+    max_tokens_per_turn: int = GenerationConfig.max_tokens_per_turn
+    max_response_length: int = GenerationConfig.max_response_length
+    max_user_tokens: int = GenerationConfig.max_user_tokens
+    seed: int = GenerationConfig.seed
     user_sim: dict[str, Any] = field(default_factory=dict)
 
     def loop_config(self, urls: list[str] | None) -> dict[str, Any]:

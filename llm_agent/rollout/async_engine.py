@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from llm_agent.rollout.pacing import BusyMeter
-from llm_agent.rollout.turns import GenerationCall
+from llm_agent.rollout.generation_call import GenerationCall
 from verl.workers.rollout.replicas import rollout_replicas
 
 __all__ = ["MicroBatchingEngine", "rollout_replicas"]

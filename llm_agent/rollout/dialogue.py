@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from llm_agent.metrics import OUTCOMES
+from llm_agent.rollout.outcome import Outcome
 from llm_agent.scenario import AgentTurn, STATE_DIMS, UserProfile
 
 logger = logging.getLogger(__name__)
@@ -135,15 +135,17 @@ class TokenBuffer:
         return {"input_ids": ids, "attention_mask": valid.to(torch.long),
                 "position_ids": (cols - pad_cols).clamp(min=0)}
 
-    def final_tensors(self, zero_loss_rows: list[int]) -> dict[str, torch.Tensor]:
-        """The generation-batch tensors; rows in `zero_loss_rows` (errors) get an all-0 response_mask."""
+    def drop_loss(self, row: int) -> None:
+        """Take every token of row `row` out of the loss (a dialogue that ended in an error)."""
+        self.loss_mask[row] = 0
+
+    def final_tensors(self) -> dict[str, torch.Tensor]:
+        """The generation-batch tensors of all rows."""
         responses = self.ids[:, self.P:].clone()
         lengths = torch.tensor(self.resp_len, dtype=torch.long)
         response_attention = (torch.arange(self.R).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
         attention = torch.cat([self.prompt_mask, response_attention], dim=1)
         loss_mask = self.loss_mask.clone()
-        if zero_loss_rows:
-            loss_mask[torch.tensor(zero_loss_rows, dtype=torch.long)] = 0
         return {"prompts": self.prompts, "responses": responses, "input_ids": torch.cat([self.prompts, responses], 1),
                 "attention_mask": attention, "position_ids": (attention.cumsum(dim=1) - 1).clamp(min=0),
                 "response_mask": loss_mask}
@@ -193,13 +195,11 @@ class Dialogue:
         """Agent turns generated so far."""
         return len(self.turns)
 
-    def end(self, outcome: str, error: str | None = None) -> None:
-        """Set the outcome (once) and, for `error`, the reason."""
-        if outcome not in OUTCOMES:
-            raise ValueError(f"unknown outcome {outcome!r}")
+    def end(self, outcome: Outcome, error: str | None = None) -> None:
+        """Set the outcome (once; the record keeps its string) and, for `error`, the reason."""
         if self.outcome is not None:
             raise RuntimeError(f"dialogue {self.dialogue_id} already ended as {self.outcome}")
-        self.outcome, self.error = outcome, error
+        self.outcome, self.error = Outcome(outcome).value, error
         self.ended_at = time.monotonic()
 
     def add_agent_turn(self, text: str, turn: AgentTurn, spoken: str | None) -> dict[str, Any]:

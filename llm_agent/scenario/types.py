@@ -136,14 +136,20 @@ class UserProfile:
         return cls(*(d[dim] for dim in STATE_DIMS), behaviors=tuple(behaviors))
 
 
-class _ParsedTurnMixin:
-    """What agent and user turns share: the state as a dict and whether the parse needed no repair."""
+@dataclass(frozen=True)
+class ParsedTurn:
+    """What agent and user turns share: the raw text, the spoken reply, the status, the state (the user's own or
+    the agent's estimates), the think text, the parse's flags and whether the reply could not be read."""
 
-    cooperation: int | None
-    emotion: int | None
-    trust: int | None
-    flags: tuple[str, ...]
-    parse_error: bool
+    raw: str
+    reply: str | None
+    status: int | None = None
+    cooperation: int | None = None
+    emotion: int | None = None
+    trust: int | None = None
+    think: str | None = None
+    flags: tuple[str, ...] = ()
+    parse_error: bool = False
 
     @property
     def state(self) -> dict[str, int | None]:
@@ -157,34 +163,15 @@ class _ParsedTurnMixin:
 
 
 @dataclass(frozen=True)
-class AgentTurn(_ParsedTurnMixin):
+class AgentTurn(ParsedTurn):
     """A parsed policy output: spoken reply, stage, status and the agent's estimates of the user's state."""
 
-    raw: str
-    reply: str | None
     stage: int | None = None
-    status: int | None = None
-    cooperation: int | None = None
-    emotion: int | None = None
-    trust: int | None = None
-    think: str | None = None
-    flags: tuple[str, ...] = ()
-    parse_error: bool = False
 
 
 @dataclass(frozen=True)
-class UserTurn(_ParsedTurnMixin):
+class UserTurn(ParsedTurn):
     """A parsed simulator output: spoken reply, the user's own state and its status."""
-
-    raw: str
-    reply: str | None
-    status: int | None = None
-    cooperation: int | None = None
-    emotion: int | None = None
-    trust: int | None = None
-    think: str | None = None
-    flags: tuple[str, ...] = ()
-    parse_error: bool = False
 
 
 Turn = Union[AgentTurn, UserTurn]

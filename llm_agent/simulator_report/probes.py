@@ -7,24 +7,24 @@ request holding the persona and the dialogue so far with the scripted persona's 
 every simulator graded, so cards are comparable turn for turn). The default seed is not the one the simulator's
 fine-tuning plays its calls with.
 
-`run_probes(client, probe_set, sampling)` sends every request to a simulator through a client with
-`complete_batch` (`UserSimClient` over HTTP, or the in-process scripted simulator) and re-requests a malformed
+`run_probes(client, probe_set, sampling)` sends every request to a simulator through any `SimulatorClient`
+(`UserSimClient` over HTTP, or the in-process scripted simulator) and re-requests a malformed
 reply with a new seed as the rollout loop does, up to `reply_retries` times; a turn no instance answered is not
 re-requested (the loop ends such a dialogue as an error).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
 
-from llm_agent.rollout.turns import stable_seed
+from llm_agent.rollout.env import stable_seed
 from llm_agent.scenario import Scenario
 from llm_agent.simulator_report.turns import SimDialogue, SimTurn
 from llm_agent.stand_ins.scripted_calls import scripted_calls
-from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure
+from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest
 
 __all__ = ["DEFAULT_QUALITY_MIX", "PROBE_SEED", "ProbeSampling", "ProbeSet", "build_probe_set", "run_probes"]
 
@@ -85,7 +85,7 @@ class _Pending:
     failure: str | None = None
 
 
-def run_probes(client: Any, probe_set: ProbeSet, scenario: Scenario, sampling: ProbeSampling = ProbeSampling(),
+def run_probes(client: SimulatorClient, probe_set: ProbeSet, scenario: Scenario, sampling: ProbeSampling = ProbeSampling(),
                concurrency: int = 32) -> list[SimDialogue]:
     """The probe set's dialogues with every request answered by `client` (see the module docstring); at most
     `concurrency` requests are in flight at once."""
@@ -99,10 +99,10 @@ def run_probes(client: Any, probe_set: ProbeSet, scenario: Scenario, sampling: P
             for start in range(0, len(pending), concurrency):
                 chunk = pending[start:start + concurrency]
                 requests = [_request(probe_set, p, attempt, sampling) for p in chunk]
-                for slot, result in zip(chunk, client.complete_batch(requests)):
+                for slot, result in zip(chunk, client.complete(requests)):
                     if isinstance(result, TurnFailure):
                         slot.failure = result.reason
-                    elif isinstance(result, ChatReply):
+                    elif isinstance(result, TurnReply):
                         slot.replies.append(result.text)
                         slot.latencies.append(result.latency_s)
                         if scenario.parse_user_output(result.text).parse_error:
@@ -122,8 +122,8 @@ def run_probes(client: Any, probe_set: ProbeSet, scenario: Scenario, sampling: P
     return out
 
 
-def _request(probe_set: ProbeSet, slot: _Pending, attempt: int, sampling: ProbeSampling) -> ChatRequest:
+def _request(probe_set: ProbeSet, slot: _Pending, attempt: int, sampling: ProbeSampling) -> TurnRequest:
     dialogue = probe_set.dialogues[slot.dialogue]
-    return ChatRequest(f"{dialogue.dialogue_id}/{slot.turn}", dialogue.turns[slot.turn].messages,
+    return TurnRequest(f"{dialogue.dialogue_id}/{slot.turn}", dialogue.turns[slot.turn].messages,
                        temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
                        seed=stable_seed(sampling.seed, dialogue.dialogue_id, slot.turn, attempt))

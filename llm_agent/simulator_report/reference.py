@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from llm_agent.scenario import STATE_DIMS, Scenario
-from llm_agent.user_sim.scripted import ScriptedPersonaBackend
+from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
 __all__ = ["Reference", "ScriptedReference", "carried_state"]
 
@@ -65,7 +65,7 @@ class ScriptedReference:
     def react(self, messages: Sequence[Mapping[str, str]]) -> Reference:
         """The reference for the request `messages` (persona system message, ..., the agent's last turn).
 
-        Raises `llm_agent.user_sim.backend.BackendInputError` when the messages are not such a request of this
+        Raises `llm_agent.user_sim.server.backend.BackendInputError` when the messages are not such a request of this
         scenario."""
         messages = [dict(m) for m in messages]
         persona, outcome, _ = self._backend.replay(messages)

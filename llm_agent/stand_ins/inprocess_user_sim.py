@@ -1,6 +1,6 @@
-"""In-process user simulator with the `UserSimClient.complete_batch` contract (no HTTP, no threads).
+"""In-process user simulator: a `SimulatorClient` without HTTP or threads.
 
-`InProcessUserSim` answers each :class:`ChatRequest` with the scenario's :class:`ScriptedPersonaBackend` in the
+`InProcessUserSim` answers each :class:`TurnRequest` with the scenario's :class:`ScriptedPersonaBackend` in the
 calling thread, so the rollout loop's tests and benchmarks run without servers. Two test switches:
 - `fail_ids`: every turn of these dialogue ids comes back as a :class:`TurnFailure` (injected fault);
 - `never_end=True`: every turn gets a non-terminal reply (status 0) from a precomputed pool of the scenario's
@@ -14,12 +14,12 @@ import itertools
 import logging
 import time
 import zlib
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from llm_agent.scenario import STATE_DIMS, STATUS_CONTINUE, Scenario
-from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure
-from llm_agent.user_sim.backend import BackendInputError, SamplingParams
-from llm_agent.user_sim.scripted import ScriptedPersonaBackend
+from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest, TurnResult
+from llm_agent.user_sim.server.backend import BackendInputError, SamplingParams
+from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,9 @@ def never_ending_replies(scenario: Scenario, max_states: int = 8) -> list[str]:
             for line, state in itertools.product(lines, picked)]
 
 
-class InProcessUserSim:
-    """A user-simulator client backed by the scripted persona in this process (same API as UserSimClient)."""
+class InProcessUserSim(SimulatorClient):
+    """A simulator client backed by the scripted persona in this process (`acomplete` answers in the awaiting
+    coroutine: the persona is quick CPU work)."""
 
     def __init__(self, scenario: Scenario, seed: int = 0, fail_ids: Collection[str] = (),
                  never_end: bool = False) -> None:
@@ -60,22 +61,22 @@ class InProcessUserSim:
 
     @property
     def instances(self) -> list[str]:
-        """The one pseudo-instance's name (ChatReply.instance)."""
+        """The one pseudo-instance's name (TurnReply.instance)."""
         return [INSTANCE_NAME]
 
-    def complete_batch(self, requests: list[ChatRequest]) -> list[ChatReply | TurnFailure]:
-        """Answer every request in order: a ChatReply, or a TurnFailure for injected faults and bad input."""
+    def complete(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
+        """Answer every request in order: a TurnReply, or a TurnFailure for injected faults and bad input."""
         if self._closed:
-            raise RuntimeError("InProcessUserSim.complete_batch called after close()")
+            raise RuntimeError("InProcessUserSim.complete called after close()")
         for i, req in enumerate(requests):
-            if not isinstance(req, ChatRequest):
-                raise TypeError(f"complete_batch: requests[{i}] is {type(req).__name__}, expected ChatRequest")
+            if not isinstance(req, TurnRequest):
+                raise TypeError(f"complete: requests[{i}] is {type(req).__name__}, expected TurnRequest")
         results = [self._complete_one(req) for req in requests]
         self._turns += len(results)
         self._failures += sum(isinstance(r, TurnFailure) for r in results)
         return results
 
-    def _complete_one(self, req: ChatRequest) -> ChatReply | TurnFailure:
+    def _complete_one(self, req: TurnRequest) -> TurnResult:
         """One turn: injected failure, constant-time pool reply, or the scripted persona's answer."""
         start = time.perf_counter()
         if req.dialogue_id in self.fail_ids:
@@ -83,7 +84,7 @@ class InProcessUserSim:
                                ["attempt 1: injected failure"])
         if self.never_end:
             key = zlib.crc32(f"{req.dialogue_id}|{len(req.messages)}".encode())
-            return ChatReply(req.dialogue_id, self._pool[key % len(self._pool)], INSTANCE_NAME,
+            return TurnReply(req.dialogue_id, self._pool[key % len(self._pool)], INSTANCE_NAME,
                              time.perf_counter() - start, 1)
         params = SamplingParams(n=1, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                 max_tokens=req.max_tokens)
@@ -92,7 +93,7 @@ class InProcessUserSim:
         except BackendInputError as exc:
             logger.warning("in-process simulator rejected dialogue %s: %s", req.dialogue_id, exc)
             return TurnFailure(req.dialogue_id, f"request rejected: {exc}", 1, [f"attempt 1: {exc}"])
-        return ChatReply(req.dialogue_id, result.choices[0].text, INSTANCE_NAME, time.perf_counter() - start, 1)
+        return TurnReply(req.dialogue_id, result.choices[0].text, INSTANCE_NAME, time.perf_counter() - start, 1)
 
     def stats(self) -> dict[str, float]:
         """Counters in the client's naming: `user_sim/turns` and `user_sim/turn_failures`."""

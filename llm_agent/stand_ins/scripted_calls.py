@@ -2,7 +2,7 @@
 
 A call alternates an agent (any callable from the agent-side chat messages to its raw output; by default
 :class:`~llm_agent.stand_ins.scripted_policy.ScriptedAgent` of some quality) with the scenario's scripted persona
-(:class:`~llm_agent.user_sim.scripted.ScriptedPersonaBackend`, seeded per call and turn). The record keeps the
+(:class:`~llm_agent.user_sim.server.scripted.ScriptedPersonaBackend`, seeded per call and turn). The record keeps the
 dialogue turns (what the agent's warm start learns from) and every simulator request with the persona's raw
 answer, exactly the messages a simulator client sends (what a simulator's fine-tuning and the simulator report
 card's probes are made of). A call ends when the user completes or hangs up, the agent ends it (status 1 or -1),
@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from llm_agent.scenario import STATUS_COMPLETED, STATUS_CONTINUE, Scenario, Turn, UserProfile, sample_behaviors
-from llm_agent.user_sim.backend import SamplingParams
-from llm_agent.user_sim.scripted import ScriptedPersonaBackend
+from llm_agent.user_sim.server.backend import SamplingParams
+from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
 __all__ = ["AgentFactory", "AgentFn", "ScriptedCall", "SimulatorExchange", "play_scripted_call",
            "scripted_calls", "scripted_policy_agents"]

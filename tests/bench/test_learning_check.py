@@ -3,15 +3,14 @@ catches a weight that moved otherwise."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
 from bench.learning_check import controller_check, controller_table, valid_values
 from llm_agent.controller import ControllerConfig, StateController
-from llm_agent.scenario import load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
-SCENARIO = Path(__file__).resolve().parents[2] / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 
 
 def _run(config: ControllerConfig, steps: int, seed: int) -> tuple[list[dict], list[dict]]:

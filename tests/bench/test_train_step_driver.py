@@ -55,7 +55,7 @@ def _model_flops_by_hand(config: dict, rows: int, prompt: int, response: int) ->
     return 3 * forward, 3 * forward + recompute
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_gpu_preset_path_on_cpu(tmp_path, driver_cuda_calls):
     out = tmp_path / "train_step_gpu.json"
     result = train_step.main(["--preset", "gpu", "--model", "tiny", "--device", "cpu", "--workers", "1",

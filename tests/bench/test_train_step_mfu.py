@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.train_step import make_batch
+from bench.update_batch import make_batch
 from bench.train_step_flops import QWEN25_7B, batch_flops, peak_flops, utilisation
 from verl.protocol import DataProto
 from verl.utils.memory_model import ModelShape
@@ -74,7 +74,6 @@ def test_padding_is_not_counted():
     assert flops.recompute_forward == 0
 
 
-@pytest.mark.slow
 def test_random_model_keeps_the_width_with_fewer_layers(tmp_path, tiny_model_path):
     from transformers import AutoModelForCausalLM
 

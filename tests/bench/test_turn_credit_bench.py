@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 import torch
 
 from bench.turn_credit import dialogue_batch, main
@@ -24,6 +25,7 @@ def test_batch_follows_the_turn_contract():
     assert sorted(set(batch.non_tensor_batch["uid"])) == ["p0", "p1", "p2", "p3"]
 
 
+@pytest.mark.processes  # the machine description runs lscpu/git
 def test_run_writes_every_option(tmp_path, monkeypatch):
     out = tmp_path / "turn_credit.json"
     monkeypatch.setattr(sys, "argv", ["turn_credit", "--rows", "8", "--response-length", "512", "--turns", "4",

@@ -2,9 +2,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from llm_agent.scenario import load_scenario
-from tests.conftest import SCENARIO_FILE
-from tests.llm_agent.sim_servers import REPO
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
 
 @pytest.fixture(scope="module")
@@ -16,4 +14,4 @@ def tok(tiny_model_path):
 @pytest.fixture(scope="module")
 def scenario():
     """The outbound advertising-trial scenario."""
-    return load_scenario(REPO / SCENARIO_FILE)
+    return load_scenario(DEFAULT_SCENARIO_PATH)

@@ -5,14 +5,13 @@ import itertools
 import json
 import logging
 import random
-from pathlib import Path
 
 import pytest
 
 from llm_agent.controller import ControllerConfig, StateController, bound_weights, parse_state_key
-from llm_agent.scenario import STATE_DIMS, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, STATE_DIMS, load_scenario
 
-SCENARIO_PATH = Path(__file__).resolve().parents[2] / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO_PATH = DEFAULT_SCENARIO_PATH
 VALID = {"cooperation": [1, 2, 3], "emotion": [1, 2], "trust": [1, 2, 3, 4]}  # the scenario's ranges minus extremes
 
 
@@ -287,14 +286,14 @@ def test_state_round_trip_restores_weights_and_rng(scenario, joint):
 
 # ------------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("d, match", [
-    ({"flor": 0.1}, r"controller: unknown key\(s\) \['flor'\]"),
-    ({"target_completion_rate": 1.5}, r"controller\.target_completion_rate=1.5 must be in \[0, 1\]"),
-    ({"max_ratio": 0.5}, r"controller\.max_ratio=0.5 must be >= 1"),
-    ({"smoothing": 0}, r"controller\.smoothing=0.0 must be in \(0, 1\]"),
+    ({"flor": 0.1}, r"controller\.flor is not a config key \(did you mean controller\.floor\?\)"),
+    ({"target_completion_rate": 1.5}, r"controller\.target_completion_rate=1.5 is outside \[0, 1\]"),
+    ({"max_ratio": 0.5}, r"controller\.max_ratio=0.5 is outside \[1, inf\)"),
+    ({"smoothing": 0}, r"controller\.smoothing=0.0 is outside \(0, 1\]"),
     ({"floor": "1e-2"}, r"controller\.floor must be a number, got '1e-2'"),
     ({"joint": "yes"}, r"controller\.joint must be true or false"),
     ({"seed": 1.5}, r"controller\.seed must be an integer"),
-    ({"min_behaviors": 3, "max_behaviors": 2}, r"controller\.max_behaviors=2 must be >= min_behaviors \(3\)"),
+    ({"min_behaviors": 3, "max_behaviors": 2}, r"controller\.max_behaviors=2 must be >= controller\.min_behaviors \(3\)"),
 ])
 def test_bad_config_values_are_named(d, match):
     with pytest.raises(ValueError, match=match):

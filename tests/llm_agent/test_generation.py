@@ -6,14 +6,16 @@ import json
 
 import pytest
 import torch
-from gen_loop_helpers import (FAIL, SCENARIO_PATH, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
-                              prompt_messages)
 
 from llm_agent.cache import CacheConfig, UserResponseCache
 from llm_agent.rollout.dialogue import TokenBuffer
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.rollout.config import ConfigError, GenerationConfig
 from llm_agent.scenario import UserProfile
+
+from tests.helpers.gen_loop_helpers import (FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
+                                            prompt_messages)
+from tests.helpers.repo import SCENARIO_PATH
 
 
 def base_config(tmp_path, **overrides):
@@ -325,8 +327,8 @@ def test_hooks_log_metrics_and_state_roundtrip(tok, scenario, tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [
-    ({"max_turn": 3}, "rollout_loop.config: unknown key"),
-    ({"max_turns": 0}, "rollout_loop.config.max_turns must be >= 1"),
+    ({"max_turn": 3}, "rollout_loop.config.max_turn is not a config key"),
+    ({"max_turns": 0}, "rollout_loop.config.max_turns=0 is outside"),
     ({"max_tokens_per_turn": 300, "max_response_length": 200}, "rollout_loop.config.max_response_length"),
     ({"scenario": "nope/missing.yaml"}, "rollout_loop.config.scenario: file not found"),
     ({"user_sim": {"top_p": 0}}, "rollout_loop.config.user_sim.top_p"),

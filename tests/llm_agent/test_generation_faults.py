@@ -3,12 +3,14 @@ injected simulator failures, misbehaving worker groups / clients, and the shippe
 from __future__ import annotations
 
 import pytest
-from gen_loop_helpers import SCENARIO_PATH, ProgrammedPolicy, agent_text, make_gen_batch
 
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.rollout.config import GenerationConfig
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
+
+from tests.helpers.gen_loop_helpers import ProgrammedPolicy, agent_text, make_gen_batch
+from tests.helpers.repo import SCENARIO_PATH
 
 
 def config(**overrides):
@@ -80,8 +82,8 @@ class ShortWorkerGroup(ProgrammedPolicy):
 class SwappingSim(InProcessUserSim):
     """Fault: answers in reverse order."""
 
-    def complete_batch(self, requests):
-        return list(reversed(super().complete_batch(requests)))
+    def complete(self, requests):
+        return list(reversed(super().complete(requests)))
 
 
 def test_misbehaving_worker_group_or_client_fails_loudly(tok, scenario):

@@ -6,17 +6,19 @@ import threading
 
 import pytest
 import torch
-from gen_loop_helpers import SCENARIO_PATH, assert_same_dialogues, greedy_rollouts_in_both_modes, make_gen_batch
-from tests.llm_agent.sim_servers import SimServers
 from transformers import AutoTokenizer
 
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.scenario import UserProfile, UserTurn, load_scenario
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
-from llm_agent.user_sim.client import ChatRequest
+from llm_agent.user_sim.client import TurnRequest
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 
-pytestmark = pytest.mark.slow
+from tests.helpers.gen_loop_helpers import assert_same_dialogues, greedy_rollouts_in_both_modes, make_gen_batch
+from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.sim_servers import SimServers
+
+pytestmark = pytest.mark.processes
 
 
 class KillDuringTurn:
@@ -49,7 +51,7 @@ def replay_matches(scenario, record) -> None:
             continue
         history.append(agent)
         messages = scenario.render_user_messages(profile, history)
-        reply = sim.complete_batch([ChatRequest(record["dialogue_id"], messages, temperature=0.0)])[0]
+        reply = sim.complete([TurnRequest(record["dialogue_id"], messages, temperature=0.0)])[0]
         expected = scenario.parse_user_output(reply.text)
         got = (turn["user_reply"], turn["user_status"], turn["user_state"])
         assert got == (expected.reply, expected.status, expected.state), f"{record['dialogue_id']} turn {k}"
@@ -110,7 +112,7 @@ def test_loop_survives_a_simulator_killed_mid_loop(mode, tiny_model_path, tmp_pa
 @pytest.fixture()
 def actor_group(tiny_model_path):
     import ray
-    from tests.verl.workers.ppo_batch_helpers import actor_rollout_ref_config
+    from tests.helpers.ppo_batch_helpers import actor_rollout_ref_config
 
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.workers.fsdp_workers import ActorRolloutRefWorker

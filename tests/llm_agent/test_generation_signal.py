@@ -4,30 +4,32 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gen_loop_helpers import SCENARIO_PATH, ProgrammedPolicy, agent_text, make_gen_batch
 
 from llm_agent.generation import CACHE_SNAPSHOT, LLMGenerationManager
-from llm_agent.user_sim.client import ChatReply, ChatRequest
+from llm_agent.user_sim.client import SimulatorClient, TurnReply, TurnRequest
+
+from tests.helpers.gen_loop_helpers import ProgrammedPolicy, agent_text, make_gen_batch
+from tests.helpers.repo import SCENARIO_PATH
 
 
-class FlakySim:
+class FlakySim(SimulatorClient):
     """Answers a dialogue's turn with `bad` for its first `bad_count[key]` requests, then a well-formed reply."""
 
     def __init__(self, scenario, bad_count: dict[str, int], bad: str = "<user_reply>  </user_reply>") -> None:
         self.scenario, self.bad_count, self.bad = scenario, dict(bad_count), bad
-        self.requests: list[ChatRequest] = []
+        self.requests: list[TurnRequest] = []
 
-    def complete_batch(self, requests):
+    def complete(self, requests):
         out = []
         for req in requests:
             self.requests.append(req)
             key = req.dialogue_id.split("#")[0]
             if self.bad_count.get(key, 0) > 0:
                 self.bad_count[key] -= 1
-                out.append(ChatReply(req.dialogue_id, self.bad, "fake:0", 0.0, 1))
+                out.append(TurnReply(req.dialogue_id, self.bad, "fake:0", 0.0, 1))
             else:
                 text = self.scenario.format_user_output("Okay.", {"cooperation": 3, "emotion": 2, "trust": 3}, 0)
-                out.append(ChatReply(req.dialogue_id, text, "fake:0", 0.0, 1))
+                out.append(TurnReply(req.dialogue_id, text, "fake:0", 0.0, 1))
         return out
 
 
@@ -99,7 +101,7 @@ def test_loop_checkpoint_hooks_carry_the_cache_replies(tok, scenario, tmp_path):
 
 def test_row_alignment_check_catches_records_moved_without_their_tensors(tok, scenario, tmp_path):
     """The check test_sead_training applies after balancing must be able to fail."""
-    from row_alignment import misaligned_rows
+    from tests.helpers.row_alignment import misaligned_rows
 
     keys = ["a", "b", "c"]
     scripts = {k: [agent_text(scenario, f"Hello from {k}."), agent_text(scenario, f"Still {k} here.")]
@@ -138,7 +140,7 @@ def test_controller_learns_from_every_sampled_dialogue_of_the_step_not_only_the_
 
 def test_the_loop_refuses_to_start_on_a_dead_simulator_url(tok, scenario, tmp_path):
     from llm_agent.user_sim.client import SimulatorCheckError
-    from tests.llm_agent.sim_servers import free_port
+    from tests.helpers.sim_servers import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     cfg = _config(tmp_path, user_sim={"urls": dead, "timeout_s": 2})
@@ -146,10 +148,10 @@ def test_the_loop_refuses_to_start_on_a_dead_simulator_url(tok, scenario, tmp_pa
         LLMGenerationManager(tok, ProgrammedPolicy(tok, {}), cfg, is_validation=False)
 
 
-class DeadSim:
+class DeadSim(SimulatorClient):
     """Every turn fails, as with a wrong or dead simulator URL."""
 
-    def complete_batch(self, requests):
+    def complete(self, requests):
         from llm_agent.user_sim.client import TurnFailure
 
         return [TurnFailure(r.dialogue_id, "connection refused", 3, ["refused"]) for r in requests]

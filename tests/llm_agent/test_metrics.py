@@ -6,11 +6,12 @@ import math
 
 import numpy as np
 import pytest
-from record_factory import SCENARIO_PATH, batch_of, object_column, random_records
 
 from llm_agent.metrics import METRIC_KEYS, dialogue_metrics, records_from_batch, stages_complete
 from llm_agent.scenario import load_scenario
 from verl.protocol import DataProto
+
+from tests.helpers.record_factory import SCENARIO_PATH, batch_of, object_column, random_records
 
 DIMS = ("cooperation", "emotion", "trust")
 

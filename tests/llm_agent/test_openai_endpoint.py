@@ -3,7 +3,6 @@ its deadline, a flood is refused without being buffered, deep nesting and lone s
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,13 +12,13 @@ from llm_agent.openai_endpoint import EndpointError, OpenAIEndpoint
 from llm_agent.profiles.rules import load_rule_table
 from llm_agent.profiles.sources import ChatEndpoint
 from llm_agent.profiles.writer import REJECTED_ANSWER_CHARS, ProfileWriter, WriterSettings
-from llm_agent.scenario import load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from verl.protocol import DataProto
 from verl.utils.dataset import load_tokenizer
 from tests.helpers.hostile_openai import HostileOpenAIServer, timed
 
 MESSAGES = [{"role": "user", "content": "hi"}]
-SCENARIO = load_scenario(Path(__file__).resolve().parents[2] / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 RULES = load_rule_table()
 
 

@@ -7,12 +7,13 @@ import logging
 import numpy as np
 import pytest
 import torch
-from record_factory import MAX_TURNS, SCENARIO_PATH, batch_of, random_records
 
 import llm_agent.reward as reward_mod
 from llm_agent.reward import COMPONENTS, compute_reward
 from llm_agent.scenario import load_scenario
 from verl.protocol import DataProto
+
+from tests.helpers.record_factory import MAX_TURNS, SCENARIO_PATH, batch_of, random_records
 
 DIMS = ("cooperation", "emotion", "trust")
 SPANS = {"cooperation": 4.0, "emotion": 3.0, "trust": 5.0}  # inbound_support.yaml's state_ranges, read by hand

@@ -20,16 +20,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import COMPACT_SYSTEM_PROMPT, SCENARIO_FILE
+from tests.helpers.repo import COMPACT_SYSTEM_PROMPT, SCENARIO_PATH
 
-REPO = Path(__file__).resolve().parents[2]
-SCENARIO = REPO / SCENARIO_FILE
+SCENARIO = SCENARIO_PATH
 STEPS, PROMPTS, GROUP = 2, 4, 4
 
 
 @pytest.fixture()
 def sims(tmp_path):
-    from tests.llm_agent.sim_servers import SimServers
+    from tests.helpers.sim_servers import SimServers
 
     servers = SimServers(tmp_path)
     urls = [servers.start("--scenario", str(SCENARIO)) for _ in range(2)]
@@ -201,7 +200,7 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
 
     # rewards sit on each row's own last agent token, computed from that row's own dialogue, after balancing: the
     # record is first shown to be the row's own by decoding the row's loss-carrying tokens (tensors vs records)
-    from row_alignment import misaligned_rows
+    from tests.helpers.row_alignment import misaligned_rows
 
     assert misaligned_rows(batch, trainer.tokenizer) == []
     scores = batch.batch["token_level_scores"]
@@ -269,7 +268,7 @@ def test_sead_training_step_in_async_mode(warm_model_path, tmp_path, sims, ray_c
     lines = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert len({line["dialogue_id"] for line in lines}) == PROMPTS * GROUP
     assert [line for line in lines if not _outcome_matches_transcript(line)] == []
-    from row_alignment import misaligned_rows
+    from tests.helpers.row_alignment import misaligned_rows
 
     assert misaligned_rows(batch, trainer.tokenizer) == []
     assert controller["updates"] == 1

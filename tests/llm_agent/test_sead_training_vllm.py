@@ -27,7 +27,7 @@ VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_nu
 
 @pytest.fixture()
 def sims(tmp_path):
-    from tests.llm_agent.sim_servers import SimServers
+    from tests.helpers.sim_servers import SimServers
     from test_sead_training import SCENARIO
 
     servers = SimServers(tmp_path)

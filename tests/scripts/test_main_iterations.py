@@ -24,6 +24,7 @@ def env_with(**values: str) -> dict[str, str]:
     return {**env, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), **values}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("script", ["main.sh", "2ins_main.sh"])
 def test_dry_run_prints_each_iterations_overrides(tmp_path, script):
     done = subprocess.run(["bash", f"scripts/{script}", "--dry-run"], cwd=REPO, capture_output=True, text=True,
@@ -42,6 +43,7 @@ def test_dry_run_prints_each_iterations_overrides(tmp_path, script):
     ({"ITERATIONS": "3"}, "STEPS=4 is not a multiple of ITERATIONS=3; set STEPS_PER_ITERATION"),
     ({"ITERATIONS": "two"}, "ITERATIONS must be a positive integer, got 'two'"),
 ])
+@pytest.mark.processes
 def test_bad_iteration_settings_are_refused(tmp_path, env, message):
     done = subprocess.run(["bash", "scripts/main.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
                           env=env_with(OUTPUT_DIR=str(tmp_path), **env), timeout=120)

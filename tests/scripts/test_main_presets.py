@@ -17,10 +17,13 @@ from llm_agent.rollout.config import GenerationConfig
 from verl.trainer.config_schema import compose_config
 from verl.trainer.config_validation import build_config
 
+pytestmark = pytest.mark.processes
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_VARS = ("EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS "
                "MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE "
-               "KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH TEST_FREQ SAVE_FREQ "
+               "KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH USE_DYNAMIC_BSZ MAX_TOKEN_LEN "
+               "LOGPROB_MAX_TOKEN_LEN AGENT_PROMPT_FILE TEST_FREQ SAVE_FREQ "
                "MAX_CKPT SAVE_HF_MODEL POLICY_GPUS ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM PRESET_OVERRIDES PRESET "
                "PRINT_CONFIG_ONLY MODEL_PATH USER_SIM_MODEL USER_SIM_URLS "
                "SIM_INSTANCES SIM_TP SIM_GPUS SIM_BASE_PORT SCENARIO WARM_START_STEPS OUTPUT_DIR SEAD_GPU_MAX_TURNS "
@@ -38,6 +41,12 @@ GPU = {
     "trainer.save_hf_model": "last", "actor_rollout_ref.model.use_remove_padding": "true",
     "actor_rollout_ref.ref.fsdp_config.param_offload": "true",
     "actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size": "2",
+    # token-budget micro-batches and the engine's memory as planned at 14B (README "GPU box")
+    "actor_rollout_ref.actor.use_dynamic_bsz": "true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "16384",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "32768",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "32768",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "0.55", "actor_rollout_ref.rollout.enforce_eager": "false",
+    "actor_rollout_ref.rollout.free_cache_engine": "true",
 }
 # Today's CPU demo settings (CPU preset).
 CPU = {
@@ -48,7 +57,8 @@ CPU = {
     "data.max_response_length": "768", "rollout_loop.config.max_tokens_per_turn": "64",
     "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "4", "trainer.experiment_name": "cpu_demo",
     "trainer.test_freq": "4", "data.max_prompt_length": "96", "rollout_loop.config.cache.min_bucket_size": "2",
-    "trainer.device": "auto",
+    "trainer.device": "auto", "actor_rollout_ref.actor.use_dynamic_bsz": "false",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4",
 }
 
 
@@ -159,7 +169,7 @@ def test_unknown_preset_is_refused(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
     done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "main.sh"), "--dry-run"], cwd=tmp_path,
                           env={**env, "PRESET": "tpu"}, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "PRESET must be cpu or gpu, got 'tpu'" in done.stderr
+    assert done.returncode == 2 and "PRESET must be cpu, gpu or rehearsal, got 'tpu'" in done.stderr
 
 
 @pytest.mark.parametrize("preset", ["cpu", "gpu"])

@@ -5,11 +5,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from llm_agent.scenario import UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 from utils.create_prompt_data import create_prompt_data, main, valid_states
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIO_PATH = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO_PATH = DEFAULT_SCENARIO_PATH
 SCENARIO = load_scenario(SCENARIO_PATH)
 
 

@@ -1,6 +1,6 @@
 """The iteration driver (utils/iterate.py) with a stand-in trainer: phases, resume, no iteration trained twice.
 
-The stand-in (iterate_fake_trainer.py) checkpoints through verl.utils.checkpoint like the real trainer; the
+The stand-in (tests/helpers/iterate_fake_trainer.py) checkpoints through verl.utils.checkpoint like the real trainer; the
 slow end-to-end run with the real trainer and a SIGKILL is tests/scripts/test_main_iterations.py.
 """
 from __future__ import annotations
@@ -16,12 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from llm_agent.profiles.sources import load_weights
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH
 from llm_agent.stand_ins.profile_llm import ScriptedProfileLLM
 from utils.iterate import main, with_overrides
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE = Path(__file__).with_name("iterate_fake_trainer.py")
-SCENARIO = "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+FAKE = REPO / "tests" / "helpers" / "iterate_fake_trainer.py"
+SCENARIO = str(DEFAULT_SCENARIO_PATH)
 
 
 @dataclass
@@ -57,6 +58,7 @@ def calls(tmp_path):
     return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.processes
 def test_a_killed_iteration_resumes_and_no_iteration_is_trained_twice(tmp_path):
     died = driver(tmp_path, env={"FAKE_TRAINER_DIE_AT_STEP": "4"})
     assert died.returncode != 0 and "iteration 2: the trainer failed" in died.stderr
@@ -85,6 +87,7 @@ def test_a_killed_iteration_resumes_and_no_iteration_is_trained_twice(tmp_path):
     assert again.returncode == 0 and len(calls(tmp_path)) == 4
 
 
+@pytest.mark.processes
 def test_the_next_profiles_follow_the_mistakes_analysis(tmp_path):
     assert driver(tmp_path).returncode == 0
     # The stand-in completes iff cooperation >= 2, so the analysis moves weight between cooperation values and
@@ -97,6 +100,7 @@ def test_the_next_profiles_follow_the_mistakes_analysis(tmp_path):
     assert first["weights"]["cooperation"] == pytest.approx({"1": 1 / 3, "2": 1 / 3, "3": 1 / 3})
 
 
+@pytest.mark.processes
 def test_analysis_lost_after_training_is_redone_without_training(tmp_path):
     assert driver(tmp_path).returncode == 0
     for name in ("mistakes.json", "done.json"):
@@ -105,6 +109,7 @@ def test_analysis_lost_after_training_is_redone_without_training(tmp_path):
     assert len(calls(tmp_path)) == 3 and (tmp_path / "iters/iter_03/mistakes.json").is_file()
 
 
+@pytest.mark.processes
 def test_a_deleted_checkpoint_is_reported_not_retrained(tmp_path):
     assert driver(tmp_path, "--iterations", "2").returncode == 0
     for path in sorted((tmp_path / "ckpt").iterdir()):
@@ -125,6 +130,7 @@ def test_settings_that_cannot_iterate_are_refused(tmp_path, trainer_args, messag
     assert done.returncode != 0 and message in done.stderr and not (tmp_path / "calls.jsonl").exists()
 
 
+@pytest.mark.processes
 def test_simulators_are_restarted_only_when_asked(tmp_path):
     marker = tmp_path / "restarts.txt"
     assert driver(tmp_path).returncode == 0
@@ -138,6 +144,7 @@ def test_simulators_are_restarted_only_when_asked(tmp_path):
     assert urls == [None, "'http://127.0.0.1:9,http://127.0.0.1:10'", "'http://127.0.0.1:9,http://127.0.0.1:10'"]
 
 
+@pytest.mark.processes
 def test_profiles_are_written_by_the_llm_endpoint_when_given(tmp_path):
     with ScriptedProfileLLM("mixed", bad_share=0.3) as llm:
         assert driver(tmp_path, "--iterations", "2", "--llm-url", llm.url).returncode == 0

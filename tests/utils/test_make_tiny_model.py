@@ -2,10 +2,13 @@
 import hashlib
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from utils.make_tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
 
 
 def _digest(path: Path) -> str:

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH
 from utils.sft_warm_start import (check_messages, encode_dialogue, parse_quality_mix, read_dialogues,
                                   scripted_dialogues, sft_on_dialogues)
 from verl.trainer.fsdp_sft_trainer import assistant_nll, collate
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIO_PATH = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO_PATH = DEFAULT_SCENARIO_PATH
 
 DIALOGUE = [
     {"role": "system", "content": "You are Mia."},
@@ -174,26 +175,26 @@ def test_sft_rejects_bad_settings(tiny_model_path, tmp_path):
 def test_cli_trains_from_jsonl(tiny_model_path, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(d) for d in (DIALOGUE, DIALOGUE[:3])) + "\n")
-    proc = subprocess.run([sys.executable, str(REPO / "utils" / "sft_warm_start.py"), "--model", tiny_model_path,
+    proc = subprocess.run([sys.executable, "-m", "utils.sft_warm_start", "--model", tiny_model_path,
                            "--out", str(tmp_path / "out"), "--dialogues", str(data), "--steps", "3"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(tmp_path / "out")
     assert len(json.loads((tmp_path / "out" / "sft_log.json").read_text())["losses"]) == 3
-    bad = subprocess.run([sys.executable, str(REPO / "utils" / "sft_warm_start.py"), "--model", tiny_model_path,
+    bad = subprocess.run([sys.executable, "-m", "utils.sft_warm_start", "--model", tiny_model_path,
                           "--out", str(tmp_path / "o2"), "--dialogues", str(tmp_path / "missing.jsonl"),
-                          "--steps", "3"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          "--steps", "3"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "missing.jsonl" in bad.stderr
-    scripted = subprocess.run([sys.executable, str(REPO / "utils" / "sft_warm_start.py"), "--model", tiny_model_path,
+    scripted = subprocess.run([sys.executable, "-m", "utils.sft_warm_start", "--model", tiny_model_path,
                                "--out", str(tmp_path / "o3"), "--scenario", str(SCENARIO_PATH), "--n-dialogues", "4",
                                "--max-turns", "2", "--system-prompt", "Be brief.", "--steps", "2"],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
     assert scripted.returncode == 0, scripted.stderr
     log = json.loads((tmp_path / "o3" / "sft_log.json").read_text())
     assert log["n_dialogues"] == 4 and len(log["losses"]) == 2
-    mix = subprocess.run([sys.executable, str(REPO / "utils" / "sft_warm_start.py"), "--model", tiny_model_path,
+    mix = subprocess.run([sys.executable, "-m", "utils.sft_warm_start", "--model", tiny_model_path,
                           "--out", str(tmp_path / "o4"), "--scenario", str(SCENARIO_PATH), "--quality-mix", "good",
-                          "--steps", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          "--steps", "2"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert mix.returncode == 2 and "--quality-mix: 'good' is not name=weight" in mix.stderr
 
 

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,15 +14,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_agent.scenario import load_scenario
-from tests.llm_agent.sim_servers import SimServers
+from tests.helpers.repo import REPO, SCENARIO_PATH
+from tests.helpers.sim_servers import SimServers
 from utils.sft_warm_start import encode_dialogue
 from utils.simulator_sft import (SimulatorExample, TinyRecipe, canonical, encode_examples, filter_examples,
                                  logged_examples, scripted_examples, tiny_fingerprint, tiny_simulator, weigh_numbers)
 from verl.trainer.fsdp_sft_trainer import SFTConfig, collate, masked_nll_sum
 from utils.make_tiny_model import TinyModelSpec
 
-REPO = Path(__file__).resolve().parents[2]
-SCENARIO_PATH = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
 
 
 @pytest.fixture(scope="module")

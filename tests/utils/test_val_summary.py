@@ -53,16 +53,17 @@ def test_bad_lines_are_named(tmp_path, line, message):
         read_validations(path)
 
 
+@pytest.mark.processes
 def test_command_line_prints_the_line_and_fails_clearly(tmp_path):
     path = _write(tmp_path / "val.jsonl", [(0, 4, 0.25), (3, 4, 0.75)])
-    run = subprocess.run([sys.executable, "utils/val_summary.py", str(path)], cwd=REPO, capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "utils.val_summary", str(path)], cwd=REPO, capture_output=True,
                          text=True, check=True)
     assert run.stdout.strip() == "validation completion rate: before 0.250 (step 0) -> after 0.750 (step 3) (4 dialogues)"
-    missing = subprocess.run([sys.executable, "utils/val_summary.py", str(tmp_path / "none.jsonl")], cwd=REPO,
+    missing = subprocess.run([sys.executable, "-m", "utils.val_summary", str(tmp_path / "none.jsonl")], cwd=REPO,
                              capture_output=True, text=True)
     assert missing.returncode == 1 and "none.jsonl" in missing.stderr
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    failed = subprocess.run([sys.executable, "utils/val_summary.py", str(empty)], cwd=REPO, capture_output=True,
+    failed = subprocess.run([sys.executable, "-m", "utils.val_summary", str(empty)], cwd=REPO, capture_output=True,
                             text=True)
     assert failed.returncode == 1 and "no validation lines" in failed.stderr

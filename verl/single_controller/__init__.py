@@ -5,7 +5,18 @@
 `RayWorkerGroup`).
 """
 
+from typing import Any
+
 from verl.single_controller.base import Worker, WorkerGroup
-from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
 __all__ = ["RayClassWithInitArgs", "RayResourcePool", "RayWorkerGroup", "Worker", "WorkerGroup"]
+_RAY_NAMES = ("RayClassWithInitArgs", "RayResourcePool", "RayWorkerGroup")
+
+
+def __getattr__(name: str) -> Any:
+    """The Ray backend's names, imported on first use: the workers themselves (``base``) run without Ray."""
+    if name in _RAY_NAMES:
+        from verl.single_controller import ray as ray_backend
+
+        return getattr(ray_backend, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

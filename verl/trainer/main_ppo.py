@@ -5,7 +5,8 @@ num_cpus=max(8, needed), include_dashboard=False)``; with ``RAY_ADDRESS`` set or
 the running cluster instead), places the actor/rollout(/reference) worker group and, for GAE, the critic group
 on one resource pool of ``nnodes x n_gpus_per_node`` slots (CPU slots on CPU, GPU slots on CUDA), and runs
 ``RayPPOTrainer.fit()``.
-Hydra writes no ``outputs/<date>`` directory and does not chdir (see the ``hydra`` section of the YAML).
+Hydra writes no ``outputs/<date>`` directory and does not chdir (see the ``hydra`` section of the YAML). Ray,
+torch and the workers are imported only once the config is valid, so a config error is reported in about a second.
 
 Example (CPU, built-in task)::
 
@@ -22,16 +23,11 @@ import sys
 from typing import Any
 
 import hydra
-import ray
-import torch
 from omegaconf import DictConfig
 
-from verl.single_controller.ray import RayResourcePool
 from verl.trainer.cli_overrides import check_overrides
 from verl.trainer.config_schema import ConfigError, PPOTrainerConfig
 from verl.trainer.config_validation import load_config
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
-from verl.utils.dataset import load_tokenizer
 from verl.utils.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -39,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 def resolve_device(typed: PPOTrainerConfig) -> str:
     """``trainer.device`` with auto resolved: cuda when available, else cpu; cuda without a GPU is an error."""
+    import torch
+
     device = typed.trainer.device
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,6 +54,12 @@ def run_ppo(config: DictConfig) -> dict[str, Any]:
     """Validate ``config``, set up Ray and the worker groups, train, tear down; return the last step's metrics."""
     typed = load_config(config)
     device = resolve_device(typed)
+    import ray
+
+    from verl.single_controller.ray import RayResourcePool
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
+    from verl.utils.dataset import load_tokenizer
+
     started_ray = False
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS") or typed.trainer.nnodes > 1:

@@ -213,6 +213,20 @@ def _load_weights(
     return model
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every decoder layer's activations in the backward pass (non-reentrant ``torch.utils.checkpoint``).
+
+    transformers names the switch ``activation_checkpointing_enable`` from 5.23 and ``gradient_checkpointing_enable``
+    before (a deprecated alias since, to be removed in v6): the feature is detected, not the version.
+    """
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def broadcast_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor], device: torch.device) -> None:
     """Fill an FSDP2 model's shards on every rank from rank 0's full state dict (empty on the other ranks).
 
@@ -264,7 +278,7 @@ def build_fsdp_model(
     model = _load_weights(auto_cls, model_path, hf_config, master_dtype, attn, on_meta)
     full_state = model.state_dict() if rank0_only and not on_meta else {}
     if gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     reshard = bool(fsdp_config.get("reshard_after_forward", True))
     logger.info("%s-wrapping %s from %s (param_dtype=%s, master_dtype=%s, attention %s)", strategy,
                 type(model).__name__, model_path, param_dtype, master_dtype, attn)

@@ -11,8 +11,8 @@ Every number is in bytes (memory) or FLOPs and derives from the HF ``config.json
   attention, no dropout): two RMSNorms (fp32 copy + normed output + its cast), the rotated q/k, v, the
   attention output (also the output projection's input) and its log-sum-exp, and four SwiGLU intermediates. With gradient checkpointing only each
   layer's input is saved, plus one layer recomputed in the backward pass.
-* Logits: the head's output over every position in the compute dtype, and fp32 copies of the response positions
-  (the float cast, the temperature division saved by the chunked log-prob, and its gradient).
+* Logits: the head's output (the positions that predict response tokens) in the compute dtype, kept as it is for
+  the backward pass, its gradient (same size and dtype) and a few float32 chunks of the chunked log-softmax.
 * KV cache of HF generation: 2 x layers x kv_heads x head_dim per token in the compute dtype.
 * FLOPs (:class:`PassFlops`): matmul weights x tokens, causal attention counted by query-key pairs, the head on
   the positions it runs on, the backward at twice the forward and the checkpointing recompute kept apart (MFU
@@ -137,6 +137,9 @@ class ModelShape:
 
 
 LOGPROB_CHUNK_BYTES = 2**24 * FP32  # one (rows, vocab) fp32 chunk of verl.utils.torch_functional's log-prob
+# float32 chunks alive at once in the chunked log-softmax: forward (scaled logits, probabilities), backward (the
+# same and the chunk's gradient); measured on CPU (tests/verl/utils/test_memory_model.py)
+CHUNK_TEMPORARIES = {"forward": 2, "backward": 3}
 
 
 @dataclass(frozen=True)
@@ -158,19 +161,17 @@ def logits_bytes(
 ) -> int:
     """Peak bytes of the logits of one micro-batch.
 
-    The head produces ``head_positions`` (default every position) in the compute dtype; the response positions
-    are then cast to fp32 (no copy when already fp32) and divided by the temperature; the chunked log-prob adds
-    one chunk of temporaries. In training the scaled fp32 logits are saved for the backward pass, where the
-    log-prob's and the entropy's gradients, their sum and the temperature division's gradient are fp32 copies
-    (four alive at once), and the head's gradient is again every position in the compute dtype.
+    The head produces ``head_positions`` (default every position) in the compute dtype; the log-prob and entropy
+    read them in float32 chunks of at most :data:`LOGPROB_CHUNK_BYTES` (``response_len`` positions' worth when
+    smaller), a few of them alive at once (:data:`CHUNK_TEMPORARIES`). In training the head's output is kept for
+    the backward pass, which writes its gradient (the same size and dtype) one chunk at a time.
     """
     positions = seq_len if head_positions is None else head_positions
     head_out = rows * positions * shape.vocab_size * dtype_bytes
-    response_fp32 = rows * response_len * shape.vocab_size * FP32
-    chunk = min(response_fp32, LOGPROB_CHUNK_BYTES)
-    cast_copies = 2 if dtype_bytes != FP32 else 1
-    copies = 4 if training else cast_copies
-    return head_out + copies * response_fp32 + chunk
+    chunk = min(rows * response_len * shape.vocab_size * FP32, LOGPROB_CHUNK_BYTES)
+    if training:
+        return 2 * head_out + CHUNK_TEMPORARIES["backward"] * chunk
+    return head_out + CHUNK_TEMPORARIES["forward"] * chunk
 
 
 def update_pass_peak(

@@ -9,7 +9,8 @@ sequence must attend only to itself, causally.
 For ``sdpa`` and ``eager`` models this module registers the attention implementation :data:`PACKED_SDPA`:
 
 - with ``cu_seq_lens_q`` in the call (packed rows): on CUDA in fp16/bf16, PyTorch's variable-length flash kernel
-  (``torch.nn.attention.varlen.varlen_attn``); elsewhere (CPU, fp32) ``scaled_dot_product_attention`` with
+  (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.11: see :func:`varlen_causal_attention` for grouped-query
+  attention); elsewhere (CPU, fp32) ``scaled_dot_product_attention`` with
   ``is_causal`` on each sequence's slice, so no (T, T) mask is ever built and the work is that of the sequences;
 - without it (padded batches, generation with a KV cache): transformers' own ``sdpa`` attention and masks, so
   the same model also serves the padded path and the rollout unchanged.
@@ -19,7 +20,10 @@ For ``sdpa`` and ``eager`` models this module registers the attention implementa
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,18 +40,34 @@ NATIVE_PACKED = ("flash_attention_2", "flash_attention_3", PACKED_SDPA)
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _varlen_cuda(
+@functools.lru_cache(maxsize=8)
+def varlen_supports_gqa(kernel: Callable[..., torch.Tensor]) -> bool:
+    """Whether ``kernel`` (PyTorch's ``varlen_attn``) takes fewer key/value heads than query heads itself: its
+    ``enable_gqa`` keyword arrived in torch 2.12; torch 2.11's kernel needs as many key/value heads as query heads."""
+    return "enable_gqa" in inspect.signature(kernel).parameters
+
+
+def varlen_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
-    scaling: float | None,
+    scaling: float | None, kernel: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Causal varlen flash attention on CUDA; (1, H, T, D) inputs, (1, T, H, D) output."""
-    from torch.nn.attention.varlen import varlen_attn
+    """Causal attention of each packed sequence with ``kernel`` (default: PyTorch's ``varlen_attn``, CUDA in
+    bf16/fp16); (1, H, T, D) inputs (key/value may have fewer heads), (1, T, H, D) output.
+
+    Grouped-query attention (fewer key/value heads) uses the kernel's ``enable_gqa`` when it has one (torch >= 2.12);
+    otherwise each key/value head is repeated for its group of query heads first, as HF's ``repeat_kv`` does.
+    """
+    if kernel is None:
+        from torch.nn.attention.varlen import varlen_attn as kernel
 
     q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-    out = varlen_attn(
-        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scaling, window_size=(-1, 0),
-        enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
+    groups = q.shape[1] // k.shape[1]
+    gqa: dict[str, bool] = {}
+    if groups > 1 and varlen_supports_gqa(kernel):
+        gqa = {"enable_gqa": True}
+    elif groups > 1:
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    out = kernel(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa)
     return out.unsqueeze(0)
 
 
@@ -91,7 +111,7 @@ def packed_sdpa_attention(
         raise ValueError(f"cu_seq_lens_q ends at {int(cu_seqlens[-1])} but the packed row has {query.shape[2]} tokens")
     if query.is_cuda and query.dtype in _VARLEN_DTYPES and dropout == 0.0:
         max_len = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
-        return _varlen_cuda(query, key, value, cu_seqlens.to(torch.int32), max_len, scaling), None
+        return varlen_causal_attention(query, key, value, cu_seqlens.to(torch.int32), max_len, scaling), None
     return _per_sequence_sdpa(query, key, value, cu_seqlens.tolist(), scaling, dropout), None
 
 

@@ -1,13 +1,15 @@
 """Tensor helpers of the RL engine: masked statistics, memory-lean log-probs/entropy, masks and padding.
 
-`logprobs_from_logits` and `entropy_from_logits` never build a second (rows, vocab) tensor for the whole
-batch: they walk the rows in chunks (a few tens of MB each) in the forward pass, keep only per-row statistics
-for the backward pass, and recompute the softmax chunk by chunk there. Results are float32 (float64 for
-float64 logits) whatever the logits dtype.
+`log_probs_and_entropy` (and veRL's `logprobs_from_logits` / `entropy_from_logits` on top of it) never build a
+second (rows, vocab) tensor for the whole batch: the logits stay in the model's compute dtype (bf16 on GPU), the
+rows are cast to float32 and divided by the temperature in chunks (a few tens of MB each) in the forward pass,
+only per-row statistics are kept besides the logits for the backward pass, which recomputes the softmax chunk by
+chunk. Results are float32 (float64 for float64 logits) whatever the logits dtype.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -88,106 +90,106 @@ def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.promote_types(logits.dtype, torch.float32)
 
 
-class _LogProbs(torch.autograd.Function):
-    """log softmax(logits)[label] per row, computed and differentiated chunk by chunk."""
+class _LogProbsAndEntropy(torch.autograd.Function):
+    """log softmax(logits / T)[label] and the entropy of softmax(logits / T) per row, both from one pass over
+    chunks of rows (each chunk cast to float32 and scaled there), differentiated chunk by chunk.
+
+    Only the logits (in their own dtype), the labels and two float32 numbers per row are saved for the backward
+    pass; the gradient is built in the logits' dtype, one chunk at a time, summing both outputs' gradients in
+    float32 before the cast.
+    """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = _compute_dtype(logits)
         flat_labels = labels.reshape(-1)
         lse = torch.empty(flat_labels.shape[0], dtype=dtype, device=logits.device)
-        out = torch.empty_like(lse)
+        expected = torch.empty_like(lse)  # E_p[z], z = logits / T
+        log_probs = torch.empty_like(lse)
         for start, chunk in _row_chunks(logits, chunk_size):
             rows = slice(start, start + chunk.shape[0])
-            chunk = chunk.to(dtype)
-            lse[rows] = torch.logsumexp(chunk, dim=-1)
-            out[rows] = chunk.gather(-1, flat_labels[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
-        ctx.save_for_backward(logits, flat_labels, lse)
-        ctx.chunk_size = chunk_size
-        return out.view(labels.shape)
+            z = chunk.to(dtype) / temperature
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            log_probs[rows] = z.gather(-1, flat_labels[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+            probs = torch.exp(z - lse[rows].unsqueeze(-1))
+            expected[rows] = torch.where(probs > 0, probs * z, 0.0).sum(-1)
+        ctx.save_for_backward(logits, flat_labels, lse, expected)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.set_materialize_grads(False)
+        return log_probs.view(labels.shape), (lse - expected).view(labels.shape)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        logits, flat_labels, lse = ctx.saved_tensors
-        grad_flat = grad_out.reshape(-1).to(lse.dtype)
+    def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, None, None, None]:
+        # with z = logits / T and p = softmax(z): d log p_y / dz = onehot(y) - p;
+        # dH/dz_j = -p_j (z_j - E_p[z]) (0 where p_j = 0, i.e. logit -inf); d/dlogits = d/dz / T
+        if grad_log_probs is None and grad_entropy is None:
+            return None, None, None, None
+        logits, flat_labels, lse, expected = ctx.saved_tensors
+        temperature = ctx.temperature
+        g_lp = None if grad_log_probs is None else grad_log_probs.reshape(-1).to(lse.dtype)
+        g_h = None if grad_entropy is None else grad_entropy.reshape(-1).to(lse.dtype)
         grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad_view = grad_logits.view(-1, logits.shape[-1])
         for start, chunk in _row_chunks(logits, ctx.chunk_size):
             rows = slice(start, start + chunk.shape[0])
-            g = grad_flat[rows].unsqueeze(-1)
-            chunk_grad = -torch.exp(chunk.to(lse.dtype) - lse[rows].unsqueeze(-1)) * g
-            chunk_grad.scatter_add_(-1, flat_labels[rows].unsqueeze(-1), g)
-            grad_view[rows] = chunk_grad.to(logits.dtype)
-        return grad_logits, None, None
+            z = chunk.to(lse.dtype) / temperature
+            probs = torch.exp(z - lse[rows].unsqueeze(-1))
+            chunk_grad = torch.zeros_like(z)
+            if g_lp is not None:
+                g = g_lp[rows].unsqueeze(-1)
+                chunk_grad -= probs * g
+                chunk_grad.scatter_add_(-1, flat_labels[rows].unsqueeze(-1), g)
+            if g_h is not None:
+                entropy_grad = -probs * (z - expected[rows].unsqueeze(-1)) * g_h[rows].unsqueeze(-1)
+                chunk_grad += torch.where(probs > 0, entropy_grad, 0.0)
+            grad_view[rows] = (chunk_grad / temperature).to(logits.dtype)
+        return grad_logits, None, None, None
 
 
-class _Entropy(torch.autograd.Function):
-    """Entropy of softmax(logits) per row, computed and differentiated chunk by chunk."""
+def log_probs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``labels`` (...,) and entropy under softmax(``logits`` / ``temperature``), both (...,).
 
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
-        dtype = _compute_dtype(logits)
-        n_rows = logits.numel() // max(1, logits.shape[-1])
-        lse = torch.empty(n_rows, dtype=dtype, device=logits.device)
-        expected = torch.empty_like(lse)
-        for start, chunk in _row_chunks(logits, chunk_size):
-            rows = slice(start, start + chunk.shape[0])
-            chunk = chunk.to(dtype)
-            lse[rows] = torch.logsumexp(chunk, dim=-1)
-            probs = torch.exp(chunk - lse[rows].unsqueeze(-1))
-            expected[rows] = torch.where(probs > 0, probs * chunk, 0.0).sum(-1)
-        ctx.save_for_backward(logits, lse, expected)
-        ctx.chunk_size = chunk_size
-        return (lse - expected).view(logits.shape[:-1])
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None]:
-        # dH/dz_j = -p_j * (z_j - E_p[z]); vocabulary entries with p_j = 0 (logit -inf) get gradient 0
-        logits, lse, expected = ctx.saved_tensors
-        grad_flat = grad_out.reshape(-1).to(lse.dtype)
-        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        grad_view = grad_logits.view(-1, logits.shape[-1])
-        for start, chunk in _row_chunks(logits, ctx.chunk_size):
-            rows = slice(start, start + chunk.shape[0])
-            chunk = chunk.to(lse.dtype)
-            probs = torch.exp(chunk - lse[rows].unsqueeze(-1))
-            chunk_grad = torch.where(probs > 0, -probs * (chunk - expected[rows].unsqueeze(-1)), 0.0)
-            chunk_grad = chunk_grad * grad_flat[rows].unsqueeze(-1)
-            grad_view[rows] = chunk_grad.to(logits.dtype)
-        return grad_logits, None
+    ``logits`` (..., V) stay in their dtype (bf16 from a bf16 model: no float32 copy of the whole tensor is made or
+    kept for the backward pass); rows are cast to float32 ``chunk_size`` at a time (default: about 2**24 logits per
+    chunk). Results are float32 (float64 for float64 logits); both are differentiable w.r.t. ``logits``.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"log-probs: logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0 to compute log-probs, got {temperature!r}")
+    return _LogProbsAndEntropy.apply(logits, labels.long(), float(temperature), chunk_size)
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True, *, chunk_size: int | None = None
+    logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True, *, chunk_size: int | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Log-probability of `labels` (...,) under softmax(`logits`) (..., V); differentiable w.r.t. logits.
+    """Log-probability of `labels` (...,) under softmax(`logits` / `temperature`) (..., V); differentiable w.r.t.
+    logits (see :func:`log_probs_and_entropy`).
 
     Positional order as veRL: `(logits, labels, inplace_backward)`. `inplace_backward` is accepted for veRL
     compatibility and changes nothing: veRL uses it to let flash-attn's kernel overwrite the logits with their
     gradient; here the backward already builds the gradient chunk by chunk without a second full-vocab buffer.
-    Rows are processed `chunk_size` (keyword-only) at a time (default: about 2**24 logits per chunk); the result
-    is float32 (float64 for float64 logits).
     """
     if not isinstance(inplace_backward, bool):
         raise TypeError(
             "logprobs_from_logits: the 3rd positional argument is `inplace_backward` (veRL's order), got "
             f"{inplace_backward!r}; pass chunk_size as a keyword"
         )
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"logprobs_from_logits: logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}"
-        )
-    return _LogProbs.apply(logits, labels.long(), chunk_size)
+    return log_probs_and_entropy(logits, labels, temperature, chunk_size=chunk_size)[0]
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
-    """Entropy of softmax(`logits`) over the last dim, shape logits.shape[:-1]; row-chunked and differentiable.
-
-    `chunk_size` works as in `logprobs_from_logits`; logits of -inf (p = 0) contribute 0.
-    """
-    return _Entropy.apply(logits, chunk_size)
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None, *, temperature: float = 1.0
+                        ) -> torch.Tensor:
+    """Entropy of softmax(`logits` / `temperature`) over the last dim, shape logits.shape[:-1]; row-chunked and
+    differentiable (see :func:`log_probs_and_entropy`); logits of -inf (p = 0) contribute 0."""
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return log_probs_and_entropy(logits, labels, temperature, chunk_size=chunk_size)[1]
 
 
 def get_response_mask(

@@ -90,16 +90,15 @@ def iter_mini_batches(batch: TensorDict, mini_batch_size: int, epochs: int, shuf
         yield from epoch_batch.split(mini_batch_size)
 
 
-def response_logits(logits: torch.Tensor, response_length: int, temperature: float) -> torch.Tensor:
-    """Logits predicting each response token (positions ``-R-1 .. -2``), in fp32 and divided by ``temperature``."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 to compute log-probs, got {temperature}")
+def response_logits(logits: torch.Tensor, response_length: int) -> torch.Tensor:
+    """Logits predicting each response token (positions ``-R-1 .. -2``): a view in the model's dtype, no copy (the
+    temperature is applied chunk by chunk by :func:`verl.utils.torch_functional.log_probs_and_entropy`)."""
     if not 0 < response_length < logits.size(1):
         raise ValueError(
             f"responses of length {response_length} do not fit in input_ids of length {logits.size(1)}: "
             "input_ids must be the prompt followed by the responses"
         )
-    return logits[:, -response_length - 1 : -1, :].float() / temperature
+    return logits[:, -response_length - 1 : -1, :]
 
 
 def append_metrics(metrics: dict[str, list[float]], values: dict[str, Any]) -> None:

@@ -193,7 +193,8 @@ class ActorRolloutRefWorker(Worker):
         rollout = rollout or self.rollout
         stats = WeightSyncStats()
         with self.actor_offload.on_device():  # offloaded actor parameters come back to the GPU for the gather
-            rollout.update_weights(fsdp_weight_stream(self._module, rollout.weight_dtype, stats), stats)
+            rollout.update_weights(fsdp_weight_stream(self._module, rollout.weight_dtype, stats, rollout.bucket_bytes),
+                                   stats)
         logger.info("rank %d: synced %d tensors (%.1f MiB) into vLLM in %.3f s", self.rank, stats.tensors,
                     stats.bytes / 2**20, stats.seconds)
         return stats.metrics()
@@ -202,6 +203,12 @@ class ActorRolloutRefWorker(Worker):
         """Free the vLLM engine's GPU memory before a training phase (a no-op for hf and on CPU)."""
         if self.rollout_name == "vllm" and self.rollout is not None:
             self.rollout.release()
+
+    def _refresh_rollout_weights(self) -> None:
+        """Give the vLLM engine the actor's weights again if its sleep freed them and no update has synced them
+        since (e.g. a step without an actor update: ``trainer.critic_warmup``). A collective over all ranks."""
+        if self.rollout_name == "vllm" and self.rollout.weights_discarded:
+            self._sync_rollout_weights()
 
     def _log_prob_defaults(self, section: DictConfig) -> dict[str, Any]:
         """meta_info defaults of a log-prob pass configured by ``section`` (rollout or ref): rows (or, with
@@ -218,6 +225,7 @@ class ActorRolloutRefWorker(Worker):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         prompts = _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
         if self.rollout_name == "vllm":  # the engine holds its own copy of the weights
+            self._refresh_rollout_weights()
             return self.rollout.generate_sequences(prompts)
         with self.actor_offload.on_device():
             output = self.rollout.generate_sequences(prompts)
@@ -227,9 +235,16 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def rollout_replica_index(self) -> int | None:
         """This rank's rollout replica (vLLM: its tensor-parallel group, which can generate a batch of its own);
-        None when generation is one collective over all ranks (the HF rollout on FSDP shards)."""
+        None when generation is one collective over all ranks (the HF rollout on FSDP shards).
+
+        Called on every rank before replicas generate on their own, it also gives a vLLM engine whose sleep freed
+        its weights the actor's weights again (a collective that :meth:`generate_replica_sequences`, run on one
+        replica's ranks only, cannot do)."""
         self._require(self._is_rollout, "rollout_replica_index", "rollout")
-        return dist.get_rank() // self.rollout.tp_group.world_size if self.rollout_name == "vllm" else None
+        if self.rollout_name != "vllm":
+            return None
+        self._refresh_rollout_weights()
+        return dist.get_rank() // self.rollout.tp_group.world_size
 
     def generate_replica_sequences(self, prompts: DataProto) -> DataProto:
         """Generate every row of ``prompts`` on this rank's replica; called (unregistered, through

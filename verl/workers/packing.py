@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from verl.utils.torch_functional import log_probs_and_entropy
 
 
 @dataclass
@@ -86,19 +86,17 @@ def packed_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (bs, R) of ``micro['responses']`` (and entropies) from one packed forward of a causal LM.
 
-    Logits are only computed at the scored positions (``logits_to_keep``). The entropy carries gradient only
-    with ``entropy_grad``.
+    Logits are only computed at the scored positions (``logits_to_keep``) and stay in the model's dtype. The
+    entropy carries gradient only with ``entropy_grad``.
     """
     responses = micro["responses"]
     packed = pack_batch(micro["input_ids"], micro["attention_mask"], micro["position_ids"], responses.size(-1))
     output = module(**packed.model_kwargs(), logits_to_keep=packed.logit_index)
-    logits = output.logits[0].float() / temperature  # (K, V)
-    log_probs = packed.to_response_layout(logprobs_from_logits(logits, responses[packed.scored]))
-    entropy = None
-    if calculate_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = packed.to_response_layout(entropy_from_logits(logits if entropy_grad else logits.detach()))
-    return log_probs, entropy
+    log_probs, entropy = log_probs_and_entropy(output.logits[0], responses[packed.scored], temperature)  # (K,)
+    if not calculate_entropy:
+        return packed.to_response_layout(log_probs), None
+    entropy = entropy if entropy_grad else entropy.detach()
+    return packed.to_response_layout(log_probs), packed.to_response_layout(entropy)
 
 
 def packed_values(module: torch.nn.Module, micro: TensorDict) -> torch.Tensor:

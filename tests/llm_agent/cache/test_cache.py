@@ -55,19 +55,19 @@ def test_config_defaults_and_string_stage_keys():
 
 
 @pytest.mark.parametrize("d, needle", [
-    ({"hit_rate": 0.5}, "unknown key(s) ['hit_rate']"),
+    ({"hit_rate": 0.5}, "hit_rate is not a config key"),
     ({"stage_hit_rates": {0: 1.5}}, "stage_hit_rates[0]"),
     ({"stage_hit_rates": {"x": 0.5}}, "stage_hit_rates key 'x'"),
     ({"default_hit_rate": True}, "default_hit_rate"),
     ({"max_total": 0}, "max_total"),
-    ({"min_bucket_size": 20, "max_per_stage": 5}, "min_bucket_size (20) exceeds max_per_stage (5)"),
+    ({"min_bucket_size": 20, "max_per_stage": 5}, "min_bucket_size (20) exceeds rollout_loop.config.cache.max_per_stage (5)"),
     ({"enabled": "yes"}, "enabled"),
     ({"path": ""}, "path"),
 ])
 def test_config_errors_name_where_and_what(d, needle):
     with pytest.raises(ValueError) as info:
         CacheConfig.from_dict(d, where="rollout_loop.config.cache")
-    assert str(info.value).startswith("rollout_loop.config.cache: ")
+    assert str(info.value).startswith("rollout_loop.config.cache.")
     assert needle in str(info.value)
 
 

@@ -75,6 +75,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.processes
 def test_a_second_writer_is_refused_with_a_clear_error(tmp_path):
     """Two processes on one file: the second one's compaction dropped all 10 of the first one's lines."""
     from llm_agent.cache.response_cache import CacheLockedError

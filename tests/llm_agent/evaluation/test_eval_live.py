@@ -13,19 +13,20 @@ import time
 
 import pytest
 import uvicorn
-from checkpoint_fixtures import write_checkpoint
 
 from llm_agent.evaluation.agents import OpenAIChatAgent
 from llm_agent.evaluation.runner import EvalSettings, dialogues_path, evaluate_agent
 from llm_agent.evaluation.sims import LocalSimulators, free_port
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedAgent, ScriptedPolicyWorkerGroup
-from llm_agent.user_sim.backend import BackendResult, Completion
-from llm_agent.user_sim.server import ServerConfig, build_app
-from tests.llm_agent.gen_loop_helpers import REPO, SCENARIO_PATH
+from llm_agent.user_sim.server.app import ServerConfig, build_app
+from llm_agent.user_sim.server.backend import BackendResult, Completion
 from utils.create_prompt_data import create_prompt_data
 
-pytestmark = pytest.mark.slow
+from tests.helpers.checkpoint_fixtures import write_checkpoint
+from tests.helpers.repo import REPO, SCENARIO_PATH
+
+pytestmark = pytest.mark.processes
 
 
 class ScriptedAgentBackend:
@@ -120,6 +121,7 @@ def _evaluate_cmd(model, test_file, out):
             "--max-response-length", "400", "--chunk-size", "2", "--n-resamples", "50", "--num-sims", "2"]
 
 
+@pytest.mark.slow
 def test_evaluate_cli_on_a_trainer_checkpoint_is_resumed_after_a_kill(warm_model_path, test_file, tmp_path):
     # the checkpoint root as the CPU demo leaves it (trainer.save_hf_model=every): its latest step is evaluated
     checkpoint = tmp_path / "checkpoints"

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoint_fixtures import write_checkpoint
-from for_evaluation_cli import load_script
 from transformers import AutoModelForCausalLM
 
 import llm_agent.evaluation.local_agents as local_agents
 from llm_agent.evaluation.agents import AgentSpec
 from llm_agent.evaluation.local_agents import HFRolloutAgent, load_policy_model, pick_engine, resolve_model_dir
 from verl.protocol import DataProto
+
+from tests.helpers.checkpoint_fixtures import write_checkpoint
+from tests.helpers.for_evaluation_cli import load_script
 
 
 def test_model_directories_resolve_to_the_actor_export(tiny_model_path, tmp_path):
@@ -59,7 +60,7 @@ def test_results_name_the_engine_of_local_agents_only():
     assert AgentSpec.parse("scripted:good").describe("hf") == "scripted:good"
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_checkpoint_without_hf_export_generates_from_its_sharded_state(tiny_model_path, tmp_path):
     step = write_checkpoint(tiny_model_path, tmp_path / "ckpt", step=4, hf_export=False)
     actor = step / "actor"

@@ -7,12 +7,13 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 from PIL import Image
-from report_fixtures import controller_weight, write_run
 
 from for_evaluation import metrics_vis
 from llm_agent.evaluation.plots import FIGURE_NAMES, build_figures, load_run, plot_runs
 from llm_agent.evaluation.run_data import find_latest_run, read_step_metrics, resolve_run
 from llm_agent.evaluation.series import cache_stage_series, ema, outcome_mix
+
+from tests.helpers.report_fixtures import controller_weight, write_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -36,7 +37,6 @@ def _axes(fig, title):
     return found[0]
 
 
-@pytest.mark.slow  # renders every figure in both formats (about 10 s on 2 busy cores)
 def test_fixture_run_writes_every_figure_as_png_and_svg(tmp_path, scenario):
     write_run(tmp_path / "outputs", "exp", scenario, with_time=True)
     out = tmp_path / "plots"

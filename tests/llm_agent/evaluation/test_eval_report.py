@@ -6,7 +6,6 @@ import json
 import re
 
 import pytest
-from report_fixtures import synthetic_dialogues, write_run
 
 from for_evaluation import report as report_cli
 from llm_agent.evaluation.browser_data import embed_json
@@ -14,6 +13,8 @@ from llm_agent.evaluation.plots import FIGURE_NAMES
 from llm_agent.evaluation.report import build_report, default_report_path, dialogue_groups
 from llm_agent.evaluation.run_data import resolve_run
 from llm_agent.metrics import dialogue_metrics
+
+from tests.helpers.report_fixtures import synthetic_dialogues, write_run
 
 DATA_RE = re.compile(r'<script id="dialogue-data" type="application/json">(.*?)</script>', re.S)
 

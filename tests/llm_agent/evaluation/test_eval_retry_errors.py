@@ -10,18 +10,19 @@ import time
 
 import pytest
 import uvicorn
-from for_evaluation_cli import load_script
 
 from llm_agent.evaluation.runner import dialogues_path, results_path
 from llm_agent.evaluation.sims import free_port
 from llm_agent.scenario import UserProfile
-from llm_agent.user_sim.scripted import ScriptedPersonaBackend
-from llm_agent.user_sim.server import ServerConfig, build_app
-from tests.llm_agent.gen_loop_helpers import SCENARIO_PATH
+from llm_agent.user_sim.server.app import ServerConfig, build_app
+from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 from utils.create_prompt_data import create_prompt_data
 from verl.utils.dataset import RLHFDataset
 
-pytestmark = pytest.mark.slow
+from tests.helpers.for_evaluation_cli import load_script
+from tests.helpers.repo import SCENARIO_PATH
+
+pytestmark = pytest.mark.processes
 N_DIALOGUES = 8
 FAILING_ROWS = (1, 4, 6)
 

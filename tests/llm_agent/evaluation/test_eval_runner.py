@@ -13,9 +13,10 @@ from llm_agent.metrics import records_from_batch
 from llm_agent.rollout.records import RECORD_COLUMNS, object_column
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
-from tests.llm_agent.gen_loop_helpers import SCENARIO_PATH
 from utils.create_prompt_data import create_prompt_data
 from verl.utils.dataset import RLHFDataset
+
+from tests.helpers.repo import SCENARIO_PATH
 
 
 class RecordingSim(InProcessUserSim):
@@ -25,9 +26,9 @@ class RecordingSim(InProcessUserSim):
         super().__init__(scenario)
         self.dialogue_ids = set()
 
-    def complete_batch(self, requests):
+    def complete(self, requests):
         self.dialogue_ids.update(r.dialogue_id for r in requests)
-        return super().complete_batch(requests)
+        return super().complete(requests)
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +103,10 @@ def test_an_interrupted_run_resumes_with_the_missing_dialogues_only(tok, scenari
     class FailingSim(InProcessUserSim):
         """Dies on the first request of the third chunk (dialogues test6..test7)."""
 
-        def complete_batch(self, requests):
+        def complete(self, requests):
             if any(r.dialogue_id == "test6#0" for r in requests):
                 raise Interrupt
-            return super().complete_batch(requests)
+            return super().complete(requests)
 
     with pytest.raises(Interrupt):
         run(tok, scenario, test_file, tmp_path, sim=FailingSim(scenario))

@@ -6,10 +6,11 @@ import math
 import random
 
 import pytest
-from eval_fixtures import linear_percentile, record
 
 from llm_agent.evaluation.stats import (bootstrap_indices, mcnemar_exact, metric_intervals, pair_records,
                                         paired_comparison)
+
+from tests.helpers.eval_fixtures import linear_percentile, record
 
 
 def test_point_values_on_a_hand_computed_fixture(scenario):

@@ -6,11 +6,12 @@ import io
 import json
 
 import pytest
-from eval_fixtures import record
 
-from for_evaluation_cli import load_script, run_table
 from llm_agent.evaluation.table import build_table, load_evaluation, render
-from tests.llm_agent.gen_loop_helpers import SCENARIO_PATH
+
+from tests.helpers.eval_fixtures import record
+from tests.helpers.for_evaluation_cli import load_script, run_table
+from tests.helpers.repo import SCENARIO_PATH
 
 
 def write_log(path, records):

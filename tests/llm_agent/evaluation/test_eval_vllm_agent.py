@@ -14,14 +14,14 @@ import subprocess
 import sys
 
 import pytest
-from checkpoint_fixtures import write_checkpoint
 
 from llm_agent.evaluation.local_agents import HFRolloutAgent, VLLMRolloutAgent
 from llm_agent.evaluation.runner import EvalSettings, dialogues_path, evaluate_agent
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
-from tests.conftest import COMPACT_SYSTEM_PROMPT
-from tests.llm_agent.gen_loop_helpers import REPO, SCENARIO_PATH
 from utils.create_prompt_data import create_prompt_data
+
+from tests.helpers.checkpoint_fixtures import write_checkpoint
+from tests.helpers.repo import COMPACT_SYSTEM_PROMPT, REPO, SCENARIO_PATH
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -14,10 +14,11 @@ import time
 
 import pytest
 from PIL import Image
-from report_fixtures import SEARCH_WORD, synthetic_dialogues
 
 from llm_agent.evaluation.report import build_report
 from llm_agent.evaluation.run_data import resolve_run
+
+from tests.helpers.report_fixtures import SEARCH_WORD, synthetic_dialogues
 
 CHROMIUM = os.environ.get("SEAD_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("SEAD_CHROMEDRIVER", "/usr/bin/chromedriver")
@@ -25,7 +26,7 @@ N_DIALOGUES = 10_000
 PAGE_SIZE = 50
 logger = logging.getLogger(__name__)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 def _require_browser() -> None:

@@ -6,12 +6,12 @@ import json
 import re
 
 import pytest
-from report_fixtures import write_run
 
 from for_evaluation import report as report_cli
 from for_evaluation import simulator_report
 from llm_agent.evaluation.report_simulator import render_simulator_page, simulator_html
 from llm_agent.simulator_report.card import METRIC_KEYS
+from tests.helpers.report_fixtures import write_run
 
 
 def _row(page: str, key: str) -> list[str]:

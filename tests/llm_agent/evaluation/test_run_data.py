@@ -4,13 +4,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from report_fixtures import write_run
 
 from llm_agent.evaluation.plots import load_run
 from llm_agent.evaluation.run_data import (default_plot_dir, find_latest_run, read_dialogue_summaries,
                                            read_dialogues, read_val_metrics, resolve_run)
 from llm_agent.evaluation.series import OUTCOME_RATE_KEYS
 from llm_agent.metrics import OUTCOMES
+
+from tests.helpers.report_fixtures import write_run
 
 
 def test_every_outcome_has_its_rate_key():

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from llm_agent.profiles.rules import DEFAULT_RULES_PATH, load_rule_table, state_levels
-from llm_agent.scenario import Behavior, UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, Behavior, UserProfile, load_scenario, scenario_path
 
 REPO = Path(__file__).resolve().parents[3]
-SCENARIO = load_scenario(REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 RANGES = SCENARIO.state_ranges  # cooperation 0-4, emotion 0-3, trust 0-5
 
 
@@ -59,7 +59,7 @@ def test_every_library_category_of_both_scenarios_has_a_rule_with_a_reason():
     table = load_rule_table()
     library = {json.loads(line)["category"] for line in (REPO / "assets/client_action.jsonl").read_text().splitlines()
                if line.strip()}
-    other = load_scenario(REPO / "verl/trainer/config/format_prompt/inbound_support.yaml")
+    other = load_scenario(scenario_path("inbound_support"))
     assert library | {b.category for b in other.behaviors} <= set(table.rules)
     assert all(len(table.reasons[c]) > 20 for c in table.rules)
 

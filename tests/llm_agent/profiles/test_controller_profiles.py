@@ -9,10 +9,10 @@ import pytest
 
 from llm_agent.controller import ControllerConfig, StateController
 from llm_agent.profiles.rules import load_rule_table
-from llm_agent.scenario import UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 
 REPO = Path(__file__).resolve().parents[3]
-SCENARIO = load_scenario(REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 RULES = load_rule_table()
 
 
@@ -58,7 +58,7 @@ def test_pool_source_draws_written_profiles_of_the_sampled_state(tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     ({"profile_source": "llm"}, r"controller\.profile_source='llm' must be one of \['uniform', 'rules', 'pool'\]"),
     ({"profile_source": "pool"}, r"controller\.pool_path=None must name the profiles file"),
-    ({"rules_path": 3}, r"controller\.rules_path must be a string"),
+    ({"rules_path": 3}, r"controller\.rules_path must be a string, got 3"),
 ])
 def test_bad_profile_source_settings_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

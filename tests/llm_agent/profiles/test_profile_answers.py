@@ -8,10 +8,10 @@ import pytest
 
 from llm_agent.profiles.answers import check_answer, profile_request
 from llm_agent.profiles.rules import load_rule_table
-from llm_agent.scenario import load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
 REPO = Path(__file__).resolve().parents[3]
-SCENARIO = load_scenario(REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 LIB = SCENARIO.behaviors
 STATE = (2, 1, 4)  # trust level 0.8: trust_and_scepticism and identity_verification contradict it
 

@@ -8,11 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from llm_agent.profiles.sources import load_weights
-from llm_agent.scenario import UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 from utils.create_prompt_data import create_prompt_data
 
 REPO = Path(__file__).resolve().parents[3]
-SCENARIO_PATH = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO_PATH = DEFAULT_SCENARIO_PATH
 WEIGHTS = {"cooperation": {"1": 0.2, "2": 0.3, "3": 0.5}, "emotion": {"1": 0.6, "2": 0.4},
            "trust": {"1": 0.1, "2": 0.2, "3": 0.3, "4": 0.4}}
 

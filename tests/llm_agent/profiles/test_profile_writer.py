@@ -21,11 +21,11 @@ from llm_agent.profiles.pool import profile_of_row
 from llm_agent.profiles.rules import load_rule_table
 from llm_agent.profiles.sources import ChatEndpoint
 from llm_agent.profiles.writer import ProfileWriter, WriterSettings
-from llm_agent.scenario import STATE_DIMS, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, STATE_DIMS, load_scenario
 from llm_agent.stand_ins.profile_llm import ScriptedProfileLLM
 
 REPO = Path(__file__).resolve().parents[3]
-SCENARIO = load_scenario(REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 LIBRARY = {(o["category"], o["behavior"]) for o in map(json.loads, (REPO / "assets/client_action.jsonl").open())}
 RULES = load_rule_table()
 
@@ -106,9 +106,10 @@ def test_an_endpoint_that_does_not_answer_falls_back_to_the_rules(tmp_path, rule
         "fallback/attempts_exhausted", 0) == 80
 
 
+@pytest.mark.processes
 def test_resume_after_a_kill_writes_only_what_is_missing(tmp_path):
     out = tmp_path / "p.jsonl"
-    cmd = [sys.executable, "utils/generate_profiles.py", "--n", "60", "--out", str(out), "--concurrency", "2"]
+    cmd = [sys.executable, "-m", "utils.generate_profiles", "--n", "60", "--out", str(out), "--concurrency", "2"]
     with ScriptedProfileLLM("good", delay_s=0.05) as llm:
         proc = subprocess.Popen([*cmd, "--llm-url", llm.url], cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)

@@ -10,14 +10,16 @@ import time
 
 import pytest
 import torch
-from gen_loop_helpers import FAIL, SCENARIO_PATH, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch
 
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.reward import compute_reward
 from llm_agent.rollout.config import ConfigError, GenerationConfig
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
-from llm_agent.user_sim.client import ChatReply
+from llm_agent.user_sim.client import TurnReply
+
+from tests.helpers.gen_loop_helpers import FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch
+from tests.helpers.repo import SCENARIO_PATH
 
 TENSORS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
 RECORDS = ("uid", "dialogue_id", "profile", "outcome", "num_turns", "turns", "messages", "cache_hits",
@@ -39,13 +41,13 @@ class OnceMalformedSim(ProgrammedSim):
         super().__init__(scenario, scripts)
         self.seen: set[tuple[str, int]] = set()
 
-    def complete_batch(self, requests):
-        results = super().complete_batch(requests)
+    def complete(self, requests):
+        results = super().complete(requests)
         for i, req in enumerate(requests):
             turn = (req.dialogue_id, len(req.messages))
             if req.dialogue_id.startswith("retry") and turn not in self.seen:
                 self.seen.add(turn)
-                results[i] = ChatReply(req.dialogue_id, "no reply tag here", "fake:0", 0.0, 1)
+                results[i] = TurnReply(req.dialogue_id, "no reply tag here", "fake:0", 0.0, 1)
         return results
 
 
@@ -126,9 +128,9 @@ class DelayedSim(ProgrammedSim):
     def _delay(self, requests) -> float:
         return self.slow_s if any(r.dialogue_id.startswith("slow") for r in requests) else 0.0
 
-    def complete_batch(self, requests):
+    def complete(self, requests):
         time.sleep(self._delay(requests))
-        return super().complete_batch(requests)
+        return super().complete(requests)
 
     def run_on_loop(self, coroutine):
         loop = asyncio.new_event_loop()
@@ -143,7 +145,7 @@ class DelayedSim(ProgrammedSim):
 
     async def acomplete(self, request):
         await asyncio.sleep(self._delay([request]))
-        return ProgrammedSim.complete_batch(self, [request])[0]
+        return ProgrammedSim.complete(self, [request])[0]
 
 
 def test_a_slow_simulator_turn_does_not_hold_up_the_other_dialogues(tok, scenario):
@@ -187,9 +189,9 @@ def test_engine_error_fails_the_rollout_with_its_message(tok, scenario):
 def test_mode_and_async_settings_are_checked():
     with pytest.raises(ConfigError, match=r"rollout_loop.config.mode must be one of \['sync', 'async'\]"):
         GenerationConfig.from_dict(config("asynchronous"))
-    with pytest.raises(ConfigError, match=r"async_rollout: unknown key\(s\) \['wait'\]"):
+    with pytest.raises(ConfigError, match=r"rollout_loop\.config\.async_rollout\.wait is not a config key"):
         GenerationConfig.from_dict(config("async", async_rollout={"wait": 1}))
-    with pytest.raises(ConfigError, match=r"async_rollout.max_batch_size must be >= 1"):
+    with pytest.raises(ConfigError, match=r"async_rollout\.max_batch_size=0 is outside \[1, inf\)"):
         GenerationConfig.from_dict(config("async", async_rollout={"max_batch_size": 0}))
     parsed = GenerationConfig.from_dict(config("async"))
     assert parsed.mode == "async" and parsed.async_rollout.batch_wait_ms == 2.0

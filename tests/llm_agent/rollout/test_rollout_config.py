@@ -1,20 +1,23 @@
-"""GenerationConfig: a per-dialogue budget that cannot fit `max_turns` turns is a config error."""
+"""GenerationConfig: a per-dialogue budget that cannot fit `max_turns` turns is a config error; NaN/inf, non-http
+simulator URLs, wrong types and unknown keys are config errors naming the full key."""
 import logging
+import math
+import re
 from pathlib import Path
 
 import pytest
 
 from llm_agent.rollout.config import ConfigError, GenerationConfig, MIN_AGENT_TURN_TOKENS, MIN_USER_TURN_TOKENS
 from llm_agent.rollout.dialogue import ChatMarkers
-from llm_agent.scenario import load_scenario
-from tests.conftest import SCENARIO_FILE
-from tests.llm_agent.sim_servers import REPO
+from llm_agent.scenario import SCENARIO_DIR, load_scenario
 
-SCENARIOS = sorted((REPO / "verl/trainer/config/format_prompt").glob("*.yaml"))
+from tests.helpers.repo import SCENARIO_PATH
+
+SCENARIOS = sorted(SCENARIO_DIR.glob("*.yaml"))
 
 
 def config(**overrides):
-    cfg = {"scenario": str(REPO / SCENARIO_FILE), "max_turns": 4, "max_tokens_per_turn": 96,
+    cfg = {"scenario": str(SCENARIO_PATH), "max_turns": 4, "max_tokens_per_turn": 96,
            "max_response_length": 512, "max_user_tokens": 128, "cache": {"enabled": False}}
     cfg.update(overrides)
     return cfg
@@ -64,3 +67,65 @@ def test_constants_are_below_real_minimal_turns(tok, path):
         tok.encode("Okay.", add_special_tokens=False)))
     assert agent_turn >= MIN_AGENT_TURN_TOKENS and user_turn >= MIN_USER_TURN_TOKENS, (agent_turn, user_turn)
 
+
+
+def _nested(key: str, value):
+    """{"a": {"b": value}} for key "a.b"."""
+    head, _, rest = key.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize("key", ["user_sim.timeout_s", "user_sim.deadline_s", "user_sim.temperature", "user_sim.top_p",
+                                 "user_sim.max_error_rate", "async_rollout.batch_wait_ms", "cache.default_hit_rate",
+                                 "controller.target_completion_rate", "controller.dead_band", "controller.smoothing",
+                                 "controller.floor"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_rejected_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=rf"^rollout_loop\.config\.{re.escape(key)}"):
+        GenerationConfig.from_dict(config(**_nested(key, value)))
+
+
+def test_nan_is_rejected_where_inf_means_no_limit():
+    assert GenerationConfig.from_dict(config(controller={"max_ratio": float("inf")})).controller.max_ratio == math.inf
+    with pytest.raises(ConfigError, match=r"rollout_loop\.config\.controller\.max_ratio must be a number \(not NaN\)"):
+        GenerationConfig.from_dict(config(controller={"max_ratio": float("nan")}))
+    with pytest.raises(ConfigError, match=r"rollout_loop\.config\.cache\.stage_hit_rates\[0\] must be a finite"):
+        GenerationConfig.from_dict(config(cache={"stage_hit_rates": {0: float("nan")}}))
+
+
+@pytest.mark.parametrize("urls", ["ftp://127.0.0.1:5000", "127.0.0.1:5000", "file:///etc/passwd",
+                                  ["http://127.0.0.1:5000", "javascript:alert(1)"], "http://a:1,http://a:1/v1"])
+def test_simulator_urls_must_be_distinct_http_urls(urls):
+    with pytest.raises(ConfigError, match=r"^rollout_loop\.config\.user_sim\.urls: user-simulator url #\d"):
+        GenerationConfig.from_dict(config(user_sim={"urls": urls}))
+
+
+def test_simulator_urls_are_normalised():
+    parsed = GenerationConfig.from_dict(config(user_sim={"urls": " http://a:1/v1/, https://b:2 ,"}))
+    assert parsed.user_sim.urls == ["http://a:1", "https://b:2"]
+    assert GenerationConfig.from_dict(config(user_sim={"urls": ""})).user_sim.urls is None
+
+
+def test_api_key_is_kept_out_of_the_config_repr():
+    parsed = GenerationConfig.from_dict(config(user_sim={"api_key": "sk-secret-123"}))
+    assert parsed.user_sim.api_key == "sk-secret-123" and "sk-secret-123" not in repr(parsed)
+
+
+@pytest.mark.parametrize("override, match", [
+    ({"max_turns": 3.0}, r"rollout_loop\.config\.max_turns must be an integer, got 3\.0"),
+    ({"mode": "asynchronous"}, r"rollout_loop\.config\.mode must be one of \['sync', 'async'\]"),
+    ({"user_sim": {"check_at_start": "yes"}}, r"rollout_loop\.config\.user_sim\.check_at_start must be true or false"),
+    ({"cache": {"enabled": 1}}, r"rollout_loop\.config\.cache\.enabled must be true or false"),
+    ({"controller": {"flor": 0.1}}, r"rollout_loop\.config\.controller\.flor is not a config key \(did you mean "
+                                    r"rollout_loop\.config\.controller\.floor\?\)"),
+    ({"user_sim": []}, r"rollout_loop\.config\.user_sim must be a mapping"),
+])
+def test_types_and_keys_are_checked_by_the_engine_coercer(override, match):
+    with pytest.raises(ConfigError, match=match):
+        GenerationConfig.from_dict(config(**override))
+
+
+def test_the_dialogue_config_error_is_the_engine_one():
+    from verl.trainer.config_schema import ConfigError as EngineConfigError
+
+    assert ConfigError is EngineConfigError

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llm_agent.scenario import (STATE_DIMS, AgentTurn, Behavior, ScenarioError, UserProfile, UserTurn,
-                                load_behavior_library, load_scenario, sample_behaviors)
+from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, STATE_DIMS, AgentTurn, Behavior, ScenarioError,
+                                UserProfile, UserTurn, load_behavior_library, load_scenario, sample_behaviors,
+                                scenario_path)
 
 ROOT = Path(__file__).resolve().parents[3]
-PROMPTS = ROOT / "verl/trainer/config/format_prompt"
-OUTBOUND = PROMPTS / "outbound_ad_trial.yaml"
-INBOUND = PROMPTS / "inbound_support.yaml"
+OUTBOUND = DEFAULT_SCENARIO_PATH
+INBOUND = scenario_path("inbound_support")
 LIBRARY = ROOT / "assets/client_action.jsonl"
 SCENARIOS = [OUTBOUND, INBOUND]
 CATEGORIES = {"identity_verification", "trust_and_scepticism", "cost_concerns", "rule_understanding",

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from llm_agent.scenario import CueList, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, CueList, load_scenario
 from llm_agent.scenario.tags import TemplateError, any_tag_re, placeholders, substitute
 
 ROOT = Path(__file__).resolve().parents[3]
-SC = load_scenario(ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SC = load_scenario(DEFAULT_SCENARIO_PATH)
 PROTOCOL = any_tag_re([*SC.agent_tags.tags.values(), *SC.user_tags.tags.values()])
 
 GOOD_AGENT = ("<cooperation_score>2</cooperation_score><emotion_score>1</emotion_score><trust_score>3</trust_score>"

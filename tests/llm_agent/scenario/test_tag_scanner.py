@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_agent.scenario import load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.scenario.tags import extract_tag, strip_tags
 
-SCENARIO = load_scenario(Path(__file__).resolve().parents[3] / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 TAGS = ["reply", "stage", "user_reply"]
 
 

@@ -9,19 +9,19 @@ from sim_report_fixtures import COST_DOUBT, reply_text
 
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.simulator_report import ProbeSampling, build_probe_set, dialogues_from_log, run_probes
-from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure
-from tests.llm_agent.gen_loop_helpers import (SCENARIO_PATH, ProgrammedPolicy, ProgrammedSim, agent_text,
-                                              make_gen_batch)
+from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest
+from tests.helpers.gen_loop_helpers import ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch
+from tests.helpers.repo import SCENARIO_PATH
 
 
-class FlakySim:
+class FlakySim(SimulatorClient):
     """Answers request `probe-k/t`: malformed on the first attempt when t == 0, a TurnFailure for dialogue 1's
     turns, else a valid reply; records every request."""
 
     def __init__(self, scenario) -> None:
         self.scenario, self.requests = scenario, []
 
-    def complete_batch(self, requests: list[ChatRequest]) -> list[ChatReply | TurnFailure]:
+    def complete(self, requests: list[TurnRequest]) -> list[TurnReply | TurnFailure]:
         out = []
         for req in requests:
             self.requests.append(req)
@@ -30,9 +30,9 @@ class FlakySim:
             if dialogue == "probe-0001":
                 out.append(TurnFailure(req.dialogue_id, "down", 3))
             elif turn == "0" and tries == 1:
-                out.append(ChatReply(req.dialogue_id, "no tags at all", "fake:1", 0.5, 1))
+                out.append(TurnReply(req.dialogue_id, "no tags at all", "fake:1", 0.5, 1))
             else:
-                out.append(ChatReply(req.dialogue_id, reply_text(self.scenario, COST_DOUBT, (2, 2, 2)), "fake:1",
+                out.append(TurnReply(req.dialogue_id, reply_text(self.scenario, COST_DOUBT, (2, 2, 2)), "fake:1",
                                      0.25, 1))
         return out
 
@@ -56,16 +56,16 @@ def test_probes_rerequest_malformed_replies_with_new_seeds_but_not_failures(scen
     assert len(sim.requests) == probes.n_requests + sum(1 for d in probes.dialogues if d.dialogue_id != "probe-0001")
 
 
-class Recording:
+class Recording(SimulatorClient):
     """A client that passes requests on and keeps a copy of each one's messages as they were when sent (the loop
     keeps growing a dialogue's message list after the request)."""
 
     def __init__(self, inner) -> None:
         self.inner, self.sent = inner, []
 
-    def complete_batch(self, requests: list[ChatRequest]) -> list[ChatReply | TurnFailure]:
+    def complete(self, requests: list[TurnRequest]) -> list[TurnReply | TurnFailure]:
         self.sent += [(r.dialogue_id, copy.deepcopy(r.messages)) for r in requests]
-        return self.inner.complete_batch(requests)
+        return self.inner.complete(requests)
 
 
 def test_turns_rebuilt_from_the_log_are_the_requests_the_loop_sent(tok, scenario, tmp_path):

@@ -15,18 +15,18 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llm_agent.scenario import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, UserProfile, load_scenario, \
-    sample_behaviors
+from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, SCENARIO_DIR, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED,
+                                UserProfile, load_scenario, sample_behaviors)
 from llm_agent.stand_ins.scripted_policy import ScriptedAgent, ScriptedPolicyWorkerGroup, too_similar
-from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure
+from llm_agent.user_sim.client import TurnReply, TurnRequest, TurnFailure
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from verl.protocol import DataProto
 from verl.utils.torch_functional import compute_position_id_with_mask
 from verl.workers.rollout.hf_rollout import HFRollout
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-SCENARIO_FILES = sorted((REPO_ROOT / "verl/trainer/config/format_prompt").glob("*.yaml"))
-OUTBOUND = load_scenario(REPO_ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.yaml"))
+OUTBOUND = load_scenario(DEFAULT_SCENARIO_PATH)
 KEYS = {"prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"}
 
 
@@ -85,8 +85,8 @@ def play(tokenizer, scenario, quality: str, n: int = 40, max_turns: int = 14, wo
             if turn.status in (STATUS_COMPLETED, STATUS_ENDED):
                 status[i] = 2  # the agent ended the call
                 continue
-            requests.append(ChatRequest(f"d{i}", scenario.render_user_messages(users[i], dialogues[i]), seed=i))
-        for reply in sim.complete_batch(requests):
+            requests.append(TurnRequest(f"d{i}", scenario.render_user_messages(users[i], dialogues[i]), seed=i))
+        for reply in sim.complete(requests):
             i = int(reply.dialogue_id[1:])
             user = scenario.parse_user_output(reply.text)
             assert user.well_formed, user.raw
@@ -204,19 +204,19 @@ def test_in_process_simulator_answers_fails_injected_ids_and_never_ends_on_reque
     agent = OUTBOUND.parse_agent_output(OUTBOUND.format_agent_output("Hello, my name is Mia from FoodLoop.", 0, 0, {}))
     messages = OUTBOUND.render_user_messages(profile, [agent])
     sim = InProcessUserSim(OUTBOUND, fail_ids={"bad"})
-    ok, failed = sim.complete_batch([ChatRequest("good", messages, seed=1), ChatRequest("bad", messages)])
-    assert isinstance(ok, ChatReply) and OUTBOUND.parse_user_output(ok.text).well_formed
+    ok, failed = sim.complete([TurnRequest("good", messages, seed=1), TurnRequest("bad", messages)])
+    assert isinstance(ok, TurnReply) and OUTBOUND.parse_user_output(ok.text).well_formed
     assert isinstance(failed, TurnFailure) and "injected" in failed.reason
     assert sim.stats() == {"user_sim/turns": 2.0, "user_sim/turn_failures": 1.0}
     sim.close()
     with pytest.raises(RuntimeError, match="after close"):
-        sim.complete_batch([ChatRequest("good", messages)])
+        sim.complete([TurnRequest("good", messages)])
     endless = InProcessUserSim(OUTBOUND, never_end=True)
-    replies = endless.complete_batch([ChatRequest(f"d{i}", messages) for i in range(50)])
+    replies = endless.complete([TurnRequest(f"d{i}", messages) for i in range(50)])
     parsed = [OUTBOUND.parse_user_output(r.text) for r in replies]
     assert all(p.well_formed and p.status == STATUS_CONTINUE for p in parsed)
     assert len({p.raw for p in parsed}) >= 20, "varied replies, so a deduplicating cache can fill"
-    assert [r.text for r in endless.complete_batch([ChatRequest("d3", messages)])] == [replies[3].text]
+    assert [r.text for r in endless.complete([TurnRequest("d3", messages)])] == [replies[3].text]
 
 
 def test_evasive_agent_answers_only_the_first_third_of_the_doubt_categories(tokenizer):

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from llm_agent.scenario import UserProfile, load_scenario
-from llm_agent.user_sim.client import ChatReply, ChatRequest, TurnFailure, UserSimClient, parse_urls
-from tests.llm_agent.sim_servers import SimServers, free_port
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.user_sim.client import TurnFailure, TurnReply, TurnRequest, UserSimClient, parse_urls
+
+from tests.helpers.sim_servers import SimServers, free_port
 
 REPO = Path(__file__).resolve().parents[3]
-SCENARIO = REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO = DEFAULT_SCENARIO_PATH
 
 
 @functools.cache
@@ -29,10 +30,10 @@ def personas() -> tuple[str, ...]:
     return tuple(scenario.render_user_prompt(UserProfile(*state)) for state in scenario.state_space())
 
 
-def dialogue_requests(n: int, prefix: str = "d") -> list[ChatRequest]:
+def dialogue_requests(n: int, prefix: str = "d") -> list[TurnRequest]:
     """`n` first turns as the rollout loop sends them: the persona, then the agent's opening words."""
     return [
-        ChatRequest(
+        TurnRequest(
             dialogue_id=f"{prefix}{i}",
             messages=[
                 {"role": "system", "content": personas()[i % len(personas())]},
@@ -68,10 +69,10 @@ def sims(tmp_path_factory):
 
 
 def replies_by_instance(results: list) -> dict[str, int]:
-    """How many ChatReply results each instance served."""
+    """How many TurnReply results each instance served."""
     counts: dict[str, int] = {}
     for r in results:
-        if isinstance(r, ChatReply):
+        if isinstance(r, TurnReply):
             counts[r.instance] = counts.get(r.instance, 0) + 1
     return counts
 
@@ -80,8 +81,8 @@ def name(url: str) -> str:
     return url.removeprefix("http://")
 
 
-def assert_all_answered(results: list, requests: list[ChatRequest]) -> None:
-    """Every request got a non-empty ChatReply for its own dialogue, in order."""
+def assert_all_answered(results: list, requests: list[TurnRequest]) -> None:
+    """Every request got a non-empty TurnReply for its own dialogue, in order."""
     assert len(results) == len(requests)
     failures = [r for r in results if isinstance(r, TurnFailure)]
     assert not failures, f"{len(failures)} turns failed, first: {failures[0]}"
@@ -106,16 +107,16 @@ def test_parse_urls_comma_string_and_lists():
 
 def test_bad_arguments_are_rejected_with_the_field_name():
     with pytest.raises(ValueError, match=r"messages\[1\]\['content'\]"):
-        ChatRequest("x", [{"role": "system", "content": "hi"}, {"role": "user", "content": None}])
+        TurnRequest("x", [{"role": "system", "content": "hi"}, {"role": "user", "content": None}])
     with pytest.raises(ValueError, match="top_p"):
-        ChatRequest("x", [{"role": "user", "content": "hi"}], top_p=0.0)
+        TurnRequest("x", [{"role": "user", "content": "hi"}], top_p=0.0)
     with pytest.raises(ValueError, match="max_attempts"):
         UserSimClient("http://h:1", max_attempts=0)
     with UserSimClient("http://h:1") as client, pytest.raises(TypeError, match=r"requests\[0\]"):
-        client.complete_batch([{"dialogue_id": "x"}])
+        client.complete([{"dialogue_id": "x"}])
     client.close()
     with pytest.raises(RuntimeError, match="after close"):
-        client.complete_batch(dialogue_requests(1))
+        client.complete(dialogue_requests(1))
 
 
 def test_all_instances_dead_gives_turn_failures_within_deadline():
@@ -124,7 +125,7 @@ def test_all_instances_dead_gives_turn_failures_within_deadline():
     with UserSimClient(urls, model="m", timeout_s=0.5, max_attempts=20, deadline_s=1.5, backoff_s=0.05,
                        probe_interval_s=0.2) as client:
         start = time.monotonic()
-        results = client.complete_batch(requests)
+        results = client.complete(requests)
         elapsed = time.monotonic() - start
         stats = client.stats()
     assert elapsed < 1.5 + 1.0, elapsed  # without the deadline: up to 20 attempts x 0.5 s
@@ -136,12 +137,12 @@ def test_all_instances_dead_gives_turn_failures_within_deadline():
     assert stats["user_sim/turn_failures"] == 40 and stats["user_sim/instances_down"] == 2
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_load_splits_evenly_over_two_servers(sims):
     a, b = sims.urls["a"], sims.urls["b"]
     requests = dialogue_requests(200)
     with UserSimClient(f"{a},{b}", timeout_s=10) as client:
-        results = client.complete_batch(requests)
+        results = client.complete(requests)
         stats = client.stats()
     assert_all_answered(results, requests)
     counts = replies_by_instance(results)
@@ -153,12 +154,12 @@ def test_load_splits_evenly_over_two_servers(sims):
     assert 0.01 < stats["user_sim/latency_p50_s"] <= stats["user_sim/latency_p95_s"] < 5
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_concurrent_batches_from_two_threads(sims):
     a, b = sims.urls["a"], sims.urls["b"]
     out: dict[str, list] = {}
     with UserSimClient([a, b], timeout_s=10) as client:
-        threads = [threading.Thread(target=lambda p=p: out.__setitem__(p, client.complete_batch(
+        threads = [threading.Thread(target=lambda p=p: out.__setitem__(p, client.complete(
             dialogue_requests(50, prefix=p)))) for p in ("x", "y")]
         for t in threads:
             t.start()
@@ -169,7 +170,7 @@ def test_concurrent_batches_from_two_threads(sims):
         assert_all_answered(out[prefix], dialogue_requests(50, prefix=prefix))
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_server_killed_mid_batch_all_dialogues_answered_by_the_other(sims):
     slow = ("--inject-latency-ms", "100", "--inject-latency-sigma", "0.3")
     victim, survivor = sims.start(*slow), sims.start(*slow)
@@ -177,7 +178,7 @@ def test_server_killed_mid_batch_all_dialogues_answered_by_the_other(sims):
     requests = dialogue_requests(200)
     with UserSimClient([victim, survivor], timeout_s=10, max_in_flight=16, backoff_s=0.05) as client:
         box: dict[str, list] = {}
-        worker = threading.Thread(target=lambda: box.__setitem__("results", client.complete_batch(requests)))
+        worker = threading.Thread(target=lambda: box.__setitem__("results", client.complete(requests)))
         worker.start()
         while (stats := client.stats())[f"user_sim/{name(victim)}/successes"] < 20:
             assert worker.is_alive(), "the batch finished before the server could be killed"
@@ -196,14 +197,14 @@ def test_server_killed_mid_batch_all_dialogues_answered_by_the_other(sims):
     assert stats["user_sim/failovers"] >= 1
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_hanging_server_does_not_stall_the_batch(sims):
     hang, a = sims.urls["hang"], sims.urls["a"]
     requests = dialogue_requests(60)
     timeout_s = 1.5
     with UserSimClient([hang, a], timeout_s=timeout_s, backoff_s=0.05) as client:
         start = time.monotonic()
-        results = client.complete_batch(requests)
+        results = client.complete(requests)
         elapsed = time.monotonic() - start
         stats = client.stats()
     assert_all_answered(results, requests)
@@ -213,13 +214,13 @@ def test_hanging_server_does_not_stall_the_batch(sims):
     assert stats[f"user_sim/{name(hang)}/down"] == 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("fault, counter", [("garbage", "failures_garbage"), ("error", "failures_http")])
 def test_bad_answers_are_retried_elsewhere_and_counted(sims, fault, counter):
     bad, a = sims.urls[fault], sims.urls["a"]
     requests = dialogue_requests(40)
     with UserSimClient([bad, a], timeout_s=5, backoff_s=0.02) as client:
-        results = client.complete_batch(requests)
+        results = client.complete(requests)
         stats = client.stats()
         client.reset_stats()
         assert client.stats()["user_sim/retries"] == 0
@@ -233,27 +234,27 @@ def test_bad_answers_are_retried_elsewhere_and_counted(sims, fault, counter):
     assert max(r.attempts for r in results) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_rejected_request_is_not_retried_or_blamed_on_the_server(sims):
     a = sims.urls["a"]
     with UserSimClient(a, model="no-such-model", timeout_s=5) as client:
-        results = client.complete_batch(dialogue_requests(3))
+        results = client.complete(dialogue_requests(3))
         stats = client.stats()
     assert all(isinstance(r, TurnFailure) and r.attempts == 1 and "rejected" in r.reason for r in results)
     assert "404" in results[0].errors[0]
     assert stats[f"user_sim/{name(a)}/down"] == 0.0 and stats[f"user_sim/{name(a)}/failures"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_down_instance_is_used_again_after_a_probe(sims):
     a = sims.urls["a"]
     port = free_port()
     flaky = sims.start(port=port)
     sims.wait_ready(flaky)
     with UserSimClient([flaky, a], timeout_s=5, probe_interval_s=0.2, backoff_s=0.02) as client:
-        assert_all_answered(client.complete_batch(dialogue_requests(20)), dialogue_requests(20))
+        assert_all_answered(client.complete(dialogue_requests(20)), dialogue_requests(20))
         sims.kill(flaky)
-        results = client.complete_batch(dialogue_requests(40))
+        results = client.complete(dialogue_requests(40))
         assert_all_answered(results, dialogue_requests(40))
         assert replies_by_instance(results) == {name(a): 40}
         assert client.stats()[f"user_sim/{name(flaky)}/down"] == 1.0
@@ -263,32 +264,32 @@ def test_down_instance_is_used_again_after_a_probe(sims):
         while client.stats()[f"user_sim/{name(flaky)}/down"] == 1.0:
             assert time.monotonic() < deadline, "the restarted instance was never probed back up"
             time.sleep(0.05)
-        results = client.complete_batch(dialogue_requests(40))
+        results = client.complete(dialogue_requests(40))
     assert_all_answered(results, dialogue_requests(40))
     assert replies_by_instance(results).get(name(flaky), 0) >= 10
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_api_key_is_sent_and_a_missing_key_is_a_rejection(sims, monkeypatch):
     auth = sims.urls["auth"]
     monkeypatch.delenv("SEAD_USER_SIM_API_KEY", raising=False)
     with UserSimClient(auth, api_key="s3cret", timeout_s=5) as client:
-        assert_all_answered(client.complete_batch(dialogue_requests(4)), dialogue_requests(4))
+        assert_all_answered(client.complete(dialogue_requests(4)), dialogue_requests(4))
     with monkeypatch.context() as env:  # no key in the config: the environment's is used
         env.setenv("SEAD_USER_SIM_API_KEY", "s3cret")
         with UserSimClient(auth, timeout_s=5) as client:
-            assert_all_answered(client.complete_batch(dialogue_requests(2)), dialogue_requests(2))
+            assert_all_answered(client.complete(dialogue_requests(2)), dialogue_requests(2))
     with UserSimClient(auth, timeout_s=5) as client:
-        results = client.complete_batch(dialogue_requests(2))
+        results = client.complete(dialogue_requests(2))
     assert all(isinstance(r, TurnFailure) and r.attempts == 1 and "401" in r.reason for r in results)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_deadline_bounds_turns_queued_behind_a_hanging_server(sims):
     hang = sims.urls["hang"]
     with UserSimClient(hang, timeout_s=30, deadline_s=1.0, max_in_flight=2) as client:
         start = time.monotonic()
-        results = client.complete_batch(dialogue_requests(10))
+        results = client.complete(dialogue_requests(10))
         elapsed = time.monotonic() - start
         stats = client.stats()
     assert elapsed < 2.0, elapsed
@@ -298,6 +299,7 @@ def test_deadline_bounds_turns_queued_behind_a_hanging_server(sims):
     assert stats[f"user_sim/{name(hang)}/failures"] == 0, "a deadline cut is not the server's fault"
 
 
+@pytest.mark.processes
 def test_many_concurrent_requests_are_all_answered_and_acomplete_takes_the_same_path(sims):
     """100 turns in flight over two instances, all answered; `acomplete`, awaited on the client's loop through
     `run_on_loop` (the async rollout loop), answers single requests through the same path, and both refuse misuse:
@@ -305,7 +307,7 @@ def test_many_concurrent_requests_are_all_answered_and_acomplete_takes_the_same_
     tests/llm_agent/user_sim/test_http_pool.py)."""
     urls = sims.urls
     with UserSimClient([urls["a"], urls["b"]], max_in_flight=100, timeout_s=10) as client:
-        results = client.complete_batch(dialogue_requests(100))
+        results = client.complete(dialogue_requests(100))
         stats = client.stats()
 
         async def singles():
@@ -314,15 +316,16 @@ def test_many_concurrent_requests_are_all_answered_and_acomplete_takes_the_same_
         single = client.run_on_loop(singles())
         with pytest.raises(RuntimeError, match="client's own loop"):
             asyncio.run(client.acomplete(dialogue_requests(1)[0]))
-    assert all(isinstance(r, ChatReply) for r in results)
+    assert all(isinstance(r, TurnReply) for r in results)
     assert [r.dialogue_id for r in results] == [f"d{i}" for i in range(100)]
     assert stats[f"user_sim/{name(urls['a'])}/requests"] > 0 and stats[f"user_sim/{name(urls['b'])}/requests"] > 0
     assert [r.dialogue_id for r in single] == ["one0", "one1", "one2"]
-    assert all(isinstance(r, ChatReply) for r in single)
+    assert all(isinstance(r, TurnReply) for r in single)
     with pytest.raises(RuntimeError, match="after close"):
         client.run_on_loop(singles())
 
 
+@pytest.mark.processes
 def test_a_saturated_server_sheds_load_and_every_turn_is_still_answered(tmp_path):
     """A server with one worker thread and a queue of one answers most of 40 concurrent turns with 503 `overloaded`:
     each such turn is sent again (not an attempt used up, not a failure of the instance) until answered."""
@@ -331,11 +334,11 @@ def test_a_saturated_server_sheds_load_and_every_turn_is_still_answered(tmp_path
         url = servers.start("--max-concurrency", "1", "--max-queue", "1")
         servers.wait_ready(url)
         with UserSimClient([url], max_attempts=2, timeout_s=20, backoff_s=0.01) as client:
-            results = client.complete_batch(dialogue_requests(40))
+            results = client.complete(dialogue_requests(40))
             stats = client.stats()
     finally:
         servers.stop_all()
-    assert all(isinstance(r, ChatReply) for r in results), [r for r in results if not isinstance(r, ChatReply)][:2]
+    assert all(isinstance(r, TurnReply) for r in results), [r for r in results if not isinstance(r, TurnReply)][:2]
     assert stats[f"user_sim/{name(url)}/failures_overloaded"] > 0  # the server did shed load
     assert stats[f"user_sim/{name(url)}/marked_down"] == 0
     assert max(r.attempts for r in results) == 1

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from llm_agent.user_sim.client import ChatRequest, SimulatorCheckError, UserSimClient
-from tests.conftest import SCENARIO_FILE
-from tests.llm_agent.sim_servers import REPO, SimServers, free_port
+from llm_agent.user_sim.client import SimulatorCheckError, TurnRequest, UserSimClient
 
-SCENARIO = str(REPO / SCENARIO_FILE)
+from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.sim_servers import SimServers, free_port
+
+SCENARIO = str(SCENARIO_PATH)
 
 
 @pytest.fixture()
@@ -20,10 +21,10 @@ def servers(tmp_path):
 
 
 def _request(scenario_messages):
-    return ChatRequest("d#0", scenario_messages, max_tokens=64, seed=1)
+    return TurnRequest("d#0", scenario_messages, max_tokens=64, seed=1)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_start_up_check_names_each_dead_or_wrong_instance(servers):
     good = servers.start("--scenario", SCENARIO, "--served-model-name", "sim-a")
     other = servers.start("--scenario", SCENARIO, "--served-model-name", "sim-b")
@@ -40,7 +41,7 @@ def test_start_up_check_names_each_dead_or_wrong_instance(servers):
     assert f"{dead}: unreachable" in message
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_restart_under_another_served_name_is_picked_up_unless_the_model_was_configured(servers, scenario):
     from llm_agent.scenario import UserProfile
     from llm_agent.user_sim.client import TurnFailure
@@ -54,13 +55,13 @@ def test_a_restart_under_another_served_name_is_picked_up_unless_the_model_was_c
     configured = UserSimClient([url], model="before", timeout_s=10, max_attempts=1)
     try:
         for client in (discovered, configured):
-            assert client.complete_batch([_request(messages)])[0].text
+            assert client.complete([_request(messages)])[0].text
         servers.kill(url)
         del servers.procs[url]
         servers.wait_ready(servers.start("--scenario", SCENARIO, "--served-model-name", "after", port=port))
-        reply = discovered.complete_batch([_request(messages)])[0]
+        reply = discovered.complete([_request(messages)])[0]
         assert getattr(reply, "text", None), reply  # the 404 for 'before' led to asking /v1/models again
-        failure = configured.complete_batch([_request(messages)])[0]
+        failure = configured.complete([_request(messages)])[0]
         assert isinstance(failure, TurnFailure) and "404" in failure.reason  # the user's choice is not replaced
     finally:
         discovered.close()

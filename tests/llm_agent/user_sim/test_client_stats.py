@@ -1,11 +1,11 @@
-"""The client's bookkeeping (llm_agent/user_sim/client_stats.py): counters, percentiles and the metrics keys."""
+"""The client's bookkeeping (llm_agent/user_sim/client/stats.py): counters, percentiles and the metrics keys."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 
-from llm_agent.user_sim.client_stats import ClientStats, InstanceState, percentile
+from llm_agent.user_sim.client.stats import ClientStats, InstanceState, percentile
 
 
 def test_percentile_interpolates_linearly():

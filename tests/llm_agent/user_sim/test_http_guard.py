@@ -5,7 +5,7 @@ import json
 import logging
 import resource
 
-from llm_agent.user_sim.http_guard import RateLimitFilter, json_error_bytes, usable_connection_cap
+from llm_agent.user_sim.server.http_guard import RateLimitFilter, json_error_bytes, usable_connection_cap
 
 
 def _record(msg: str) -> logging.LogRecord:
@@ -14,7 +14,7 @@ def _record(msg: str) -> logging.LogRecord:
 
 def test_a_flood_of_identical_records_is_cut_to_a_burst_then_summarised(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr("llm_agent.user_sim.http_guard.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("llm_agent.user_sim.server.http_guard.time.monotonic", lambda: clock[0])
     limiter = RateLimitFilter(burst=5, interval_s=10.0)
     passed = sum(limiter.filter(_record("socket.accept() out of system resource")) for _ in range(10_000))
     assert passed == 5

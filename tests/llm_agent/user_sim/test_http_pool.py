@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from llm_agent.user_sim.client import ChatRequest, TurnFailure, UserSimClient
-from llm_agent.user_sim.http_pool import ResponseTooLarge, SimulatorHTTP
+from llm_agent.user_sim.client import TurnRequest, TurnFailure, UserSimClient
+from llm_agent.user_sim.client.http_pool import ResponseTooLarge, SimulatorHTTP
 
 CAP = 4096
 
@@ -113,10 +113,10 @@ def test_a_reply_over_the_size_cap_is_refused(raw_server, path):
 
 
 def test_the_client_counts_an_oversized_reply_as_garbage(raw_server, monkeypatch):
-    monkeypatch.setattr("llm_agent.user_sim.http_pool.MAX_RESPONSE_BYTES", CAP)
-    request = ChatRequest("d0", [{"role": "system", "content": "persona"}, {"role": "user", "content": "hi"}])
+    monkeypatch.setattr("llm_agent.user_sim.client.http_pool.MAX_RESPONSE_BYTES", CAP)
+    request = TurnRequest("d0", [{"role": "system", "content": "persona"}, {"role": "user", "content": "hi"}])
     with UserSimClient(raw_server.url, max_attempts=2, timeout_s=5, backoff_s=0.01) as client:
-        result = client.complete_batch([request])[0]
+        result = client.complete([request])[0]
         stats = client.stats()
     name = raw_server.url.removeprefix("http://")
     assert isinstance(result, TurnFailure) and result.attempts == 2

@@ -5,16 +5,14 @@ import difflib
 import gc
 import random
 import tracemalloc
-from pathlib import Path
 
-import pytest
 
-from llm_agent.scenario import UserProfile, load_scenario
-from llm_agent.user_sim.backend import SamplingParams
-from llm_agent.user_sim.repetition import REPETITION_WINDOW
-from llm_agent.user_sim.scripted import ScriptedPersona, ScriptedPersonaBackend
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.user_sim.server.backend import SamplingParams
+from llm_agent.user_sim.server.repetition import REPETITION_WINDOW
+from llm_agent.user_sim.server.scripted import ScriptedPersona, ScriptedPersonaBackend
 
-SCENARIO = load_scenario(Path(__file__).resolve().parents[3] / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 PROFILE = UserProfile(2, 2, 2, behaviors=())
 GREEDY = SamplingParams(n=1, temperature=0.0, top_p=1.0, seed=None, max_tokens=None)
 
@@ -64,7 +62,6 @@ def _request(big_turn: str) -> list[dict[str, str]]:
             {"role": "user", "content": big_turn}]
 
 
-@pytest.mark.slow
 def test_persona_cache_memory_is_bounded():
     """Distinct 900 KB agent turns were retained whole in the persona cache (60 of them: 61 MB); now <= 16 KB each."""
     backend = ScriptedPersonaBackend(SCENARIO)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from llm_agent.scenario import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, UserProfile, load_scenario, \
-    sample_behaviors
-from llm_agent.user_sim.backend import BackendInputError, SamplingParams
-from llm_agent.user_sim.scripted import ScriptedPersonaBackend
+from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, SCENARIO_DIR, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED,
+                                UserProfile, load_scenario, sample_behaviors)
+from llm_agent.user_sim.server.backend import BackendInputError, SamplingParams
+from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-SCENARIO = load_scenario(REPO_ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 SPEC = SCENARIO.scripted
 V = SCENARIO.vars
 
@@ -244,7 +244,7 @@ def reference_token_count(text: str) -> int:
 def test_prompt_tokens_counted_from_the_cache_equal_a_full_count(monkeypatch):
     """On a prefix-cache hit only the two new messages are counted for `usage.prompt_tokens`; the total must still
     equal a count of every message at every turn."""
-    import llm_agent.user_sim.scripted as scripted
+    import llm_agent.user_sim.server.scripted as scripted
 
     counted: list[int] = []
     real_count = scripted.count_tokens
@@ -304,7 +304,7 @@ def test_max_tokens_truncates_with_finish_reason_length(backend):
     assert short.completion_tokens == 5 and full.text.startswith(short.text)
 
 
-SCENARIO_FILES = sorted((REPO_ROOT / "verl/trainer/config/format_prompt").glob("*.yaml"))
+SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.yaml"))
 
 
 def _plain(cues) -> list[str]:
@@ -447,7 +447,7 @@ def test_repeating_any_earlier_turn_is_penalised(backend):
 def test_repetition_check_cost_is_bounded():
     """Two long, nearly equal turns are compared in bounded time (word-level, capped)."""
     import time
-    from llm_agent.user_sim.repetition import similar as _similar
+    from llm_agent.user_sim.server.repetition import similar as _similar
 
     words = [f"w{i % 997}" for i in range(60_000)]
     a, b = " ".join(words), " ".join(words[:-5] + ["x"] * 5)

@@ -18,16 +18,16 @@ import httpx
 import openai
 import pytest
 
-from llm_agent.scenario import UserProfile, load_scenario
-from llm_agent.user_sim.faults import FaultConfig, FaultInjector
-from llm_agent.user_sim.scripted import ScriptedPersonaBackend
-from llm_agent.user_sim.server import ServerConfig, build_app
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.user_sim.server.app import ServerConfig, build_app
+from llm_agent.user_sim.server.faults import FaultConfig, FaultInjector
+from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-SCENARIO_PATH = REPO_ROOT / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml"
+SCENARIO_PATH = DEFAULT_SCENARIO_PATH
 API_KEY = "sk-test-key"
 MODEL = "user-sim"
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 def _free_port() -> int:

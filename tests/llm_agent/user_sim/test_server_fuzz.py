@@ -19,11 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llm_agent.scenario import UserProfile, load_scenario
-from tests.llm_agent.sim_servers import REPO, SimServers
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-SCENARIO = load_scenario(REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+from tests.helpers.sim_servers import SimServers
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 PERSONA = SCENARIO.render_user_prompt(UserProfile(2, 1, 3, behaviors=()))
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -16,11 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llm_agent.scenario import UserProfile, load_scenario
-from tests.llm_agent.sim_servers import REPO, SimServers, free_port
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 
-pytestmark = pytest.mark.slow
-SCENARIO = load_scenario(REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+from tests.helpers.repo import REPO
+from tests.helpers.sim_servers import SimServers, free_port
+
+pytestmark = pytest.mark.processes
+SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
 PERSONA = SCENARIO.render_user_prompt(UserProfile(2, 2, 2, behaviors=()))
 
 

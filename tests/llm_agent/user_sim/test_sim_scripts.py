@@ -20,7 +20,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[3]
 START = REPO_ROOT / "scripts" / "start_user_sims.sh"
 STOP = REPO_ROOT / "scripts" / "stop_user_sims.sh"
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 def _free_ports(count: int) -> list[int]:

@@ -1,5 +1,5 @@
-"""The start/stop scripts never leak the API key, never race, and never signal a process that is not ours
-(issue 12, items 6, 7 and 8)."""
+"""The start/stop scripts (and llm_agent.user_sim.processes under them) never leak the API key, never race, and never
+signal a process that is not ours (issue 12, items 6, 7 and 8)."""
 from __future__ import annotations
 
 import os
@@ -11,13 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.llm_agent.sim_servers import free_port
+from llm_agent.user_sim.processes import free_port, start_ticks, stat_field
+
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 START = REPO_ROOT / "scripts" / "start_user_sims.sh"
 STOP = REPO_ROOT / "scripts" / "stop_user_sims.sh"
-LIB = REPO_ROOT / "scripts" / "user_sim_proc.sh"
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 def _env(run_dir: Path, **extra: str) -> dict[str, str]:
@@ -53,10 +53,8 @@ def test_stat_parsing_survives_a_process_name_with_spaces_and_parentheses(tmp_pa
     try:
         assert child.stdout.readline().strip() == "ready"
         assert Path(f"/proc/{child.pid}/comm").read_text().strip() == "a) b (c) d"
-        out = subprocess.run(["bash", "-c", f"source {LIB}; proc_start_ticks {child.pid}; "
-                              f"proc_stat_field {child.pid} 4; proc_stat_field {child.pid} 3"],
-                             capture_output=True, text=True, check=True).stdout.split()
-        assert out == [str(_start_ticks(child.pid)), str(os.getpid()), "S"]
+        out = [str(start_ticks(child.pid)), stat_field(child.pid, 4), stat_field(child.pid, 3)]
+        assert out[:2] == [str(_start_ticks(child.pid)), str(os.getpid())] and out[2] in ("R", "S")
         naive = subprocess.run(["awk", "{print $22}", f"/proc/{child.pid}/stat"], capture_output=True, text=True)
         assert naive.stdout.strip() != out[0], "the old awk parser miscounts this name"
     finally:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llm_agent.user_sim.client import ChatReply, ChatRequest, UserSimClient
+from llm_agent.user_sim.client import TurnReply, TurnRequest, UserSimClient
 
 REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -72,10 +72,10 @@ def vllm_url(tiny_model_path, tmp_path_factory):
             proc.wait(timeout=10)
 
 
-def chat_requests(n: int) -> list[ChatRequest]:
+def chat_requests(n: int) -> list[TurnRequest]:
     """`n` short persona + agent-turn conversations, seeded, with a small token budget."""
     return [
-        ChatRequest(dialogue_id=f"v{i}",
+        TurnRequest(dialogue_id=f"v{i}",
                     messages=[{"role": "system", "content": "You are a restaurant manager taking a sales call."},
                               {"role": "user", "content": f"Hello, I am calling about the delivery app, call {i}."}],
                     temperature=1.0, max_tokens=16, seed=i)
@@ -86,14 +86,14 @@ def chat_requests(n: int) -> list[ChatRequest]:
 def test_client_against_real_vllm_discovers_model_and_answers(vllm_url):
     requests = chat_requests(8)
     with UserSimClient(f"{vllm_url}/v1/", timeout_s=60, deadline_s=120) as client:
-        results = client.complete_batch(requests)
-        again = client.complete_batch(requests)
+        results = client.complete(requests)
+        again = client.complete(requests)
         stats = client.stats()
     instance = vllm_url.removeprefix("http://")
-    assert all(isinstance(r, ChatReply) for r in results), results
+    assert all(isinstance(r, TurnReply) for r in results), results
     assert [r.dialogue_id for r in results] == [r.dialogue_id for r in requests]
     assert all(isinstance(r.text, str) and r.instance == instance and r.attempts == 1 for r in results)
-    assert all(isinstance(r, ChatReply) for r in again), again
+    assert all(isinstance(r, TurnReply) for r in again), again
     assert stats[f"user_sim/{instance}/requests"] == 16 and stats["user_sim/turn_failures"] == 0
     assert stats[f"user_sim/{instance}/latency_p50_s"] > 0
 
@@ -102,8 +102,8 @@ def test_dead_second_instance_fails_over_to_vllm(vllm_url):
     dead = f"http://127.0.0.1:{free_port()}"
     requests = chat_requests(12)
     with UserSimClient([dead, vllm_url], model="tiny", timeout_s=60, backoff_s=0.05) as client:
-        results = client.complete_batch(requests)
+        results = client.complete(requests)
         stats = client.stats()
-    assert all(isinstance(r, ChatReply) and r.instance == vllm_url.removeprefix("http://") for r in results)
+    assert all(isinstance(r, TurnReply) and r.instance == vllm_url.removeprefix("http://") for r in results)
     assert stats[f"user_sim/{dead.removeprefix('http://')}/failures_connection"] >= 1
     assert stats["user_sim/failovers"] >= 1

@@ -165,6 +165,7 @@ def test_vectorized_estimators_match_a_loop_with_string_ids_and_singletons(kind)
     assert torch.equal(adv, ret)
 
 
+@pytest.mark.processes
 def test_import_verl_stays_light_and_exports_dataproto():
     code = ("import sys, verl; assert 'torch' not in sys.modules, 'torch imported'; "
             "from verl import DataProto; from verl.protocol import DataProto as D; assert DataProto is D")

@@ -15,7 +15,7 @@ from verl.protocol import DataProto, DataProtoFuture
 from verl.single_controller.base import Dispatch, Execute, Worker, WorkerGroupError, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 class EchoWorker(Worker):
@@ -245,6 +245,7 @@ def test_bad_construction_arguments(ray_cluster):
         RayResourcePool([0])
 
 
+@pytest.mark.slow
 def test_the_cuda_allocator_setting_reaches_every_worker(pool, monkeypatch):
     # set after Ray started: only an explicit forward gets it into the worker processes
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -45,6 +45,7 @@ def test_unknown_scenario_lists_the_known_ones():
         check_overrides(["format_prompt=inbound_suport"])
 
 
+@pytest.mark.processes
 def test_the_entry_point_prints_one_config_error_line_for_a_typo():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "--config-name", "sead_trainer",

@@ -64,7 +64,7 @@ def test_broken_interpolation_is_a_config_error_naming_the_key(paths):
         load_config(compose_config(paths + ["trainer.default_local_dir=${nowhere.dir}"]))
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("override, needle", [
     (f"{A}.optim.lr=inf", f"config error: {A}.optim.lr must be a finite number, got inf"),
     ("trainer.log_dir=${oops}", "config error: trainer.log_dir: "),
@@ -76,3 +76,12 @@ def test_entry_point_prints_one_config_error_line(paths, override, needle, tmp_p
                             env={**os.environ, "PYTHONPATH": str(REPO), "HYDRA_FULL_ERROR": "0"})
     assert result.returncode == 1, result.stderr[-2000:]
     assert needle in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.processes
+def test_the_entry_point_imports_ray_and_torch_only_after_the_config_is_valid():
+    probe = ("import sys, verl.trainer.main_ppo; "
+             "print(sorted(m for m in ('ray', 'torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            check=True)
+    assert result.stdout.strip() == "[]", "a config error must not wait for torch and Ray to import"

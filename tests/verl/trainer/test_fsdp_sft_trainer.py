@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.llm_agent.sim_servers import free_port
+from llm_agent.user_sim.processes import free_port
 from verl.trainer.fsdp_sft_trainer import SFTConfig, SFTRow, batch_schedule, train_sft
 
 REPO = Path(__file__).resolve().parents[3]

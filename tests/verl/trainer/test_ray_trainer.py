@@ -23,6 +23,7 @@ from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch, balanced_partitions
 from verl.trainer.ppo.metric_utils import format_console_line
+from verl.trainer.ppo.plugins import RolloutLoop
 from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage, compute_response_mask
 
 REPO = Path(__file__).resolve().parents[3]
@@ -124,7 +125,7 @@ def test_console_line_is_compact_and_keeps_the_key_metrics():
 CLOSED: list[bool] = []  # is_validation of every EchoRolloutLoop the trainer closed
 
 
-class EchoRolloutLoop:
+class EchoRolloutLoop(RolloutLoop):
     """Rollout-loop plug-in for the tests: single-turn generation plus per-row data derived from each row."""
 
     def __init__(self, tokenizer, actor_rollout_wg, config, is_validation):
@@ -260,7 +261,7 @@ def _launch(args, log_path: Path) -> subprocess.Popen:
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_cli_reports_config_errors_by_key(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "data.train_batch_size=7"], cwd=tmp_path,
                           env=_env(), capture_output=True, text=True, timeout=120)

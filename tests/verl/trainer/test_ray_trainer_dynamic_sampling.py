@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from verl.protocol import DataProto
+from verl.trainer.ppo.plugins import RolloutLoop
 
 STEPS, PROMPTS, N = 2, 4, 4
 PROBE_SECONDS = 0.5  # the duration the probe reports per generation batch (summed over a step's batches)
@@ -41,7 +42,7 @@ def parity_reward(data: DataProto, tokenizer) -> tuple[torch.Tensor, dict[str, f
     return reward, {"parity/rows": float(len(data))}
 
 
-class ProbeRolloutLoop:
+class ProbeRolloutLoop(RolloutLoop):
     """Rollout-loop plug-in: single-turn generation, metrics in ``meta_info['metrics']`` and a record of what
     ``on_train_step_end`` received."""
 
@@ -108,7 +109,7 @@ def _rewards_by_group(batch: DataProto) -> dict[str, list[float]]:
     return groups
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_filter_groups_trains_on_groups_with_a_signal_and_logs_rollout_metrics(tiny_model_path, tmp_path,
                                                                                ray_cluster):
     trainer, loop, metrics = _run(tiny_model_path, tmp_path, filter_on=True)
@@ -135,7 +136,7 @@ def test_filter_groups_trains_on_groups_with_a_signal_and_logs_rollout_metrics(t
         "groups of a later generation batch were trained on"
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_without_filter_groups_a_step_is_one_generation_batch(tiny_model_path, tmp_path, ray_cluster):
     trainer, loop, metrics = _run(tiny_model_path, tmp_path, filter_on=False)
     assert loop.calls == STEPS and not any(k.startswith("filter_groups/") for m in metrics.values() for k in m)

@@ -74,3 +74,31 @@ def test_every_key_has_a_comment_above_it():
                    if (m := key_re.match(line)) and not (lines[i - 1].strip().startswith("#") if i else False)
                    and m.group(2) not in ("defaults",)]
     assert uncommented == []
+
+
+# keys whose YAML value is derived from another section by interpolation (the trainer wires them), and the one key
+# without a default; every other rollout_loop.config value must be the dataclass default
+DERIVED = {"max_response_length": "${data.max_response_length}",
+           "cache.path": "${trainer.default_local_dir}/user_response_cache.jsonl",
+           "rollout_log_path": "outputs/rollouts/${trainer.experiment_name}/rollouts.jsonl"}
+REQUIRED = {"scenario"}
+
+
+def test_every_rollout_loop_value_is_the_dataclass_default():
+    from llm_agent.rollout.config import GenerationConfig
+
+    config = compose_config(["actor_rollout_ref.model.path=/x"], config_name="sead_trainer")
+    raw = _leaves(OmegaConf.to_container(config.rollout_loop.config, resolve=False))
+    defaults = _dataclass_leaves(GenerationConfig)
+    assert {k: raw[k] for k in DERIVED} == DERIVED
+    assert all(defaults[k] is None for k in REQUIRED) and raw["scenario"]
+    differing = {k: (v, defaults[k]) for k, v in raw.items() if k not in DERIVED.keys() | REQUIRED and v != defaults[k]}
+    assert differing == {}, "sead_trainer.yaml value != dataclass default (yaml, default)"
+    resolved = OmegaConf.to_container(config.rollout_loop.config, resolve=True)
+    assert resolved["max_response_length"] == defaults["max_response_length"]
+    # the YAML builds the same config as the defaults plus the scenario and the derived values
+    from_yaml = GenerationConfig.from_dict(resolved)
+    from_defaults = GenerationConfig.from_dict({
+        "scenario": resolved["scenario"], "max_response_length": resolved["max_response_length"],
+        "rollout_log_path": resolved["rollout_log_path"], "cache": {"path": resolved["cache"]["path"]}})
+    assert from_yaml == from_defaults

@@ -8,7 +8,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from verl.utils.fsdp_utils import enable_activation_checkpointing
 from verl.utils.memory_model import ModelShape, causal_attention_flops, forward_flops, pass_flops, training_flops
+
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
 
 SMALL = {"model_type": "qwen2", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
@@ -68,7 +71,7 @@ def test_formulas_match_torch_flop_counter(checkpointing):
     model = Qwen2ForCausalLM(config).train()
     if checkpointing:
         # as build_fsdp_model does
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     seq_len, keep = 24, 9
     input_ids = torch.randint(0, SMALL["vocab_size"], (1, seq_len))
     shape = ModelShape.from_hf_config(SMALL)

@@ -16,9 +16,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from verl.utils.fsdp_utils import enable_activation_checkpointing
 from verl.utils.memory_model import ModelShape, forward_pass_peak, kv_cache_bytes, update_pass_peak
-from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from verl.utils.torch_functional import log_probs_and_entropy
 from verl.workers.batching import response_logits
+
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
 
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -90,14 +93,14 @@ def test_update_peak_matches_measurement(tmp_path, dtype, checkpointing, padded)
     rows, seq_len, response_len = 2, 96, 48
     model = _small_model(dtype)
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.train()
     inputs = _inputs(rows, seq_len, padded)
 
     def micro_batch():
-        logits = response_logits(model(**inputs, use_cache=False).logits, response_len, 1.0)
-        log_probs = logprobs_from_logits(logits, inputs["input_ids"][:, -response_len:])
-        (-log_probs.mean() - 0.01 * entropy_from_logits(logits).mean()).backward()
+        logits = response_logits(model(**inputs, use_cache=False).logits, response_len)
+        log_probs, entropy = log_probs_and_entropy(logits, inputs["input_ids"][:, -response_len:], 1.2)
+        (-log_probs.mean() - 0.01 * entropy.mean()).backward()
 
     micro_batch()  # the gradients exist from now on, as in every later micro-batch of a mini-batch
     measured = _measured_peak(micro_batch, tmp_path / "trace.json")
@@ -116,9 +119,8 @@ def test_forward_peak_matches_measurement(tmp_path, dtype):
 
     @torch.no_grad()
     def log_prob_pass():
-        logits = response_logits(model(**inputs, use_cache=False).logits, response_len, 1.0)
-        logprobs_from_logits(logits, inputs["input_ids"][:, -response_len:])
-        entropy_from_logits(logits)
+        logits = response_logits(model(**inputs, use_cache=False).logits, response_len)
+        log_probs_and_entropy(logits, inputs["input_ids"][:, -response_len:], 1.2)
 
     measured = _measured_peak(log_prob_pass, tmp_path / "trace.json")
     shape = ModelShape.from_hf_config(SMALL)

@@ -8,6 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import verl.utils.torch_functional as verl_F
 
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 
 def _masked_values(values: torch.Tensor, mask: torch.Tensor) -> list[float]:
     return [float(v) for v, m in zip(values.flatten().tolist(), mask.flatten().tolist()) if m]
@@ -208,3 +210,55 @@ def test_forward_never_builds_a_full_vocab_tensor():
     assert 0 < probe.largest <= chunk * vocab
     (logprobs.sum() + entropy.sum()).backward()
     torch.testing.assert_close(logprobs.double(), _reference_logprobs(logits.detach(), labels), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.2])
+def test_bf16_logits_with_temperature_match_the_float32_path_in_values_and_gradients(temperature):
+    """The update's log-probs and entropy from bf16 logits kept as they are, against the float32 path (the logits
+    cast to float32, divided by the temperature, torch's log_softmax, autograd), on random inputs where a mask
+    zeroes the loss of some positions (user turns) and the entropy has its own weights."""
+    torch.manual_seed(7)
+    rows, vocab = 37, 1531
+    logits = (torch.randn(rows, vocab) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (rows,))
+    mask = (torch.rand(rows) > 0.3).float()
+    weights, entropy_weights = torch.randn(rows) * mask, torch.randn(rows) * mask
+
+    ours = logits.clone().requires_grad_(True)
+    log_probs, entropy = verl_F.log_probs_and_entropy(ours, labels, temperature, chunk_size=8)
+    ((log_probs * weights).sum() + (entropy * entropy_weights).sum()).backward()
+
+    fp32 = logits.float().requires_grad_(True)
+    log_softmax = torch.log_softmax(fp32 / temperature, -1)
+    ref_log_probs = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    ((ref_log_probs * weights).sum() + (ref_entropy * entropy_weights).sum()).backward()
+
+    assert log_probs.dtype == entropy.dtype == torch.float32 and ours.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(log_probs, ref_log_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
+    # the float32 path's gradient reached the bf16 logits through the cast: the same rounding, one ulp apart at most
+    torch.testing.assert_close(ours.grad.float(), fp32.grad.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-7)
+    assert not ours.grad[mask == 0].any()  # masked positions get no gradient
+
+
+def test_gradients_flow_only_from_the_outputs_in_the_loss():
+    torch.manual_seed(8)
+    base = torch.randn(6, 9, dtype=torch.float64)
+    labels = torch.randint(0, 9, (6,))
+    for use_log_probs, use_entropy in [(True, False), (False, True)]:
+        ours = base.clone().requires_grad_(True)
+        log_probs, entropy = verl_F.log_probs_and_entropy(ours, labels, 1.3)
+        (log_probs.sum() if use_log_probs else entropy.sum()).backward()
+        ref = base.clone().requires_grad_(True)
+        log_softmax = torch.log_softmax(ref / 1.3, -1)
+        ref_out = log_softmax.gather(-1, labels.unsqueeze(-1)) if use_log_probs else \
+            -(log_softmax.exp() * log_softmax).sum(-1)
+        ref_out.sum().backward()
+        torch.testing.assert_close(ours.grad, ref.grad)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf")])
+def test_temperature_must_be_finite_and_positive(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        verl_F.log_probs_and_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), temperature)

@@ -60,7 +60,7 @@ def test_bad_backend_and_bad_metric(tmp_path):
             tracker.log({"name": "abc"}, step=0)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("wandb_mode", ["offline", None])
 def test_wandb_runs_offline_without_api_key(tmp_path, monkeypatch, wandb_mode):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -101,7 +101,7 @@ def test_wandb_mode_honours_the_users_settings(tmp_path, monkeypatch, env, netrc
     assert wandb_mode() == expected
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_mlflow_local_store_holds_metrics_params_and_tables(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 

@@ -7,14 +7,13 @@ import copy
 
 import pytest
 import torch
-from ppo_batch_helpers import RESPONSE_LEN, actor_config, make_ppo_batch
 from transformers import AutoModelForCausalLM
 
 from verl.utils.optim import build_optimizer
-from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.actor.dp_actor import DataParallelPPOActor
-from verl.workers.batching import response_logits
 from verl.workers.metric_buffer import MetricBuffer
+
+from tests.helpers.ppo_batch_helpers import RESPONSE_LEN, actor_config, make_ppo_batch
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,8 @@ def test_head_runs_on_response_positions_with_unchanged_log_probs_and_gradients(
     out = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     position_ids=batch["position_ids"], use_cache=False)
     assert out.logits.shape[1] == batch["input_ids"].shape[1]
-    expected = logprobs_from_logits(response_logits(out.logits, RESPONSE_LEN, 0.7), batch["responses"])
+    scaled = out.logits[:, -RESPONSE_LEN - 1: -1].float() / 0.7
+    expected = torch.log_softmax(scaled, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(log_probs, expected, rtol=1e-6, atol=1e-6)
     (expected * batch["response_mask"]).sum().backward()
     for name, param in reference.named_parameters():

@@ -35,14 +35,13 @@ def test_iter_mini_batches_epochs_and_shuffle():
     assert sorted(torch.cat(shuffled[2:]).tolist()) == list(range(6))
 
 
-def test_response_logits_shift_and_temperature():
-    logits = torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3)
-    out = response_logits(logits, response_length=2, temperature=2.0)
-    assert torch.equal(out, logits[:, 2:4] / 2.0)
-    with pytest.raises(ValueError, match="temperature"):
-        response_logits(logits, 2, 0.0)
+def test_response_logits_are_a_shifted_view_in_the_models_dtype():
+    logits = torch.arange(2 * 5 * 3, dtype=torch.bfloat16).view(2, 5, 3)
+    out = response_logits(logits, response_length=2)
+    assert torch.equal(out, logits[:, 2:4]) and out.dtype == torch.bfloat16
+    assert out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()  # no copy
     with pytest.raises(ValueError, match="responses of length 5 do not fit in input_ids of length 5"):
-        response_logits(logits, 5, 1.0)
+        response_logits(logits, 5)
 
 
 def test_select_batch_and_divisibility_errors_name_the_problem():

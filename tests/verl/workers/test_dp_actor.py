@@ -7,12 +7,15 @@ import math
 
 import pytest
 import torch
-from ppo_batch_helpers import RESPONSE_LEN, actor_config, make_ppo_batch
 from transformers import AutoModelForCausalLM
 
 from verl.protocol import DP_PAD_ROWS_KEY
 from verl.utils.optim import build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+from tests.helpers.ppo_batch_helpers import RESPONSE_LEN, actor_config, make_ppo_batch
+
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
 
 
 @pytest.fixture(scope="module")

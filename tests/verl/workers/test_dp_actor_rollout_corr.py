@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from ppo_batch_helpers import actor_config, make_ppo_batch
+from tests.helpers.ppo_batch_helpers import actor_config, make_ppo_batch
 from transformers import AutoModelForCausalLM
 
 from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics

@@ -7,11 +7,12 @@ import copy
 import pytest
 import torch
 from omegaconf import OmegaConf
-from ppo_batch_helpers import RESPONSE_LEN, make_ppo_batch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from verl.protocol import DP_PAD_ROWS_KEY
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
+
+from tests.helpers.ppo_batch_helpers import RESPONSE_LEN, make_ppo_batch
 
 
 @pytest.fixture(scope="module")

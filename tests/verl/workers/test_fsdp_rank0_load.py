@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 def _free_port() -> int:

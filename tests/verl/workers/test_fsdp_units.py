@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ppo_batch_helpers import actor_config, make_ppo_batch
 from transformers import AutoModelForCausalLM
 
 from verl.utils.optim import build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+from tests.helpers.ppo_batch_helpers import actor_config, make_ppo_batch
 
 pytestmark = pytest.mark.slow
 

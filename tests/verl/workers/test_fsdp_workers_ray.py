@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-from ppo_batch_helpers import RESPONSE_LEN, actor_config, actor_rollout_ref_config, make_ppo_batch, make_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -14,7 +13,10 @@ from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
 from verl.workers.rollout.hf_rollout import HFRollout
 
-pytestmark = pytest.mark.slow
+from tests.helpers.ppo_batch_helpers import (RESPONSE_LEN, actor_config, actor_rollout_ref_config, make_ppo_batch,
+                                             make_prompts)
+
+pytestmark = pytest.mark.processes
 
 ROWS = 8
 MINI_BATCH_PROMPTS = 4  # global rows per optimizer step (rollout.n = 1): 2 mini-batches, 2 rows per rank each

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
-from ppo_batch_helpers import PROMPT_LEN, make_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verl.utils.torch_functional import get_response_mask
 from verl.workers.rollout.hf_rollout import HFRollout
+
+from tests.helpers.ppo_batch_helpers import PROMPT_LEN, make_prompts
+
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
 
 RESPONSE_LEN = 7
 

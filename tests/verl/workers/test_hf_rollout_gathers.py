@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
-from ppo_batch_helpers import make_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verl.workers.rollout.hf_rollout import HFRollout
+
+from tests.helpers.ppo_batch_helpers import make_prompts
 
 pytestmark = pytest.mark.slow
 

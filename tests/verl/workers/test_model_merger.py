@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from ppo_batch_helpers import RESPONSE_LEN, actor_rollout_ref_config, make_prompts
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -18,7 +17,9 @@ from verl.model_merger import merge
 from verl.utils.fsdp_utils import full_state_dict
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
-pytestmark = pytest.mark.slow
+from tests.helpers.ppo_batch_helpers import RESPONSE_LEN, actor_rollout_ref_config, make_prompts
+
+pytestmark = [pytest.mark.processes, pytest.mark.oldest]  # oldest: also under transformers 5.17
 REPO = Path(__file__).resolve().parents[3]
 
 

@@ -9,11 +9,15 @@ import copy
 import pytest
 import torch
 from omegaconf import OmegaConf
-from ppo_batch_helpers import actor_config, make_dialogue_batch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+from verl.utils.fsdp_utils import enable_activation_checkpointing
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
+
+from tests.helpers.ppo_batch_helpers import actor_config, make_dialogue_batch
+
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
 
 PROMPT, RESPONSE, ROWS = 12, 24, 8
 LOSS_AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -46,7 +50,7 @@ def _actor(base_model, packed: bool, dynamic: bool = False, checkpointing: bool 
     cfg = actor_config(**{**settings, **overrides})
     module = copy.deepcopy(base_model)
     if checkpointing:
-        module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(module)
     return DataParallelPPOActor(cfg, module, torch.optim.SGD(module.parameters(), lr=0.1))
 
 

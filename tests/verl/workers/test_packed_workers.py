@@ -9,23 +9,29 @@ import pytest
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from ppo_batch_helpers import actor_rollout_ref_config, critic_config, make_dialogue_batch, make_prompts
 
 from verl.utils.fsdp_utils import full_state_dict
 from verl.utils.packed_attention import PACKED_SDPA
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
-pytestmark = pytest.mark.slow
+from tests.helpers.ppo_batch_helpers import actor_rollout_ref_config, critic_config, make_dialogue_batch, make_prompts
+
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+
 
 PROMPT, RESPONSE, ROWS = 12, 24, 8
 
 
 @pytest.fixture(scope="module", autouse=True)
 def single_rank_process_group():
-    """The workers join a world-size-1 gloo group in this process; tear it down after the module."""
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        assert key not in os.environ, f"{key} is set in the test environment"
-    yield
+    """The workers join a world-size-1 gloo group in this process; tear it down after the module. The worker reads
+    its rank from the environment: an in-process vLLM engine of an earlier test (the `vllm` pass runs them in the
+    same session) leaves RANK / LOCAL_RANK there for its launcher, so they are unset for this module."""
+    assert "WORLD_SIZE" not in os.environ and "MASTER_ADDR" not in os.environ, "a distributed launch environment"
+    with pytest.MonkeyPatch.context() as env:
+        for key in ("RANK", "LOCAL_RANK", "MASTER_PORT"):
+            env.delenv(key, raising=False)
+        yield
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -8,7 +8,6 @@ import pytest
 import ray
 import torch
 from omegaconf import OmegaConf
-from ppo_batch_helpers import actor_config, actor_rollout_ref_config, make_dialogue_batch
 from transformers import AutoModelForCausalLM
 
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -16,7 +15,9 @@ from verl.utils.optim import build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
-pytestmark = pytest.mark.slow
+from tests.helpers.ppo_batch_helpers import actor_config, actor_rollout_ref_config, make_dialogue_batch
+
+pytestmark = pytest.mark.processes
 
 PROMPT, RESPONSE, ROWS = 12, 24, 8
 MINI_BATCH_PROMPTS = 4  # 2 mini-batches of 2 rows per rank

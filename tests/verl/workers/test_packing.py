@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-from ppo_batch_helpers import make_dialogue_batch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
@@ -15,6 +14,10 @@ from verl.utils.fsdp_offload import FSDPOffloader
 from verl.utils.packed_attention import PACKED_SDPA, enable_packed_attention
 from verl.workers.batching import restore_row_order, split_micro_batches, token_budget_partition
 from verl.workers.packing import pack_batch, packed_log_probs
+
+from tests.helpers.ppo_batch_helpers import make_dialogue_batch
+
+pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
 
 PROMPT, RESPONSE = 12, 24
 

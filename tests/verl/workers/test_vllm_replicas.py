@@ -6,14 +6,16 @@ import importlib.util
 
 import pytest
 import torch
-from ppo_batch_helpers import make_prompts
 from transformers import AutoTokenizer
-from vllm_group import vllm_worker_group
 
-from tests.llm_agent.gen_loop_helpers import SCENARIO_PATH, assert_same_dialogues, greedy_rollouts_in_both_modes
 
 from llm_agent.scenario import load_scenario
 from verl.workers.rollout.replicas import rollout_replicas
+
+from tests.helpers.gen_loop_helpers import assert_same_dialogues, greedy_rollouts_in_both_modes
+from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.ppo_batch_helpers import make_prompts
+from tests.helpers.vllm_group import vllm_worker_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

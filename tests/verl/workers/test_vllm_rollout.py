@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from ppo_batch_helpers import PROMPT_LEN, make_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verl.workers.rollout.hf_rollout import HFRollout
+
+from tests.helpers.ppo_batch_helpers import PROMPT_LEN, make_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -11,11 +11,12 @@ import importlib.util
 
 import pytest
 import torch
-from ppo_batch_helpers import make_prompts
 from transformers import AutoModelForCausalLM
-from vllm_group import vllm_worker_group
 
 from verl.protocol import DataProto
+
+from tests.helpers.ppo_batch_helpers import make_prompts
+from tests.helpers.vllm_group import vllm_worker_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

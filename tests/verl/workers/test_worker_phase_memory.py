@@ -8,11 +8,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ppo_batch_helpers import RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_prompts
 
 from verl.utils import device
 from verl.workers import fsdp_workers
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
+
+from tests.helpers.ppo_batch_helpers import RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_prompts
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,7 +37,6 @@ def test_empty_cache_calls_cuda_only_with_a_gpu(monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.slow
 def test_every_phase_frees_cached_memory(tiny_model_path, monkeypatch):
     phases = []
     monkeypatch.setattr(fsdp_workers, "empty_cache", lambda: phases.append(len(phases)))

@@ -17,7 +17,6 @@ import os
 import socket
 from datetime import timedelta
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -39,6 +38,8 @@ def get_free_port() -> int:
 
 def get_node_ip() -> str:
     """Return this node's IP address as Ray sees it (reachable from the other nodes of the cluster)."""
+    import ray  # a worker runs without Ray too (standalone, one process): only the group's rendezvous needs it
+
     return ray.util.get_node_ip_address()
 
 

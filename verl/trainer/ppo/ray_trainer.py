@@ -1,14 +1,16 @@
 """The PPO/GRPO driver: RayPPOTrainer.fit() and the driver-side maths of one step (veRL names).
 
-One training step: uid per prompt -> ``repeat(rollout.n, interleave=True)`` -> generation (worker group, or the
-``rollout_loop`` plug-in) -> ``response_mask`` -> reward plug-in -> (with ``algorithm.filter_groups``: drop the
-groups without a signal and generate more prompt batches until the train batch is full; see
-:mod:`verl.trainer.ppo.trainer_rollout`) -> balance rows across DP ranks (``DataProto.reorder`` moves every
-per-row field together) -> old log-probs (or, in rollout-correction bypass mode, the rollout's) -> reference
-log-probs -> values -> KL in reward -> rollout correction (:mod:`verl.trainer.ppo.trainer_rollout_corr`) ->
-advantages (driver; then ``algorithm.diagnosis_reweight`` scales those of labelled turns) -> critic update -> actor
-update -> metrics (with the rollout's ``rollout/*``); validation every ``test_freq`` and a checkpoint every
-``save_freq`` steps (see :mod:`verl.utils.checkpoint`).
+One training step: uid per prompt -> ``repeat(rollout.n, interleave=True)`` -> generation (the ``rollout_loop``
+plug-in, a :class:`~verl.trainer.ppo.plugins.RolloutLoop`; single-turn by default) -> ``response_mask`` -> reward
+plug-in -> (with ``algorithm.filter_groups``: drop the groups without a signal and generate more prompt batches
+until the train batch is full; see :mod:`verl.trainer.ppo.trainer_rollout`) -> balance rows across DP ranks
+(``DataProto.reorder`` moves every per-row field together) -> old log-probs (or, in rollout-correction bypass
+mode, the rollout's) -> reference log-probs -> values -> KL in reward -> rollout correction
+(:mod:`verl.trainer.ppo.trainer_rollout_corr`) -> advantages (driver; then ``algorithm.diagnosis_reweight`` scales
+those of labelled turns) -> critic update -> actor update -> metrics (with the rollout's ``rollout/*``);
+validation every ``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`). The
+trainer is composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and
+scoring) and :class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (save and resume).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import dataclasses
 import importlib
 import logging
 import random
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -33,12 +36,14 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch
 from verl.trainer.ppo.diagnosis_reweight import reweight_advantages
 from verl.trainer.ppo.estimator_inputs import estimator_inputs
+from verl.trainer.ppo.plugins import RolloutLoop, SingleTurnRollout, bind_reward
 from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
-from verl.trainer.ppo.trainer_checkpoint import TrainerCheckpointMixin
+from verl.trainer.ppo.trainer_checkpoint import CheckpointedParts, TrainerCheckpoints
 from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs, correct_batch
 from verl.trainer.ppo.trainer_rollout import (
     GEN_INPUT_KEYS,
-    TrainerRolloutMixin,
+    StepRollouts,
+    add_uids,
     compute_response_mask,
     merge_rollout_metrics,
     pop_metrics,
@@ -127,7 +132,7 @@ def compute_advantage(data: DataProto, adv_estimator: str, gamma: float = 1.0, l
     return data
 
 
-class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
+class RayPPOTrainer:
     """Drives PPO/GRPO training of the worker groups on ``resource_pool`` (see the module docstring).
 
     Args:
@@ -154,9 +159,9 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
                              "worker class")
         kwargs = dict(self.typed.reward.kwargs)
         base_fn = reward_fn or import_dotted(self.typed.reward.path, "reward.path")
-        self.reward_fn = lambda data: base_fn(data, self.tokenizer, **kwargs)
-        val_fn = val_reward_fn or base_fn
-        self.val_reward_fn = lambda data: val_fn(data, self.tokenizer, **kwargs)
+        self.reward_fn = bind_reward(base_fn, tokenizer, kwargs, self.typed.reward.path)
+        self.val_reward_fn = bind_reward(val_reward_fn or base_fn, tokenizer, kwargs, self.typed.reward.path)
+        self.loop_cls = self._rollout_loop_class()
         data_cfg = self.typed.data
         if train_dataset is None:
             train_dataset = create_dataset(data_cfg.train_files, tokenizer, data_cfg)
@@ -179,15 +184,30 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
                 self.config.actor_rollout_ref.actor.policy_loss = policy_loss
             self.config.critic.optim.total_training_steps = self.total_training_steps
         self.kl_ctrl = core_algos.get_kl_controller(dataclasses.asdict(self.typed.algorithm.kl_ctrl))
+        self.checkpoints = TrainerCheckpoints(self.typed.trainer,
+                                              str(Path(self.typed.actor_rollout_ref.model.path).resolve()))
         self.global_steps = 0
         self.actor_rollout_wg: Optional[RayWorkerGroup] = None
         self.critic_wg: Optional[RayWorkerGroup] = None
-        self.rollout_loop = None
-        self.val_rollout_loop = None
+        self.rollout_loop: Optional[RolloutLoop] = None
+        self.val_rollout_loop: Optional[RolloutLoop] = None
+        self.rollouts: Optional[StepRollouts] = None
+        self._prompt_iter: Optional[Iterator[DataProto]] = None
         self._val_generations: list[list[str]] = []  # rows of the last validation's sample table
         self.last_batch: Optional[DataProto] = None  # the last trained batch (inspection and tests)
 
     # ------------------------------------------------------------------------------------------------ setup
+    def _rollout_loop_class(self) -> type[RolloutLoop]:
+        """The ``rollout_loop.path`` class (default: single-turn generation); it must be a RolloutLoop."""
+        path = self.typed.rollout_loop.path
+        if not path:
+            return SingleTurnRollout
+        loop_cls = import_dotted(path, "rollout_loop.path")
+        if not (isinstance(loop_cls, type) and issubclass(loop_cls, RolloutLoop)):
+            raise TypeError(f"rollout_loop.path={path!r} must name a subclass of "
+                            f"verl.trainer.ppo.plugins.RolloutLoop, got {loop_cls!r}")
+        return loop_cls
+
     def init_workers(self) -> None:
         """Start the actor/rollout(/ref) group and, for GAE, the critic group; build the rollout-loop plug-in."""
         role = "actor_rollout_ref" if self.use_reference else "actor_rollout"
@@ -199,24 +219,56 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
             self.critic_wg = RayWorkerGroup(self.resource_pool, critic_cls, name_prefix="critic")
             self.critic_wg.init_model()
         self.actor_rollout_wg.init_model()
-        if self.typed.rollout_loop.path:
-            loop_cls = import_dotted(self.typed.rollout_loop.path, "rollout_loop.path")
-            loop_cfg = self.typed.rollout_loop.config
-            self.rollout_loop = loop_cls(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
-                                         config=loop_cfg, is_validation=False)
-            self.val_rollout_loop = loop_cls(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
-                                             config=loop_cfg, is_validation=True)
+        loop_cfg = self.typed.rollout_loop.config
+        self.rollout_loop = self.loop_cls(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
+                                          config=loop_cfg, is_validation=False)
+        self.val_rollout_loop = self.loop_cls(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
+                                              config=loop_cfg, is_validation=True)
+        self.rollouts = StepRollouts(self.typed, self.rollout_loop, self.val_rollout_loop, self.reward_fn,
+                                     self._next_prompt_batch)
 
     def shutdown(self) -> None:
-        """Close the rollout-loop plug-ins (``close()``, if they have one) and stop the worker groups (idempotent)."""
+        """Close the rollout loops and stop the worker groups (idempotent)."""
         for loop in (self.rollout_loop, self.val_rollout_loop):
-            if hasattr(loop, "close"):
+            if loop is not None:
                 loop.close()
         self.rollout_loop = self.val_rollout_loop = None
+        self.rollouts = None
         for wg in (self.actor_rollout_wg, self.critic_wg):
             if wg is not None:
                 wg.shutdown()
         self.actor_rollout_wg = self.critic_wg = None
+
+    # ------------------------------------------------------------------------------------ data, checkpoints
+    def _next_prompt_batch(self) -> DataProto:
+        """The next training prompt batch; the loader's epochs follow one another without end."""
+        if self._prompt_iter is None:
+            self._prompt_iter = self._endless_prompt_batches()
+        return next(self._prompt_iter)
+
+    def _endless_prompt_batches(self) -> Iterator[DataProto]:
+        while True:
+            yield from self.train_loader
+
+    def _checkpointed(self) -> CheckpointedParts:
+        return CheckpointedParts(self.actor_rollout_wg, self.critic_wg, self.train_loader, self.kl_ctrl,
+                                 self.rollout_loop)
+
+    def check_resume_model(self) -> None:
+        """Fail before any worker starts when the checkpoint to resume was trained from another model."""
+        self.checkpoints.check_resume_model()
+
+    def save_checkpoint(self) -> Path:
+        """Write ``global_step_N`` for the current step (see :mod:`verl.trainer.ppo.trainer_checkpoint`)."""
+        return self.checkpoints.save(self.global_steps, self.total_training_steps, self._checkpointed())
+
+    def load_checkpoint(self) -> Optional[Path]:
+        """Resume per ``trainer.resume_mode``; returns the checkpoint used (None: training from scratch)."""
+        resumed = self.checkpoints.load(self._checkpointed())
+        if resumed is None:
+            return None
+        path, self.global_steps = resumed
+        return path
 
     # --------------------------------------------------------------------------------------------- one step
     def train_step(self, batch: DataProto) -> dict[str, float]:
@@ -225,7 +277,7 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
         cfg, timing, metrics = self.typed, {}, {}
         n = cfg.actor_rollout_ref.rollout.n
         with timer("step", timing):
-            batch, rollout_metrics = self.generate_train_batch(batch, timing)
+            batch, rollout_metrics = self.rollouts.train_batch(batch, self.global_steps, timing)
             metrics.update(rollout_metrics)
             if cfg.trainer.balance_batch:
                 metrics.update(balance_batch(batch, self.actor_rollout_wg.world_size))
@@ -269,8 +321,7 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, self.actor_rollout_wg.world_size))
-        if hasattr(self.rollout_loop, "on_train_step_end"):
-            metrics.update(self.rollout_loop.on_train_step_end(batch, self.global_steps))
+        metrics.update(self.rollout_loop.on_train_step_end(batch, self.global_steps))
         self.last_batch = batch
         return metrics
 
@@ -290,9 +341,9 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
         sample_scores: list[float] = []
         rollout_metrics: list[dict[str, float]] = []
         for i, batch in enumerate(loader):
-            self._add_uids(batch, f"val{self.global_steps}_{i}")
+            add_uids(batch, f"val{self.global_steps}_{i}")
             batch = batch.repeat(repeat_times=val_kwargs.n, interleave=True)
-            rollout_metrics.append(self._generate(batch, meta, validation=True))
+            rollout_metrics.append(self.rollouts.generate(batch, meta, validation=True))
             scores, extra = self.val_reward_fn(batch)
             sources = batch.non_tensor_batch.get("data_source", np.array(["unknown"] * len(batch), dtype=object))
             for source, score in zip(sources, scores.sum(dim=-1).tolist()):
@@ -306,9 +357,8 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
         metrics.update({f"val/reward/{k}": float(np.mean(v)) for k, v in reward_metrics.items()})
         metrics["val/response_length/mean"] = float(np.mean(lengths))
         metrics.update({f"val/{k}": v for k, v in merge_rollout_metrics(rollout_metrics).items()})
-        if hasattr(self.val_rollout_loop, "on_validation_end"):
-            loop_metrics = self.val_rollout_loop.on_validation_end(scored_batches, self.global_steps)
-            metrics.update({f"val/{k}": v for k, v in loop_metrics.items()})
+        loop_metrics = self.val_rollout_loop.on_validation_end(scored_batches, self.global_steps)
+        metrics.update({f"val/{k}": v for k, v in loop_metrics.items()})
         self._val_generations = self._generation_rows(scored_batches, sample_scores,
                                                       self.typed.trainer.log_val_generations)
         return metrics
@@ -346,7 +396,7 @@ class RayPPOTrainer(TrainerRolloutMixin, TrainerCheckpointMixin):
                 tracking.log_table("val/generations", ["input", "output", "score"], self._val_generations, step)
                 self._val_generations = []
             if console is not None:
-                first = getattr(self.rollout_loop, "console_metrics", ())
+                first = self.rollout_loop.console_metrics
                 console.info(format_console_line(step, self.total_training_steps, metrics, first))
         try:
             seed = tcfg.seed

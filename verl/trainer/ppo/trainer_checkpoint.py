@@ -1,10 +1,10 @@
-"""Checkpoint save / resume of :class:`verl.trainer.ppo.ray_trainer.RayPPOTrainer` (a mixin).
+"""Checkpoint save / resume of a training run (:class:`TrainerCheckpoints`, used by the PPO trainer).
 
 ``global_step_N`` holds ``actor/`` and ``critic/`` (written by the worker groups: HF export plus optimizer,
 scheduler and RNG state per rank) and ``trainer_state.json`` (step, dataloader position, KL coefficient, driver
 RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the run started from), plus
-``rollout_loop/`` where the rollout-loop plug-in keeps files of its own (its optional ``save_checkpoint(dir)`` /
-``load_checkpoint(dir)``). It is written into ``global_step_N.partial``, fsynced and committed by a rename
+``rollout_loop/`` where the rollout-loop plug-in keeps files of its own (its ``save_checkpoint(dir)`` /
+``load_checkpoint(dir)`` hooks). It is written into ``global_step_N.partial``, fsynced and committed by a rename
 (:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint; a checkpoint
 whose trainer state is unreadable, lacks a key, holds an impossible value (a step that is not its directory's,
 a negative position, a non-finite KL coefficient) or a corrupt RNG state is named and skipped for the newest
@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from verl.trainer.config_schema import ConfigError
+from verl.trainer.config_schema import ConfigError, TrainerConfig
+from verl.trainer.ppo.plugins import RolloutLoop
 from verl.utils.checkpoint import (
     STATE_FILE,
     begin_checkpoint,
@@ -66,68 +68,65 @@ def check_trainer_state(path: Path, state: dict[str, Any]) -> None:
         raise ValueError(f"{where}: {exc}") from None
 
 
-class TrainerCheckpointMixin:
-    """``save_checkpoint`` / ``load_checkpoint`` for a trainer with ``typed``, ``global_steps``, ``train_loader``,
-    ``kl_ctrl``, ``total_training_steps``, ``actor_rollout_wg``, ``critic_wg`` and ``rollout_loop``."""
+@dataclass
+class CheckpointedParts:
+    """What a checkpoint saves and restores besides the trainer's step: the worker groups (critic None without
+    GAE), the prompt loader, the KL controller and the rollout loop."""
 
-    typed: Any
-    global_steps: int
-    total_training_steps: int
-    train_loader: Any
-    kl_ctrl: Any
     actor_rollout_wg: Any
     critic_wg: Any
-    rollout_loop: Any
+    train_loader: Any
+    kl_ctrl: Any
+    rollout_loop: RolloutLoop
 
-    @property
-    def model_path(self) -> str:
-        """``actor_rollout_ref.model.path`` as an absolute path: the model this run trains."""
-        return str(Path(self.typed.actor_rollout_ref.model.path).resolve())
 
-    @property
-    def checkpoint_root(self) -> Path:
-        """``trainer.default_local_dir`` as an absolute path (workers may run in another directory)."""
-        return Path(self.typed.trainer.default_local_dir).resolve()
+class TrainerCheckpoints:
+    """Save and resume of a run's ``global_step_N`` checkpoints under ``trainer.default_local_dir``.
 
-    def save_checkpoint(self) -> Path:
-        """Write ``global_step_N`` atomically: worker states, then trainer_state.json, then the commit rename."""
-        root, step = self.checkpoint_root, self.global_steps
-        partial = begin_checkpoint(root, step)
-        mode = self.typed.trainer.save_hf_model
-        hf_model = mode == "every" or (mode == "last" and step >= self.total_training_steps)
-        self.actor_rollout_wg.save_checkpoint(str(partial / "actor"), global_step=step, save_hf_model=hf_model)
-        if self.critic_wg is not None:
-            self.critic_wg.save_checkpoint(str(partial / "critic"), global_step=step, save_hf_model=hf_model)
-        loop_state = None
-        if self.rollout_loop is not None and hasattr(self.rollout_loop, "state_dict"):
-            loop_state = self.rollout_loop.state_dict()
-        if self.rollout_loop is not None and hasattr(self.rollout_loop, "save_checkpoint"):
-            self.rollout_loop.save_checkpoint(str(partial / LOOP_DIR))
+    Built from the trainer's checked config; ``model_path`` is the resolved ``actor_rollout_ref.model.path`` the
+    run trains (recorded in each checkpoint and compared on resume).
+    """
+
+    def __init__(self, trainer: TrainerConfig, model_path: str) -> None:
+        self.config = trainer
+        self.model_path = model_path
+        self.root = Path(trainer.default_local_dir).resolve()  # workers may run in another directory
+
+    def save(self, step: int, total_steps: int, parts: CheckpointedParts) -> Path:
+        """Write ``global_step_<step>`` atomically: worker states, then trainer_state.json, then the commit
+        rename."""
+        partial = begin_checkpoint(self.root, step)
+        mode = self.config.save_hf_model
+        hf_model = mode == "every" or (mode == "last" and step >= total_steps)
+        parts.actor_rollout_wg.save_checkpoint(str(partial / "actor"), global_step=step, save_hf_model=hf_model)
+        if parts.critic_wg is not None:
+            parts.critic_wg.save_checkpoint(str(partial / "critic"), global_step=step, save_hf_model=hf_model)
+        loop_state = parts.rollout_loop.state_dict()
+        parts.rollout_loop.save_checkpoint(str(partial / LOOP_DIR))
         save_trainer_state(partial, {
             "global_step": step,
-            "total_training_steps": self.total_training_steps,
-            "dataloader": self.train_loader.state_dict(),
-            "kl_ctrl_value": self.kl_ctrl.value,
+            "total_training_steps": total_steps,
+            "dataloader": parts.train_loader.state_dict(),
+            "kl_ctrl_value": parts.kl_ctrl.value,
             "rng": get_rng_state(),
-            "rollout_loop": loop_state,
+            "rollout_loop": None if loop_state is None else dict(loop_state),
             "model_path": self.model_path,
         })
-        final = commit_checkpoint(root, step, self.typed.trainer.max_ckpt_to_keep)
+        final = commit_checkpoint(self.root, step, self.config.max_ckpt_to_keep)
         logger.info("saved checkpoint %s", final)
         return final
 
-    def _checkpoint_to_resume(self) -> Optional[Path]:
+    def to_resume(self) -> Optional[Path]:
         """The checkpoint ``trainer.resume_mode`` selects (None: start from scratch); leftovers are cleaned up."""
-        tcfg = self.typed.trainer
-        if tcfg.resume_mode == "disable":
+        if self.config.resume_mode == "disable":
             return None
-        remove_partial_checkpoints(self.checkpoint_root)
-        if tcfg.resume_mode == "auto":
-            path = find_latest_checkpoint(self.checkpoint_root, check=check_trainer_state)
+        remove_partial_checkpoints(self.root)
+        if self.config.resume_mode == "auto":
+            path = find_latest_checkpoint(self.root, check=check_trainer_state)
             if path is None:
-                logger.info("no checkpoint under %s: training from scratch", self.checkpoint_root)
+                logger.info("no checkpoint under %s: training from scratch", self.root)
             return path
-        path = Path(tcfg.resume_from_path).resolve()
+        path = Path(self.config.resume_from_path).resolve()
         if not (path / STATE_FILE).is_file():
             raise FileNotFoundError(f"trainer.resume_from_path={str(path)!r} is not a complete checkpoint "
                                     f"(no {STATE_FILE})")
@@ -136,35 +135,34 @@ class TrainerCheckpointMixin:
 
     def check_resume_model(self) -> None:
         """Fail before any worker starts when the checkpoint to resume was trained from another model."""
-        path = self._checkpoint_to_resume()
+        path = self.to_resume()
         if path is not None:
-            check_same_model(path, load_trainer_state(path), self.model_path,
-                             self.typed.trainer.resume_from_other_model)
+            check_same_model(path, load_trainer_state(path), self.model_path, self.config.resume_from_other_model)
 
-    def load_checkpoint(self) -> Optional[Path]:
-        """Resume per ``trainer.resume_mode`` (auto | disable | resume_path); return the checkpoint used."""
-        path = self._checkpoint_to_resume()
+    def load(self, parts: CheckpointedParts) -> Optional[tuple[Path, int]]:
+        """Resume per ``trainer.resume_mode`` (auto | disable | resume_path) into ``parts``; returns the
+        checkpoint used and its step (None: nothing to resume)."""
+        path = self.to_resume()
         if path is None:
             return None
         state = load_trainer_state(path)
         check_trainer_state(path, state)
-        check_same_model(path, state, self.model_path, self.typed.trainer.resume_from_other_model)
-        self.actor_rollout_wg.load_checkpoint(str(path / "actor"))
-        if self.critic_wg is not None:
+        check_same_model(path, state, self.model_path, self.config.resume_from_other_model)
+        parts.actor_rollout_wg.load_checkpoint(str(path / "actor"))
+        if parts.critic_wg is not None:
             if not (path / "critic").is_dir():
                 raise FileNotFoundError(f"{path} has no critic/ state, but algorithm.adv_estimator=gae needs one")
-            self.critic_wg.load_checkpoint(str(path / "critic"))
-        self.train_loader.load_state_dict(state["dataloader"])
-        self.kl_ctrl.value = float(state["kl_ctrl_value"])
+            parts.critic_wg.load_checkpoint(str(path / "critic"))
+        parts.train_loader.load_state_dict(state["dataloader"])
+        parts.kl_ctrl.value = float(state["kl_ctrl_value"])
         set_rng_state(state["rng"])
-        if state.get("rollout_loop") is not None and hasattr(self.rollout_loop, "load_state_dict"):
-            self.rollout_loop.load_state_dict(state["rollout_loop"])
-        if self.rollout_loop is not None and hasattr(self.rollout_loop, "load_checkpoint"):
-            self.rollout_loop.load_checkpoint(str(path / LOOP_DIR))
-        self.global_steps = int(state["global_step"])
-        logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.global_steps,
-                    self.train_loader.epoch, self.train_loader.batch_index)
-        return path
+        if state.get("rollout_loop") is not None:
+            parts.rollout_loop.load_state_dict(state["rollout_loop"])
+        parts.rollout_loop.load_checkpoint(str(path / LOOP_DIR))
+        step = int(state["global_step"])
+        logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, step, parts.train_loader.epoch,
+                    parts.train_loader.batch_index)
+        return path, step
 
 
 def check_same_model(path: Path, state: dict[str, Any], model_path: str, allow_other: bool) -> None:

@@ -1,16 +1,15 @@
 """The trainer's generation side: prompt batches -> scored rollouts, with optional dynamic sampling.
 
 One generation batch: a uid per prompt, ``repeat(rollout.n, interleave=True)``, the ReMax greedy baseline if
-needed, generation (the worker group, or the ``rollout_loop`` plug-in) and the reward plug-in. With
-``algorithm.filter_groups.enable`` the trainer draws further prompt batches from the data loader until
-``data.train_batch_size`` prompt groups with a signal are collected (:mod:`verl.trainer.ppo.filter_groups`).
+needed, generation (the ``rollout_loop`` plug-in; by default single-turn generation by the worker group) and the
+reward plug-in. With ``algorithm.filter_groups.enable`` the trainer draws further prompt batches from the data
+loader until ``data.train_batch_size`` prompt groups with a signal are collected (:mod:`verl.trainer.ppo.filter_groups`).
 The ``rollout/*`` metrics a rollout loop reports in its output's ``meta_info['metrics']`` are kept and logged.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -18,6 +17,7 @@ import torch
 from verl.protocol import DataProto
 from verl.trainer.config_schema import PPOTrainerConfig
 from verl.trainer.ppo.filter_groups import GroupFilter
+from verl.trainer.ppo.plugins import RolloutLoop
 from verl.trainer.ppo.metric_utils import timer
 
 logger = logging.getLogger(__name__)
@@ -48,31 +48,36 @@ def merge_rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return {key: float(np.sum(v) if key.endswith("_s") else np.mean(v)) for key, v in merged.items()}
 
 
-class TrainerRolloutMixin:
-    """Generation for a trainer with ``typed``, ``actor_rollout_wg``, ``rollout_loop``, ``val_rollout_loop``,
-    ``reward_fn``, ``train_loader`` and ``global_steps``."""
+def add_uids(batch: DataProto, tag: str) -> None:
+    """Give every row of ``batch`` its prompt id ``<tag>_<row>`` (``non_tensor_batch['uid']``)."""
+    batch.non_tensor_batch["uid"] = np.array([f"{tag}_{i}" for i in range(len(batch))], dtype=object)
 
-    typed: PPOTrainerConfig
-    actor_rollout_wg: Any
-    rollout_loop: Any
-    val_rollout_loop: Any
-    reward_fn: Callable[[DataProto], tuple[torch.Tensor, dict[str, float]]]
-    train_loader: Any
-    global_steps: int
-    _prompt_iter: Optional[Iterator[DataProto]] = None
 
-    def _generate(self, batch: DataProto, meta_info: dict[str, Any], validation: bool) -> dict[str, float]:
+class StepRollouts:
+    """A step's generation side: rollouts of prompt batches, scored by the reward plug-in.
+
+    ``rollout_loop`` / ``val_rollout_loop`` generate for training and validation; ``reward_fn`` scores a batch
+    (``data -> (scores, metrics)``); ``next_prompts`` draws the next prompt batch from the data loader (dynamic
+    sampling asks for more).
+    """
+
+    def __init__(self, config: PPOTrainerConfig, rollout_loop: RolloutLoop, val_rollout_loop: RolloutLoop,
+                 reward_fn: Callable[[DataProto], tuple[torch.Tensor, dict[str, float]]],
+                 next_prompts: Callable[[], DataProto]) -> None:
+        self.config = config
+        self.rollout_loop = rollout_loop
+        self.val_rollout_loop = val_rollout_loop
+        self.reward_fn = reward_fn
+        self.next_prompts = next_prompts
+
+    def generate(self, batch: DataProto, meta_info: dict[str, Any], validation: bool) -> dict[str, float]:
         """Generate for the rows of ``batch`` and merge the generation keys into it (in place); return the
-        rollout's own metrics (``meta_info['metrics']`` of its output; none from the plain worker group)."""
+        rollout's own metrics (``meta_info['metrics']`` of its output)."""
         loop = self.val_rollout_loop if validation else self.rollout_loop
         tensors = batch.pop(batch_keys=GEN_INPUT_KEYS)
-        if loop is None:
-            gen_batch = DataProto(batch=tensors.batch, meta_info=dict(meta_info))
-            out = self.actor_rollout_wg.generate_sequences(gen_batch)
-        else:
-            gen_batch = DataProto(batch=tensors.batch, non_tensor_batch=dict(batch.non_tensor_batch),
-                                  meta_info=dict(meta_info))
-            out = loop.run_llm_loop(gen_batch)
+        gen_batch = DataProto(batch=tensors.batch, non_tensor_batch=dict(batch.non_tensor_batch),
+                              meta_info=dict(meta_info))
+        out = loop.run_llm_loop(gen_batch)
         if len(out) != len(batch):
             raise ValueError(f"the rollout returned {len(out)} rows for {len(batch)} prompts")
         metrics = pop_metrics(out)
@@ -82,54 +87,41 @@ class TrainerRolloutMixin:
             batch.batch["response_mask"] = compute_response_mask(batch)
         return {key: float(value) for key, value in metrics.items()}
 
-    def _add_uids(self, batch: DataProto, tag: str) -> None:
-        batch.non_tensor_batch["uid"] = np.array([f"{tag}_{i}" for i in range(len(batch))], dtype=object)
-
-    def _compute_remax_baselines(self, batch: DataProto) -> None:
+    def _remax_baselines(self, batch: DataProto) -> None:
         """ReMax: the reward of a greedy response per row, stored as ``reward_baselines``."""
         greedy = DataProto(batch=batch.batch.clone(), non_tensor_batch=dict(batch.non_tensor_batch))
-        self._generate(greedy, {"do_sample": False}, validation=False)
+        self.generate(greedy, {"do_sample": False}, validation=False)
         scores, _ = self.reward_fn(greedy)
         batch.batch["reward_baselines"] = scores.sum(dim=-1)
-
-    def _next_prompt_batch(self) -> DataProto:
-        """The next training prompt batch; the loader's epochs follow one another without end."""
-        if self._prompt_iter is None:
-            self._prompt_iter = self._endless_prompt_batches()
-        return next(self._prompt_iter)
-
-    def _endless_prompt_batches(self) -> Iterator[DataProto]:
-        while True:
-            yield from self.train_loader
 
     def _rollout_prompt_batch(self, prompts: DataProto, tag: str,
                               timing: dict[str, float]) -> tuple[DataProto, np.ndarray, dict[str, float]]:
         """Generate ``rollout.n`` responses per prompt and score them: the scored rows, each row's prompt id
         (the uid the trainer gave its prompt, kept even where the rollout loop re-keys a row), the rollout's and
         the reward plug-in's metrics."""
-        self._add_uids(prompts, tag)
-        batch = prompts.repeat(repeat_times=self.typed.actor_rollout_ref.rollout.n, interleave=True)
+        add_uids(prompts, tag)
+        batch = prompts.repeat(repeat_times=self.config.actor_rollout_ref.rollout.n, interleave=True)
         prompt_ids = batch.non_tensor_batch["uid"].copy()
-        if self.typed.algorithm.adv_estimator == "remax":
+        if self.config.algorithm.adv_estimator == "remax":
             with timer("gen_max", timing):
-                self._compute_remax_baselines(batch)
+                self._remax_baselines(batch)
         with timer("gen", timing):
-            metrics = self._generate(batch, {}, validation=False)
+            metrics = self.generate(batch, {}, validation=False)
         with timer("reward", timing):
             scores, reward_metrics = self.reward_fn(batch)
             batch.batch["token_level_scores"] = scores.to(torch.float32)
         metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
         return batch, prompt_ids, metrics
 
-    def generate_train_batch(self, prompts: DataProto, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
-        """The scored training batch of a step starting from the prompt batch ``prompts``, and its rollout,
+    def train_batch(self, prompts: DataProto, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
+        """The scored training batch of step ``step`` starting from the prompt batch ``prompts``, and its rollout,
         reward and (with ``algorithm.filter_groups.enable``) ``filter_groups/*`` metrics.
 
         With filtering, further prompt batches are drawn from the loader until ``data.train_batch_size`` groups
         with a signal are collected; past ``max_num_gen_batches`` (> 0) generation batches it raises RuntimeError.
         """
-        cfg = self.typed
-        tag = f"s{self.global_steps}"
+        cfg = self.config
+        tag = f"s{step}"
         if not cfg.algorithm.filter_groups.enable:
             batch, _, metrics = self._rollout_prompt_batch(prompts, tag, timing)
             return batch, metrics
@@ -154,7 +146,7 @@ class TrainerRolloutMixin:
                     "max_num_gen_batches (0 = no limit) or turn filtering off")
             logger.info("filter_groups: %d of %d groups with a signal after %d generation batch(es); generating more",
                         groups.kept, cfg.data.train_batch_size, groups.stats.num_gen_batches)
-            prompts = self._next_prompt_batch()
+            prompts = self.next_prompts()
         metrics = merge_rollout_metrics(parts)
         metrics.update(groups.stats.metrics(cfg.data.train_batch_size))
         return groups.batch(), metrics

@@ -15,7 +15,7 @@ from verl.trainer.ppo import core_algos
 from verl.utils.agent_turns import AGENT_TURN_IDS
 from verl.utils.fsdp_utils import clip_grad_norm
 from verl.utils.packed_attention import enable_packed_attention
-from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from verl.utils.torch_functional import log_probs_and_entropy
 from verl.workers.batching import (
     check_divisible,
     global_loss_info,
@@ -76,7 +76,8 @@ class DataParallelPPOActor:
         """Log-probs (bs, R) of ``responses`` under the model, and their entropies when asked.
 
         The entropy carries gradient only with ``entropy_grad`` (when it is part of the loss). Padded: logits
-        of the last R + 1 positions only; packed: of the scored response positions only.
+        of the last R + 1 positions only; packed: of the scored response positions only; in the model's dtype
+        either way, log-softmax in float32 chunk by chunk.
         """
         if self.use_remove_padding:
             return packed_log_probs(self.actor_module, micro, temperature, calculate_entropy, entropy_grad)
@@ -88,13 +89,11 @@ class DataParallelPPOActor:
             use_cache=False,
             logits_to_keep=responses.size(-1) + 1,  # the head runs on the positions predicting responses only
         )
-        logits = response_logits(output.logits, responses.size(-1), temperature)
-        log_probs = logprobs_from_logits(logits, responses)
-        entropy = None
-        if calculate_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-        return log_probs, entropy
+        logits = response_logits(output.logits, responses.size(-1))
+        log_probs, entropy = log_probs_and_entropy(logits, responses, temperature)
+        if not calculate_entropy:
+            return log_probs, None
+        return log_probs, entropy if entropy_grad else entropy.detach()
 
     @torch.no_grad()
     def compute_log_prob(

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from rollout_corr_reference import assert_metrics_match, dialogue_batch, offpolicy, rejection, units_of_row, weights
+from tests.helpers.rollout_corr_reference import assert_metrics_match, dialogue_batch, offpolicy, rejection, units_of_row, weights
 
 from verl.errors import ContractError
 from verl.protocol import DataProto

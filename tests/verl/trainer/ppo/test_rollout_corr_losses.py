@@ -2,7 +2,7 @@
 inputs (user turns masked in the middle of rows, a row without a loss token)."""
 import pytest
 import torch
-from rollout_corr_reference import assert_metrics_match, dialogue_batch, rejection, weights
+from tests.helpers.rollout_corr_reference import assert_metrics_match, dialogue_batch, rejection, weights
 
 from verl.trainer.ppo import core_algos
 from verl.utils.agent_turns import agent_turn_ids_from_mask

@@ -8,6 +8,13 @@ dummy weights; the worker streams the actor's FSDP weights into it in memory (:m
 in-place ``reload_weights`` through ``collective_rpc``) at start, after every actor update and after a
 checkpoint is loaded. Only vLLM's public API is used: ``LLM``, ``SamplingParams``, ``TokensPrompt``,
 ``collective_rpc``, ``reset_prefix_cache``, ``sleep``/``wake_up``.
+
+On CUDA, with ``free_cache_engine``, the engine sleeps at level 2 during training phases: its weights and KV
+cache are freed, not copied to host memory (the next weight sync overwrites the weights anyway), so the engine
+reports :attr:`vLLMRollout.weights_discarded` until :meth:`vLLMRollout.update_weights` has run. Expandable
+segments of the CUDA allocator are switched off while vLLM allocates (engine start, wake-up; see
+:mod:`verl.utils.cuda_allocator`). Each worker sees one GPU, so vLLM's custom all-reduce, which maps its peers'
+GPUs, is off (NCCL all-reduces the TP group).
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from verl.protocol import DataProto
+from verl.utils.cuda_allocator import expandable_segments_off
 from verl.workers.batching import select_batch
+from verl.workers.rollout.vllm_rollout.cpu_shm import remove_stale_segments
 from verl.workers.rollout.hf_rollout import PROMPT_KEYS, check_left_padded, generation_tensors, sampling_setting
-from verl.workers.rollout.vllm_rollout.weight_sync import Stopwatch, WeightSyncStats
+from verl.workers.rollout.vllm_rollout.weight_sync import DEFAULT_BUCKET_BYTES, Stopwatch, WeightSyncStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +42,7 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core runs in 
 CPU_KV_CACHE_BYTES = 2**30  # the KV cache on CPU unless VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise
 MAX_SEED = 2**31 - 1
 SLEEP_TAGS = ("weights", "kv_cache")
+SLEEP_LEVEL = 2  # weights and KV cache freed without a host copy: the next weight sync reloads the weights
 
 
 def vllm_available() -> bool:
@@ -58,7 +68,10 @@ def engine_kwargs(config: DictConfig, model_path: str, tokenizer_path: str | Non
         "gpu_memory_utilization": float(config.get("gpu_memory_utilization", 0.5)),
         "max_num_seqs": int(config.get("max_num_seqs", 256)),
         "max_model_len": max_model_len(config),
-        "enforce_eager": bool(config.get("enforce_eager", True)),
+        # CUDA graphs (enforce_eager false) exist on CUDA only; vLLM's CPU backend would compile with inductor instead
+        "enforce_eager": bool(config.get("enforce_eager", True)) or device_type != "cuda",
+        # every colocated worker sees only its own GPU: the custom all-reduce's peer mapping would fail
+        "disable_custom_all_reduce": True,
         "enable_prefix_caching": bool(config.get("enable_prefix_caching", True)),
         "seed": int(config.get("seed", 0)),
         "generation_config": "vllm",  # sampling comes from the rollout config, not the model's generation_config
@@ -90,9 +103,16 @@ def reprocess_tied_lm_heads(model: torch.nn.Module) -> int:
 
 
 def _set_launcher_env(device_type: str) -> None:
-    """The variables vLLM's external launcher reads: this process's rank and local device."""
+    """The variables vLLM's external launcher reads: this process's rank and local device.
+
+    On CPU, the first rank also removes the shared-memory segments a killed earlier run left (their names are
+    the TP group's, see :mod:`.cpu_shm`) before any rank builds its engine."""
     if not dist.is_initialized():
         raise RuntimeError("vLLMRollout needs the worker's torch.distributed group: call init_distributed() first")
+    if device_type == "cpu" and dist.get_world_size() > 1:
+        if dist.get_rank() == 0:
+            remove_stale_segments()
+        dist.barrier()
     os.environ.update(ENGINE_ENV)
     os.environ["RANK"] = str(dist.get_rank())
     os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if device_type == "cuda" else 0)
@@ -122,13 +142,19 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
         self.weight_dtype: torch.dtype = getattr(torch, dtype)  # what update_weights sends
         self.max_model_len = max_model_len(config)
         self.calculate_log_probs = bool(config.get("calculate_log_probs", False))
-        self.llm = LLM(**engine_kwargs(config, model_path, tokenizer_path, dtype, device_type))
+        self.bucket_bytes = int(float(config.get("update_weights_bucket_megabytes", 0)) * 2**20) or DEFAULT_BUCKET_BYTES
+        kwargs = engine_kwargs(config, model_path, tokenizer_path, dtype, device_type)
+        if bool(config.get("enforce_eager", True)) != kwargs["enforce_eager"]:
+            logger.info("rollout.enforce_eager=false: CUDA graphs need CUDA; on %s the engine runs eagerly", device_type)
+        with expandable_segments_off(device_type):
+            self.llm = LLM(**kwargs)
         self.tp_group = parallel_state.get_tp_group()
         if self.tp_group.world_size != int(config.get("tensor_model_parallel_size", 1)):
             raise RuntimeError(f"vLLM built a TP group of {self.tp_group.world_size} ranks for "
                                f"rollout.tensor_model_parallel_size={config.get('tensor_model_parallel_size', 1)}")
         self._sleep_enabled = device_type == "cuda" and bool(config.get("free_cache_engine", True))
         self._asleep: set[str] = set()
+        self.weights_discarded = False
         if bool(config.get("free_cache_engine", True)) and not self._sleep_enabled:
             logger.info("rollout.free_cache_engine: vLLM sleep mode needs CUDA; on %s the engine keeps its weights "
                         "and KV cache between generations (a no-op)", device_type)
@@ -136,21 +162,24 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
 
     # --------------------------------------------------------------------------------------------- memory
     def release(self) -> None:
-        """Free the engine's GPU memory for training (sleep level 1: weights to host, KV cache dropped).
+        """Free the engine's GPU memory for training (sleep level 2: weights and KV cache freed, nothing kept on
+        the host); :attr:`weights_discarded` is then true until the next :meth:`update_weights`.
 
         A no-op on CPU or with ``free_cache_engine=false``.
         """
         if not self._sleep_enabled or self._asleep == set(SLEEP_TAGS):
             return
         self._wake(SLEEP_TAGS)  # vLLM sleeps from a fully awake engine
-        self.llm.sleep(level=1)
+        self.llm.sleep(level=SLEEP_LEVEL)
         self._asleep = set(SLEEP_TAGS)
+        self.weights_discarded = True
 
     def _wake(self, tags: Iterable[str]) -> None:
         """Bring the tagged allocations (``weights``, ``kv_cache``) back to the GPU if they sleep."""
         needed = [tag for tag in tags if tag in self._asleep]
         if needed:
-            self.llm.wake_up(tags=needed)
+            with expandable_segments_off(self.device_type):
+                self.llm.wake_up(tags=needed)
             self._asleep.difference_update(needed)
 
     # ------------------------------------------------------------------------------------------- weights
@@ -163,6 +192,7 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
                                                               "is_checkpoint_format": True})
             self.llm.apply_model(reprocess_tied_lm_heads)
             self.llm.reset_prefix_cache()
+        self.weights_discarded = False
 
     # ---------------------------------------------------------------------------------------- generation
     def _sampling(self, meta_info: dict[str, Any]) -> tuple[dict[str, Any], int, list[int], int, int]:
@@ -211,6 +241,9 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.weights_discarded:
+            raise RuntimeError("vLLMRollout: the engine's weights were freed by sleep (level 2) and not reloaded "
+                               "since; the worker syncs the actor's weights (update_weights) before generating")
         self._wake(SLEEP_TAGS)
         requests = [TokensPrompt(prompt_token_ids=row) for row in rows]
         sampling = [SamplingParams(seed=seed, **{**params, "max_tokens": min(params["max_tokens"],

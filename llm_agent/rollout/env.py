@@ -1,0 +1,304 @@
+"""One dialogue's rules: `DialogueEnv`, stepped by the sync and the async rollout loop alike.
+
+An environment is one row of a generation batch: `reset(profile)` starts the dialogue with a simulated user,
+`step(agent_ids)` takes the agent's sampled token ids for its next turn and `answer(result)` the simulator's answer
+to the request a step asked for. The environment does no I/O: it never calls the policy or the simulator, it
+says what it needs (`Step.request`), so the loops own all scheduling. The sync loop steps every active dialogue
+per turn and sends their requests as one `SimulatorClient.complete` call (re-requests of malformed replies
+together); the async loop steps each dialogue at its own pace and awaits `acomplete` per request. Both apply the
+rules below, so tokens, loss masks, outcomes and records are the same in both modes.
+
+Per agent turn: the sampled ids go into the dialogue's row of the shared `TokenBuffer` exactly as sampled (loss
+1; a turn stopped by the per-turn limit gets an unsampled eos, loss 0), are decoded only to be parsed, and then
+- cut by the per-dialogue budget: the dialogue ends `truncated`;
+- without a well-formed reply tag: a format-error note is the user turn (no simulator call);
+- status -1 (the agent ends the call): `agent_ended`;
+- otherwise the user answers: from the user-response cache (training; the cached words only, the dialogue keeps
+  its own user state), or from the simulator (`Step.request`; a malformed reply is re-requested with a new seed
+  up to `user_sim.reply_retries` times, then `error`; a failed turn is `error`).
+The user turn is appended as the chat template's role markers around the spoken reply (loss 0) unless it ends the
+dialogue: status 1 `completed`, status -1 `hung_up`, an unconfirmed claim of success `agent_ended`, the last of
+`max_turns` turns `timeout`, no room left in the budget `truncated`. Each outcome has one handler below.
+
+Where later per-turn or per-token data goes: a turn's own fields go into its record (`Dialogue.add_agent_turn` /
+`add_user_turn`, one dict per agent turn in the `turns` column); per-token data of the agent's sampled tokens
+(e.g. the engine's rollout log-probs) comes back from `GenerationCall.run` beside the ids, enters `step` with them
+and is stored by `TokenBuffer.append` in a (B, R) tensor beside the loss mask (0 under user turns), which
+`TokenBuffer.final_tensors` returns with the others.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llm_agent.cache import CachedReply, UserResponseCache
+from llm_agent.rollout.dialogue import ChatMarkers, Dialogue, TokenBuffer
+from llm_agent.rollout.outcome import Outcome
+from llm_agent.scenario import AgentTurn, STATUS_COMPLETED, STATUS_ENDED, Scenario, UserProfile
+from llm_agent.user_sim.client import TurnFailure, TurnReply, TurnRequest, TurnResult, UserSimConfig
+
+__all__ = ["DialogueEnv", "DialogueRules", "RequestSeeds", "Step", "stable_seed"]
+
+
+def stable_seed(*parts: Any) -> int:
+    """A 31-bit seed from the parts' text, identical across processes (unlike `hash`)."""
+    digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class RequestSeeds:
+    """The simulator's sampling seed of each request of one rollout call.
+
+    Validation: from the user's profile, the row's place in its group and the turn only, so the fixed validation
+    set meets the same simulated users at every validation step; training: from the call number and the dialogue
+    id, so each step's users differ. A re-request of a malformed reply (`attempt` > 0) gets its own seed. Seeds
+    never depend on the order of requests, so both loop modes send the same ones.
+    """
+
+    seed: int
+    call: int
+    validation: bool
+
+    def __call__(self, dialogue: Dialogue, turn_index: int, attempt: int) -> int:
+        """The seed of `dialogue`'s request for agent turn `turn_index`, `attempt`-th request for it."""
+        retry = (f"retry{attempt}",) if attempt else ()
+        if self.validation:
+            group_index = dialogue.dialogue_id.rsplit("#", 1)[1]
+            profile = json.dumps(dialogue.profile.to_dict(), sort_keys=True)
+            return stable_seed(self.seed, "val", profile, group_index, turn_index, *retry)
+        return stable_seed(self.seed, self.call, dialogue.dialogue_id, turn_index, *retry)
+
+
+@dataclass(frozen=True)
+class DialogueRules:
+    """What every dialogue of one rollout call shares: the scenario, the tokenizer and its chat markers, the
+    limits, the simulator's sampling settings, the cache (None: no cache) and the request seeds."""
+
+    scenario: Scenario
+    tokenizer: Any
+    markers: ChatMarkers
+    eos_id: int
+    max_turns: int
+    max_user_tokens: int
+    user_sim: UserSimConfig
+    format_error_message: str
+    range_error_message: str
+    cache: UserResponseCache | None
+    seeds: RequestSeeds
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one `DialogueEnv.step` or `.answer` did.
+
+    `request`: the simulator must answer it (pass its answer to `answer`) before the turn is complete;
+    `user_ids`: the user turn appended to the context (role markers included; None when none was); `outcome`: set
+    once the dialogue has ended; `record`: the turn's record (its entry of the `turns` column).
+    """
+
+    record: dict[str, Any]
+    request: TurnRequest | None = None
+    user_ids: list[int] | None = None
+    outcome: Outcome | None = None
+
+
+@dataclass
+class _Pending:
+    """The agent turn waiting for the simulator and the number of the request sent for it (0 = first)."""
+
+    agent: AgentTurn
+    attempt: int
+
+
+class DialogueEnv:
+    """One dialogue between the policy and a simulated user on row `row` of `buffer`; see the module docstring."""
+
+    def __init__(self, rules: DialogueRules, buffer: TokenBuffer, row: int, uid: str, dialogue_id: str) -> None:
+        self.rules, self.buffer, self.row, self.uid, self.dialogue_id = rules, buffer, row, uid, dialogue_id
+        self.dialogue: Dialogue | None = None
+        self._pending: _Pending | None = None
+
+    # --------------------------------------------------------------------------------------------- interface
+    def reset(self, profile: UserProfile) -> None:
+        """Start the dialogue with the user `profile`: the agent's opening context is the row's prompt in the
+        buffer; the simulator's context is the persona rendered from the profile."""
+        persona = {"role": "system", "content": self.rules.scenario.render_user_prompt(profile)}
+        self.dialogue = Dialogue(row=self.row, uid=self.uid, dialogue_id=self.dialogue_id, profile=profile,
+                                 sim_messages=[persona])
+        self._pending = None
+
+    @property
+    def active(self) -> bool:
+        """True from `reset` until the dialogue has an outcome."""
+        return self.dialogue is not None and self.dialogue.active
+
+    def step(self, agent_ids: torch.Tensor) -> Step:
+        """Take the agent's next turn (its sampled token ids, eos included when sampled)."""
+        d = self._dialogue()
+        if self._pending is not None:
+            raise RuntimeError(f"dialogue {self.dialogue_id} waits for the simulator's answer, not an agent turn")
+        if d.num_turns >= self.rules.max_turns:
+            raise RuntimeError(f"dialogue {self.dialogue_id} has no outcome after {d.num_turns} turns")
+        kept, cut = self._keep_agent_tokens(agent_ids)
+        text = self.rules.tokenizer.decode(kept.tolist(), skip_special_tokens=True)
+        turn = self.rules.scenario.parse_agent_output(text)
+        if cut:
+            d.add_agent_turn(text, turn, None)
+            return self._truncate()
+        if turn.parse_error:
+            d.add_agent_turn(text, turn, None)
+            return self._format_error(turn)
+        if turn.status == STATUS_ENDED:
+            d.add_agent_turn(text, turn, None)
+            return self._agent_ends()
+        # a claim of success (status 1) is heard too: only the user's confirmation completes the call
+        d.add_agent_turn(text, turn, self.rules.scenario.spoken_agent_reply(turn))
+        cache = self.rules.cache
+        hit = None
+        if cache is not None and turn.status != STATUS_COMPLETED:
+            hit = cache.lookup(d.dialogue_id, turn.stage, d.user_state)
+        if hit is not None:
+            return self._cached_turn(hit)
+        self._pending = _Pending(turn, 0)
+        return Step(d.turns[-1], request=self._request(0))
+
+    def answer(self, result: TurnResult) -> Step:
+        """Take the simulator's answer to the request the last step made."""
+        d, pending = self._dialogue(), self._pending
+        if pending is None:
+            raise RuntimeError(f"dialogue {self.dialogue_id} has no simulator request to answer")
+        if result.dialogue_id != d.dialogue_id:
+            raise RuntimeError(f"the simulator client answered {result.dialogue_id!r} for {d.dialogue_id!r}")
+        if isinstance(result, TurnFailure):
+            self._pending = None
+            d.turns[-1]["user_error"] = result.reason
+            return self._fail(f"user simulator turn failed: {result.reason}")
+        if not isinstance(result, TurnReply):
+            raise TypeError(f"the simulator client returned a {type(result).__name__} for {d.dialogue_id!r}")
+        scenario = self.rules.scenario
+        user = scenario.parse_user_output(result.text)
+        if user.parse_error:
+            problems = [f for f in user.flags if f.startswith("out_of_range:")] or \
+                [f"no <{scenario.user_tags.tag('reply')}> text"]
+            malformed = f"simulator reply malformed ({', '.join(problems)}): {result.text[:200]!r}"
+            if pending.attempt < self.rules.user_sim.reply_retries:
+                d.sim_retries += 1
+                pending.attempt += 1
+                return Step(d.turns[-1], request=self._request(pending.attempt))
+            self._pending = None
+            d.turns[-1]["user_error"] = malformed
+            return self._fail(f"{malformed} (after {pending.attempt + 1} requests)")
+        self._pending = None
+        cache = self.rules.cache
+        if cache is not None and pending.agent.status != STATUS_COMPLETED:
+            cache.add(pending.agent.stage, user.reply, user.state, user.status)
+        content = scenario.format_user_output(user.reply, user.state, user.status)
+        return self._user_turn(user.reply, user.state, user.status, "simulator", content)
+
+    # ------------------------------------------------------------------------------------------ the rules
+    def _dialogue(self) -> Dialogue:
+        if self.dialogue is None:
+            raise RuntimeError(f"dialogue {self.dialogue_id}: reset() first")
+        if not self.dialogue.active:
+            raise RuntimeError(f"dialogue {self.dialogue_id} already ended as {self.dialogue.outcome}")
+        return self.dialogue
+
+    def _keep_agent_tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Append the sampled `ids` (loss 1) within the budget, closing a turn stopped by the per-turn limit with
+        an unsampled eos (loss 0); returns (kept ids, cut by the budget)."""
+        buffer, eos = self.buffer, self.rules.eos_id
+        budget = buffer.remaining(self.row)
+        cut = ids.numel() > budget
+        ids = ids[:budget]
+        buffer.append(self.row, ids, 1)
+        ended = ids.numel() > 0 and ids[-1].item() == eos
+        if not cut and not ended:
+            if buffer.remaining(self.row) < 1:
+                cut = True
+            else:
+                buffer.append(self.row, [eos], 0)
+        return ids, cut
+
+    def _request(self, attempt: int) -> TurnRequest:
+        """The simulator request for the last agent turn (its `attempt`-th request)."""
+        d, sim = self.dialogue, self.rules.user_sim
+        return TurnRequest(d.dialogue_id, d.sim_messages, temperature=sim.temperature, top_p=sim.top_p,
+                           max_tokens=sim.max_tokens, seed=self.rules.seeds(d, d.num_turns - 1, attempt))
+
+    def _format_error(self, turn: AgentTurn) -> Step:
+        """The agent's output broke the tag protocol: a note naming the problem is its user turn."""
+        self.dialogue.format_errors += 1
+        if self.rules.cache is not None:  # this note is the dialogue's user turn: the next one may be cached
+            self.rules.cache.end_dialogue(self.dialogue_id)
+        out_of_range = any(f.startswith("out_of_range:") for f in turn.flags) and turn.reply
+        note = self.rules.range_error_message if out_of_range else self.rules.format_error_message
+        return self._user_turn(note, None, None, "format_error", None)
+
+    def _cached_turn(self, hit: CachedReply) -> Step:
+        """Answer with a cached reply's words; the user's state stays the dialogue's own (the cached reply's state
+        tags belong to another user), and the simulator sees this turn with that state."""
+        d = self.dialogue
+        d.cache_hits += 1
+        state = dict(d.user_state)
+        content = self.rules.scenario.format_user_output(hit.reply, state, hit.status)
+        return self._user_turn(hit.reply, state, hit.status, "cache", content)
+
+    def _user_turn(self, reply: str, state: dict[str, int | None] | None, status: int | None, source: str,
+                   sim_content: str | None) -> Step:
+        """Record the user side of the last turn, decide whether the dialogue goes on, and append its tokens."""
+        d, rules = self.dialogue, self.rules
+        ids = rules.tokenizer.encode(reply, add_special_tokens=False, split_special_tokens=True)
+        shown = reply
+        if len(ids) > rules.max_user_tokens:
+            ids = ids[:rules.max_user_tokens]
+            shown = rules.tokenizer.decode(ids)
+        claimed = source != "format_error" and d.turns[-1]["agent_status"] == STATUS_COMPLETED
+        d.add_user_turn(reply, state, status, source, shown, sim_content)
+        if status == STATUS_COMPLETED:
+            return self._complete()
+        if status == STATUS_ENDED:
+            return self._hang_up()
+        if claimed:  # the agent said the task was done, the user had not agreed: a false claim ends the call
+            return self._agent_ends()
+        if d.num_turns >= rules.max_turns:
+            return self._time_out()
+        block = rules.markers.user_block(ids)
+        if len(block) >= self.buffer.remaining(self.row):
+            return self._truncate()
+        self.buffer.append(self.row, block, 0)
+        return Step(d.turns[-1], user_ids=block)
+
+    # ------------------------------------------------------------------------- the six outcomes, one handler each
+    def _end(self, outcome: Outcome, error: str | None = None) -> Step:
+        self.dialogue.end(outcome, error)
+        return Step(self.dialogue.turns[-1], outcome=outcome)
+
+    def _complete(self) -> Step:
+        """The user completed the task (status 1)."""
+        return self._end(Outcome.COMPLETED)
+
+    def _hang_up(self) -> Step:
+        """The user ended the call (status -1)."""
+        return self._end(Outcome.HUNG_UP)
+
+    def _agent_ends(self) -> Step:
+        """The agent gave up, or its claim of success was not confirmed by the user."""
+        return self._end(Outcome.AGENT_ENDED)
+
+    def _time_out(self) -> Step:
+        """`max_turns` agent turns passed without an end."""
+        return self._end(Outcome.TIMEOUT)
+
+    def _truncate(self) -> Step:
+        """The per-dialogue token budget ran out (the agent's turn was cut, or the user's would not fit)."""
+        return self._end(Outcome.TRUNCATED)
+
+    def _fail(self, reason: str) -> Step:
+        """The simulator could not give this turn: the row carries no loss (the loop gives it its own group)."""
+        self.buffer.drop_loss(self.row)
+        return self._end(Outcome.ERROR, reason)

@@ -1,0 +1,56 @@
+"""The agent side of a rollout turn: one `generate_sequences` call for some dialogues' contexts.
+
+`AgentBatches` builds, from the shared token buffer, the left-padded batch of the rows whose agent turn is due
+(padded to a multiple of the worker group's world size, with the decoding meta of the rollout and the per-turn
+limit); `GenerationCall.run` sends it and returns the rows' sampled ids. The sync loop makes one call per turn,
+the async engine one per micro-batch. Both loops hand each row's ids to its `DialogueEnv.step`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from llm_agent.rollout.dialogue import TokenBuffer
+from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+
+__all__ = ["AgentBatches", "GenerationCall"]
+
+
+class GenerationCall:
+    """One `generate_sequences` batch for some buffer rows: built from the token buffer, run, checked."""
+
+    def __init__(self, rows: list[int], batch: DataProto, pad_size: int, response_length: int) -> None:
+        self.rows, self.batch, self.pad_size, self.response_length = rows, batch, pad_size, response_length
+
+    def run(self, generate: Callable[[DataProto], DataProto]) -> tuple[torch.Tensor, list[int]]:
+        """Call `generate(batch)` (a worker group's `generate_sequences`); returns (responses, sampled lengths):
+        row i sampled `responses[i, :lengths[i]]`."""
+        out = unpad_dataproto(generate(self.batch), self.pad_size)
+        responses = out.batch["responses"]
+        if responses.size(0) != len(self.rows) or responses.size(1) > self.response_length:
+            raise RuntimeError(f"generate_sequences returned responses of shape {tuple(responses.shape)} for "
+                               f"{len(self.rows)} rows and response_length {self.response_length}")
+        lengths = out.batch["attention_mask"][:, -responses.size(1):].sum(dim=1).tolist()
+        return responses, lengths
+
+
+class AgentBatches:
+    """Builds the generation batch of some rows of `buffer`: their contexts, the rollout's decoding `meta`
+    (from the trainer), the eos/pad ids and a per-call `response_length` of at most `max_tokens_per_turn` (and no
+    more than the longest remaining budget among the rows)."""
+
+    def __init__(self, buffer: TokenBuffer, meta: dict[str, Any], eos_id: int, pad_id: int,
+                 max_tokens_per_turn: int) -> None:
+        self.buffer, self.meta = buffer, meta
+        self.eos_id, self.pad_id, self.max_tokens_per_turn = eos_id, pad_id, max_tokens_per_turn
+
+    def __call__(self, rows: list[int], world_size: int) -> GenerationCall:
+        """The left-padded batch of `rows`' contexts, padded to a multiple of `world_size` rows."""
+        response_length = min(self.max_tokens_per_turn, max(self.buffer.remaining(r) for r in rows))
+        batch = DataProto.from_dict(tensors=self.buffer.context_batch(rows), meta_info={
+            **self.meta, "eos_token_id": self.eos_id, "pad_token_id": self.pad_id,
+            "response_length": response_length})
+        padded, pad_size = pad_dataproto_to_divisor(batch, world_size)
+        return GenerationCall(rows, padded, pad_size, response_length)

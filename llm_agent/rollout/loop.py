@@ -1,0 +1,274 @@
+"""The SEAD rollout loop: multi-turn dialogues between the policy (the service agent) and a user simulator.
+
+`LLMGenerationManager` is the trainer's `rollout_loop.path` plug-in (a `verl.trainer.ppo.plugins.RolloutLoop`;
+configs name it `llm_agent.generation.LLMGenerationManager`). Per generation batch it gives every row a simulated
+user (`UserProfiles`), makes one `DialogueEnv` per row (the rules of one dialogue, `env.py`) and runs them to their
+outcomes with the sync scheduler (`sync_loop.py`: all active dialogues per turn) or the async one (`async_loop.py`:
+each dialogue at its own pace); the schedulers only schedule, so both modes give the same dialogues. Every
+dialogue is returned as one row: the generation tensors plus its record in `non_tensor_batch` (see
+docs/rollout_loop.md). The trainer hooks update the state controller, guard the simulator error rate, write the
+rollout and validation logs and checkpoint the controller and the user-response cache.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from llm_agent.cache import UserResponseCache
+from llm_agent.controller import StateController
+from llm_agent.metrics import dialogue_metrics, records_from_batch
+from llm_agent.rollout.async_loop import run_dialogues_async
+from llm_agent.rollout.config import ROOT_KEY, ConfigError, GenerationConfig
+from llm_agent.rollout.dialogue import ChatMarkers, TokenBuffer
+from llm_agent.rollout.env import DialogueEnv, DialogueRules, RequestSeeds
+from llm_agent.rollout.generation_call import AgentBatches
+from llm_agent.rollout.outcome import Outcome
+from llm_agent.rollout.pacing import BusyMeter, pacing_metrics
+from llm_agent.rollout.records import RECORD_COLUMNS, append_jsonl, log_lines, object_column, prefixed
+from llm_agent.rollout.step_outcomes import StepOutcomes
+from llm_agent.rollout.sync_loop import run_turn_synchronous
+from llm_agent.rollout.user_profiles import UserProfiles
+from llm_agent.scenario import load_scenario
+from llm_agent.user_sim.client import SimulatorCheckError, SimulatorClient, UserSimClient
+from verl.protocol import DataProto
+from verl.trainer.ppo.plugins import ConsoleMetric, RolloutLoop
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CACHE_SNAPSHOT", "LLMGenerationManager"]
+
+CACHE_SNAPSHOT = "user_response_cache.jsonl"  # the cache's replies, in a checkpoint's rollout_loop/ directory
+
+
+class LLMGenerationManager(RolloutLoop):
+    """Runs SEAD dialogues for a generation batch; see the module docstring.
+
+    `client` may inject any `SimulatorClient` (tests, benchmarks, evaluation); without it a `UserSimClient` is
+    built from `rollout_loop.config.user_sim` and owned (closed by `close()`). Validation loops
+    (`is_validation=True`) use no cache and no controller and read every row's profile from the dataset's
+    `user_profile` column.
+    """
+
+    # Completion rate and outcome mix first, then the generation vs simulator time split.
+    console_metrics: ClassVar[Sequence[ConsoleMetric]] = (
+        ("dialogue/completion_rate", "CR%"),
+        (("dialogue/completion_rate", "dialogue/hang_up_rate", "dialogue/agent_ended_rate",
+          "dialogue/timeout_rate", "dialogue/truncated_rate", "dialogue/error_rate"), "done/hang/quit/time/trunc/err%"),
+        ("val/dialogue/completion_rate", "val CR%"),
+        ("rollout/time_generate_s", "gen_s"), ("rollout/time_user_sim_s", "sim_s"),
+    )
+
+    def __init__(self, tokenizer: Any, actor_rollout_wg: Any, config: Mapping[str, Any], is_validation: bool,
+                 client: SimulatorClient | None = None) -> None:
+        super().__init__(tokenizer, actor_rollout_wg, config, is_validation)
+        self.config = GenerationConfig.from_dict(config)
+        self.scenario = load_scenario(self.config.scenario)
+        self.eos_id = tokenizer.eos_token_id
+        if self.eos_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; the rollout loop needs one to end agent turns")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.markers = ChatMarkers.from_tokenizer(tokenizer, self.eos_id)
+        tags = self.scenario.agent_tags
+        reply_tag = tags.tag("reply")
+        self.format_error_message = self.config.format_error_message or (
+            f"(The customer heard nothing: your last message had no <{reply_tag}>...</{reply_tag}> block. "
+            "Answer again in the required format.)")
+        self.range_error_message = self.config.format_error_message or (
+            f"(The customer heard nothing: <{tags.tag('stage')}> must be one of "
+            f"{', '.join(map(str, self.scenario.stage_ids))} and <{tags.tag('status')}> one of -1, 0, 1. "
+            "Answer again in the required format.)")
+        self._owns_client = client is None
+        self.client: SimulatorClient | None = client if client is not None else self._build_client()
+        use_cache = not self.is_validation and self.config.cache.enabled
+        ranges = {d: (r.min, r.max) for d, r in self.scenario.state_ranges.items()}
+        self.cache = UserResponseCache(self.config.cache, self.scenario.name, ranges) if use_cache else None
+        use_controller = not self.is_validation and self.config.controller.enabled
+        self.controller = StateController(self.config.controller, self.scenario) if use_controller else None
+        self.profiles = UserProfiles(self.scenario, self.controller, self.is_validation)
+        self.step_outcomes = StepOutcomes(self.config.user_sim)
+        self.calls = 0  # run_llm_loop calls so far (checkpointed: training simulator seeds depend on it)
+        logger.info("rollout loop (%s): scenario %r, max_turns=%d, per-turn %d / per-trajectory %d tokens, "
+                    "cache %s, controller %s", "validation" if self.is_validation else "training",
+                    self.scenario.name, self.config.max_turns, self.config.max_tokens_per_turn,
+                    self.config.max_response_length, "on" if self.cache is not None else "off",
+                    "on" if self.controller is not None else "off")
+
+    def _build_client(self) -> UserSimClient:
+        sim = self.config.user_sim
+        if not sim.urls:
+            raise ConfigError(f"{ROOT_KEY}.user_sim.urls is required (the simulator instances' base URLs)")
+        client = UserSimClient(sim.urls, model=sim.model, api_key=sim.api_key, timeout_s=sim.timeout_s,
+                               max_attempts=sim.max_attempts, deadline_s=sim.deadline_s)
+        if sim.check_at_start:
+            try:
+                served = client.check_instances()
+            except SimulatorCheckError as exc:
+                client.close()
+                raise SimulatorCheckError(f"{exc}. Start the simulators (scripts/start_user_sims.sh) or fix "
+                                          f"{ROOT_KEY}.user_sim.urls / .model") from None
+            logger.info("user simulators ready: %s", served)
+        return client
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
+        """Run every row's dialogue to an outcome; returns the generation tensors and per-dialogue records."""
+        self.calls += 1
+        for key in ("input_ids", "attention_mask"):
+            if gen_batch.batch is None or key not in gen_batch.batch.keys():
+                raise ValueError(f"run_llm_loop needs gen_batch.batch[{key!r}] (left-padded agent prompts)")
+        if "uid" not in gen_batch.non_tensor_batch:
+            raise ValueError("run_llm_loop needs non_tensor_batch['uid'] (the trainer's prompt ids)")
+        buffer = TokenBuffer(gen_batch.batch["input_ids"], gen_batch.batch["attention_mask"],
+                             self.config.max_response_length, self.pad_id)
+        envs = self._envs(gen_batch, buffer)
+        meta = {k: v for k, v in gen_batch.meta_info.items() if k != "metrics"}
+        batches = AgentBatches(buffer, meta, self.eos_id, self.pad_id, self.config.max_tokens_per_turn)
+        started = time.monotonic()
+        try:
+            if self.config.mode == "async":
+                engines, sim = run_dialogues_async(envs, self.actor_rollout_wg, batches, self.client,
+                                                   self.config.async_rollout)
+            else:
+                engines, sim = run_turn_synchronous(envs, self.actor_rollout_wg, batches, self.client,
+                                                    self.config.max_turns)
+            wall = time.monotonic() - started
+        finally:  # also when a call fails: no consecutive-hit flag may outlive its dialogue
+            if self.cache is not None:
+                for env in envs:
+                    self.cache.end_dialogue(env.dialogue_id)
+        dialogues = [env.dialogue for env in envs]
+        for d in dialogues:
+            if d.active:
+                raise RuntimeError(f"dialogue {d.dialogue_id} has no outcome after {d.num_turns} turns")
+        if not self.is_validation and gen_batch.meta_info.get("do_sample", True):  # not a greedy ReMax baseline
+            self.step_outcomes.add(dialogues)
+        pacing = pacing_metrics(wall, engines, sim, [d.ended_at - started for d in dialogues])
+        return self._output(envs, buffer, engines, sim, pacing)
+
+    def _envs(self, gen_batch: DataProto, buffer: TokenBuffer) -> list[DialogueEnv]:
+        """One environment per row, reset with the row's user; dialogue ids `<uid>#<k>` (k-th row of the uid)."""
+        uids = [str(u) for u in gen_batch.non_tensor_batch["uid"]]
+        profiles = self.profiles.for_rows(gen_batch, uids)
+        rules = DialogueRules(
+            scenario=self.scenario, tokenizer=self.tokenizer, markers=self.markers, eos_id=self.eos_id,
+            max_turns=self.config.max_turns, max_user_tokens=self.config.max_user_tokens,
+            user_sim=self.config.user_sim, format_error_message=self.format_error_message,
+            range_error_message=self.range_error_message, cache=self.cache,
+            seeds=RequestSeeds(self.config.seed, self.calls, self.is_validation))
+        seen: dict[str, int] = {}
+        envs = []
+        for row, (uid, profile) in enumerate(zip(uids, profiles)):
+            k = seen.get(uid, 0)
+            seen[uid] = k + 1
+            env = DialogueEnv(rules, buffer, row, uid, f"{uid}#{k}")
+            env.reset(profile)
+            envs.append(env)
+        return envs
+
+    def _output(self, envs: list[DialogueEnv], buffer: TokenBuffer, engines: list[BusyMeter], sim: BusyMeter,
+                pacing: dict[str, float]) -> DataProto:
+        dialogues = [env.dialogue for env in envs]
+        records = [d.record() for d in dialogues]
+        # an error row (no loss) is its own GRPO group, so it does not shift its siblings' baseline
+        uids = [f"{d.uid}/error/{d.dialogue_id}" if d.outcome == Outcome.ERROR else d.uid for d in dialogues]
+        columns = {"uid": object_column(uids)}
+        columns.update({key: object_column([r[key] for r in records]) for key in RECORD_COLUMNS if key != "uid"})
+        metrics = prefixed(dialogue_metrics(records, self.scenario), "rollout/")
+        generate_s = sum(m.busy_s for m in engines)
+        metrics.update({"rollout/sim_requests": float(sim.started), "rollout/time_generate_s": generate_s,
+                        "rollout/time_user_sim_s": sim.busy_s, **pacing})
+        outcomes = {o: sum(d.outcome == o for d in dialogues) for o in {d.outcome for d in dialogues}}
+        logger.info("rollout %d (%s, %s): %d dialogues in %.1fs, outcomes %s, %.1fs generating, %.1fs waiting for "
+                    "the simulator", self.calls, "val" if self.is_validation else "train", self.config.mode,
+                    len(dialogues), pacing["rollout/time_to_last_dialogue_s"], dict(sorted(outcomes.items())),
+                    generate_s, sim.busy_s)
+        return DataProto.from_dict(tensors=buffer.final_tensors(), non_tensors=columns, meta_info={"metrics": metrics})
+
+    # --------------------------------------------------------------------------------------- trainer hooks
+    def on_train_step_end(self, batch: DataProto, step: int) -> dict[str, float]:
+        """After a training step: update the controller from every non-error dialogue sampled in the step (also
+        those dynamic sampling left out of `batch`, so its completion rates are not biased toward mixed groups),
+        append the rollout log, and return dialogue (`dialogue/`, over the trained `batch`), cache (`cache/`),
+        controller (`controller/`) and client (`user_sim/`) metrics."""
+        records = records_from_batch(batch, RECORD_COLUMNS)
+        metrics = prefixed(dialogue_metrics(records, self.scenario), "dialogue/")
+        completions = self.step_outcomes.take_completions(records)
+        metrics.update(self.step_outcomes.check_error_rate(step))
+        if self.controller is not None:
+            metrics.update(prefixed(self.controller.update(completions), "controller/"))
+        if self.cache is not None:
+            metrics.update(prefixed(self.cache.metrics(reset=True), "cache/"))
+        metrics.update(self._client_stats())
+        if self.config.rollout_log_path:
+            append_jsonl(self.config.rollout_log_path, log_lines(records, step, "train"))
+        return metrics
+
+    def on_validation_end(self, batches: Sequence[DataProto], step: int) -> dict[str, float]:
+        """After validation: metrics over all validation dialogues (`dialogue/`) and the validation client's
+        (`user_sim/`; the trainer adds `val/`), one `{"step", "n_dialogues", "metrics"}` line appended to
+        `val_metrics_path`, rollout-log lines (split val)."""
+        records = [r for batch in batches for r in records_from_batch(batch, RECORD_COLUMNS)]
+        raw = dialogue_metrics(records, self.scenario)
+        client_stats = self._client_stats()
+        if self.config.val_metrics_path:
+            line = json.dumps({"step": step, "n_dialogues": len(records), "metrics": raw})
+            append_jsonl(self.config.val_metrics_path, [line])
+        if self.config.rollout_log_path:
+            append_jsonl(self.config.rollout_log_path, log_lines(records, step, "val"))
+        return {**prefixed(raw, "dialogue/"), **client_stats}
+
+    def _client_stats(self) -> dict[str, float]:
+        """The simulator client's counters since the last call (`user_sim/`), then reset."""
+        stats = prefixed(self.client.stats(), "user_sim/")
+        self.client.reset_stats()
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the trainer checkpoints: the controller's and the cache's state (None without them; the cached
+        replies themselves are in the cache file) and the loop's call count."""
+        return {"controller": None if self.controller is None else self.controller.state_dict(),
+                "cache": None if self.cache is None else self.cache.state_dict(), "calls": self.calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`; ValueError when it holds a controller state this loop has no controller for."""
+        if not isinstance(state, Mapping) or "calls" not in state:
+            raise ValueError(f"rollout-loop state must be a mapping with 'controller' and 'calls', got {state!r}")
+        if state.get("controller") is not None:
+            if self.controller is None:
+                raise ValueError("the checkpoint holds a controller state but this loop has no controller "
+                                 f"({ROOT_KEY}.controller.enabled=false or validation)")
+            self.controller.load_state_dict(state["controller"])
+        if state.get("cache") is not None and self.cache is not None:  # a cache turned off since is fine
+            self.cache.load_state_dict(state["cache"])
+        self.calls = int(state["calls"])
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Write into a checkpoint's `directory` what `state_dict()` does not hold: the cache's replies."""
+        if self.cache is not None:
+            count = self.cache.save_snapshot(Path(directory) / CACHE_SNAPSHOT)
+            logger.info("cache snapshot: %d replies in %s", count, directory)
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Restore the cache's replies to exactly those of the checkpoint (replies added after it, still in the
+        live cache file, are dropped), so a resumed run draws as an uninterrupted one."""
+        if self.cache is None:
+            return
+        path = Path(directory) / CACHE_SNAPSHOT
+        if path.is_file():
+            self.cache.restore_snapshot(path)
+        else:
+            logger.warning("checkpoint directory %s has no cache snapshot (%s): the cache keeps the replies of its "
+                           "live file, which may hold replies added after that checkpoint", directory, CACHE_SNAPSHOT)
+
+    def close(self) -> None:
+        """Close the simulator client this loop built (an injected one is left to its owner) and flush the cache."""
+        if self._owns_client and self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.cache is not None:
+            self.cache.flush()

@@ -1,0 +1,99 @@
+"""The wire side of the simulator client: base-URL parsing, response checks and the errors they raise."""
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from llm_agent.user_sim.client.http_pool import HTTPReply
+
+__all__ = ["AttemptError", "SimulatorCheckError", "completion_text", "instance_name", "parse_urls",
+           "raise_for_status", "served_model_ids"]
+
+
+class SimulatorCheckError(RuntimeError):
+    """A simulator instance failed the start-up check (unreachable, unhealthy, or not serving the model)."""
+
+
+class AttemptError(Exception):
+    """One failed attempt; `kind` is timeout | connection | http | garbage | rejected | unavailable | deadline |
+    overloaded (the server shed the request: HTTP 429, or 503 with code `overloaded`; worth re-sending later)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+def parse_urls(urls: str | list[str]) -> list[str]:
+    """Normalise a comma-separated string or a list of base URLs.
+
+    Blank entries (a trailing comma) are skipped; whitespace, trailing '/' and a '/v1' suffix are removed, so
+    `http://h:5000/v1/` and `http://h:5000` name the same instance. Raises ValueError on a malformed or
+    repeated URL, naming its position.
+    """
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    parsed: list[str] = []
+    for position, raw in enumerate(items):
+        if not isinstance(raw, str):
+            raise ValueError(f"user-simulator url #{position} must be a string, got {raw!r}")
+        if not raw.strip():
+            continue
+        url = raw.strip().rstrip("/")
+        if url.endswith("/v1"):
+            url = url[: -len("/v1")]
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"user-simulator url #{position} {raw!r} is not an http(s)://host:port URL")
+        if url in parsed:
+            raise ValueError(f"user-simulator url #{position} {raw!r} is listed twice")
+        parsed.append(url)
+    if not parsed:
+        raise ValueError("no user-simulator url given")
+    return parsed
+
+
+def instance_name(url: str) -> str:
+    """The instance's label in replies and metrics: host:port, plus the path when the URL has one."""
+    parts = urlsplit(url)
+    return parts.netloc + parts.path
+
+
+def raise_for_status(response: HTTPReply) -> None:
+    """Raise `AttemptError` for a non-200: 'overloaded' when the server shed load (429; 503 with code
+    `overloaded`), 'http' (worth retrying elsewhere) for other 5xx and 408, else 'rejected' (the request itself
+    is wrong: bad model name, missing API key, too long)."""
+    if response.status_code == 200:
+        return
+    retryable = response.status_code >= 500 or response.status_code in (408, 429)
+    detail = f"{response.method} {response.path}: HTTP {response.status_code}: {response.text[:200]!r}"
+    if response.status_code == 429 or (response.status_code == 503 and _error_code(response) == "overloaded"):
+        raise AttemptError("overloaded", detail)
+    raise AttemptError("http" if retryable else "rejected", detail)
+
+
+def _error_code(response: HTTPReply) -> str | None:
+    """The `error.code` of an OpenAI-style error body, if it has one."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def completion_text(response: HTTPReply) -> str:
+    """The first choice's message content of a chat-completion response, or raise `AttemptError('garbage')`."""
+    try:
+        body = response.json()
+        content = body["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise AttemptError("garbage", f"200 with a body that is not a chat completion ({exc!r})") from None
+    if not isinstance(content, str):
+        raise AttemptError("garbage", f"200 with non-string message content {content!r}")
+    return content
+
+
+def served_model_ids(body: Any) -> list[str]:
+    """The model ids of a `GET /v1/models` body (`{"data": [{"id": ...}, ...]}`); [] when it is not one."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [item["id"] for item in data if isinstance(item, dict) and isinstance(item.get("id"), str)]

@@ -1,0 +1,142 @@
+"""The GPU preset rehearsed on CPU: `PRESET=rehearsal bash scripts/main.sh` (scripts/presets.sh).
+
+The rehearsal is the GPU preset with only the device and the sizes changed, so whatever the GPU preset sets
+(vLLM rollout with TP 2, gradient checkpointing, padding-free forwards and token-budget micro-batches, KL loss,
+the reference's parameters offloaded, the engine's sleep and CUDA-graph keys, the HF export in the last checkpoint
+only, ...) runs here too. The dry-run test pins that: the two trainer commands differ only in the keys of the
+device and size variables listed below (written out here, not read from the script). The `vllm` test runs the
+rehearsal itself, with the simulators the script starts, in two launches: one step and a checkpoint, then a
+resume from it for the second step.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# What a rehearsal may change: the device and sizes (variables of scripts/presets.sh -> their trainer keys) ...
+DEVICE_AND_SIZES = {
+    "DEVICE": ["trainer.device"], "N_GPUS": ["trainer.n_gpus_per_node"], "POLICY_GPUS": [],
+    "STEPS": ["trainer.total_training_steps"], "TRAIN_PROMPTS": ["data.train_batch_size"],
+    "ROLLOUT_N": ["actor_rollout_ref.rollout.n"], "MINI_BATCH": ["actor_rollout_ref.actor.ppo_mini_batch_size"],
+    "TRAIN_SAMPLES": [], "TEST_SAMPLES": [], "MAX_TURNS": ["rollout_loop.config.max_turns"],
+    "MAX_TOKENS_PER_TURN": ["rollout_loop.config.max_tokens_per_turn"],
+    "MAX_USER_TOKENS": ["rollout_loop.config.max_user_tokens"], "RESPONSE_LENGTH": ["data.max_response_length"],
+    "MAX_TOKEN_LEN": ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"],
+    "LOGPROB_MAX_TOKEN_LEN": ["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"],
+    "TEST_FREQ": ["trainer.test_freq"], "SAVE_FREQ": ["trainer.save_freq"],
+}
+# ... and the model, with what follows from it: its prompt length and where the run's files go.
+MODEL_AND_PATHS = ["actor_rollout_ref.model.path", "data.max_prompt_length", "data.train_files", "data.val_files",
+                   "trainer.experiment_name", "trainer.default_local_dir", "trainer.log_dir",
+                   "rollout_loop.config.rollout_log_path", "rollout_loop.config.val_metrics_path"]
+PRESET_VARS = ["PRESET", "PRINT_CONFIG_ONLY", "MODEL_PATH", "USER_SIM_MODEL", "USER_SIM_URLS", "OUTPUT_DIR",
+               "WARM_START_STEPS", "AGENT_PROMPT_FILE", "SEAD_GPU_MAX_TURNS", "PYTORCH_CUDA_ALLOC_CONF",
+               *DEVICE_AND_SIZES]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
+    env.update(OUTPUT_DIR=str(tmp_path / "outputs"), **extra)
+    return env
+
+
+def _trainer_overrides(tmp_path: Path, **env: str) -> tuple[dict[str, str], str]:
+    done = subprocess.run(["bash", str(REPO / "scripts" / "main.sh"), "--dry-run"], cwd=tmp_path,
+                          env=_env(tmp_path, PYTHON="python", USER_SIM_URLS="http://127.0.0.1:1", **env),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    words = shlex.split(" ".join(line.strip().removesuffix("\\") for line in lines[lines.index("trainer command:") + 1:]))
+    start = words.index("sead_trainer") + 1
+    return dict(word.split("=", 1) for word in words[start:]), done.stdout
+
+
+def _rehearsal_sizes() -> set[str]:
+    """The variable names SEAD_REHEARSAL_SIZES sets, read by bash from scripts/presets.sh."""
+    done = subprocess.run(["bash", "-c", 'source scripts/presets.sh && printf "%s\\n" "${!SEAD_REHEARSAL_SIZES[@]}"'],
+                          cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
+    return set(done.stdout.split())
+
+
+@pytest.mark.processes  # runs main.sh --dry-run twice
+def test_the_rehearsal_is_the_gpu_preset_with_only_device_and_sizes_changed(tmp_path):
+    assert _rehearsal_sizes() <= set(DEVICE_AND_SIZES), "the rehearsal changes a variable that is not a size"
+    gpu, _ = _trainer_overrides(tmp_path, MODEL_PATH="/models/Qwen2.5-14B-Instruct")
+    rehearsal, out = _trainer_overrides(tmp_path, PRESET="rehearsal")
+    allowed = {key for keys in DEVICE_AND_SIZES.values() for key in keys} | set(MODEL_AND_PATHS)
+    changed = {key for key in gpu.keys() | rehearsal.keys() if gpu.get(key) != rehearsal.get(key)}
+    assert changed <= allowed, f"the rehearsal differs from the GPU preset in {sorted(changed - allowed)}"
+    # the GPU path's keys are there (they come from the GPU preset, not from this list)
+    for key, value in {"actor_rollout_ref.rollout.name": "vllm",
+                       "actor_rollout_ref.rollout.tensor_model_parallel_size": "2",
+                       "actor_rollout_ref.model.enable_gradient_checkpointing": "true",
+                       "actor_rollout_ref.model.use_remove_padding": "true",
+                       "actor_rollout_ref.actor.use_dynamic_bsz": "true", "actor_rollout_ref.actor.use_kl_loss": "true",
+                       "actor_rollout_ref.ref.fsdp_config.param_offload": "true",
+                       "actor_rollout_ref.rollout.free_cache_engine": "true", "trainer.save_hf_model": "last"}.items():
+        assert rehearsal[key] == value, key
+    assert rehearsal["trainer.device"] == "cpu" and "PYTORCH_CUDA_ALLOC_CONF" not in out
+    assert out.startswith("preset: rehearsal")
+
+
+def _run(tmp_path: Path, log: Path, **env: str) -> subprocess.CompletedProcess:
+    python = Path(sys.executable)
+    env = _env(tmp_path, PRESET="rehearsal", PYTHON=str(python), PATH=f"{python.parent}:{os.environ['PATH']}",
+               VLLM_CPU_KVCACHE_SPACE="1", **env)
+    with open(log, "w") as out:
+        return subprocess.run(["bash", str(REPO / "scripts" / "main.sh"), "data.max_prompt_length=96",
+                               "trainer.logger=[console,jsonl]"], cwd=REPO, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=900)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="needs vLLM: run with the vLLM environment's python (make vllm-env)")
+def test_gpu_preset_rehearsal_trains_checkpoints_and_resumes(tmp_path, warm_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import COMPACT_SYSTEM_PROMPT
+
+    prompt = tmp_path / "agent_prompt.txt"
+    prompt.write_text(COMPACT_SYSTEM_PROMPT)
+    env = {"MODEL_PATH": warm_model_path, "AGENT_PROMPT_FILE": str(prompt)}
+    walls = []
+    # one step and its checkpoint, then a resume from it for the second step (whose TP-2 engine starts only if the
+    # first launch's leftover CPU shared-memory segments were removed)
+    for steps in (1, 2):
+        log = tmp_path / f"run{steps}.log"
+        start = time.perf_counter()
+        done = _run(tmp_path, log, STEPS=str(steps), **env)
+        walls.append(time.perf_counter() - start)
+        assert done.returncode == 0, log.read_text()[-6000:]
+    print(f"rehearsal wall time: {walls[0]:.0f} s + {walls[1]:.0f} s (resumed)")
+    experiment = f"{Path(warm_model_path).name}_outbound_ad_trial"
+    outputs = tmp_path / "outputs"
+    first, second = (tmp_path / "run1.log").read_text(), (tmp_path / "run2.log").read_text()
+    assert "preset: rehearsal" in first and "rollout.enforce_eager=false" in first
+    metrics = [json.loads(line) for line in (outputs / "logs" / experiment / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [m["step"] for m in metrics if "actor/pg_loss" in m]
+    assert steps_logged == [1, 2], steps_logged  # step 2 trained by the resumed launch only
+    for m in metrics:
+        if "actor/pg_loss" in m:
+            assert m["timing_s/weight_sync"] > 0 and m["actor/kl_loss"] >= 0
+    ckpts = outputs / "checkpoints" / experiment
+    assert (ckpts / "global_step_1" / "actor" / "model.safetensors").is_file()  # the last step of launch 1
+    exported = AutoModelForCausalLM.from_pretrained(ckpts / "global_step_2" / "actor")
+    assert sum(p.numel() for p in exported.parameters()) > 0
+    dialogues = [json.loads(line) for line in
+                 (outputs / "rollouts" / experiment / "rollouts.jsonl").read_text().splitlines()]
+    assert sum(t["user_source"] == "simulator" for d in dialogues for t in d["turns"]) > 0, \
+        "no turn reached the simulators the script started"
+    assert f"resumed from {ckpts / 'global_step_1'} at step 1" in second  # the second launch resumed

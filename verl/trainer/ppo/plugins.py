@@ -1,0 +1,134 @@
+"""The trainer's plug-in contracts: the rollout loop (``rollout_loop.path``) and the reward (``reward.path``).
+
+A rollout loop is a subclass of :class:`RolloutLoop`: one required method, ``run_llm_loop``, and hooks with
+no-op defaults that the trainer calls at fixed points of a run (after each training step, after validation, at
+checkpoint save and load, at shutdown). The engine's own default, plain single-turn generation, is
+:class:`SingleTurnRollout`. A reward plug-in is any callable of the :class:`RewardFunction` shape; the trainer
+binds its ``reward.kwargs`` once at start (:func:`bind_reward`), so a keyword the function does not take fails
+before any worker starts. The engine never imports a plug-in's package: both are named by dotted path.
+"""
+from __future__ import annotations
+
+import abc
+import inspect
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, ClassVar, Protocol, Union
+
+import torch
+
+from verl.protocol import DataProto
+from verl.trainer.config_schema import ConfigError
+
+__all__ = ["ConsoleMetric", "RewardFunction", "RolloutLoop", "SingleTurnRollout", "bind_reward"]
+
+# One entry of the per-step console line: a metric name (or several, shown joined by "/") and its label.
+ConsoleMetric = tuple[Union[str, tuple[str, ...]], str]
+
+
+class RolloutLoop(abc.ABC):
+    """Turns a generation batch into rollouts; the trainer builds two (training and validation) per run.
+
+    Constructed as ``cls(tokenizer=..., actor_rollout_wg=..., config=<rollout_loop.config mapping>,
+    is_validation=bool)``. ``run_llm_loop`` gets left-padded prompts (``input_ids``, ``attention_mask``,
+    ``position_ids``), the rows' ``non_tensor_batch`` (``uid`` and the dataset's extra columns) and the decoding
+    ``meta_info``, and returns the generation-batch tensors (``prompts, responses, input_ids, attention_mask,
+    position_ids``, optionally ``response_mask``) plus any per-row ``non_tensor_batch`` of its own; metrics it puts
+    in the output's ``meta_info["metrics"]`` are logged with the step (under ``val/`` for validation). With
+    ``algorithm.filter_groups`` it is called several times in one step, each call a complete generation.
+    """
+
+    # The metrics the per-step console line shows first, as (name or names, label) pairs.
+    console_metrics: ClassVar[Sequence[ConsoleMetric]] = ()
+
+    def __init__(self, tokenizer: Any, actor_rollout_wg: Any, config: Mapping[str, Any], is_validation: bool) -> None:
+        self.tokenizer = tokenizer
+        self.actor_rollout_wg = actor_rollout_wg
+        self.is_validation = bool(is_validation)
+
+    @abc.abstractmethod
+    def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
+        """Generate for every row of ``gen_batch``; one output row per input row, in order."""
+
+    def state_dict(self) -> Mapping[str, Any] | None:
+        """JSON-ready state the trainer keeps in ``trainer_state.json`` (None: nothing to keep)."""
+        return None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (called on resume when the checkpoint holds a state)."""
+
+    def on_train_step_end(self, batch: DataProto, step: int) -> dict[str, float]:
+        """After a step's updates, with the balanced and scored batch the step trained on; returns metrics."""
+        return {}
+
+    def on_validation_end(self, batches: Sequence[DataProto], step: int) -> dict[str, float]:
+        """After validation, with its scored batches; returns metrics (the trainer logs them under ``val/``)."""
+        return {}
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Write files of the loop's own into a checkpoint's ``rollout_loop/`` directory."""
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Restore from a checkpoint's ``rollout_loop/`` directory (which may not exist)."""
+
+    def close(self) -> None:
+        """Release what the loop holds (clients, files); called once at shutdown."""
+
+
+class SingleTurnRollout(RolloutLoop):
+    """The default (``rollout_loop.path: null``): one ``generate_sequences`` call of the worker group per batch."""
+
+    def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
+        """The worker group's single-turn generation of the prompts (per-row non-tensor data stays here)."""
+        return self.actor_rollout_wg.generate_sequences(DataProto(batch=gen_batch.batch,
+                                                                  meta_info=dict(gen_batch.meta_info)))
+
+
+class RewardFunction(Protocol):
+    """``reward.path``: scores a generated batch.
+
+    Returns a float (bs, R) tensor with each row's reward on its last loss-carrying response token, and metrics
+    (logged under ``reward/``). It may add per-row entries to ``data.non_tensor_batch``. ``kwargs`` are
+    ``reward.kwargs``.
+    """
+
+    def __call__(self, data: DataProto, tokenizer: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        ...
+
+
+def bind_reward(fn: RewardFunction, tokenizer: Any, kwargs: Mapping[str, Any],
+                path: str = "reward.path") -> Callable[[DataProto], tuple[torch.Tensor, dict[str, float]]]:
+    """``data -> fn(data, tokenizer, **kwargs)``, checked: a keyword ``fn`` does not take is a ConfigError naming
+    ``reward.kwargs.<key>`` now, and a result that is not a (float (bs, R) tensor, metrics dict) pair fails when
+    it comes back, naming ``path``."""
+    if not callable(fn):
+        raise ConfigError(f"{path} must name a callable, got {type(fn).__name__}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: checked when called
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(None, tokenizer, **kwargs)
+        except TypeError as exc:
+            params = signature.parameters
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+            unknown = [k for k in kwargs if k not in params and not takes_any]
+            key = f"reward.kwargs.{unknown[0]}" if unknown else "reward.kwargs"
+            raise ConfigError(f"{key}: {path} cannot be called as fn(data, tokenizer, **reward.kwargs): {exc}") \
+                from None
+    bound = dict(kwargs)
+
+    def reward(data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        result = fn(data, tokenizer, **bound)
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
+                and isinstance(result[1], Mapping)):
+            raise TypeError(f"{path} must return (reward tensor, metrics dict), got {type(result).__name__}")
+        scores = result[0]
+        if data.batch is not None and "responses" in data.batch.keys() and \
+                scores.shape != data.batch["responses"].shape:
+            raise ValueError(f"{path} returned rewards of shape {tuple(scores.shape)}; expected the responses' "
+                             f"{tuple(data.batch['responses'].shape)}")
+        return result[0], dict(result[1])
+
+    return reward
