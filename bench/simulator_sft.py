@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     sft_log = json.loads((tiny / "sft_log.json").read_text())
     probes = build_probe_set(scenario, args.probe_dialogues)
     run_dir = args.out_root / "bench_run"
-    cards = [served_card(Path(info["base"]), "tiny base (untrained)", probes, scenario, args, run_dir),
+    cards = [served_card(tiny / info["base"], "tiny base (untrained)", probes, scenario, args, run_dir),
              served_card(tiny, "tiny SFT", probes, scenario, args, run_dir)]
     with InProcessUserSim(scenario) as sim:
         cards.append(build_card(run_probes(sim, probes, scenario, ProbeSampling(seed=args.seed)), scenario,

