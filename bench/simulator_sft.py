@@ -1,10 +1,11 @@
 """Benchmark: the CI's tiny LLM simulator before and after fine-tuning, graded by the simulator report card.
 
-    .venv-vllm/bin/python -m bench.simulator_sft [--out-root outputs/simulator_sft] [--probe-dialogues 48]
-        [--bootstrap 1000] [--out bench/results/simulator_sft.json]
+    .venv-vllm/bin/python -m bench.simulator_sft [--recipe full|quick | --simulator DIR] [--probe-dialogues 48]
+        [--out-root outputs/simulator_sft] [--bootstrap 1000] [--out bench/results/simulator_sft.json]
 
-Makes (or reuses) the tiny simulator (`utils.simulator_sft.tiny_simulator`: the tiny Qwen2 base model, then
-supervised fine-tuning on scripted calls; the time it took is in its `sft_log.json`), then serves the base model
+Makes (or reuses, in `<out-root>/tiny-<recipe>`) the tiny simulator of `--recipe` (`utils.simulator_sft`: the tiny
+Qwen2 base model, then supervised fine-tuning on scripted calls; the time it took is in its `sft_log.json`), or
+takes one made already (`--simulator DIR`, e.g. the `vllm` test's in outputs/test_cache/), then serves the base model
 and the fine-tuned one in turn with vLLM's OpenAI server (`scripts/start_user_sims.sh --backend vllm`, the CPU
 flags of docs/simulator.md) and grades each on the fixed probes with the rollout loop's decoding settings; the
 scripted persona (in process) is graded too, as the reference. Prints the cards side by side and writes them
@@ -26,21 +27,13 @@ from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.simulator_report import ProbeSampling, build_card, build_probe_set, run_probes
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.user_sim.client import UserSimClient
-from utils.simulator_sft import INFO_FILE, tiny_simulator
+from llm_agent.user_sim.processes import free_port
+from utils.simulator_sft import INFO_FILE, RECIPES, tiny_simulator
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 4096
 VLLM_CPU_FLAGS = ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill",
                   "--max-num-batched-tokens", str(MAX_MODEL_LEN)]
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def served_card(model: Path, name: str, probes, scenario, args: argparse.Namespace, run_dir: Path) -> dict:
@@ -68,6 +61,8 @@ def served_card(model: Path, name: str, probes, scenario, args: argparse.Namespa
 def main(argv: list[str] | None = None) -> None:
     """Make the simulator, grade base / fine-tuned / scripted, print and write the results."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="full", help="the tiny simulator's recipe")
+    p.add_argument("--simulator", type=Path, default=None, help="grade this tiny simulator (made already)")
     p.add_argument("--out-root", type=Path, default=REPO / "outputs" / "simulator_sft")
     p.add_argument("--probe-dialogues", type=int, default=48)
     p.add_argument("--bootstrap", type=int, default=1000)
@@ -77,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     load_at_start = os.getloadavg()[0]
     scenario = load_scenario(DEFAULT_SCENARIO_PATH)
-    tiny = tiny_simulator(args.out_root / "tiny", DEFAULT_SCENARIO_PATH)
+    tiny = args.simulator or tiny_simulator(args.out_root / f"tiny-{args.recipe}", DEFAULT_SCENARIO_PATH,
+                                            RECIPES[args.recipe])
     info = json.loads((tiny / INFO_FILE).read_text())
     sft_log = json.loads((tiny / "sft_log.json").read_text())
     probes = build_probe_set(scenario, args.probe_dialogues)

