@@ -16,12 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from llm_agent.scenario import load_scenario
 from tests.helpers.repo import REPO, SCENARIO_PATH
 from tests.helpers.sim_servers import SimServers
-from utils.sft_warm_start import encode_dialogue
-from utils.simulator_sft import (SimulatorExample, TinyRecipe, canonical, encode_examples, filter_examples,
-                                 logged_examples, scripted_examples, tiny_fingerprint, tiny_simulator, weigh_numbers)
-from verl.trainer.fsdp_sft_trainer import SFTConfig, collate, masked_nll_sum
 from utils.make_tiny_model import TinyModelSpec
-
+from utils.sft_warm_start import encode_dialogue
+from utils.simulator_sft import (QUICK_RECIPE, SimulatorExample, TinyRecipe, canonical, encode_examples,
+                                 filter_examples, logged_examples, parse_args, scripted_examples, tiny_fingerprint,
+                                 tiny_simulator, weigh_numbers)
+from verl.trainer.fsdp_sft_trainer import SFTConfig, collate, masked_nll_sum
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +142,9 @@ def test_tiny_fingerprint_follows_the_recipe(tmp_path):
     (tmp_path / "client_action.jsonl").write_text((REPO / "assets/client_action.jsonl").read_text())
     other.write_text(other.read_text().replace("../../../../assets/client_action.jsonl", "client_action.jsonl"))
     assert tiny_fingerprint(recipe, other) != tiny_fingerprint(recipe, SCENARIO_PATH)
+    assert tiny_fingerprint(QUICK_RECIPE, SCENARIO_PATH) != tiny_fingerprint(recipe, SCENARIO_PATH)
+    assert [parse_args(["--out", "x", *a]).tiny for a in ([], ["--tiny"], ["--tiny", "quick"])] == [None, "full",
+                                                                                                  "quick"]
 
 
 @pytest.mark.slow
