@@ -70,7 +70,7 @@ def test_cli_grades_logged_dialogues(tmp_path, scenario):
 
 
 def test_run_report_shows_simulator_cards(tmp_path, scenario):
-    write_run(tmp_path / "outputs", "exp", scenario, n_dialogues=20)
+    write_run(tmp_path / "outputs", "exp", scenario, steps=2, n_dialogues=8)
     card = {"name": "sim-a", "scenario": scenario.name, "n_turns": 5, "n_dialogues": 2, "source": {"kind": "test"},
             "metrics": {"first_try_valid_rate": {"value": 0.9, "low": 0.8, "high": 1.0}}, "examples": {
                 "malformed_first_replies": [{"dialogue_id": "d", "turn": 0, "reply": "<oops>"}]}}
