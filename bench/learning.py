@@ -39,7 +39,7 @@ from typing import Any
 
 from bench.learning_check import controller_check, controller_table, valid_values
 from bench.learning_stats import paired_comparison
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.user_sim.processes import ServerSpec, SimulatorGroup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("bench.learning")
 
 SCENARIO = DEFAULT_SCENARIO_PATH
-# The compact agent prompt the tiny model is warm-started and trained with (the scenario's own is ~1300 tokens);
-# scripts/main.sh's CPU demo uses the same file.
-COMPACT_SYSTEM_PROMPT = (REPO / "assets/compact_agent_prompt.txt").read_text(encoding="utf-8").strip()
+# The compact agent prompt the tiny model is warm-started and trained with, the scenario's `agent.compact_prompt`
+# (its full one is ~1300 tokens); scripts/main.sh's CPU demo uses the same.
+COMPACT_SYSTEM_PROMPT = load_scenario(SCENARIO).agent_compact_prompt
 
 
 @dataclass
@@ -76,6 +76,8 @@ class LearningSettings:
     group_size: int = 8
     lr: float = 2e-4
     lr_warmup_steps: int = 0
+    lora_rank: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer instead of every weight
+    lora_alpha: float = 16.0
     ppo_mini_prompts: int = 4  # prompts per policy update (0: all of the step's, one update per step)
     ppo_epochs: int = 1
     filter_groups: bool = False  # dynamic sampling: drop groups whose dialogues all got the same reward
@@ -88,6 +90,7 @@ class LearningSettings:
     val_temperature: float = 0.0  # 0: greedy validation; > 0: sampled, val_n calls per fixed profile
     val_n: int = 1
     sim_instances: int = 2
+    overrides: str = ""  # more sead_trainer key=value overrides, space-separated (after the ones above)
 
 
 def warm_start(s: LearningSettings, work: Path) -> tuple[Path, float]:
@@ -125,6 +128,7 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={per_rank}", f"actor_rollout_ref.actor.optim.lr={s.lr}",
         f"actor_rollout_ref.actor.loss_agg_mode={s.loss_agg_mode}", f"actor_rollout_ref.actor.seed={s.seed}",
+        f"actor_rollout_ref.model.lora_rank={s.lora_rank}", f"actor_rollout_ref.model.lora_alpha={s.lora_alpha}",
         f"trainer.total_training_steps={s.steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
         "trainer.logger=[jsonl]", f"trainer.default_local_dir={work / 'ckpt'}", f"trainer.log_dir={work / 'logs'}",
         f"actor_rollout_ref.rollout.val_kwargs.do_sample={s.val_temperature > 0}",
@@ -136,6 +140,7 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         f"{loop}.max_tokens_per_turn={s.max_tokens_per_turn}", f"{loop}.max_user_tokens={s.max_user_tokens}",
         f"{loop}.user_sim.urls='{urls}'", f"{loop}.cache.enabled=false", f"{loop}.controller.seed={s.seed}",
         f"{loop}.rollout_log_path={work / 'rollouts.jsonl'}", f"{loop}.val_metrics_path={work / 'val_metrics.jsonl'}",
+        *s.overrides.split(),
     ]
 
 
