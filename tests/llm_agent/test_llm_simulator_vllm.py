@@ -27,7 +27,7 @@ from llm_agent.user_sim.client import UserSimClient
 from llm_agent.user_sim.processes import free_port
 from tests.helpers.repo import REPO, SCENARIO_PATH
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="needs vLLM: run with the vLLM environment's python (make vllm-env)")]
 
