@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from llm_agent.metrics import dialogue_metrics, record_label, record_outcome
 from llm_agent.scenario import Scenario
 
-__all__ = ["Interval", "PairedComparison", "bootstrap_indices", "mcnemar_exact", "metric_intervals",
-           "paired_comparison", "pair_key", "pair_records"]
+__all__ = ["Interval", "PairedComparison", "bootstrap_indices", "bootstrap_intervals", "mcnemar_exact",
+           "metric_intervals", "paired_comparison", "pair_key", "pair_records"]
+
+T = TypeVar("T")
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_CONFIDENCE = 0.95
@@ -62,16 +64,27 @@ def _quantiles(values: Sequence[float], confidence: float) -> tuple[float, float
     return float(low), float(high)
 
 
+def bootstrap_intervals(items: Sequence[T], statistic: Callable[[Sequence[T]], Mapping[str, float | None]],
+                        n_resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
+                        seed: int = 0) -> dict[str, Interval | None]:
+    """Every key of `statistic(items)` with its percentile bootstrap interval over `items` (resampled with
+    `bootstrap_indices`). A key whose value on all items is None maps to None; a resample on which a key is None
+    is left out of that key's quantiles."""
+    point = statistic(items)
+    samples: dict[str, list[float]] = {key: [] for key, value in point.items() if value is not None}
+    for rows in bootstrap_indices(len(items), n_resamples, seed):
+        for key, value in statistic([items[i] for i in rows]).items():
+            if key in samples and value is not None:
+                samples[key].append(value)
+    return {key: None if value is None else Interval(value, *_quantiles(samples[key] or [value], confidence))
+            for key, value in point.items()}
+
+
 def metric_intervals(records: Sequence[Mapping[str, Any]], scenario: Scenario,
                      n_resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
                      seed: int = 0) -> dict[str, Interval]:
     """Every key of `dialogue_metrics` with its percentile bootstrap interval over `records` (see module doc)."""
-    point = dialogue_metrics(records, scenario)
-    samples: dict[str, list[float]] = {key: [] for key in point}
-    for rows in bootstrap_indices(len(records), n_resamples, seed):
-        for key, value in dialogue_metrics([records[i] for i in rows], scenario).items():
-            samples[key].append(value)
-    return {key: Interval(point[key], *_quantiles(samples[key], confidence)) for key in point}
+    return bootstrap_intervals(records, lambda rows: dialogue_metrics(rows, scenario), n_resamples, confidence, seed)
 
 
 def pair_key(record: Mapping[str, Any], where: str) -> tuple[str, str]:
