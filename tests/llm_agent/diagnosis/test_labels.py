@@ -10,6 +10,8 @@ import pytest
 from llm_agent.diagnosis import annotate_record, annotated, diagnosis_metrics, turn_label_lists, turn_signals
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
+from tests.helpers.turn_records import record, turn
+
 SPANS = {"cooperation": 4, "emotion": 3, "trust": 5}  # outbound_ad_trial.yaml's state ranges, read by hand
 COST_DOUBT = "So what's this going to cost me in the end?"  # a scripted cost_concerns doubt line
 
@@ -17,21 +19,6 @@ COST_DOUBT = "So what's this going to cost me in the end?"  # a scripted cost_co
 @pytest.fixture(scope="module")
 def scenario():
     return load_scenario(DEFAULT_SCENARIO_PATH)
-
-
-def turn(reply="Hello, this is Mia from FoodLoop.", stage=0, status=0, user="Okay.", state=(2, 2, 2),
-         source="simulator", ok=True, user_status=None):
-    """One agent turn and the user side that followed it (state None: nothing reported)."""
-    reported = None if state is None else dict(zip(("cooperation", "emotion", "trust"), state))
-    return {"agent_text": reply, "agent_reply": reply if ok else None, "agent_stage": stage, "agent_status": status,
-            "agent_state": None, "agent_format_ok": ok, "user_reply": user,
-            "user_status": (0 if source in ("simulator", "cache") else None) if user_status is None else user_status,
-            "user_state": reported, "user_source": source, "user_error": None}
-
-
-def record(outcome, turns, initial=(2, 2, 2)):
-    return {"dialogue_id": "d#0", "profile": dict(zip(("cooperation", "emotion", "trust"), initial), behaviors=[]),
-            "outcome": outcome, "num_turns": len(turns), "turns": turns}
 
 
 def labels_of(scenario, rec):
