@@ -1,6 +1,6 @@
 """Why calls failed, in the mistakes analysis: failure labels counted per label on hand-written dialogues (the
 expected counts worked out by hand in the comments), logs without labels diagnosed when read, stored labels
-kept, and the analyze_mistakes command line printing them."""
+kept, the analyze_mistakes command line printing them and the report's dialogue browser data carrying them."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,9 @@ import json
 import pytest
 
 from for_evaluation import analyze_mistakes
+from llm_agent.diagnosis import annotated
 from llm_agent.evaluation.analysis import analyze_dialogues
+from llm_agent.evaluation.browser_data import browser_payload
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
 from tests.helpers.turn_records import record, turn
@@ -66,3 +68,15 @@ def test_command_line_prints_the_diagnosis(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     labels = {row["label"]: row["turns"] for row in out["splits"]["train"]["diagnosis"]["labels"]}
     assert labels["doubt_unanswered"] == 3 and labels["format_error"] == 1
+
+
+def test_browser_data_carries_the_labels_of_every_turn(scenario):
+    payload = browser_payload(annotated(records(), scenario), scenario)
+    by_id = {d["id"]: d for d in payload["dialogues"]}
+    assert by_id["c"]["lb"] == {"doubt_unanswered": 2} and by_id["d"]["lb"] == {}
+    talked_past = [["doubt_unanswered", "cost_concerns"]]
+    assert [t["dx"] for t in by_id["c"]["t"]] == [[], talked_past, talked_past]
+    assert by_id["b"]["t"][0]["dx"] == [["format_error", "no usable reply tag or an out-of-range tag"],
+                                        ["timeout_loop", "no progress in the whole call"]]
+    unlabelled = browser_payload(records()[:1], scenario)["dialogues"][0]  # a log written before the labels
+    assert unlabelled["lb"] == {} and all(t["dx"] == [] for t in unlabelled["t"])
