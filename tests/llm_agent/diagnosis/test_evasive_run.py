@@ -2,9 +2,11 @@
 only the doubts of the first third of the scenario's doubt categories and talks past the others, so every call it
 loses is lost on a doubt of a skipped category. Through the real rollout loop (in-process scripted simulator), each
 lost call must carry `doubt_unanswered` on the doubt it was lost on, and never on an answered category; the calls
-it completes carry no label; the loop's records and the reward's `turn_labels` agree."""
+it completes carry no label; the loop's records, its rollout log, its per-step label counts and the reward's
+`turn_labels` agree."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -30,24 +32,26 @@ def doubt_category(scenario, user_reply: str | None) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def evasive_run(tiny_model_path):
+def evasive_run(tiny_model_path, tmp_path_factory):
     scenario = load_scenario(DEFAULT_SCENARIO_PATH)
     tokenizer = load_tokenizer(tiny_model_path)
     rng = random.Random(3)
     profiles = [UserProfile(rng.randint(1, 3), rng.randint(1, 2), rng.randint(1, 4),
                             tuple(sample_behaviors(scenario.behaviors, rng, 1, 3))) for _ in range(DIALOGUES)]
     config = {"scenario": str(DEFAULT_SCENARIO_PATH), "max_turns": 10, "max_tokens_per_turn": 128,
-              "max_response_length": 3000, "cache": {"enabled": False}, "controller": {"enabled": False}}
+              "max_response_length": 3000, "cache": {"enabled": False}, "controller": {"enabled": False},
+              "rollout_log_path": str(tmp_path_factory.mktemp("evasive") / "rollouts.jsonl")}
     policy = ScriptedPolicyWorkerGroup(tokenizer, scenario, world_size=1, quality="evasive")
     loop = LLMGenerationManager(tokenizer, policy, config, is_validation=True, client=InProcessUserSim(scenario))
     batch = make_gen_batch(tokenizer, scenario, [f"k{i}" for i in range(DIALOGUES)], profiles=profiles,
                            meta={"do_sample": False})
     out = loop.run_llm_loop(batch)
-    return scenario, policy.agent.answered, out
+    metrics = loop.on_validation_end([out], step=0)  # appends the rollout log
+    return scenario, policy.agent.answered, out, metrics, config["rollout_log_path"]
 
 
 def test_every_lost_call_is_labelled_on_the_skipped_doubt_it_was_lost_on(evasive_run):
-    scenario, answered, out = evasive_run
+    scenario, answered, out, _, _ = evasive_run
     skipped = set(scenario.scripted.categories) - answered
     assert answered and skipped and len(answered) == len(scenario.scripted.categories) // 3
     nt = out.non_tensor_batch
@@ -72,9 +76,33 @@ def test_every_lost_call_is_labelled_on_the_skipped_doubt_it_was_lost_on(evasive
 
 
 def test_the_reward_hands_the_records_labels_to_the_trainer(evasive_run):
-    scenario, _, out = evasive_run
+    scenario, _, out, _, _ = evasive_run
     compute_reward(out, None, scenario=str(DEFAULT_SCENARIO_PATH))
     turn_labels = out.non_tensor_batch["turn_labels"]
     for i, turns in enumerate(out.non_tensor_batch["turns"]):
         assert turn_labels[i] == [[e["label"] for e in t["diagnosis"]] for t in turns]
     assert "turn_scores" not in out.batch.keys()  # every turn weight is 0 by default
+
+
+def test_the_rollout_log_and_the_step_metrics_carry_the_labels(evasive_run):
+    scenario, _, _, metrics, log_path = evasive_run
+    with open(log_path, encoding="utf-8") as log:
+        lines = [json.loads(line) for line in log]
+    assert len(lines) == DIALOGUES
+    per_label: dict[str, int] = {}
+    failed = labelled = 0
+    for line in lines:
+        counted = {}
+        for turn in line["turns"]:
+            for entry in turn["diagnosis"]:
+                counted[entry["label"]] = counted.get(entry["label"], 0) + 1
+        assert line["labels"] == counted, line["dialogue_id"]
+        for label, n in counted.items():
+            per_label[label] = per_label.get(label, 0) + n
+        if line["outcome"] != "completed":
+            failed += 1
+            labelled += bool(counted)
+    assert per_label.get("doubt_unanswered", 0) > 0 and failed > 0
+    for rule in scenario.diagnosis:
+        assert metrics[f"diagnosis/labels/{rule.label}"] == per_label.get(rule.label, 0), rule.label
+    assert metrics["diagnosis/labelled_failure_frac"] == labelled / failed
