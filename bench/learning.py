@@ -90,6 +90,12 @@ class LearningSettings:
     val_temperature: float = 0.0  # 0: greedy validation; > 0: sampled, val_n calls per fixed profile
     val_n: int = 1
     sim_instances: int = 2
+    adv_estimator: str = "grpo"  # grpo | turn_mixed | turn_gae (docs/turn_level_credit.md)
+    turn_weight: float = 1.0  # algorithm.turn_mixed.turn_weight
+    turn_weights: dict[str, float] = field(default_factory=dict)  # reward.kwargs.turn_weights (per-turn reward)
+    diagnosis_weights: dict[str, float] = field(default_factory=dict)  # non-empty: algorithm.diagnosis_reweight on
+    diagnosis_apply_to: str = "all"
+    critic_lr: float = 1e-3  # turn_gae's critic (built from the warm model, a fresh value head)
     overrides: str = ""  # more sead_trainer key=value overrides, space-separated (after the ones above)
 
 
@@ -140,8 +146,30 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         f"{loop}.max_tokens_per_turn={s.max_tokens_per_turn}", f"{loop}.max_user_tokens={s.max_user_tokens}",
         f"{loop}.user_sim.urls='{urls}'", f"{loop}.cache.enabled=false", f"{loop}.controller.seed={s.seed}",
         f"{loop}.rollout_log_path={work / 'rollouts.jsonl'}", f"{loop}.val_metrics_path={work / 'val_metrics.jsonl'}",
+        *turn_credit_overrides(s, per_rank),
         *s.overrides.split(),
     ]
+
+
+def _mapping(values: dict[str, float]) -> str:
+    return "{" + ",".join(f"{k}:{v}" for k, v in values.items()) + "}"
+
+
+def turn_credit_overrides(s: LearningSettings, per_rank: int) -> list[str]:
+    """The overrides of the turn-level options (docs/turn_level_credit.md): the estimator, the per-turn reward
+    weights and the diagnosis reweighting; none for trajectory GRPO with the default reward."""
+    out = [f"algorithm.adv_estimator={s.adv_estimator}"]
+    if s.adv_estimator == "turn_mixed":
+        out.append(f"algorithm.turn_mixed.turn_weight={s.turn_weight}")
+    if s.adv_estimator == "turn_gae":
+        out += [f"critic.optim.lr={s.critic_lr}", f"critic.ppo_micro_batch_size_per_gpu={per_rank}",
+                f"critic.forward_micro_batch_size_per_gpu={per_rank}"]
+    if s.turn_weights:
+        out.append(f"reward.kwargs.turn_weights={_mapping(s.turn_weights)}")
+    if s.diagnosis_weights:
+        out += ["algorithm.diagnosis_reweight.enable=true", f"algorithm.diagnosis_reweight.apply_to={s.diagnosis_apply_to}",
+                f"+algorithm.diagnosis_reweight.weights={_mapping(s.diagnosis_weights)}"]
+    return out
 
 
 def run_grpo(s: LearningSettings, model: Path, work: Path) -> float:
@@ -151,9 +179,10 @@ def run_grpo(s: LearningSettings, model: Path, work: Path) -> float:
     from utils.create_prompt_data import create_prompt_data
     from verl.single_controller.ray import RayResourcePool
     from verl.trainer.config_schema import compose_config
+    from verl.trainer.config_schema import CRITIC_ESTIMATORS
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
     from verl.utils.dataset import load_tokenizer
-    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
     started = time.monotonic()
     data = create_prompt_data(SCENARIO, work / "data", s.train_samples, s.test_samples, seed=s.seed,
@@ -166,9 +195,10 @@ def run_grpo(s: LearningSettings, model: Path, work: Path) -> float:
         with SimulatorGroup(work / "sims", spec) as sims:
             urls = ",".join(sims.start_many(s.sim_instances))
             config = compose_config(trainer_overrides(s, model, data, work, urls), config_name="sead_trainer")
-            pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-            trainer = RayPPOTrainer(config, load_tokenizer(str(model)), {Role.ActorRollout: ActorRolloutRefWorker},
-                                    pool)
+            critic = s.adv_estimator in CRITIC_ESTIMATORS
+            roles = {Role.ActorRollout: ActorRolloutRefWorker, **({Role.Critic: CriticWorker} if critic else {})}
+            pool = RayResourcePool([2], use_gpu=False, max_colocate_count=2 if critic else 1)
+            trainer = RayPPOTrainer(config, load_tokenizer(str(model)), roles, pool)
             try:
                 trainer.init_workers()
                 trainer.fit()
@@ -239,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in asdict(defaults).items():
         if isinstance(value, dict):
             parser.add_argument(f"--{name.replace('_', '-')}", default=",".join(f"{k}={v}" for k, v in value.items()),
-                                help="quality=weight list (default %(default)s)")
+                                help="name=weight list (default %(default)s)")
         else:
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
                                 help="default %(default)s")
@@ -252,7 +282,9 @@ def main(argv: list[str] | None = None) -> None:
 
     work, out = Path(args.pop("work_dir")), Path(args.pop("out"))
     warm_model = args.pop("warm_model")
-    args["sft_mix"] = parse_quality_mix(args["sft_mix"])
+    for name, value in asdict(defaults).items():
+        if isinstance(value, dict):
+            args[name] = parse_quality_mix(args[name]) if args[name] else {}
     settings = LearningSettings(**args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per simulator request otherwise

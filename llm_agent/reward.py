@@ -19,6 +19,20 @@ Components, with `raw` the unit-weight value and the weighted value `w * raw` (r
 
 Penalties have negative raw values, so every weight is a positive "how much it matters". Default weights
 reproduce the original SEAD reward: completion 10, everything else 0 (reward in {0, 10}).
+
+Per-turn components (`reward.kwargs.turn_weights`, all 0 by default), from each agent turn's signals
+(`llm_agent.diagnosis.signals`):
+
+- state_change = the mean over the dimensions of the user's state change the turn caused / span_d (a
+  dialogue's sum is its raw state_transition)
+- stage_progress = how much further along the SOP the agent's reported stage moved in this turn, / (stages - 1)
+- format = -[the turn broke the tag protocol]
+
+With any turn weight non-zero, turn k's weighted sum goes into `batch["turn_scores"]` on the turn's last token
+(the per-turn process reward of docs/turn_level_credit.md, read by `adv_estimator=turn_mixed` / `turn_gae`; not
+part of the trajectory reward above, so GRPO, dynamic sampling and validation are unchanged) and into the row's
+`turn_rewards`. Every scored batch also gets `non_tensor_batch["turn_labels"]`: per row its turns' failure labels
+(None for an error row), read by `algorithm.diagnosis_reweight`.
 """
 from __future__ import annotations
 
@@ -32,18 +46,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from llm_agent.diagnosis import annotated, turn_label_lists
 from llm_agent.metrics import (claimed_done, dimension_values, paired_errors, range_spans, record_count,
                                record_label, record_outcome, record_turns, records_from_batch)
 from llm_agent.scenario import STATE_DIMS, Scenario, load_scenario
 from verl.protocol import DataProto
+from verl.trainer.ppo.turn_layout import TURN_LABELS, TURN_SCORES
+from verl.utils.agent_turns import agent_turn_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPONENTS", "DEFAULT_WEIGHTS", "REWARD_KEYS", "compute_reward", "raw_components", "resolve_weights"]
+__all__ = ["COMPONENTS", "DEFAULT_TURN_WEIGHTS", "DEFAULT_WEIGHTS", "REWARD_KEYS", "TURN_COMPONENTS", "compute_reward",
+           "raw_components", "raw_turn_components", "resolve_turn_weights", "resolve_weights"]
 
 COMPONENTS: tuple[str, ...] = ("completion", "state_transition", "profile_accuracy", "false_positive",
                                "turn_efficiency", "format")
 DEFAULT_WEIGHTS: dict[str, float] = {name: 10.0 if name == "completion" else 0.0 for name in COMPONENTS}
+TURN_COMPONENTS: tuple[str, ...] = ("state_change", "stage_progress", "format")
+DEFAULT_TURN_WEIGHTS: dict[str, float] = {name: 0.0 for name in TURN_COMPONENTS}
 REWARD_KEYS: tuple[str, ...] = ("outcome", "num_turns", "turns", "format_errors")
 
 
@@ -52,21 +72,39 @@ def _scenario(path: str) -> Scenario:
     return load_scenario(path)
 
 
-def resolve_weights(weights: Mapping[str, Any] | None) -> dict[str, float]:
-    """DEFAULT_WEIGHTS overridden by `weights`; ValueError on an unknown component or a non-finite/non-number."""
+def _resolve(weights: Mapping[str, Any] | None, defaults: Mapping[str, float], key: str) -> dict[str, float]:
+    """`defaults` overridden by `weights`; ValueError naming `reward.kwargs.<key>` on an unknown component or a
+    non-finite/non-number weight."""
     if weights is None:
-        return dict(DEFAULT_WEIGHTS)
+        return dict(defaults)
     if not isinstance(weights, Mapping):
-        raise ValueError(f"reward.kwargs.weights must be a mapping component -> float, got {type(weights).__name__}")
-    unknown = sorted(str(k) for k in weights if k not in COMPONENTS)
+        raise ValueError(f"reward.kwargs.{key} must be a mapping component -> float, got {type(weights).__name__}")
+    unknown = sorted(str(k) for k in weights if k not in defaults)
     if unknown:
-        raise ValueError(f"reward.kwargs.weights: unknown component(s) {unknown}; valid components: {list(COMPONENTS)}")
-    out = dict(DEFAULT_WEIGHTS)
+        raise ValueError(f"reward.kwargs.{key}: unknown component(s) {unknown}; valid components: {list(defaults)}")
+    out = dict(defaults)
     for name, value in weights.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"reward.kwargs.weights.{name} must be a finite number, got {value!r}")
+            raise ValueError(f"reward.kwargs.{key}.{name} must be a finite number, got {value!r}")
         out[name] = float(value)
     return out
+
+
+def resolve_weights(weights: Mapping[str, Any] | None) -> dict[str, float]:
+    """DEFAULT_WEIGHTS overridden by `weights`; ValueError on an unknown component or a non-finite/non-number."""
+    return _resolve(weights, DEFAULT_WEIGHTS, "weights")
+
+
+def resolve_turn_weights(turn_weights: Mapping[str, Any] | None) -> dict[str, float]:
+    """DEFAULT_TURN_WEIGHTS overridden by `turn_weights`; ValueError as `resolve_weights`."""
+    return _resolve(turn_weights, DEFAULT_TURN_WEIGHTS, "turn_weights")
+
+
+def raw_turn_components(turns: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+    """The unit-weight per-turn components (module docstring) of an annotated record's turns, in turn order."""
+    return [{"state_change": float(t["signals"]["state_change"]),
+             "stage_progress": float(t["signals"]["stage_progress"]),
+             "format": -float(t["signals"]["format_error"])} for t in turns]
 
 
 def raw_components(record: Mapping[str, Any], spans: Mapping[str, int], max_turns: int | None,
@@ -111,26 +149,46 @@ def _last_agent_positions(response_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(response_mask.bool(), positions, torch.full_like(positions, -1)).max(dim=-1).values
 
 
+def _turn_ends(data: DataProto) -> tuple[torch.Tensor, list[int]]:
+    """((bs, K) position of each agent turn's last token, -1 for an absent turn; each row's number of agent turns
+    (one more than its largest agent-turn id)), from the batch's `agent_turn_ids` or its `response_mask` runs."""
+    ids = agent_turn_ids(data.batch)
+    counts = (ids.max(dim=1).values + 1).clamp(min=0)
+    num_turns = int(counts.max()) if counts.numel() else 0
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    ends = torch.full((ids.shape[0], num_turns), -1, dtype=torch.long, device=ids.device)
+    if num_turns:
+        ends.scatter_reduce_(1, ids.clamp(min=0), torch.where(ids >= 0, positions, -1), reduce="amax")
+    return ends, counts.tolist()
+
+
 def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
                    weights: Mapping[str, Any] | None = None,
-                   turn_efficiency_max_turns: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                   turn_efficiency_max_turns: int | None = None,
+                   turn_weights: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Score every dialogue of `data` (a DataProto from the SEAD rollout loop); returns (rewards (B, R), metrics).
 
     `tokenizer` is part of the trainer's plug-in signature and unused (records are already parsed). `scenario`
     is the scenario YAML path (loaded once per path); `weights` overrides DEFAULT_WEIGHTS per component;
-    `turn_efficiency_max_turns` is required when the turn_efficiency weight is non-zero.
+    `turn_efficiency_max_turns` is required when the turn_efficiency weight is non-zero; `turn_weights` overrides
+    DEFAULT_TURN_WEIGHTS per per-turn component.
 
     Metrics (the trainer logs them under `reward/`): `<name>` (weighted) and `raw/<name>` (unit weight) means over
     non-error rows for every component (raw turn_efficiency only when max_turns is known), and `total`; 0 when
-    every row is an
-    error. Side effect: writes `non_tensor_batch["reward_components"]` (dict of weighted values per row, all 0 for
-    error rows) and `non_tensor_batch["reward"]` (float per row). A non-error row without any agent token keeps its
-    score in `reward` but gets nothing in the tensor; it is warned about and counted in `unplaced_rows`.
+    every row is an error; `turn/<name>`, `turn/raw/<name>` and `turn/total`, the same over the agent turns of the
+    non-error rows. Side effects: writes `non_tensor_batch["reward_components"]` (dict of weighted values per row,
+    all 0 for error rows), `non_tensor_batch["reward"]` (float per row) and `non_tensor_batch["turn_labels"]`; with
+    a non-zero turn weight also `batch["turn_scores"]` and `non_tensor_batch["turn_rewards"]` (per row the
+    weighted per-turn totals, None for an error row). A record whose turn count differs from its row's agent
+    turns is a ValueError naming it. A non-error row without any agent token keeps its score in `reward` but gets
+    nothing in the tensors; it is warned about and counted in `unplaced_rows`.
     """
     if not scenario:
         raise ValueError("reward.kwargs.scenario is required: the scenario YAML path (its state_ranges normalise "
                          "the state components)")
     w = resolve_weights(weights)
+    tw = resolve_turn_weights(turn_weights)
+    per_turn = any(value != 0.0 for value in tw.values())
     if turn_efficiency_max_turns is not None and (isinstance(turn_efficiency_max_turns, bool) or not isinstance(
             turn_efficiency_max_turns, int) or turn_efficiency_max_turns < 1):
         raise ValueError(f"reward.kwargs.turn_efficiency_max_turns must be a positive int, got "
@@ -141,14 +199,20 @@ def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
     if data.batch is None or "response_mask" not in data.batch.keys():
         raise KeyError("compute_reward needs batch['response_mask'] (1 on agent-sampled tokens) from the rollout "
                        "loop llm_agent.generation.LLMGenerationManager")
-    spans = range_spans(_scenario(str(scenario)))
-    records = records_from_batch(data, required=REWARD_KEYS)
+    loaded = _scenario(str(scenario))
+    spans = range_spans(loaded)
+    records = annotated(records_from_batch(data, required=REWARD_KEYS), loaded)
     response_mask = data.batch["response_mask"]
     last = _last_agent_positions(response_mask)
+    ends, turn_counts = _turn_ends(data)
     reward_tensor = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    turn_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
     components = np.empty(len(records), dtype=object)
+    labels = np.empty(len(records), dtype=object)
+    turn_rewards = np.empty(len(records), dtype=object)
     totals = np.zeros(len(records), dtype=np.float64)
     raw_rows: list[dict[str, float]] = []
+    raw_turns: list[dict[str, float]] = []
     unplaced = []
     for i, record in enumerate(records):
         where = record_label(record, i)
@@ -160,18 +224,48 @@ def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
         weighted = {name: w[name] * raw.get(name, 0.0) for name in COMPONENTS}
         components[i] = weighted
         totals[i] = math.fsum(weighted.values())
+        turns = record_turns(record, where)
+        row_turns = raw_turn_components(turns)
+        raw_turns.extend(row_turns)
+        scores = [math.fsum(tw[name] * raw_turn[name] for name in TURN_COMPONENTS) for raw_turn in row_turns]
+        turn_rewards[i] = scores
         if last[i] < 0:
             unplaced.append(record.get("dialogue_id", i))
-        else:
-            reward_tensor[i, last[i]] = totals[i]
+            continue
+        if turn_counts[i] != len(turns):
+            raise ValueError(f"{where}: the record has {len(turns)} agent turns but its row's response has "
+                             f"{turn_counts[i]} (agent_turn_ids, or runs of response_mask): rows and records are "
+                             "misaligned")
+        reward_tensor[i, last[i]] = totals[i]
+        labels[i] = turn_label_lists(record)
+        for k, score in enumerate(scores):
+            turn_scores[i, ends[i, k]] = score
     if unplaced:
         logger.warning("%d non-error dialogue(s) have no agent token (response_mask all 0); their reward is "
                        "dropped: %s", len(unplaced), unplaced[:5])
     data.non_tensor_batch["reward_components"] = components
     data.non_tensor_batch["reward"] = totals
+    data.non_tensor_batch[TURN_LABELS] = labels
+    if per_turn:
+        data.batch[TURN_SCORES] = turn_scores
+        data.non_tensor_batch["turn_rewards"] = turn_rewards
     metrics = _reward_metrics(raw_rows, components, totals, records)
+    metrics.update(_turn_metrics(raw_turns, tw))
     metrics["unplaced_rows"] = float(len(unplaced))
     return reward_tensor, metrics
+
+
+def _turn_metrics(raw_turns: list[dict[str, float]], tw: Mapping[str, float]) -> dict[str, float]:
+    """Means over the agent turns of the non-error rows of the weighted and raw per-turn components and their
+    weighted total."""
+    n = len(raw_turns)
+    metrics = {}
+    for name in TURN_COMPONENTS:
+        raw_mean = math.fsum(t[name] for t in raw_turns) / n if n else 0.0
+        metrics[f"turn/raw/{name}"] = raw_mean
+        metrics[f"turn/{name}"] = tw[name] * raw_mean
+    metrics["turn/total"] = math.fsum(metrics[f"turn/{name}"] for name in TURN_COMPONENTS)
+    return metrics
 
 
 def _reward_metrics(raw_rows: list[dict[str, float]], components: np.ndarray,

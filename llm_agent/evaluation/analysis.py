@@ -3,9 +3,12 @@
 Over the dialogue records of a rollout log or an evaluation (`run_data.read_dialogues`), per split:
 completion rate (CR) per initial-state value and per (cooperation, emotion, trust) combination with counts and
 Wilson 95% intervals, the hardest and easiest combinations, CR per behaviour and behaviour category, where
-the failed calls ended (highest SOP stage the agent reported, and the outcome), and the sampling weights the
-state controller's rule would set from these outcomes (computed by `llm_agent.controller.StateController`
-itself). As in `llm_agent.metrics`, dialogues with outcome `error` are counted but left out of every CR.
+the failed calls ended (highest SOP stage the agent reported, and the outcome), why they failed (the failure
+labels of the scenario's diagnosis rules, `llm_agent.diagnosis`: per label the turns and calls carrying it, its
+share of the failed calls, by outcome, and its most frequent notes, e.g. which doubt categories went unanswered),
+and the sampling weights the state controller's rule would set from these outcomes (computed by
+`llm_agent.controller.StateController` itself). As in `llm_agent.metrics`, dialogues with outcome `error` are
+counted but left out of every CR.
 """
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ from typing import Any
 import yaml
 
 from llm_agent.controller import ControllerConfig, StateController
+from llm_agent.diagnosis import DIAGNOSED_OUTCOMES, annotated, label_names
 from llm_agent.metrics import OUTCOMES, record_field, record_label, record_outcome, record_turns
 from llm_agent.scenario import STATE_DIMS, Scenario
 
-__all__ = ["Z_95", "analyze_by_split", "analyze_dialogues", "cr_by_dimension", "highest_stage",
+__all__ = ["Z_95", "analyze_by_split", "analyze_dialogues", "cr_by_dimension", "failure_labels", "highest_stage",
            "parse_controller_overrides", "rate", "wilson_interval"]
 
 Z_95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -79,6 +83,36 @@ def _profile(record: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     return profile
 
 
+def failure_labels(records: Sequence[Mapping[str, Any]], scenario: Scenario, top_notes: int = 5) -> dict[str, Any]:
+    """Why the calls failed: {"failed", "labelled", "labels": [{"label", "turns", "dialogues", "share",
+    "by_outcome", "notes"}]} over the failed (not completed, not error) annotated records; `share` is the label's
+    share of the failed calls and `notes` its `top_notes` most frequent notes with their turn counts. Labels in
+    the scenario's file order, then any others found in the records."""
+    failed = [r for r in records if r.get("outcome") in DIAGNOSED_OUTCOMES]
+    turns: Counter = Counter()
+    dialogues: Counter = Counter()
+    outcomes: dict[str, Counter] = defaultdict(Counter)
+    notes: dict[str, Counter] = defaultdict(Counter)
+    for record in failed:
+        seen = set()
+        for turn in record.get("turns") or ():
+            for entry in turn.get("diagnosis") or ():
+                label = entry["label"]
+                turns[label] += 1
+                seen.add(label)
+                for note in str(entry.get("note", "")).split("; "):
+                    notes[label][note] += 1
+        for label in seen:
+            dialogues[label] += 1
+            outcomes[label][record["outcome"]] += 1
+    order = [*label_names(scenario), *sorted(set(turns) - set(label_names(scenario)))]
+    return {"failed": len(failed), "labelled": sum(1 for r in failed if r.get("labels")),
+            "labels": [{"label": label, "turns": turns[label], "dialogues": dialogues[label],
+                        "share": dialogues[label] / len(failed) if failed else 0.0,
+                        "by_outcome": dict(sorted(outcomes[label].items())),
+                        "notes": dict(notes[label].most_common(top_notes))} for label in order]}
+
+
 def _tally_rates(tallies: Mapping[Any, list[int]]) -> dict[Any, dict[str, float]]:
     return {key: rate(done, n) for key, (done, n) in tallies.items()}
 
@@ -108,8 +142,10 @@ def analyze_dialogues(records: Sequence[Mapping[str, Any]], scenario: Scenario, 
 
     `controller` overrides ControllerConfig keys for the recommended weights (smoothing is always 1);
     `min_count` is the least number of dialogues a combination needs to be ranked hardest or easiest.
-    Records must hold `outcome`, `profile` and `turns`; ValueError naming the record otherwise.
+    Records must hold `outcome`, `profile` and `turns`; ValueError naming the record otherwise. Records without
+    failure labels (logs written before them) are diagnosed with the scenario's rules.
     """
+    records = annotated(records, scenario)
     by_combo: dict[tuple[int, int, int], list[int]] = defaultdict(lambda: [0, 0])
     by_behavior: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     by_category: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -165,6 +201,7 @@ def analyze_dialogues(records: Sequence[Mapping[str, Any]], scenario: Scenario, 
                      "by_outcome": {o: sum(c[o] for c in failures.values()) for o in OUTCOMES
                                     if o not in ("completed", "error")},
                      "by_stage": stage_rows},
+        "diagnosis": failure_labels(records, scenario),
         "recommended_weights": _recommended_weights(controller_outcomes, scenario, controller),
     }
 

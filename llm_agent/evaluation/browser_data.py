@@ -28,7 +28,22 @@ def _turn(turn: Mapping[str, Any]) -> dict[str, Any]:
     return {"at": turn.get("agent_text"), "ar": turn.get("agent_reply"), "as": turn.get("agent_stage"),
             "ast": turn.get("agent_status"), "ae": _state_list(turn.get("agent_state")),
             "ok": turn.get("agent_format_ok", True), "ur": turn.get("user_reply"), "us": turn.get("user_status"),
-            "ue": _state_list(turn.get("user_state")), "src": turn.get("user_source"), "err": turn.get("user_error")}
+            "ue": _state_list(turn.get("user_state")), "src": turn.get("user_source"), "err": turn.get("user_error"),
+            "dx": _diagnosis(turn.get("diagnosis"))}
+
+
+def _diagnosis(entries: Any) -> list[list[str]]:
+    """[[label, note], ...] of a turn's failure labels (`llm_agent.diagnosis`); [] for none or a malformed entry."""
+    if not isinstance(entries, Sequence) or isinstance(entries, str):
+        return []
+    return [[str(e.get("label", "")), str(e.get("note", ""))] for e in entries if isinstance(e, Mapping)]
+
+
+def _labels(labels: Any) -> dict[str, int]:
+    """A record's {failure label: turns carrying it}; {} for none or a malformed value."""
+    if not isinstance(labels, Mapping):
+        return {}
+    return {str(k): int(v) for k, v in labels.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def _number(value: Any) -> float | None:
@@ -59,6 +74,7 @@ def browser_payload(records: Sequence[Mapping[str, Any]], scenario: Scenario | N
             "r": _number(record.get("reward")),
             "rc": {k: _number(v) for k, v in components.items()} if isinstance(components, Mapping) else None,
             "ch": record.get("cache_hits"), "fe": record.get("format_errors"), "e": record.get("error"),
+            "lb": _labels(record.get("labels")),
             "t": [_turn(t) for t in record.get("turns") or [] if isinstance(t, Mapping)],
         })
     return {"dims": list(STATE_DIMS), "outcomes": list(OUTCOMES),

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from llm_agent.cache import UserResponseCache
 from llm_agent.controller import StateController
+from llm_agent.diagnosis import annotate_record, diagnosis_metrics
 from llm_agent.metrics import dialogue_metrics, records_from_batch
 from llm_agent.rollout.async_loop import run_dialogues_async
 from llm_agent.rollout.config import ROOT_KEY, ConfigError, GenerationConfig
@@ -174,6 +175,8 @@ class LLMGenerationManager(RolloutLoop):
                 pacing: dict[str, float]) -> DataProto:
         dialogues = [env.dialogue for env in envs]
         records = [d.record() for d in dialogues]
+        for record in records:  # per-turn signals and failure labels (llm_agent/diagnosis)
+            annotate_record(record, self.scenario, record["dialogue_id"])
         # an error row (no loss) is its own GRPO group, so it does not shift its siblings' baseline
         uids = [f"{d.uid}/error/{d.dialogue_id}" if d.outcome == Outcome.ERROR else d.uid for d in dialogues]
         columns = {"uid": object_column(uids)}
@@ -193,10 +196,11 @@ class LLMGenerationManager(RolloutLoop):
     def on_train_step_end(self, batch: DataProto, step: int) -> dict[str, float]:
         """After a training step: update the controller from every non-error dialogue sampled in the step (also
         those dynamic sampling left out of `batch`, so its completion rates are not biased toward mixed groups),
-        append the rollout log, and return dialogue (`dialogue/`, over the trained `batch`), cache (`cache/`),
-        controller (`controller/`) and client (`user_sim/`) metrics."""
+        append the rollout log, and return dialogue (`dialogue/`, over the trained `batch`), failure-label counts
+        (`diagnosis/labels/*`), cache (`cache/`), controller (`controller/`) and client (`user_sim/`) metrics."""
         records = records_from_batch(batch, RECORD_COLUMNS)
         metrics = prefixed(dialogue_metrics(records, self.scenario), "dialogue/")
+        metrics.update(diagnosis_metrics(records, self.scenario))
         completions = self.step_outcomes.take_completions(records)
         metrics.update(self.step_outcomes.check_error_rate(step))
         if self.controller is not None:
@@ -209,8 +213,8 @@ class LLMGenerationManager(RolloutLoop):
         return metrics
 
     def on_validation_end(self, batches: Sequence[DataProto], step: int) -> dict[str, float]:
-        """After validation: metrics over all validation dialogues (`dialogue/`) and the validation client's
-        (`user_sim/`; the trainer adds `val/`), one `{"step", "n_dialogues", "metrics"}` line appended to
+        """After validation: metrics over all validation dialogues (`dialogue/`, `diagnosis/labels/*`) and the
+        validation client's (`user_sim/`; the trainer adds `val/`), one `{"step", "n_dialogues", "metrics"}` line appended to
         `val_metrics_path`, rollout-log lines (split val)."""
         records = [r for batch in batches for r in records_from_batch(batch, RECORD_COLUMNS)]
         raw = dialogue_metrics(records, self.scenario)
@@ -220,7 +224,7 @@ class LLMGenerationManager(RolloutLoop):
             append_jsonl(self.config.val_metrics_path, [line])
         if self.config.rollout_log_path:
             append_jsonl(self.config.rollout_log_path, log_lines(records, step, "val"))
-        return {**prefixed(raw, "dialogue/"), **client_stats}
+        return {**prefixed(raw, "dialogue/"), **diagnosis_metrics(records, self.scenario), **client_stats}
 
     def _client_stats(self) -> dict[str, float]:
         """The simulator client's counters since the last call (`user_sim/`), then reset."""

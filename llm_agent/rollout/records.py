@@ -2,8 +2,8 @@
 
 The column names are the per-dialogue record of docs/rollout_loop.md (`uid`, `dialogue_id`, `profile`,
 `state_key`, `outcome`, `num_turns`, `turns`, `messages`, `cache_hits`, `format_errors`, `sim_retries`,
-`error`); a rollout-log line is one JSON object per dialogue with those fields plus `step`, `split`, `reward`,
-`reward_components`.
+`error`, `labels`); a rollout-log line is one JSON object per dialogue with those fields plus `step`, `split`,
+`reward`, `reward_components` and `turn_rewards`.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["LOG_KEYS", "RECORD_COLUMNS", "append_jsonl", "log_lines", "object_column", "prefixed"]
 
 RECORD_COLUMNS: tuple[str, ...] = ("uid", "dialogue_id", "profile", "state_key", "outcome", "num_turns", "turns",
-                                   "messages", "cache_hits", "format_errors", "sim_retries", "error")
+                                   "messages", "cache_hits", "format_errors", "sim_retries", "error", "labels")
 LOG_KEYS: tuple[str, ...] = ("uid", "dialogue_id", "profile", "state_key", "outcome", "num_turns", "turns",
-                             "messages", "reward", "reward_components", "cache_hits", "format_errors", "sim_retries",
-                             "error")
+                             "messages", "reward", "reward_components", "turn_rewards", "cache_hits", "format_errors",
+                             "sim_retries", "error", "labels")
 
 
 def object_column(values: Sequence[Any]) -> np.ndarray:

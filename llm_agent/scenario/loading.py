@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import yaml
 
+from llm_agent.scenario.diagnosis_spec import read_diagnosis
 from llm_agent.scenario.tags import (CueList, TemplateError, bulleted_placeholders, is_identifier,
                                       placeholders, substitute)
 from llm_agent.scenario.types import (CUE_KEYS, EVENTS, LINE_KEYS, OPTIONAL_LINE_KEYS, STATE_DIMS, Behavior, CategoryScript,
@@ -159,7 +160,7 @@ def read_scenario_fields(path: str | os.PathLike) -> dict[str, Any]:
         raise ScenarioError(file, "", f"cannot read scenario: {exc}") from None
     r = _Reader(file)
     top = r.mapping(raw, "", ("name", "description", "state", "stages", "facts", "agent", "user", "scripted"),
-                    ("vars", "behavior_library", "behaviors"))
+                    ("vars", "behavior_library", "behaviors", "diagnosis"))
     r.vars = _vars(r, top.get("vars", {}))
     name = r.raw_str(top["name"], "name")
     if not _SNAKE.fullmatch(name):
@@ -168,6 +169,7 @@ def read_scenario_fields(path: str | os.PathLike) -> dict[str, Any]:
     stages = _stages(r, top["stages"])
     scripted = _scripted(r, top["scripted"], ranges, [s.id for s in stages])
     description = r.text(top["description"], "description")
+    diagnosis = read_diagnosis(r, top["diagnosis"], scripted, ranges) if "diagnosis" in top else ()
     return {
         "name": name,
         "description": description,
@@ -178,6 +180,7 @@ def read_scenario_fields(path: str | os.PathLike) -> dict[str, Any]:
         "facts": r.texts(top["facts"], "facts"),
         "behaviors": _behaviors(r, top, Path(path).parent, scripted.categories),
         "scripted": scripted,
+        "diagnosis": diagnosis,
         **_agent(r, top["agent"], description),
         **_user(r, top["user"]),
     }

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llm_agent.scenario.diagnosis_spec import DiagnosisRule
 from llm_agent.scenario.loading import load_behavior_library, read_scenario_fields
 from llm_agent.scenario.tags import (CueList, TagScan, bullets, format_tags, parse_int, strip_tags,
                                       substitute)
@@ -54,7 +55,8 @@ def sample_behaviors(library: Sequence[Behavior], rng: random.Random, min_count:
 
 @dataclass(frozen=True, eq=False)
 class Scenario:
-    """A validated scenario: prompts, stages, facts, tag protocols, behaviours and scripted-simulator data."""
+    """A validated scenario: prompts, stages, facts, tag protocols, behaviours, scripted-simulator data and the
+    failure-diagnosis rules (empty when the file has no `diagnosis` section)."""
 
     name: str
     description: str
@@ -75,6 +77,7 @@ class Scenario:
     user_tags: TagProtocol
     no_behaviors: str
     silent_agent: str
+    diagnosis: tuple[DiagnosisRule, ...] = ()
 
     @property
     def stage_ids(self) -> tuple[int, ...]:

@@ -75,26 +75,26 @@ def object_column(values: list[Any]) -> np.ndarray:
     return arr
 
 
-def random_mask_row(rng: random.Random, length: int, error: bool) -> tuple[list[int], int]:
-    """A response_mask row with agent spans, masked user blocks in between and after, then padding.
+def random_mask_row(rng: random.Random, length: int, turns: int) -> tuple[list[int], int]:
+    """A response_mask row with `turns` agent spans (1-3 tokens), a masked user block (1-3 tokens) after each,
+    then padding; `turns` 0 is an error row (all zero).
 
-    Returns (mask, index of the last 1) — the last index is -1 for error rows (all zero).
+    Returns (mask, index of the last 1) — the last index is -1 for error rows.
     """
-    if error:
-        return [0] * length, -1
     mask: list[int] = []
-    while len(mask) < length // 2:
-        mask += [1] * rng.randint(1, 5) + [0] * rng.randint(1, 6)
-    last = max(i for i, m in enumerate(mask) if m == 1)
-    mask += [0] * (length - len(mask))
-    return mask[:length], last
+    for _ in range(turns):
+        mask += [1] * rng.randint(1, 3) + [0] * rng.randint(1, 3)
+    if len(mask) > length:
+        raise ValueError(f"{turns} turns do not fit a response of {length} tokens")
+    last = max((i for i, m in enumerate(mask) if m == 1), default=-1)
+    return mask + [0] * (length - len(mask)), last
 
 
-def batch_of(records: list[dict[str, Any]], seed: int, length: int = 40) -> tuple[DataProto, list[int]]:
-    """A DataProto holding `records` as non-tensor columns with hand-built response masks; returns it and the
-    expected position of each row's reward."""
+def batch_of(records: list[dict[str, Any]], seed: int, length: int = 48) -> tuple[DataProto, list[int]]:
+    """A DataProto holding `records` as non-tensor columns with hand-built response masks, one agent span per
+    turn of each non-error record; returns it and the expected position of each row's reward."""
     rng = random.Random(seed)
-    rows = [random_mask_row(rng, length, r["outcome"] == "error") for r in records]
+    rows = [random_mask_row(rng, length, 0 if r["outcome"] == "error" else r["num_turns"]) for r in records]
     mask = torch.tensor([m for m, _ in rows], dtype=torch.long)
     responses = torch.where(mask.bool(), torch.randint(3, 1000, mask.shape), torch.zeros_like(mask))
     non_tensors = {key: object_column([r[key] for r in records]) for key in records[0]}

@@ -85,7 +85,7 @@ def test_components_placement_and_metrics_match_reference(scenario, seed):
 
 def test_hand_built_mask_with_user_blocks_and_padding(scenario):
     records = random_records(11, 2, scenario)
-    records[0].update(outcome="completed")
+    records[0].update(outcome="completed", turns=records[0]["turns"][:2], num_turns=2)  # the mask's two agent spans
     records[1].update(outcome="error")
     data, _ = batch_of(records, seed=0, length=12)
     data.batch["response_mask"] = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0], [0] * 12])

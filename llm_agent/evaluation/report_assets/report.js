@@ -5,10 +5,10 @@
    HTML. A dialogue has the keys:
      i index, id dialogue_id, step, split, o outcome, s initial [cooperation, emotion, trust], b behaviour
      indices into data.behaviors, n turns, r reward, rc reward components, ch cache hits, fe format errors,
-     e error, t turns.
+     e error, lb failure labels {label: turns carrying it}, t turns.
    A turn: at agent text (raw), ar agent reply, as agent stage, ast agent status, ae agent's state estimate,
      ok agent format ok, ur user reply, us user status, ue user state, src user source (simulator | cache |
-     format_error), err user-side error. */
+     format_error), err user-side error, dx failure labels of the turn [[label, note], ...]. */
 (function () {
   "use strict";
   const data = JSON.parse(document.getElementById("dialogue-data").textContent);
@@ -107,6 +107,7 @@
   function searchText(d) {
     const parts = [d.id, d.o, d.split, d.e || ""];
     for (const k of d.b) parts.push(data.behaviors[k].category, data.behaviors[k].behavior);
+    parts.push(Object.keys(d.lb || {}).join(" "));
     for (const t of d.t) parts.push(t.at || "", t.ar || "", t.ur || "", t.err || "");
     return parts.join("\n").toLowerCase();
   }
@@ -171,11 +172,12 @@
   }
 
   function turnView(t, k) {
-    const agent = el("div", {class: "side agent" + (t.ok === false ? " bad" : "")},
+    const agent = el("div", {class: "side agent" + (t.ok === false ? " bad" : "") + (t.dx && t.dx.length ? " labelled" : "")},
       el("div", {class: "who", text: "Agent" + (t.ok === false ? " · format error" : "")}),
       el("div", {class: "utter", text: t.ar !== null && t.ar !== undefined ? t.ar : "(no reply parsed)"}),
       keyValues([["stage", stageText(t.as)], ["status", STATUS[String(t.ast)] || fmt(t.ast)],
-                 ["estimate", stateText(t.ae)]]),
+                 ["estimate", stateText(t.ae)]]
+        .concat(t.dx && t.dx.length ? [["diagnosis", t.dx.map(([l, n]) => n ? l + " (" + n + ")" : l).join("; ")]] : [])),
       el("details", {}, el("summary", {text: "raw output"}), el("pre", {text: t.at || ""})));
     const source = t.src === "cache" ? "User · cache hit" : t.src === "format_error" ? "Format note" : "User";
     const user = el("div", {class: "side user" + (t.src === "cache" ? " cached" : "") + (t.err ? " bad" : "")},
@@ -199,7 +201,9 @@
       el("div", {class: "meta"},
         keyValues([["step", fmt(d.step)], ["split", d.split], ["initial state", stateText(d.s)],
                    ["turns", fmt(d.n)], ["cache hits", fmt(d.ch)], ["format errors", fmt(d.fe)]]
-          .concat(d.e ? [["error", d.e]] : [])),
+          .concat(d.e ? [["error", d.e]] : [])
+          .concat(d.lb && Object.keys(d.lb).length
+            ? [["failure labels", Object.entries(d.lb).map(([l, n]) => l + " ×" + n).join(", ")]] : [])),
         keyValues([["reward", fmt(d.r, 3)]].concat(components))),
       el("ul", {class: "behaviors"}, ...d.b.map((k) => el("li", {},
         el("b", {text: data.behaviors[k].category + ": "}), data.behaviors[k].behavior))),
