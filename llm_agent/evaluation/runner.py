@@ -6,10 +6,11 @@ of `chunk_size` through `llm_agent.generation.LLMGenerationManager` in validatio
 fixed profiles, no cache, no controller, simulator seeds from the profile) with greedy decoding, so scenario
 parsing, outcomes and metrics are the training ones. Each finished chunk is scored by the dialogue reward
 (`llm_agent.reward.compute_reward`, default weights) and appended to `<out>/<name>_dialogues.jsonl` in the
-rollout log's line format (split `eval`). A rerun reads that file, cuts a torn last line, checks that the
-recorded settings and profiles match, and runs only the dialogue ids that are missing (with `retry_errors`,
-also those whose last run ended in `error`). At the end `<out>/<name>_results.json` gets every metric of
-`llm_agent.metrics.dialogue_metrics` with its bootstrap confidence interval (`llm_agent.evaluation.stats`).
+rollout log's line format (split `eval`, step: the agent's training step). A rerun reads that file, cuts a torn
+last line, checks that the recorded settings, profiles and step match, and runs only the dialogue ids that are
+missing (with `retry_errors`, also those whose last run ended in `error`). At the end `<out>/<name>_results.json`
+gets every metric of `llm_agent.metrics` with its bootstrap interval (`llm_agent.evaluation.stats`), and for a
+checkpoint agent the checkpoint, its `global_step` and where each setting came from.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from typing import Any
 from tqdm import tqdm
 
 from llm_agent.evaluation.dialogue_log import drop_torn_tail, latest_per_dialogue, read_dialogue_log
-from llm_agent.evaluation.stats import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, metric_intervals
+from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
+from llm_agent.evaluation.stats import metric_intervals
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.metrics import records_from_batch
 from llm_agent.reward import compute_reward
@@ -117,14 +119,17 @@ def _check_settings(out_dir: Path, name: str, settings: EvalSettings) -> None:
         if changed:
             raise ValueError(f"{path}: the dialogues of {name!r} were run with other settings ({', '.join(changed)}: "
                              f"{ {k: saved.get(k) for k in changed} } then, { {k: current.get(k) for k in changed} } "
-                             "now); use another --name or --out to evaluate with new settings")
+                             "now); name the agent differently (--agent NEWNAME=SPEC) or use another --out to evaluate "
+                             "with new settings")
     else:
         out_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(current, indent=2) + "\n")
 
 
-def _done_records(path: Path, profiles: Mapping[str, str], retry_errors: bool) -> dict[str, dict[str, Any]]:
-    """The finished dialogues of a previous run that belong to this test selection, checked against its profiles."""
+def _done_records(path: Path, profiles: Mapping[str, str], retry_errors: bool, step: int
+                  ) -> dict[str, dict[str, Any]]:
+    """The finished dialogues of a previous run that belong to this test selection, checked against its profiles
+    and the agent's step (a checkpoint root trained on since then is another agent)."""
     if not path.is_file():
         return {}
     log = read_dialogue_log(path)
@@ -136,6 +141,10 @@ def _done_records(path: Path, profiles: Mapping[str, str], retry_errors: bool) -
         if json.dumps(record.get("profile"), sort_keys=True) != profiles[dialogue_id]:
             raise ValueError(f"{path}: dialogue {dialogue_id} has profile {record.get('profile')} but the test set "
                              f"has {profiles[dialogue_id]}; the file belongs to another test set")
+        if record.get("step") != step:
+            raise ValueError(f"{path}: dialogue {dialogue_id} was run with the agent at step {record.get('step')}, "
+                             f"but it is now at step {step} (trained on since?); name the agent differently "
+                             "(--agent NEWNAME=SPEC) or use another --out")
         if retry_errors and record.get("outcome") == "error":
             continue
         done[dialogue_id] = record
@@ -152,11 +161,14 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
                    user_sim_urls: list[str] | None = None, client: Any = None, chunk_size: int = 64,
                    retry_errors: bool = False, n_resamples: int = DEFAULT_RESAMPLES,
                    confidence: float = DEFAULT_CONFIDENCE, agent_description: str | None = None,
-                   step: int = 0) -> EvalSummary:
+                   step: int = 0, checkpoint: str | None = None,
+                   settings_origin: Mapping[str, str] | None = None) -> EvalSummary:
     """Run the missing test dialogues of agent `name` and write its dialogues and results (module docstring).
 
     `agent` has the worker-group interface; `client` (optional) replaces the simulator client built from
-    `user_sim_urls`. Returns what was run and the results written.
+    `user_sim_urls`. `step` is the agent's training step (its dialogues' `step`); `checkpoint` the `global_step_N`
+    directory of a checkpoint agent (results then record it and `global_step`); `settings_origin` says where
+    each setting came from. Returns what was run and the results written.
     """
     out_dir = Path(out_dir)
     if chunk_size < 1:
@@ -171,7 +183,7 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
     profiles = {dialogue_id_of(i): json.dumps(json.loads(dataset.rows[i]["user_profile"]), sort_keys=True)
                 for i in rows}
     log_path = dialogues_path(out_dir, name)
-    done = _done_records(log_path, profiles, retry_errors)
+    done = _done_records(log_path, profiles, retry_errors, step)
     todo = [i for i in rows if dialogue_id_of(i) not in done]
     logger.info("%s: %d test dialogues, %d already in %s, %d to run", name, len(rows), len(done), log_path, len(todo))
     if todo:
@@ -199,9 +211,11 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
     results = {"name": name, "agent": agent_description or name, "split": SPLIT, "step": step,
                "scenario": settings.scenario, "test_file": settings.test_file, "n_dialogues": len(selected),
                "dialogues_file": log_path.name, "outcomes": dict(Counter(r["outcome"] for r in selected)),
+               "checkpoint": checkpoint, "global_step": step if checkpoint is not None else None,
                "confidence": confidence, "n_resamples": n_resamples, "ci_method": "percentile bootstrap over dialogues",
                "metrics": {key: interval.to_dict() for key, interval in intervals.items()},
-               "settings": {**settings.fingerprint(), "max_dialogues": settings.max_dialogues}}
+               "settings": {**settings.fingerprint(), "max_dialogues": settings.max_dialogues},
+               "settings_origin": dict(settings_origin or {})}
     _write_json(results_path(out_dir, name), results)
     return EvalSummary(name=name, dialogues_file=log_path, results_file=results_path(out_dir, name),
                        n_selected=len(rows), n_run=len(todo), n_resumed=len(rows) - len(todo), results=results)
