@@ -106,7 +106,7 @@ def _run(tmp_path: Path, log: Path, **env: str) -> subprocess.CompletedProcess:
 def test_gpu_preset_rehearsal_trains_checkpoints_and_resumes(tmp_path, warm_model_path):
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import COMPACT_SYSTEM_PROMPT
+    from tests.helpers.repo import COMPACT_SYSTEM_PROMPT
 
     prompt = tmp_path / "agent_prompt.txt"
     prompt.write_text(COMPACT_SYSTEM_PROMPT)

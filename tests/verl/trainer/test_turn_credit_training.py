@@ -12,21 +12,19 @@ import pytest
 import torch
 
 from verl.protocol import DataProto
+from verl.trainer.ppo.plugins import SingleTurnRollout
 from verl.utils.agent_turns import agent_turn_ids_from_mask
 
 LABEL_WEIGHTS = {"false_claim": 2.0, "truncated": 0.5}
 
 
-class SplitTurnsLoop:
+class SplitTurnsLoop(SingleTurnRollout):
     """Rollout-loop plug-in for the test: single-turn generation, then a response of 3+ tokens treats its second
     token as a user turn (``response_mask`` 0 there), so it has two agent turns."""
 
-    def __init__(self, tokenizer, actor_rollout_wg, config, is_validation):
-        self.wg = actor_rollout_wg
-
     def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
         """Generate; cut the longer responses into agent turn, user token, agent turn."""
-        out = self.wg.generate_sequences(DataProto(batch=gen_batch.batch, meta_info=gen_batch.meta_info))
+        out = super().run_llm_loop(gen_batch)
         mask = out.batch["response_mask"].clone()
         mask[mask.sum(dim=-1) >= 3, 1] = 0
         out.batch["response_mask"] = mask
