@@ -12,7 +12,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from llm_agent.evaluation.analysis import cr_by_dimension
+from llm_agent.evaluation.analysis import before_after_groups, cr_by_dimension
 from llm_agent.evaluation.plot_style import (draw_curve, grid_figure, legend_if_useful, no_data, run_color,
                                              style_axes)
 from llm_agent.evaluation.series import cache_stage_series, cache_targets, controller_matrix
@@ -99,36 +99,14 @@ def controller_figure(runs: Sequence[Any], dim: str, notes: list[str]) -> Figure
     return fig
 
 
-def _step_groups(dialogues: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[Mapping[str, Any]]]]:
-    """(label, dialogues) to compare by initial state: the first and the last validation (before and after
-    training) side by side; without validations an evaluation's last step, else the last training step. Steps
-    are never pooled: each validation meets the same users with a different policy."""
-    by_split: dict[str, dict[Any, list[Mapping[str, Any]]]] = {}
-    for d in dialogues:
-        by_split.setdefault(str(d.get("split") or "all"), {}).setdefault(d.get("step"), []).append(d)
-
-    def ordered(split: str) -> list[Any]:
-        return sorted(by_split[split], key=lambda s: (not isinstance(s, int), s if isinstance(s, int) else 0))
-
-    if "val" in by_split:
-        steps = ordered("val")
-        if len(steps) == 1:
-            return [(f"val, step {steps[0]}", by_split["val"][steps[0]])]
-        return [(f"before: val, step {steps[0]}", by_split["val"][steps[0]]),
-                (f"after: val, step {steps[-1]}", by_split["val"][steps[-1]])]
-    split = "eval" if "eval" in by_split else "train" if "train" in by_split else sorted(by_split)[0]
-    last = ordered(split)[-1]
-    return [(f"{split}, step {last}" if last is not None else split, by_split[split][last])]
-
-
 def cr_by_state_figure(runs: Sequence[Any], notes: list[str]) -> Figure | None:
     """CR per initial value of each state dimension with Wilson 95% intervals: per run, the first and the last
-    validation side by side (before vs after training), labelled with their steps (`_step_groups`)."""
+    validation side by side (before vs after training), labelled with their steps (`before_after_groups`)."""
     groups: list[tuple[str, dict[str, list[dict[str, float]]]]] = []
     for run in runs:
         if not run.dialogues:
             continue
-        for label, records in _step_groups(run.dialogues):
+        for label, records in before_after_groups(run.dialogues):
             groups.append((f"{run.name}: {label}" if len(runs) > 1 else label, cr_by_dimension(records)))
     if not groups:
         notes.append("cr_by_initial_state skipped (no dialogues: rollouts.jsonl not found)")
