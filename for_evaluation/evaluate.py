@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     from llm_agent.scenario import load_scenario
     from llm_agent.user_sim.client import parse_urls
 
+    engine = pick_engine(args.engine)  # an engine that is not installed is refused before anything starts
     specs = [AgentSpec.parse(a) for a in args.agent]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     if from_checkpoint:
         print("settings from the checkpoint's training config: "
               + ", ".join(f"{name}={values[name]}" for name in from_checkpoint))
-    local = LocalEngineOptions(engine=pick_engine(args.engine), micro_batch_size=args.micro_batch_size,
+    local = LocalEngineOptions(engine=engine, micro_batch_size=args.micro_batch_size,
                                max_model_len=settings.max_prompt_length + settings.max_response_length,
                                gpu_memory_utilization=args.gpu_memory_utilization)
     sims = None

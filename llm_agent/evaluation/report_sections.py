@@ -12,17 +12,21 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from llm_agent.evaluation.defaults import MIN_SMOOTH_POINTS
 from llm_agent.metrics import METRIC_KEYS, NOT_AVAILABLE
 
 __all__ = ["analysis_html", "metrics_html", "plots_html"]
 
 PLOT_CAPTIONS = {
-    "training_curves": "Training curves per step (smoothed line over faint raw points).",
+    "training_curves": f"Training curves per step: raw values, and a labelled EMA over series of {MIN_SMOOTH_POINTS} "
+                       "points or more; a gap where a metric is undefined.",
     "training_outcome_mix": "How training dialogues ended, as shares of all dialogues per step.",
     "training_time_split": "Rollout seconds per step spent generating vs waiting for the user simulator.",
     "validation_curves": "Validation metrics on the fixed validation users at each validation step.",
-    "cr_by_initial_state": "Completion rate by the simulated user's initial state, with 95% Wilson intervals.",
-    "cache_hit_rate_by_stage": "User-response cache hit rate (hits / eligible lookups) per SOP stage.",
+    "cr_by_initial_state": "Completion rate by the simulated user's initial state, before and after training (first "
+                           "and last validation), with 95% Wilson intervals.",
+    "cache_hit_rate_by_stage": "User-response cache hit rate (hits / eligible lookups) per SOP stage; dashed: the "
+                               "configured target.",
 }
 
 

@@ -212,7 +212,8 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
                "scenario": settings.scenario, "test_file": settings.test_file, "n_dialogues": len(selected),
                "dialogues_file": log_path.name, "outcomes": dict(Counter(r["outcome"] for r in selected)),
                "checkpoint": checkpoint, "global_step": step if checkpoint is not None else None,
-               "confidence": confidence, "n_resamples": n_resamples, "ci_method": "percentile bootstrap over dialogues",
+               "confidence": confidence, "n_resamples": n_resamples,
+               "interval_method": "percentile bootstrap over dialogues",
                "metrics": {key: interval.to_dict() for key, interval in intervals.items()},
                "settings": {**settings.fingerprint(), "max_dialogues": settings.max_dialogues},
                "settings_origin": dict(settings_origin or {})}
