@@ -152,3 +152,14 @@ def test_headline_points_from_dialogues_val_metrics_or_nothing():
     assert cr_points(None, rows) == [CRPoint("before: val, step 0", 0.0), CRPoint("after: val, step 4", 0.25)]
     assert "no interval" in headline_html(cr_points(None, rows))
     assert cr_points(None, []) == [] and headline_html([]) == ""
+
+
+def test_an_undefined_metric_is_na_in_the_metrics_table():
+    from llm_agent.evaluation.report_sections import metrics_html
+
+    page = metrics_html([("eval (step 2)", {"att": {"value": None, "low": None, "high": None},
+                                            "adt": {"value": 2.5, "low": 2.0, "high": 3.0}}),
+                         ("train (steps 1-2)", {"adt": 2.5})], "note")
+    att_row = page.split("<code>att</code>", 1)[1].split("</tr>", 1)[0]
+    assert att_row.count("n/a") == 2 and "None" not in page  # an interval of nothing, and a value left out
+    assert "2.500 <span" in page.split("<code>adt</code>", 1)[1]
