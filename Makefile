@@ -34,12 +34,15 @@ demo: $(STAMP)
 VLLM_TEST_PY = $(if $(wildcard $(VLLM_VENV)/.installed),$(VLLM_VENV),$(VENV))
 VLLM_TEST_MARK = $(if $(wildcard $(VLLM_VENV)/.installed),(vllm or oldest) and not gpu,vllm and not gpu)
 
+# Both passes run on two pytest-xdist workers; tests/conftest.py groups each module, and all `vllm` tests, onto one.
+XDIST = -n 2 --dist loadgroup
+
 test: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not vllm" -q
-	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "$(VLLM_TEST_MARK)" -q -rs
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not vllm" -q $(XDIST)
+	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "$(VLLM_TEST_MARK)" -q -rs $(XDIST)
 
 test-fast: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not processes and not vllm" -q
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not processes and not vllm" -q $(XDIST)
 
 $(VLLM_VENV)/.installed: setup.py requirements.txt requirements_vllm.txt constraints.txt constraints_lowest.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -26,7 +26,7 @@ setup(
     install_requires=read_requirements("requirements.txt"),
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "openai>=1.40", "mlflow-skinny>=3.0", "selenium>=4.20",
-                 "hypothesis>=6.100,<7"],
+                 "hypothesis>=6.100,<7", "pytest-xdist>=3.6"],
         "tracking": ["mlflow-skinny>=3.0"],
         "gpu": ["flash-attn>=2.6"],
         "vllm": ["vllm>=0.8"],

@@ -39,7 +39,7 @@ from typing import Any
 
 from bench.learning_check import controller_check, controller_table, valid_values
 from bench.learning_stats import paired_comparison
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.user_sim.processes import ServerSpec, SimulatorGroup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("bench.learning")
 
 SCENARIO = DEFAULT_SCENARIO_PATH
-# The compact agent prompt the tiny model is warm-started and trained with (the scenario's own is ~1300 tokens);
-# scripts/main.sh's CPU demo uses the same file.
-COMPACT_SYSTEM_PROMPT = (REPO / "assets/compact_agent_prompt.txt").read_text(encoding="utf-8").strip()
+# The compact agent prompt the tiny model is warm-started and trained with, the scenario's `agent.compact_prompt`
+# (its full one is ~1300 tokens); scripts/main.sh's CPU demo uses the same.
+COMPACT_SYSTEM_PROMPT = load_scenario(SCENARIO).agent_compact_prompt
 
 
 @dataclass

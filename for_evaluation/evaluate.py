@@ -1,6 +1,7 @@
 """Evaluate agents on the fixed test set against user simulators; resumable.
 
-    python for_evaluation/evaluate.py --agent rl=outputs/checkpoints/cpu_demo --out outputs/evaluation/cpu_demo
+    python for_evaluation/evaluate.py --agent rl=outputs/checkpoints/cpu_demo_outbound_ad_trial \\
+        --out outputs/evaluation/cpu_demo_outbound_ad_trial
     python for_evaluation/evaluate.py --agent sft=models/sft --agent rl=ckpts/global_step_200 \\
         --agent gpt=https://api.example.com --tokenizer models/sft --agent-model gpt-4o-mini \\
         --test-file data/test.parquet --user-sim-urls http://127.0.0.1:5000,http://127.0.0.1:5001

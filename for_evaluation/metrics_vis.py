@@ -2,7 +2,7 @@
 
     python for_evaluation/metrics_vis.py                          # the latest run under outputs/ (after make demo)
     python for_evaluation/metrics_vis.py --run outputs/logs/a --run outputs/logs/b --out outputs/plots/a_vs_b
-    python for_evaluation/metrics_vis.py --run outputs/logs/cpu_demo --smooth 0   # raw curves only
+    python for_evaluation/metrics_vis.py --run outputs/logs/cpu_demo_outbound_ad_trial --smooth 0   # raw curves only
 
 A run is a main.sh output root (its latest experiment), a log directory `outputs/logs/<experiment>`, its
 `metrics.jsonl`, a rollout log or an evaluation's `<name>_dialogues.jsonl`. Several --run are drawn on the same

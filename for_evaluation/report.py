@@ -1,8 +1,8 @@
 """Write the HTML report of a run or an evaluation: plots, metrics, mistakes analysis and a dialogue browser.
 
     python for_evaluation/report.py                                    # the latest run under outputs/
-    python for_evaluation/report.py outputs/logs/cpu_demo --out /tmp/cpu_demo.html
-    python for_evaluation/report.py outputs/evaluation/cpu_demo/rl_dialogues.jsonl
+    python for_evaluation/report.py outputs/logs/cpu_demo_outbound_ad_trial --out /tmp/cpu_demo_outbound_ad_trial.html
+    python for_evaluation/report.py outputs/evaluation/cpu_demo_outbound_ad_trial/rl_dialogues.jsonl
 
 The report is one self-contained file (nothing is loaded from the network; open it from disk). It prints its
 path. Default location: `<root>/reports/<experiment>.html` for a run, `<dir>/<name>_report.html` beside an

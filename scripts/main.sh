@@ -7,11 +7,15 @@
 # SEAD paper's settings: 60 prompts x 8 dialogues, lr 1e-6 with warm-up, KL loss, 15 turns, ...) and no MODEL_PATH
 # selects `cpu` (the embedded demo). `rehearsal` is the GPU preset on CPU with only the device and the sizes
 # changed (run it from the vLLM environment: PATH=$PWD/.venv-vllm/bin:$PATH PRESET=rehearsal bash scripts/main.sh). PRINT_CONFIG_ONLY=1 (or --dry-run as the first argument) prints the preset
-# and the trainer command, then exits without building, starting or training anything.
+# and the trainer command, then exits without building, starting or training anything; --plan (the first argument)
+# prints the preset, then `python -m verl.trainer.plan`'s memory and time plan of that trainer command (the model's
+# config.json must exist; vLLM need not be installed).
 #
-# With no settings this is the CPU demo: it builds the tiny local model (outputs/tiny_model) and warm-starts it
-# with two minutes of supervised fine-tuning on 1,024 scripted calls (outputs/tiny_model_warm; WARM_START_STEPS=0
-# skips it), writes the prompt data (outputs/prompt_data), starts two scripted user simulators on loopback,
+# First the scenario is checked (utils/check_scenario.py: it loads, its behaviour categories have rules), and
+# running simulators named in USER_SIM_URLS must answer: errors come in seconds, before anything is built.
+# With no settings this is the CPU demo: it builds the tiny local model (outputs/models/<experiment>/tiny_model)
+# and warm-starts it with two minutes of supervised fine-tuning on 1,024 scripted calls (.../tiny_model_warm;
+# WARM_START_STEPS=0 skips it), writes the prompt data (outputs/prompt_data), starts two scripted user simulators on loopback,
 # trains a few steps on Ray with 2 FSDP workers on gloo, validates and checkpoints, stops the simulators it
 # started, writes the HTML report (outputs/reports/) and prints where everything went. About 5 minutes on 2 cores.
 #
@@ -23,15 +27,17 @@
 #
 # (scripts/2ins_main.sh: the same with two one-GPU simulator instances on ports 5000/5001 and 12 turns.) With
 # USER_SIM_URLS set, already running simulators are used and none is started. The experiment name (checkpoints,
-# logs, rollout log, cache) defaults to <model directory name>_<scenario name> on the GPU preset, and the
-# trainer refuses to resume a checkpoint of another model (trainer.resume_from_other_model=true forces it).
+# logs, rollout log, cache, the demo's models) defaults to <model directory name>_<scenario name> on the GPU
+# preset and cpu_demo_<scenario name> on the CPU one; the trainer refuses to resume a checkpoint of another model
+# (trainer.resume_from_other_model=true forces it) or one trained with another tokenizer or scenario file.
 # Environment besides the preset variables: PRESET, PRINT_CONFIG_ONLY, MODEL_PATH (the tiny model),
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
 # (1; 2 vLLM), SIM_MAX_MODEL_LEN (8192), SIM_GPU_MEMORY_UTILIZATION (0.9), SIM_EXTRA_ARGS (more vLLM flags),
 # SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free
-# port; 5000 vLLM), SCENARIO (python -m llm_agent.scenario prints the default), WARM_START_STEPS (250, tiny model
-# only), AGENT_PROMPT_FILE (the agent's system prompt written into the prompt data; default the scenario's, the
-# tiny model's compact one), OUTPUT_DIR (outputs), PYTHON.
+# port; 5000 vLLM), SCENARIO (a path or a shipped scenario's name; python -m llm_agent.scenario prints the
+# default; one per run: a trainer override naming another is refused), WARM_START_STEPS (250, tiny model only),
+# AGENT_PROMPT_FILE (the agent's system prompt written into the prompt data; default the scenario's, for the tiny
+# model its agent.compact_prompt), OUTPUT_DIR (outputs), PYTHON.
 # ITERATIONS=N (> 1) trains in iterations as the original SEAD did (train, analyse the mistakes, write the next
 # profiles, continue from the last checkpoint; rerun to resume): see scripts/iterations.sh for its variables.
 set -euo pipefail
@@ -40,23 +46,52 @@ source scripts/presets.sh
 source scripts/iterations.sh
 
 DRY_RUN=${PRINT_CONFIG_ONLY:-0}
+PLAN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
+if [[ "${1:-}" == "--plan" ]]; then DRY_RUN=1; PLAN=1; shift; fi
 PYTHON=${PYTHON:-python}
 OUTPUT_DIR=${OUTPUT_DIR:-outputs}
 MODEL_PATH=${MODEL_PATH:-}
 USER_SIM_MODEL=${USER_SIM_MODEL:-}
 USER_SIM_URLS=${USER_SIM_URLS:-}
-SCENARIO=${SCENARIO:-$("$PYTHON" -m llm_agent.scenario)}  # the default scenario (llm_agent/scenario/paths.py)
+# The scenario first, in about a second, before anything is built or started: it must load, and every behaviour
+# category of its library needs a rule in the controller's rule table (utils/check_scenario.py; a name such as
+# inbound_support stands for the shipped file). Only this file is read: other drafts in format_prompt/ do not matter.
+CHECK_ARGS=()
+for _arg in "$@"; do
+    case "$_arg" in
+        rollout_loop.config.controller.rules_path=*) CHECK_ARGS+=(--rules "${_arg#*=}") ;;
+        rollout_loop.config.controller.profile_source=*) CHECK_ARGS+=(--profile-source "${_arg#*=}") ;;
+    esac
+done
+CHECKED=$("$PYTHON" -m utils.check_scenario ${SCENARIO:+"$SCENARIO"} --for-scripts "${CHECK_ARGS[@]}") || exit 2
+{ read -r SCENARIO_SUMMARY; read -r SCENARIO; read -r SCENARIO_COMPACT_PROMPT; } <<< "$CHECKED"  # SCENARIO: resolved
+for _arg in "$@"; do  # one scenario per run: the prompt data, the simulators and the trainer all use $SCENARIO
+    case "$_arg" in
+        rollout_loop.config.scenario=*|reward.kwargs.scenario=*) _other=${_arg#*=} ;;
+        format_prompt=*) _other=verl/trainer/config/format_prompt/${_arg#*=}.yaml ;;
+        *) continue ;;
+    esac
+    if [[ "$(realpath -m "$_other")" != "$(realpath -m "$SCENARIO")" ]]; then
+        echo "$_arg disagrees with SCENARIO=$SCENARIO (the prompt data and the simulators use SCENARIO): set the" \
+             "scenario with SCENARIO=... only" >&2
+        exit 2
+    fi
+done
 if [[ -n "${PRESET:-}" ]]; then WHY="PRESET=$PRESET in the environment"; fi
 if [[ -n "$MODEL_PATH" ]]; then
     PRESET=${PRESET:-gpu}; WHY=${WHY:-"MODEL_PATH is set"}; TINY_DEMO=0; DEMO_ARGS=()
 else                                 # the demo's tiny model (built below), warm-started unless WARM_START_STEPS=0
     PRESET=${PRESET:-cpu}; WHY=${WHY:-"no MODEL_PATH: the tiny demo model"}; TINY_DEMO=1
-    DEMO_ARGS=(data.max_prompt_length=96)  # its compact agent prompt (assets/compact_agent_prompt.txt)
+    DEMO_ARGS=(data.max_prompt_length=96)  # its compact agent prompt (the scenario's agent.compact_prompt)
     WARM_START_STEPS=${WARM_START_STEPS:-250}
-    MODEL_PATH=$OUTPUT_DIR/$( (( WARM_START_STEPS > 0 )) && echo tiny_model_warm || echo tiny_model)
+    MODEL_PATH=$( (( WARM_START_STEPS > 0 )) && echo tiny_model_warm || echo tiny_model)  # its name, for the preset
 fi
 sead_apply_preset "$PRESET"
+# The demo's models are the experiment's own (its name includes the scenario), each rebuilt when what made it
+# changed (the tiny model's stamp: seed, shape, scenario texts; the warm start's: its arguments, the scenario's
+# content): another scenario's run never replaces or resumes them.
+if [[ "$TINY_DEMO" == 1 ]]; then MODEL_PATH=$OUTPUT_DIR/models/$EXPERIMENT/$MODEL_PATH; fi
 if [[ -n "$USER_SIM_MODEL" ]]; then  # GPU box: one vLLM instance on GPUs 6,7 (TP 2) unless told otherwise
     SIM_INSTANCES=${SIM_INSTANCES:-1}; SIM_TP=${SIM_TP:-2}; SIM_GPUS=${SIM_GPUS:-6,7}
 else                                 # CPU: two scripted instances
@@ -152,14 +187,33 @@ trainer_environment() {
 sead_print_preset "$PRESET" "$WHY"
 echo "model: $MODEL_PATH"
 echo "placement: trainer on GPUs ${POLICY_GPUS/none/(CPU workers)}; simulators ${SIM_GPUS:-on CPU (scripted)}"
+echo "$SCENARIO_SUMMARY: $SCENARIO"
+if [[ "$TINY_DEMO" == 1 ]]; then  # the tiny model's system prompt: the scenario's agent.compact_prompt
+    COMPACT_PROMPT=${SCENARIO_COMPACT_PROMPT}
+    if [[ -n "${AGENT_PROMPT_FILE:-}" ]]; then COMPACT_PROMPT=$(cat "$AGENT_PROMPT_FILE"); fi
+    echo "agent system prompt: $COMPACT_PROMPT"
+elif [[ ! -d "$MODEL_PATH" ]]; then
+    echo "warning: MODEL_PATH=$MODEL_PATH is not a directory on this machine: the trainer will fail to load it" \
+         "unless it is a model id your transformers can download" >&2
+fi
+if [[ "$DEVICE" == cuda && -z "$USER_SIM_MODEL" && -z "$USER_SIM_URLS" ]]; then
+    echo "warning: USER_SIM_MODEL is not set: this GPU run's users are the scripted simulators on CPU (set" \
+         "USER_SIM_MODEL=<model dir> for LLM user simulators, or USER_SIM_URLS for running ones)" >&2
+fi
+if [[ -n "$USER_SIM_URLS" && "$DRY_RUN" == 0 ]]; then  # before anything is built: a dead URL fails in seconds
+    "$PYTHON" -m utils.check_simulators "$USER_SIM_URLS" || exit 2
+fi
 sead_check_iterations
 if [[ "$DRY_RUN" == 1 ]]; then
     USER_SIM_URLS=${USER_SIM_URLS:-<the $SIM_INSTANCES simulator(s) this script starts>}
     trainer_command
     trainer_environment
+    head=5; if [[ "${TRAIN_CMD[0]}" == env ]]; then head=7; fi  # [env CUDA_VISIBLE_DEVICES=...] python -m ...
+    if [[ "$PLAN" == 1 ]]; then  # the memory and time plan of exactly this trainer command
+        exec "$PYTHON" -m verl.trainer.plan --config-name sead_trainer "${TRAIN_CMD[@]:head}"
+    fi
     [[ -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]] || echo "trainer environment: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"
     echo "trainer command:"
-    head=5; if [[ "${TRAIN_CMD[0]}" == env ]]; then head=7; fi  # [env CUDA_VISIBLE_DEVICES=...] python -m ...
     line="  ${TRAIN_CMD[*]:0:head}"
     for arg in "${TRAIN_CMD[@]:head}"; do  # one key=value per line, single-quoted where the shell needs it
         [[ "$arg" =~ ^[A-Za-z0-9_./:=,@+-]*$ ]] || arg="'${arg//\'/\'\\\'\'}'"
@@ -174,20 +228,20 @@ fi
 PROMPT_ARGS=()
 if [[ -n "${AGENT_PROMPT_FILE:-}" ]]; then PROMPT_ARGS=(--system_prompt "$(cat "$AGENT_PROMPT_FILE")"); fi
 if [[ "$TINY_DEMO" == 1 ]]; then
-    COMPACT_PROMPT=$(cat "${AGENT_PROMPT_FILE:-assets/compact_agent_prompt.txt}")  # the scenario's is ~1300 tokens
-    PROMPT_ARGS=(--system_prompt "$COMPACT_PROMPT")
-    TINY=$("$PYTHON" -m utils.make_tiny_model --out "$OUTPUT_DIR/tiny_model" --hidden-size 128 \
-        --intermediate-size 256 --layers 2 --heads 4 --vocab-size 2048 --tag-tokens | tail -n 1)
+    PROMPT_ARGS=(--system_prompt "$COMPACT_PROMPT")  # the scenario's full prompt is ~1300 tiny-model tokens
+    TINY=$("$PYTHON" -m utils.make_tiny_model --out "$OUTPUT_DIR/models/$EXPERIMENT/tiny_model" --hidden-size 128 \
+        --intermediate-size 256 --layers 2 --heads 4 --vocab-size 2048 --tag-tokens --scenario "$SCENARIO" | tail -n 1)
     if (( WARM_START_STEPS > 0 )); then  # a random model never writes a tagged turn: give RL something to start from
         WARM_ARGS=(--model "$TINY" --out "$MODEL_PATH" --scenario "$SCENARIO" --n-dialogues 1024
                    --quality-mix evasive=0.65,good=0.35 --max-turns "$MAX_TURNS" --steps "$WARM_START_STEPS"
                    --lr 3e-3 --max-length 896 --system-prompt "$COMPACT_PROMPT")
-        WARM_STAMP="$MODEL_PATH/warm_start_args.txt"  # a warm start made with other arguments is made again
+        WARM_STAMP="$MODEL_PATH/warm_start_args.txt"  # a warm start made from other inputs is made again
+        WARM_KEY=$(printf '%s\n' "${WARM_ARGS[@]}" "scenario sha256 $(sha256sum < "$SCENARIO" | cut -d' ' -f1)")
         if [[ ! -f "$MODEL_PATH/sft_log.json" || "$TINY/config.json" -nt "$MODEL_PATH/sft_log.json" \
-              || "$(cat "$WARM_STAMP" 2> /dev/null)" != "$(printf '%s\n' "${WARM_ARGS[@]}")" ]]; then
+              || "$(cat "$WARM_STAMP" 2> /dev/null)" != "$WARM_KEY" ]]; then
             echo "warm start: $WARM_START_STEPS SFT steps on scripted calls, a third of them good (a few minutes, once)"
             "$PYTHON" -m utils.sft_warm_start "${WARM_ARGS[@]}" > /dev/null
-            printf '%s\n' "${WARM_ARGS[@]}" > "$WARM_STAMP"
+            printf '%s\n' "$WARM_KEY" > "$WARM_STAMP"
         fi
     fi
 fi

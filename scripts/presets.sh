@@ -45,7 +45,7 @@ _sead_default() {
 # call can complete; validation (64 fixed profiles, greedy) runs before training and after the last step. The
 # cache serves once a stage holds 2 replies (a few steps never fill 10).
 _sead_cpu_preset() {
-    _sead_default EXPERIMENT cpu_demo
+    _sead_default EXPERIMENT "cpu_demo_$(basename "${SCENARIO%.*}")"
     _sead_default DEVICE auto
     _sead_default N_GPUS 2
     _sead_default STEPS 4

@@ -5,11 +5,12 @@ they exist, plus a built-in corpus) and saved with a ChatML chat template; a Qwe
 random weights (head_dim 32, the smallest size vLLM's CPU attention accepts) is initialised from a seed. Both
 are written with `save_pretrained`, so `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(dir)` load them.
 With `tag_tokens`, every scenario's agent tags (`<stage>`, `</stage>`, ...) become single tokens, so a
-tagged agent turn is about 40 tokens instead of 90 (cheaper to train and generate on a CPU). Nothing is
-downloaded.
+tagged agent turn is about 40 tokens instead of 90 (cheaper to train and generate on a CPU). The scenarios read
+are the shipped ones (`SHIPPED_SCENARIOS`) plus those named with `--scenario` (a run's own): never the whole
+`format_prompt/` folder, so a draft there changes no one's tokenizer. Nothing is downloaded.
 
     python -m utils.make_tiny_model --out outputs/tiny_model [--seed 0] [--vocab-size 1024] \
-        [--hidden-size 64 --intermediate-size 128 --layers 2 --heads 2 --kv-heads 1 --tag-tokens]
+        [--hidden-size 64 --intermediate-size 128 --layers 2 --heads 2 --kv-heads 1 --tag-tokens] [--scenario F]
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import argparse
 import json
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llm_agent.scenario import SCENARIO_DIR
+from llm_agent.scenario import SHIPPED_SCENARIO_PATHS
 
 logger = logging.getLogger(__name__)
 
@@ -67,20 +69,26 @@ def builtin_corpus(seed: int, n_lines: int = 600) -> list[str]:
     return lines
 
 
-def scenario_corpus() -> list[str]:
-    """Return the lines of the project's scenario YAMLs and behaviour library, in a stable order."""
+def scenario_files(extra: Sequence[str | Path] = ()) -> list[Path]:
+    """The shipped scenario files and `extra` ones (a run's own), each once, sorted by path."""
+    return sorted({Path(p).resolve() for p in (*SHIPPED_SCENARIO_PATHS, *extra)})
+
+
+def scenario_corpus(extra: Sequence[str | Path] = ()) -> list[str]:
+    """Return the lines of the scenario YAMLs (`scenario_files(extra)`) and the behaviour library, in a stable
+    order."""
     lines: list[str] = []
-    for path in sorted(SCENARIO_DIR.glob("*.yaml")) + sorted(ASSETS_DIR.glob("*.jsonl")):
+    for path in scenario_files(extra) + sorted(ASSETS_DIR.glob("*.jsonl")):
         lines.extend(line for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
     return lines
 
 
-def scenario_tags() -> list[str]:
-    """The opening and closing markup of every agent tag of the project's scenarios, sorted."""
+def scenario_tags(extra: Sequence[str | Path] = ()) -> list[str]:
+    """The opening and closing markup of every agent tag of `scenario_files(extra)`, sorted."""
     from llm_agent.scenario import load_scenario
 
     names = set()
-    for path in sorted(SCENARIO_DIR.glob("*.yaml")):
+    for path in scenario_files(extra):
         names.update(load_scenario(path).agent_tags.tags.values())
     return sorted(f"<{slash}{name}>" for name in names if name for slash in ("", "/"))
 
@@ -109,8 +117,10 @@ def build_tokenizer(corpus: list[str], vocab_size: int, whole_tokens: list[str] 
     return hf_tok
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write a tokenizer and a random-weight Qwen2 causal LM to `out_dir`, deterministically from `seed`.
+def build_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec = TinyModelSpec(),
+                     scenarios: Sequence[str | Path] = ()) -> Path:
+    """Write a tokenizer and a random-weight Qwen2 causal LM to `out_dir`, deterministically from `seed`; the
+    tokenizer learns the shipped scenarios and `scenarios` (their text, and their tags with `spec.tag_tokens`).
 
     Returns the directory. An existing build with the same seed, spec and corpus is reused as is.
     """
@@ -120,8 +130,8 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec = T
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
-    corpus = scenario_corpus() + builtin_corpus(seed)
-    tags = scenario_tags() if spec.tag_tokens else []
+    corpus = scenario_corpus(scenarios) + builtin_corpus(seed)
+    tags = scenario_tags(scenarios) if spec.tag_tokens else []
     fingerprint = hashlib.sha256(
         json.dumps({"seed": seed, "spec": asdict(spec), "corpus": corpus, "tags": tags}).encode()
     ).hexdigest()
@@ -173,6 +183,8 @@ def main() -> None:
                         help="attention heads (keep hidden-size / heads >= 32 for vLLM on CPU)")
     parser.add_argument("--kv-heads", type=int, default=TinyModelSpec.num_key_value_heads, help="key/value heads")
     parser.add_argument("--tag-tokens", action="store_true", help="make every scenario agent tag one token")
+    parser.add_argument("--scenario", action="append", default=[],
+                        help="a scenario file to learn besides the shipped ones (repeatable)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     spec = TinyModelSpec(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
@@ -181,7 +193,7 @@ def main() -> None:
                          tag_tokens=args.tag_tokens)
     if spec.hidden_size % spec.num_attention_heads or spec.num_attention_heads % spec.num_key_value_heads:
         parser.error("--hidden-size must be a multiple of --heads, and --heads a multiple of --kv-heads")
-    path = build_tiny_model(args.out, seed=args.seed, spec=spec)
+    path = build_tiny_model(args.out, seed=args.seed, spec=spec, scenarios=args.scenario)
     print(path)
 
 

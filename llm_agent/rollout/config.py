@@ -21,6 +21,7 @@ is logged as a warning: long dialogues then end as `truncated`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,9 +130,16 @@ def _check_budget_fits_turns(budget: int, max_turns: int, per_turn: int, user_to
             f"{max_turns * minimal_turn}; raise data.max_response_length or lower max_turns")
     full_turn = per_turn + user_tokens + MIN_USER_TURN_TOKENS
     if budget < max_turns * full_turn:
-        logger.warning("%s (%d) fits %d of the %d turns at their limits (%d agent + %d user tokens + role markers "
-                       "each); dialogues with long turns end as `truncated`", config_key("max_response_length"), budget,
-                       budget // full_turn, max_turns, per_turn, user_tokens)
+        _warn_short_budget(config_key("max_response_length"), budget, budget // full_turn, max_turns, per_turn,
+                           user_tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_short_budget(key: str, budget: int, fitting: int, max_turns: int, per_turn: int, user_tokens: int) -> None:
+    """The short-budget warning, once per process and settings (the training and validation loops check the same
+    config)."""
+    logger.warning("%s (%d) fits %d of the %d turns at their limits (%d agent + %d user tokens + role markers each); "
+                   "dialogues with long turns end as `truncated`", key, budget, fitting, max_turns, per_turn, user_tokens)
 
 
 def resolve_path(path: str) -> Path | None:

@@ -5,7 +5,8 @@ The public API is re-exported here (`from llm_agent.scenario import load_scenari
 YAML validation, `tags.py` the tag and cue parsers, `paths.py` where the scenario files are and the default one.
 The file format is in `docs/scenario_schema.md`.
 """
-from llm_agent.scenario.paths import DEFAULT_SCENARIO_NAME, DEFAULT_SCENARIO_PATH, SCENARIO_DIR, scenario_path
+from llm_agent.scenario.paths import (DEFAULT_SCENARIO_NAME, DEFAULT_SCENARIO_PATH, SCENARIO_DIR, SHIPPED_SCENARIO_PATHS,
+                                      scenario_path)
 from llm_agent.scenario.scenario import (CUE_KEYS, EVENTS, LINE_KEYS, STATE_DIMS, STATUS_COMPLETED, STATUS_CONTINUE,
                                          STATUS_ENDED, STATUS_VALUES, AgentTurn, Behavior, CategoryScript, CueList,
                                          Scenario, ScenarioError, ScriptedRules, ScriptedSpec, ScriptedStep, Stage,
@@ -13,7 +14,7 @@ from llm_agent.scenario.scenario import (CUE_KEYS, EVENTS, LINE_KEYS, STATE_DIMS
                                          load_scenario, sample_behaviors)
 
 __all__ = [
-    "DEFAULT_SCENARIO_NAME", "DEFAULT_SCENARIO_PATH", "SCENARIO_DIR", "scenario_path", "CUE_KEYS", "EVENTS", "LINE_KEYS", "STATE_DIMS", "STATUS_COMPLETED", "STATUS_CONTINUE", "STATUS_ENDED",
+    "DEFAULT_SCENARIO_NAME", "DEFAULT_SCENARIO_PATH", "SCENARIO_DIR", "SHIPPED_SCENARIO_PATHS", "scenario_path", "CUE_KEYS", "EVENTS", "LINE_KEYS", "STATE_DIMS", "STATUS_COMPLETED", "STATUS_CONTINUE", "STATUS_ENDED",
     "STATUS_VALUES", "AgentTurn", "Behavior", "CategoryScript", "CueList", "Scenario", "ScenarioError",
     "ScriptedRules", "ScriptedSpec", "ScriptedStep", "Stage", "StateRange", "TagProtocol", "Turn", "UserProfile",
     "UserTurn", "load_behavior_library", "load_scenario", "sample_behaviors",

@@ -6,6 +6,7 @@ errors: the line). `load_behavior_library` reads the JSONL library and names the
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -79,12 +80,17 @@ class _Reader:
     def mapping(self, node: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
         if not isinstance(node, Mapping):
             self.fail(where or "(top level)", f"must be a mapping, got {type(node).__name__}")
+        allowed = (*required, *optional)
+        unknown = [str(k) for k in node if k not in allowed]
         for key in required:
             if key not in node:
-                self.fail(_join(where, str(key)), "missing required key")
-        unknown = [k for k in node if k not in required and k not in optional]
+                close = difflib.get_close_matches(key, unknown, n=1)
+                hint = f" ({close[0]!r} in the file: did you mean {key!r}?)" if close else ""
+                self.fail(_join(where, str(key)), f"missing required key{hint}")
         if unknown:
-            self.fail(_join(where, str(unknown[0])), f"unknown key (allowed: {', '.join((*required, *optional))})")
+            close = difflib.get_close_matches(unknown[0], allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            self.fail(_join(where, unknown[0]), f"unknown key ({hint}allowed: {', '.join(allowed)})")
         return dict(node)
 
     def integer(self, node: Any, where: str) -> int:
@@ -161,9 +167,10 @@ def read_scenario_fields(path: str | os.PathLike) -> dict[str, Any]:
     ranges = _state(r, top["state"])
     stages = _stages(r, top["stages"])
     scripted = _scripted(r, top["scripted"], ranges, [s.id for s in stages])
+    description = r.text(top["description"], "description")
     return {
         "name": name,
-        "description": r.text(top["description"], "description"),
+        "description": description,
         "path": file,
         "vars": dict(r.vars),
         "state_ranges": ranges,
@@ -171,7 +178,7 @@ def read_scenario_fields(path: str | os.PathLike) -> dict[str, Any]:
         "facts": r.texts(top["facts"], "facts"),
         "behaviors": _behaviors(r, top, Path(path).parent, scripted.categories),
         "scripted": scripted,
-        **_agent(r, top["agent"]),
+        **_agent(r, top["agent"], description),
         **_user(r, top["user"]),
     }
 
@@ -235,12 +242,15 @@ def _tags(r: _Reader, node: Any, where: str, roles: dict[str, tuple[str, ...]]) 
     return TagProtocol(tags, abouts)
 
 
-def _agent(r: _Reader, node: Any) -> dict[str, Any]:
-    node = r.mapping(node, "agent", ("system_prompt", "opening", "tags"))
+def _agent(r: _Reader, node: Any, description: str) -> dict[str, Any]:
+    node = r.mapping(node, "agent", ("system_prompt", "opening", "tags"), ("compact_prompt",))
+    compact = (r.text(node["compact_prompt"], "agent.compact_prompt") if "compact_prompt" in node
+               else f"{' '.join(description.split())} Answer in the tags.")
     return {
         "agent_template": r.template(node["system_prompt"], "agent.system_prompt", AGENT_DYNAMIC, AGENT_DYNAMIC),
         "agent_opening": r.text(node["opening"], "agent.opening"),
         "agent_tags": _tags(r, node["tags"], "agent.tags", AGENT_ROLES),
+        "agent_compact_prompt": " ".join(compact.split()),
     }
 
 

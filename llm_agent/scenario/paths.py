@@ -11,13 +11,16 @@ from pathlib import Path
 
 from verl.trainer.cli_overrides import SCENARIO_DIR
 
-__all__ = ["DEFAULT_SCENARIO_NAME", "DEFAULT_SCENARIO_PATH", "SCENARIO_DIR", "scenario_path"]
+__all__ = ["DEFAULT_SCENARIO_NAME", "DEFAULT_SCENARIO_PATH", "SCENARIO_DIR", "SHIPPED_SCENARIO_PATHS", "scenario_path"]
 
 DEFAULT_SCENARIO_NAME = "outbound_ad_trial"
 """The scenario the demo, the trainer's config and every command line default to."""
 
 DEFAULT_SCENARIO_PATH = SCENARIO_DIR / f"{DEFAULT_SCENARIO_NAME}.yaml"
 """The default scenario file."""
+
+SHIPPED_SCENARIO_PATHS = tuple(SCENARIO_DIR / f"{name}.yaml" for name in ("inbound_support", DEFAULT_SCENARIO_NAME))
+"""The scenarios the repository ships (a user's new file beside them is not one): what the tiny test model learns."""
 
 
 def scenario_path(name: str) -> Path:

@@ -68,6 +68,9 @@ class Scenario:
     agent_template: str
     agent_opening: str
     agent_tags: TagProtocol
+    agent_compact_prompt: str
+    """A one- or two-sentence system prompt for small models (`agent.compact_prompt`, default the description
+    and "Answer in the tags."): what the CPU demo's tiny agent is told."""
     user_template: str
     user_tags: TagProtocol
     no_behaviors: str

@@ -88,6 +88,10 @@ class CueList:
 
     sources: tuple[str, ...]
     _patterns: tuple[re.Pattern, ...] = field(default=(), repr=False, compare=False)
+    # `matches` in one search: the plain phrases as one alternation, the `re:` entries (which may hold groups,
+    # back-references or inline flags) each on their own
+    _any_phrase: re.Pattern | None = field(default=None, repr=False, compare=False)
+    _regexes: tuple[re.Pattern, ...] = field(default=(), repr=False, compare=False)
 
     @classmethod
     def compile(cls, sources: Iterable[str]) -> "CueList":
@@ -99,7 +103,10 @@ class CueList:
                 patterns.append(_compile_cue(src))
             except re.error as exc:
                 raise re.error(f"bad regex cue {src!r}: {exc}") from exc
-        return cls(srcs, tuple(patterns))
+        phrases = [p.pattern for src, p in zip(srcs, patterns) if not src.startswith("re:")]
+        any_phrase = re.compile("|".join(f"(?:{p})" for p in phrases), re.IGNORECASE) if phrases else None
+        regexes = tuple(p for src, p in zip(srcs, patterns) if src.startswith("re:"))
+        return cls(srcs, tuple(patterns), any_phrase, regexes)
 
     def hits(self, text: str) -> list[str]:
         """Return the cue sources that occur in `text` (case-insensitive)."""
@@ -107,7 +114,9 @@ class CueList:
 
     def matches(self, text: str) -> bool:
         """True when any cue occurs in `text`."""
-        return any(pat.search(text) for pat in self._patterns)
+        if self._any_phrase is not None and self._any_phrase.search(text):
+            return True
+        return any(pat.search(text) for pat in self._regexes)
 
 
 # One opening or closing of any identifier-named tag: `<name>`, `< / name >` (case-insensitive names). Linear:

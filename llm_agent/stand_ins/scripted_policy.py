@@ -20,6 +20,7 @@ warm-start ingredient: mixed with "good", the greedy policy completes only calls
 from __future__ import annotations
 
 import difflib
+import functools
 import itertools
 import logging
 import random
@@ -165,6 +166,12 @@ class SopLines:
         return [self.scenario.format_agent_output(reply, sid, STATUS_CONTINUE, mid) for sid in self.scenario.stage_ids]
 
 
+@functools.lru_cache(maxsize=16)
+def sop_lines(scenario: Scenario) -> SopLines:
+    """The scenario's `SopLines`, composed once per scenario object (agents only read them)."""
+    return SopLines(scenario)
+
+
 class ScriptedAgent:
     """Decides one agent turn from the agent-side dialogue so far (see the module docstring for qualities)."""
 
@@ -174,7 +181,7 @@ class ScriptedAgent:
         self.scenario = scenario
         self.quality = quality
         self.seed = seed
-        self.lines = SopLines(scenario)
+        self.lines = sop_lines(scenario)
         spec = scenario.scripted
         self._line_keys = ("ask_who", "reluctant", "overloaded", "confused", "completed", "hang_up", "greeting",
                            "agree")

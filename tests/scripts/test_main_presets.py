@@ -55,7 +55,7 @@ CPU = {
     "actor_rollout_ref.actor.use_kl_loss": "false", "actor_rollout_ref.actor.entropy_coeff": "0.0",
     "actor_rollout_ref.rollout.temperature": "0.7", "rollout_loop.config.max_turns": "10",
     "data.max_response_length": "768", "rollout_loop.config.max_tokens_per_turn": "64",
-    "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "4", "trainer.experiment_name": "cpu_demo",
+    "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "4", "trainer.experiment_name": "cpu_demo_outbound_ad_trial",
     "trainer.test_freq": "4", "data.max_prompt_length": "96", "rollout_loop.config.cache.min_bucket_size": "2",
     "trainer.device": "auto", "actor_rollout_ref.actor.use_dynamic_bsz": "false",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4",
@@ -105,7 +105,8 @@ def test_without_model_path_the_cpu_preset_applies_and_nothing_is_built(tmp_path
     out, block, cmd, overrides = dry_run(tmp_path, USER_SIM_URLS="http://127.0.0.1:5000")
     assert out.startswith("preset: cpu (no MODEL_PATH")
     assert {k: cmd[k] for k in CPU} == CPU
-    assert cmd["actor_rollout_ref.model.path"] == f"{tmp_path / 'outputs'}/tiny_model_warm"
+    # the demo's models are the experiment's own (its name includes the scenario)
+    assert cmd["actor_rollout_ref.model.path"] == f"{tmp_path / 'outputs'}/models/cpu_demo_outbound_ad_trial/tiny_model_warm"
     assert block["LR"] == ("2e-4", "preset") and block["MAX_TURNS"] == ("10", "preset")
     assert not (tmp_path / "outputs").exists(), "the dry run built or wrote something"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in out

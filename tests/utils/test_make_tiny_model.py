@@ -59,3 +59,23 @@ def test_tag_tokens_make_each_agent_tag_one_token_and_round_trip(tmp_path):
     assert "<stage>" not in [plain.decode([i]) for i in plain(text, add_special_tokens=False)["input_ids"]]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "tagged")
     assert model.config.hidden_size == 128 and model.config.vocab_size == len(tagged)
+
+
+def test_only_the_shipped_and_the_runs_own_scenarios_are_read(tmp_path):
+    """A run's new scenario (a tag of its own) reaches its tokenizer's tags; a broken draft beside it is never read."""
+    import yaml
+
+    from llm_agent.scenario import DEFAULT_SCENARIO_PATH, SHIPPED_SCENARIO_PATHS
+    from utils.make_tiny_model import scenario_corpus, scenario_files, scenario_tags
+
+    data = yaml.safe_load(DEFAULT_SCENARIO_PATH.read_text(encoding="utf-8"))
+    data["name"] = "pizza_trial"
+    data["agent"]["tags"]["reply"]["tag"] = "say"
+    data["behavior_library"] = str((DEFAULT_SCENARIO_PATH.parent / data["behavior_library"]).resolve())
+    mine = tmp_path / "pizza_trial.yaml"
+    mine.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    (tmp_path / "draft.yaml").write_text("name: [unfinished\n", encoding="utf-8")
+    assert scenario_files() == sorted(p.resolve() for p in SHIPPED_SCENARIO_PATHS)
+    assert scenario_files([mine]) == sorted([*scenario_files(), mine.resolve()])
+    assert "<say>" not in scenario_tags() and {"<say>", "</say>"} <= set(scenario_tags([mine]))
+    assert "  name: pizza_trial" not in scenario_corpus() and "name: pizza_trial" in scenario_corpus([mine])

@@ -47,11 +47,14 @@ def test_the_old_truncation_test_shape_is_rejected():
         GenerationConfig.from_dict(config(max_turns=5, max_tokens_per_turn=64, max_response_length=200))
 
 
-def test_budget_that_fits_only_short_turns_is_a_warning(caplog):
+def test_budget_that_fits_only_short_turns_is_a_warning_printed_once(caplog):
     with caplog.at_level(logging.WARNING, logger="llm_agent.rollout.config"):
-        GenerationConfig.from_dict(config())  # 4 x (96 + 128 + 10) = 936 > 512
-    assert any("fits 2 of the 4 turns at their limits" in r.getMessage() for r in caplog.records), caplog.text
+        GenerationConfig.from_dict(config(max_response_length=517))  # 4 x (96 + 128 + 10) = 936 > 517
+    assert any("(517) fits 2 of the 4 turns at their limits" in r.getMessage() for r in caplog.records), caplog.text
     caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llm_agent.rollout.config"):
+        GenerationConfig.from_dict(config(max_response_length=517))  # the validation loop's copy of the config
+    assert not caplog.records, "the same settings warned twice"
     with caplog.at_level(logging.WARNING, logger="llm_agent.rollout.config"):
         GenerationConfig.from_dict(config(max_turns=15, max_tokens_per_turn=256, max_response_length=6144))
     assert not caplog.records, "the GPU preset's budget fits 15 turns at their limits"

@@ -228,6 +228,7 @@ BAD_CASES = [
     ("agent.system_prompt", "${stages} ${facts} ${output_format} ${ oops}", "agent.system_prompt", "malformed"),
     ("scripted.lines.greeting", ["Hello ${nobody}"], r"scripted.lines.greeting[0]", "unknown placeholder"),
     ("agent.colour", "blue", "agent.colour", "unknown key"),
+    ("scripted.rules.doubt_patiance", 2, "scripted.rules.doubt_patiance", "unknown key .did you mean 'doubt_patience'"),
     ("scripted.cues.pushy", ["re:(unclosed"], "scripted.cues.pushy[0]", "bad regex"),
     ("scripted.stage_cues", {0: ["a"], 1: ["b"]}, "scripted.stage_cues", "stage ids"),
     ("scripted.rules.act_min_cooperation", 9, "scripted.rules.act_min_cooperation", "outside"),

@@ -7,6 +7,7 @@ its model (older) resumes with a warning.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -57,6 +58,8 @@ def test_check_same_model_branches(tmp_path, caplog):
 
 @pytest.mark.slow
 def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path, ray_cluster, caplog):
+    from transformers import AutoTokenizer
+
     from verl.tasks.repeat_letter import make_dataset
     from verl.trainer.config_schema import compose_config
     from verl.trainer.main_ppo import run_ppo
@@ -80,6 +83,15 @@ def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path
     assert "trainer.resume_from_other_model=true" in message
     assert not (out / "ckpt" / "global_step_2").exists() and not (out / "logs_2").exists()
 
+    model_c = tmp_path / "other_tokenizer"  # model A with one more token: the tokenizer check refuses even a forced resume
+    shutil.copytree(model_a, model_c)
+    tokenizer = AutoTokenizer.from_pretrained(model_c)
+    tokenizer.add_tokens(["<pizza>"])
+    tokenizer.save_pretrained(model_c)
+    with pytest.raises(ConfigError, match="trained with a different tokenizer"):
+        run_ppo(compose_config(_overrides(model_c, data, out, 2, "trainer.resume_from_other_model=true")))
+    assert not (out / "logs_2").exists()
+
     run_ppo(compose_config(_overrides(model_b, data, out, 2, "trainer.resume_from_other_model=true")))
     assert _trained_steps(out, 2) == [2], "the forced resume must continue from step 1"
     assert _state(out, 2)["model_path"] == str(model_b.resolve())
@@ -92,3 +104,31 @@ def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path
         run_ppo(compose_config(_overrides(model_a, data, out, 3)))
     assert _trained_steps(out, 3) == [3]
     assert any("does not record the model it was trained from" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_of_another_tokenizer_or_scenario_is_refused_with_the_reason(tiny_model_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    from llm_agent.scenario import DEFAULT_SCENARIO_PATH
+    from verl.trainer.ppo.trainer_checkpoint import check_same_inputs, run_inputs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    recorded = run_inputs(tokenizer, str(DEFAULT_SCENARIO_PATH))
+    # relative to the repository root, as the trainer's config names it; the digest is of the file's bytes
+    repo = Path(__file__).resolve().parents[3]
+    assert run_inputs(tokenizer, str(DEFAULT_SCENARIO_PATH.relative_to(repo))) == recorded
+    assert recorded["scenario"] == hashlib.sha256(DEFAULT_SCENARIO_PATH.read_bytes()).hexdigest()
+    edited = tmp_path / "edited.yaml"
+    edited.write_bytes(DEFAULT_SCENARIO_PATH.read_bytes() + b"\n# a comment\n")
+    tokenizer.add_tokens(["<pizza>"])  # what a new scenario's tag does to the tiny model's tokenizer
+    ckpt = tmp_path / "global_step_4"
+    state = {"global_step": 4, "run_inputs": recorded}
+    check_same_inputs(ckpt, state, recorded)
+    check_same_inputs(ckpt, {"global_step": 4}, recorded)  # an older checkpoint records none
+    with pytest.raises(ConfigError, match=r"a different tokenizer \(its vocabulary\) from this run's: resuming it "
+                                          r"would train on tokens it does not know"):
+        check_same_inputs(ckpt, state, run_inputs(tokenizer, str(DEFAULT_SCENARIO_PATH)))
+    with pytest.raises(ConfigError) as err:
+        check_same_inputs(ckpt, state, {**recorded, "scenario": run_inputs(tokenizer, str(edited))["scenario"]})
+    assert "a different scenario (rollout_loop.config.scenario's content)" in str(err.value)
+    assert "trainer.experiment_name" in str(err.value) and str(ckpt) in str(err.value)

@@ -38,7 +38,7 @@ from verl.trainer.ppo.diagnosis_reweight import reweight_advantages
 from verl.trainer.ppo.estimator_inputs import estimator_inputs
 from verl.trainer.ppo.plugins import RolloutLoop, SingleTurnRollout, bind_reward
 from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
-from verl.trainer.ppo.trainer_checkpoint import CheckpointedParts, TrainerCheckpoints
+from verl.trainer.ppo.trainer_checkpoint import SCENARIO_KEY, CheckpointedParts, TrainerCheckpoints, run_inputs
 from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs, correct_batch
 from verl.trainer.ppo.trainer_rollout import (
     GEN_INPUT_KEYS,
@@ -186,7 +186,8 @@ class RayPPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(dataclasses.asdict(self.typed.algorithm.kl_ctrl))
         self.checkpoints = TrainerCheckpoints(self.typed.trainer,
                                               str(Path(self.typed.actor_rollout_ref.model.path).resolve()),
-                                              OmegaConf.to_container(self.config, resolve=True))
+                                              run_inputs(tokenizer, OmegaConf.select(self.config, SCENARIO_KEY)),
+                                              run_config=OmegaConf.to_container(self.config, resolve=True))
         self.global_steps = 0
         self.actor_rollout_wg: Optional[RayWorkerGroup] = None
         self.critic_wg: Optional[RayWorkerGroup] = None

@@ -11,10 +11,14 @@ whose trainer state is unreadable, lacks a key, holds an impossible value (a ste
 a negative position, a non-finite KL coefficient) or a corrupt RNG state is named and skipped for the newest
 valid one (``resume_mode=auto``) or refused (``resume_path``). Resuming a
 checkpoint whose recorded model path differs from the configured one is an error unless
-``trainer.resume_from_other_model=true``.
+``trainer.resume_from_other_model=true``; one whose recorded run inputs (:func:`run_inputs`: the tokenizer's
+vocabulary and the scenario file's content, as SHA-256) differ from this run's is always an error that names what
+changed, since its weights and cache mean other tokens or another task.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from collections.abc import Mapping
@@ -43,6 +47,25 @@ logger = logging.getLogger(__name__)
 LOOP_DIR = "rollout_loop"  # the rollout-loop plug-in's own files inside global_step_N/
 REQUIRED_STATE = {"global_step": int, "dataloader": dict, "kl_ctrl_value": (int, float), "rng": dict}
 DATALOADER_POSITION = ("epoch", "batch_index")  # what the prompt loader resumes from
+SCENARIO_KEY = "rollout_loop.config.scenario"  # the dialogue task's scenario file (absent for other tasks)
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def run_inputs(tokenizer: Any, scenario: Optional[str]) -> dict[str, str]:
+    """What a checkpoint's weights depend on besides the model path, as SHA-256 digests: the tokenizer's
+    vocabulary (token -> id, added tokens included) and, for the dialogue task, the content of the scenario file
+    (``scenario``: a path, relative to the working directory or the repository root)."""
+    out = {"tokenizer": _sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())}
+    if scenario:
+        for candidate in (Path(scenario), REPO_ROOT / scenario):
+            if candidate.is_file():
+                out["scenario"] = _sha256(candidate.read_bytes())
+                break
+    return out
 
 
 def check_trainer_state(path: Path, state: dict[str, Any]) -> None:
@@ -87,13 +110,15 @@ class TrainerCheckpoints:
     """Save and resume of a run's ``global_step_N`` checkpoints under ``trainer.default_local_dir``.
 
     Built from the trainer's checked config; ``model_path`` is the resolved ``actor_rollout_ref.model.path`` the
-    run trains (recorded in each checkpoint and compared on resume); ``run_config`` the whole resolved config,
-    written into each checkpoint as ``trainer_config.json``.
+    run trains and ``inputs`` its :func:`run_inputs` (both recorded in each checkpoint and compared on resume);
+    ``run_config`` the whole resolved config, written into each checkpoint as ``trainer_config.json``.
     """
 
-    def __init__(self, trainer: TrainerConfig, model_path: str, run_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, trainer: TrainerConfig, model_path: str, inputs: Mapping[str, str] | None = None,
+                 run_config: Mapping[str, Any] | None = None) -> None:
         self.config = trainer
         self.model_path = model_path
+        self.inputs = dict(inputs or {})
         self.run_config = run_config
         self.root = Path(trainer.default_local_dir).resolve()  # workers may run in another directory
 
@@ -116,6 +141,7 @@ class TrainerCheckpoints:
             "rng": get_rng_state(),
             "rollout_loop": None if loop_state is None else dict(loop_state),
             "model_path": self.model_path,
+            "run_inputs": self.inputs,
         })
         if self.run_config is not None:
             save_run_config(partial, self.run_config)
@@ -144,7 +170,9 @@ class TrainerCheckpoints:
         """Fail before any worker starts when the checkpoint to resume was trained from another model."""
         path = self.to_resume()
         if path is not None:
-            check_same_model(path, load_trainer_state(path), self.model_path, self.config.resume_from_other_model)
+            state = load_trainer_state(path)
+            check_same_model(path, state, self.model_path, self.config.resume_from_other_model)
+            check_same_inputs(path, state, self.inputs)
 
     def load(self, parts: CheckpointedParts) -> Optional[tuple[Path, int]]:
         """Resume per ``trainer.resume_mode`` (auto | disable | resume_path) into ``parts``; returns the
@@ -155,6 +183,7 @@ class TrainerCheckpoints:
         state = load_trainer_state(path)
         check_trainer_state(path, state)
         check_same_model(path, state, self.model_path, self.config.resume_from_other_model)
+        check_same_inputs(path, state, self.inputs)
         parts.actor_rollout_wg.load_checkpoint(str(path / "actor"))
         if parts.critic_wg is not None:
             if not (path / "critic").is_dir():
@@ -187,3 +216,20 @@ def check_same_model(path: Path, state: dict[str, Any], model_path: str, allow_o
                 f"new run, or set trainer.resume_from_other_model=true to resume it anyway")
         logger.warning("resuming %s (trained from %s) for actor_rollout_ref.model.path=%s, as "
                        "trainer.resume_from_other_model=true allows", path, recorded, model_path)
+
+
+_INPUT_NAMES = {"tokenizer": "tokenizer (its vocabulary)", "scenario": f"scenario ({SCENARIO_KEY}'s content)"}
+
+
+def check_same_inputs(path: Path, state: dict[str, Any], inputs: Mapping[str, str]) -> None:
+    """Refuse to resume checkpoint ``path`` when a run input it recorded (:func:`run_inputs`) differs from this
+    run's ``inputs``, naming each one that changed; an input either side does not record is not compared."""
+    recorded = state.get("run_inputs") or {}
+    changed = [name for name, digest in inputs.items() if name in recorded and recorded[name] != digest]
+    if changed:
+        what = " and ".join(_INPUT_NAMES.get(name, name) for name in changed)
+        raise ConfigError(
+            f"checkpoint {path} was trained with a different {what} from this run's: resuming it would train on "
+            f"{'tokens it does not know' if 'tokenizer' in changed else 'another task'}; use another "
+            f"trainer.experiment_name / trainer.default_local_dir for this run (scripts/main.sh names the experiment "
+            f"after the scenario), or trainer.resume_mode=disable to start from scratch")

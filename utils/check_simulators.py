@@ -1,0 +1,42 @@
+"""Check that running user simulators answer before a run depends on them.
+
+    python -m utils.check_simulators http://127.0.0.1:5000,http://127.0.0.1:5001 [--timeout 5]
+
+Each comma-separated base URL (what `USER_SIM_URLS` and `rollout_loop.config.user_sim.urls` hold) must answer
+`GET <url>/health` with 200 within the timeout; exit status 0 when all do, 2 naming every one that does not.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from llm_agent.user_sim.processes import health_ok
+
+
+def dead_simulators(urls: list[str], timeout_s: float) -> list[str]:
+    """The URLs of `urls` whose /health does not answer 200 within `timeout_s` (probed concurrently)."""
+    with ThreadPoolExecutor(max_workers=min(len(urls), 16) or 1) as pool:
+        alive = list(pool.map(lambda url: health_ok(url, timeout_s), urls))
+    return [url for url, ok in zip(urls, alive) if not ok]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: 0 when every simulator answers, else 2 and the dead URLs on stderr."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("urls", help="comma-separated simulator base URLs")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds each /health may take")
+    args = parser.parse_args(argv)
+    urls = [url.strip() for url in args.urls.split(",") if url.strip()]
+    dead = dead_simulators(urls, args.timeout)
+    if dead:
+        print(f"user simulator(s) not answering GET /health within {args.timeout:g} s: {', '.join(dead)} "
+              f"(USER_SIM_URLS={args.urls}); start them (scripts/start_user_sims.sh) or unset USER_SIM_URLS to let "
+              f"this script start scripted ones", file=sys.stderr)
+        return 2
+    print(f"user simulators answering: {', '.join(urls)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
