@@ -76,6 +76,8 @@ class LearningSettings:
     group_size: int = 8
     lr: float = 2e-4
     lr_warmup_steps: int = 0
+    lora_rank: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer instead of every weight
+    lora_alpha: float = 16.0
     ppo_mini_prompts: int = 4  # prompts per policy update (0: all of the step's, one update per step)
     ppo_epochs: int = 1
     filter_groups: bool = False  # dynamic sampling: drop groups whose dialogues all got the same reward
@@ -125,6 +127,7 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={per_rank}", f"actor_rollout_ref.actor.optim.lr={s.lr}",
         f"actor_rollout_ref.actor.loss_agg_mode={s.loss_agg_mode}", f"actor_rollout_ref.actor.seed={s.seed}",
+        f"actor_rollout_ref.model.lora_rank={s.lora_rank}", f"actor_rollout_ref.model.lora_alpha={s.lora_alpha}",
         f"trainer.total_training_steps={s.steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
         "trainer.logger=[jsonl]", f"trainer.default_local_dir={work / 'ckpt'}", f"trainer.log_dir={work / 'logs'}",
         f"actor_rollout_ref.rollout.val_kwargs.do_sample={s.val_temperature > 0}",

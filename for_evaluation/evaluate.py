@@ -7,7 +7,9 @@
         --test-file data/test.parquet --user-sim-urls http://127.0.0.1:5000,http://127.0.0.1:5001
 
 An agent is `[NAME=]SPEC`: a Hugging Face model directory, a checkpoint (`global_step_N`, its `actor/`, or a
-checkpoint root: the latest complete step; with or without its HF export), generating through the trainer's
+checkpoint root: the latest complete step; with or without its HF export; a LoRA run's: its base with the adapter
+merged), a LoRA adapter directory (`adapter_config.json` naming a local base model, e.g. `python -m
+verl.model_merger --adapter_only`'s output) or a merged one, generating through the trainer's
 `vLLMRollout` or `HFRollout` (--engine; auto = vLLM when it is installed), an OpenAI-compatible endpoint
 `http(s)://...` (with --tokenizer), or `scripted:good|bad|malformed|ender` (the scripted stand-in, with
 --tokenizer). A checkpoint agent brings the settings it was trained with (its `trainer_config.json`): every
@@ -17,6 +19,10 @@ defaults. Without --user-sim-urls it starts --num-sims scripted simulators on lo
 Per agent it writes `<out>/<name>_dialogues.jsonl` (appended chunk by chunk; a rerun runs only missing dialogues)
 and `<out>/<name>_results.json` (every metric with its bootstrap interval, the checkpoint's global_step, where
 each setting came from). Compare them with for_evaluation/metrics_table.py.
+
+API keys never go on the command line (every local user can read it in /proc/PID/cmdline): the simulators' from
+$SEAD_USER_SIM_API_KEY or --sim-api-key-file PATH, the agent endpoint's from $SEAD_AGENT_API_KEY or
+--agent-api-key-file PATH (files of mode 0600). No key is written to a file or printed.
 """
 from __future__ import annotations
 
@@ -25,10 +31,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from llm_agent.api_keys import api_key, command_line_refusal
 from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, ENGINES
 
 CHECKPOINT = "default: the checkpoint's training config, else "  # help text of the settings a checkpoint gives
 MAX_PROMPT_LENGTH = 4096  # when neither the command line nor a checkpoint gives one
+
+SIM_KEY_ENV = "SEAD_USER_SIM_API_KEY"
+AGENT_KEY_ENV = "SEAD_AGENT_API_KEY"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,10 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sim-timeout-s", type=float, default=None, help=sim)
     p.add_argument("--sim-max-attempts", type=int, default=None, help=sim)
     p.add_argument("--sim-model", default=None, help="model name the simulators answer to (null: discovered)")
-    p.add_argument("--sim-api-key", default=None)
+    p.add_argument("--sim-api-key", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--sim-api-key-file", default=None,
+                   help=f"file (mode 0600) holding the simulators' API key; or set {SIM_KEY_ENV}")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir for endpoint and scripted agents")
     p.add_argument("--agent-model", default=None, help="model name at the agent endpoint (null: its first)")
-    p.add_argument("--agent-api-key", default=None)
+    p.add_argument("--agent-api-key", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--agent-api-key-file", default=None,
+                   help=f"file (mode 0600) holding the agent endpoint's API key; or set {AGENT_KEY_ENV}")
     p.add_argument("--agent-concurrency", type=int, default=16, help="parallel requests to an agent endpoint")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="how a model/checkpoint agent generates: the trainer's vLLMRollout (vllm) or HFRollout (hf); "
@@ -110,6 +124,8 @@ def run(args: argparse.Namespace) -> list[Path]:
     from llm_agent.user_sim.client import parse_urls
 
     engine = pick_engine(args.engine)  # an engine that is not installed is refused before anything starts
+    sim_key = api_key(SIM_KEY_ENV, args.sim_api_key_file, "--sim-api-key-file")
+    agent_key = api_key(AGENT_KEY_ENV, args.agent_api_key_file, "--agent-api-key-file")
     specs = [AgentSpec.parse(a) for a in args.agent]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -127,7 +143,7 @@ def run(args: argparse.Namespace) -> list[Path]:
         max_user_tokens=values["max_user_tokens"], seed=values["seed"],
         user_sim={"temperature": values["sim_temperature"], "top_p": values["sim_top_p"],
                   "max_tokens": values["sim_max_tokens"], "timeout_s": values["sim_timeout_s"],
-                  "max_attempts": values["sim_max_attempts"], "model": args.sim_model, "api_key": args.sim_api_key})
+                  "max_attempts": values["sim_max_attempts"], "model": args.sim_model})
     from_checkpoint = sorted(name for name, where in origin.items() if where not in ("command line", "default"))
     if from_checkpoint:
         print("settings from the checkpoint's training config: "
@@ -148,7 +164,7 @@ def run(args: argparse.Namespace) -> list[Path]:
             # a checkpoint root is read at the step resolved above, even if training saves a newer one meanwhile
             agent, tokenizer = build_agent(str(info.step_dir) if info else spec.spec, scenario,
                                            tokenizer_path=args.tokenizer, agent_model=args.agent_model,
-                                           api_key=args.agent_api_key, concurrency=args.agent_concurrency,
+                                           api_key=agent_key, concurrency=args.agent_concurrency,
                                            local=local)
             try:
                 summary = evaluate_agent(spec.name, agent, tokenizer, settings, args.out, user_sim_urls=urls,
@@ -156,7 +172,8 @@ def run(args: argparse.Namespace) -> list[Path]:
                                          n_resamples=args.n_resamples, confidence=args.confidence,
                                          agent_description=spec.describe(local.engine),
                                          step=info.global_step if info else 0,
-                                         checkpoint=str(info.step_dir) if info else None, settings_origin=origin)
+                                         checkpoint=str(info.step_dir) if info else None, settings_origin=origin,
+                                         user_sim_api_key=sim_key)
             finally:
                 if hasattr(agent, "close"):
                     agent.close()
@@ -179,6 +196,9 @@ def run(args: argparse.Namespace) -> list[Path]:
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point; bad input exits with a one-line error."""
     args = parse_args(argv)
+    for flag, env_var in (("--sim-api-key", SIM_KEY_ENV), ("--agent-api-key", AGENT_KEY_ENV)):
+        if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
+            raise SystemExit(f"evaluate: {command_line_refusal(flag, env_var)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run(args)

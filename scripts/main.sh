@@ -3,7 +3,7 @@
 # the user-response cache on (config: verl/trainer/config/sead_trainer.yaml).
 #
 # Settings come from one of the presets (scripts/presets.sh), printed in one block at start; every value in it
-# can be set in the environment. PRESET=cpu|gpu|rehearsal picks one; by default a MODEL_PATH selects `gpu` (the
+# can be set in the environment. PRESET=cpu|gpu|gpu_lora|rehearsal picks one; by default a MODEL_PATH selects `gpu` (the
 # SEAD paper's settings: 60 prompts x 8 dialogues, lr 1e-6 with warm-up, KL loss, 15 turns, ...) and no MODEL_PATH
 # selects `cpu` (the embedded demo). `rehearsal` is the GPU preset on CPU with only the device and the sizes
 # changed (run it from the vLLM environment: PATH=$PWD/.venv-vllm/bin:$PATH PRESET=rehearsal bash scripts/main.sh). PRINT_CONFIG_ONLY=1 (or --dry-run as the first argument) prints the preset
@@ -150,6 +150,8 @@ trainer_command() {
         ${MAX_TOKEN_LEN:+actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$MAX_TOKEN_LEN"}
         ${LOGPROB_MAX_TOKEN_LEN:+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="$LOGPROB_MAX_TOKEN_LEN"}
         ${LOGPROB_MAX_TOKEN_LEN:+actor_rollout_ref.ref.log_prob_max_token_len_per_gpu="$LOGPROB_MAX_TOKEN_LEN"}
+        ${LORA_RANK:+actor_rollout_ref.model.lora_rank="$LORA_RANK"}
+        ${LORA_ALPHA:+actor_rollout_ref.model.lora_alpha="$LORA_ALPHA"}
         actor_rollout_ref.actor.optim.lr="$LR"
         actor_rollout_ref.actor.optim.lr_warmup_steps_ratio="$LR_WARMUP_RATIO"
         actor_rollout_ref.actor.use_kl_loss="$USE_KL_LOSS"

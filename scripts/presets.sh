@@ -1,19 +1,20 @@
 # The training presets of scripts/main.sh and scripts/2ins_main.sh (sourced, not run).
 #
-# `sead_apply_preset cpu|gpu|rehearsal` gives every preset variable below its preset value unless the environment
-# already sets it (a non-empty value wins), and `sead_print_preset` prints them all in one block, each marked
-# `preset` or `environment` (an empty value is not passed to the trainer: its config default applies). The GPU
-# preset reproduces the SEAD paper's training settings; the CPU preset is the embedded demo (tiny model, 2 cores,
-# minutes); the rehearsal is the GPU preset itself on CPU, with only the device and the sizes of
-# SEAD_REHEARSAL_SIZES changed (tests/scripts/test_gpu_rehearsal.py runs it in CI). Edit a preset's values in its
-# own block below.
+# `sead_apply_preset cpu|gpu|gpu_lora|rehearsal` gives every preset variable below its preset value unless the
+# environment already sets it (a non-empty value wins), and `sead_print_preset` prints them all in one block, each
+# marked `preset` or `environment` (an empty value is not passed to the trainer: its config default applies). The
+# GPU preset reproduces the SEAD paper's training settings; gpu_lora is the GPU preset training a LoRA adapter on 2
+# GPUs; the CPU preset is the embedded demo (tiny model, 2 cores, minutes); the rehearsal is the GPU preset itself
+# on CPU, with only the device and the sizes of SEAD_REHEARSAL_SIZES changed (tests/scripts/test_gpu_rehearsal.py
+# runs it in CI; LORA_RANK=32 LORA_ALPHA=32 in the environment rehearse gpu_lora's keys). Edit a preset's values in
+# its own block below.
 
 # Every preset variable, in the order they are printed.
 SEAD_PRESET_VARS=(EXPERIMENT DEVICE N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS
                   MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE
                   KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH USE_DYNAMIC_BSZ
                   MAX_TOKEN_LEN LOGPROB_MAX_TOKEN_LEN TEST_FREQ SAVE_FREQ MAX_CKPT SAVE_HF_MODEL POLICY_GPUS
-                  ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM PRESET_OVERRIDES)
+                  ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM LORA_RANK LORA_ALPHA PRESET_OVERRIDES)
 declare -gA SEAD_PRESET_ORIGIN=()
 
 # The policy's rollout engine on CPU: vllm when $PYTHON can import vLLM (the .venv-vllm environment), else hf.
@@ -79,6 +80,8 @@ _sead_cpu_preset() {
     _sead_default ROLLOUT_ENGINE "$(_sead_cpu_engine)"
     _sead_default ROLLOUT_TP 1
     _sead_default ROLLOUT_GPU_MEM 0.5
+    _sead_default LORA_RANK ""
+    _sead_default LORA_ALPHA ""
     _sead_default PRESET_OVERRIDES "rollout_loop.config.cache.min_bucket_size=2"
 }
 
@@ -133,9 +136,27 @@ _sead_gpu_preset() {
     _sead_default ROLLOUT_ENGINE vllm
     _sead_default ROLLOUT_TP 2
     _sead_default ROLLOUT_GPU_MEM 0.55
+    _sead_default LORA_RANK ""
+    _sead_default LORA_ALPHA ""
     _sead_default PRESET_OVERRIDES "actor_rollout_ref.model.use_remove_padding=true \
 actor_rollout_ref.ref.fsdp_config.param_offload=true actor_rollout_ref.rollout.enforce_eager=false \
 actor_rollout_ref.rollout.free_cache_engine=true"
+}
+
+# ------------------------------------------------------------------------------------- GPU preset with LoRA
+# The GPU preset training a LoRA adapter (rank 32, alpha 32, on every linear layer of the decoder) on a frozen bf16
+# base instead of every weight, on 2 policy GPUs: the reference is the actor with its adapter disabled and the vLLM
+# engine (one of TP 2) keeps the base and receives the adapter after every update. `python -m verl.trainer.plan`
+# at 14B: the engine at 0.7 of each GPU (393,298 KV tokens) beside the actor's 16.7 GB is the peak, 72.7 GB; the
+# actor update 37.8 GB (README "LoRA"). lr 1e-5: an adapter takes larger steps than full fine-tuning's 1e-6 (not
+# tuned on a GPU yet).
+declare -gA SEAD_LORA_VALUES=([LORA_RANK]=32 [LORA_ALPHA]=32 [LR]=1e-5 [N_GPUS]=2 [ROLLOUT_GPU_MEM]=0.7)
+_sead_gpu_lora_preset() {
+    local name
+    for name in "${!SEAD_LORA_VALUES[@]}"; do
+        _sead_default "$name" "${SEAD_LORA_VALUES[$name]}" lora
+    done
+    _sead_gpu_preset
 }
 
 # ------------------------------------------------------------------------------------- GPU preset rehearsal
@@ -155,13 +176,14 @@ _sead_rehearsal_preset() {
     _sead_gpu_preset
 }
 
-# Apply preset $1 (cpu | gpu | rehearsal); needs MODEL_PATH and SCENARIO set. Exits with a message on another name.
+# Apply preset $1 (cpu | gpu | gpu_lora | rehearsal); needs MODEL_PATH and SCENARIO set. Exits with a message on another name.
 sead_apply_preset() {
     case "$1" in
         cpu) _sead_cpu_preset ;;
         gpu) _sead_gpu_preset ;;
+        gpu_lora) _sead_gpu_lora_preset ;;
         rehearsal) _sead_rehearsal_preset ;;
-        *) echo "PRESET must be cpu, gpu or rehearsal, got '$1'" >&2; exit 2 ;;
+        *) echo "PRESET must be cpu, gpu, gpu_lora or rehearsal, got '$1'" >&2; exit 2 ;;
     esac
 }
 

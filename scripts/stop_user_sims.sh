@@ -8,7 +8,8 @@
 # with that start time (not a reused PID), owned by this user, and its command line is a simulator server with
 # --port P. Then SIGTERM, a wait of up to the grace period, and SIGKILL for the instance and its own descendants
 # (found through /proc, each checked by owner and start time; no process group is ever signalled). The PID file is
-# removed (and RUN_DIR/user_sim_urls.txt once no PID file is left). Holds RUN_DIR/user_sims.lock like the start
+# removed (and RUN_DIR/user_sim_urls.txt once no PID file is left), as is the file of a process that is gone; a file
+# naming a live process that cannot be verified is kept and the stop exits 1. Holds RUN_DIR/user_sims.lock like the start
 # script. Never looks processes up by name. The work is done by llm_agent/user_sim/instances.py.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,4 +1,4 @@
-"""Export an HF model from a checkpoint's sharded state: ``python -m verl.model_merger``.
+"""Export an HF model (or a LoRA adapter) from a checkpoint: ``python -m verl.model_merger``.
 
 Checkpoints saved with ``trainer.save_hf_model=last|never`` hold the model only as a torch.distributed.checkpoint
 (``sharded_state/``, written by every rank) plus ``config.json`` and the tokenizer. This command reads the model
@@ -6,7 +6,14 @@ part of that state in one process (no GPUs, no process group; any world size it 
 model from ``config.json`` and writes a ``save_pretrained`` directory (safetensors) in the chosen dtype::
 
     python -m verl.model_merger --local_dir checkpoints/sead/run/global_step_40/actor --target_dir hf/step40 \\
-        [--dtype bf16|fp16|fp32]
+        [--dtype bf16|fp16|fp32] [--adapter_only] [--base_model DIR]
+
+A LoRA checkpoint (``adapter_config.json`` in ``--local_dir``; its adapter from ``adapter_model.safetensors`` or,
+without that export, from ``sharded_state/``) is exported merged by default: the base model (``--base_model``, else
+the adapter config's ``base_model_name_or_path``) with W + alpha / r * B @ A in every adapted layer (PEFT's
+``merge_and_unload``), loadable with ``AutoModelForCausalLM.from_pretrained``; with ``--adapter_only`` as the
+adapter alone in PEFT's format (``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load it), in float32
+unless ``--dtype`` says otherwise.
 """
 from __future__ import annotations
 
@@ -15,16 +22,18 @@ import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from verl.utils.fsdp_utils import SHARDED_STATE_DIR
+from verl.utils.lora import (ADAPTER_NAME, ADAPTER_WEIGHTS_FILE, is_adapter_dir, read_adapter_config, save_adapter)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTYPES", "load_model_state", "merge"]
+__all__ = ["DTYPES", "load_adapter", "load_model_state", "merge", "merged_lora_model"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -32,7 +41,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def load_model_state(local_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model weights of `local_dir/sharded_state`, read in this process."""
+    """The full (unsharded) model weights of `local_dir/sharded_state`, read in this process (a LoRA checkpoint's:
+    its trainable parameters under the PEFT model's names)."""
     ckpt = Path(local_dir) / SHARDED_STATE_DIR
     if not ckpt.is_dir():
         raise FileNotFoundError(f"{ckpt} does not exist: {local_dir} is not an actor/ or critic/ checkpoint "
@@ -59,31 +69,113 @@ def _model_class(config) -> type:
     return getattr(transformers, names[0])
 
 
-def merge(local_dir: str | Path, target_dir: str | Path, dtype: str = "bf16") -> Path:
-    """Write the HF model of checkpoint directory `local_dir` to `target_dir` in `dtype`; returns target_dir."""
+def _base_dir(local: Path, config: dict[str, Any], base_model: str | Path | None) -> Path:
+    """The base model directory of a LoRA checkpoint: ``base_model`` or the adapter config's record."""
+    base = Path(base_model or config.get("base_model_name_or_path") or "")
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(f"{local}: the LoRA adapter's base model {str(base)!r} is no local model directory "
+                                "(config.json); pass --base_model DIR")
+    return base
+
+
+def _peft_skeleton(local: Path, config: dict[str, Any], base_model: str | Path | None) -> torch.nn.Module:
+    """A PEFT model of the checkpoint's shape on the meta device (names only)."""
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig
 
-    if dtype not in DTYPES:
+    own = (local / "config.json").is_file()  # a checkpoint's actor/ holds its base model's config
+    hf_config = AutoConfig.from_pretrained(local if own else _base_dir(local, config, base_model))
+    with torch.device("meta"):
+        skeleton = _model_class(hf_config)._from_config(hf_config)
+    return get_peft_model(skeleton, LoraConfig.from_pretrained(str(local)))
+
+
+def load_adapter(local_dir: str | Path, base_model: str | Path | None = None,
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter config, adapter tensors under PEFT's saved names) of a LoRA checkpoint or adapter directory."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    local = Path(local_dir)
+    config = read_adapter_config(local)
+    if (local / ADAPTER_WEIGHTS_FILE).is_file():
+        return config, load_file(str(local / ADAPTER_WEIGHTS_FILE))
+    state = load_model_state(local)
+    tensors = get_peft_model_state_dict(_peft_skeleton(local, config, base_model), state_dict=state,
+                                        adapter_name=ADAPTER_NAME, save_embedding_layers=False)
+    if len(tensors) != len(state):
+        raise ValueError(f"{local}: {len(state) - len(tensors)} of the {len(state)} tensors of {SHARDED_STATE_DIR}/ "
+                         f"are no part of its adapter (adapter_config.json)")
+    return config, tensors
+
+
+def merged_lora_model(local_dir: str | Path, dtype: torch.dtype = torch.float32,
+                      base_model: str | Path | None = None) -> torch.nn.Module:
+    """The HF model of a LoRA checkpoint or adapter directory: its base model with the adapter merged in."""
+    from peft import LoraConfig, get_peft_model
+    from peft.utils import set_peft_model_state_dict
+    from transformers import AutoConfig
+
+    local = Path(local_dir)
+    config, tensors = load_adapter(local, base_model)
+    base = _base_dir(local, config, base_model)
+    hf_config = AutoConfig.from_pretrained(local if (local / "config.json").is_file() else base)  # a critic's class
+    model = _model_class(hf_config).from_pretrained(str(base), config=hf_config, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig.from_pretrained(str(local)))
+    result = set_peft_model_state_dict(peft_model, tensors, adapter_name=ADAPTER_NAME)
+    missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"{local}: the adapter does not fit its base model {base}: unexpected "
+                         f"{sorted(result.unexpected_keys)[:4]}, missing {sorted(missing)[:4]}")
+    return peft_model.merge_and_unload().to(dtype)
+
+
+def merge(local_dir: str | Path, target_dir: str | Path, dtype: str | None = None, adapter_only: bool = False,
+          base_model: str | Path | None = None) -> Path:
+    """Write the HF model of checkpoint directory `local_dir` to `target_dir` in `dtype` (default bf16; a LoRA
+    checkpoint: merged, or with `adapter_only` its adapter, in float32 by default); returns target_dir."""
+    from transformers import AutoConfig
+
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     local, target = Path(local_dir), Path(target_dir)
-    if not (local / "config.json").is_file():
-        raise FileNotFoundError(f"{local / 'config.json'} is missing: cannot tell which model to build")
-    config = AutoConfig.from_pretrained(local)
-    weights = load_model_state(local)
-    with torch.device("meta"):
-        skeleton = _model_class(config)._from_config(config)
-    expected = set(skeleton.state_dict())
-    missing, unexpected = expected - set(weights), set(weights) - expected
-    if missing or unexpected:
-        raise ValueError(f"{local}: the sharded state does not match config.json's model: missing "
-                         f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    cast = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in weights.items()}
-    target.mkdir(parents=True, exist_ok=True)
-    skeleton.save_pretrained(str(target), state_dict=cast, safe_serialization=True)
+    lora = is_adapter_dir(local)
+    if adapter_only and not lora:
+        raise ValueError(f"--adapter_only: {local} holds no LoRA adapter (adapter_config.json)")
+    if lora:
+        cast_to = DTYPES[dtype or ("fp32" if adapter_only else "bf16")]
+        if adapter_only:
+            config, tensors = load_adapter(local, base_model)
+            save_adapter(target, {k: v.to(cast_to) if v.is_floating_point() else v for k, v in tensors.items()},
+                         config)
+            written = len(tensors)
+        else:
+            model = merged_lora_model(local, cast_to, base_model)
+            target.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(str(target), safe_serialization=True)
+            written = len(model.state_dict())
+    else:
+        if not (local / "config.json").is_file():
+            raise FileNotFoundError(f"{local / 'config.json'} is missing: cannot tell which model to build")
+        cast_to = DTYPES[dtype or "bf16"]
+        config = AutoConfig.from_pretrained(local)
+        weights = load_model_state(local)
+        with torch.device("meta"):
+            skeleton = _model_class(config)._from_config(config)
+        expected = set(skeleton.state_dict())
+        missing, unexpected = expected - set(weights), set(weights) - expected
+        if missing or unexpected:
+            raise ValueError(f"{local}: the sharded state does not match config.json's model: missing "
+                             f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        cast = {k: v.to(cast_to) if v.is_floating_point() else v for k, v in weights.items()}
+        target.mkdir(parents=True, exist_ok=True)
+        skeleton.save_pretrained(str(target), state_dict=cast, safe_serialization=True)
+        written = len(cast)
     for name in _TOKENIZER_FILES:
         if (local / name).is_file():
             shutil.copy2(local / name, target / name)
-    logger.info("wrote %s (%d tensors, %s) from %s", target, len(cast), dtype, local)
+    logger.info("wrote %s (%d tensors, %s%s) from %s", target, written, cast_to,
+                ", LoRA adapter" if adapter_only else ", LoRA merged" if lora else "", local)
     return target
 
 
@@ -92,11 +184,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--local_dir", required=True, help="a checkpoint's actor/ (or critic/) directory")
     parser.add_argument("--target_dir", required=True, help="where to write the HF model")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the exported weights")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                        help="dtype of the exported weights (default bf16; a LoRA adapter alone: fp32)")
+    parser.add_argument("--adapter_only", action="store_true",
+                        help="a LoRA checkpoint: write the adapter alone (PEFT format) instead of the merged model")
+    parser.add_argument("--base_model", default=None,
+                        help="a LoRA checkpoint's base model directory (default: the one its adapter config names)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        print(merge(args.local_dir, args.target_dir, args.dtype))
+        print(merge(args.local_dir, args.target_dir, args.dtype, args.adapter_only, args.base_model))
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"model_merger: {exc}") from None
 

@@ -1,18 +1,25 @@
-"""File mechanics of the response cache: atomic rewrites, the one-writer lock and the `.rejected` side file.
+"""File mechanics of the response cache: line reading, atomic rewrites, the one-writer lock and the `.rejected`
+side file.
 
+- :func:`read_lines` reads a file line by line, never holding more than `max_line_bytes` of one line: a longer line
+  is reported by its place in the file, not read into memory.
 - :func:`atomic_write` replaces a file through a temp file in the same directory (fsync, rename, fsync dir).
 - :class:`CacheFileLock` holds an exclusive ``fcntl.flock`` on ``<path>.lock`` for as long as a cache uses the
   file: a second process that opens the same cache file gets :class:`CacheLockedError` naming the holder, instead
   of silently dropping the other writer's lines at its next compaction. Caches of one process share the lock.
-- :func:`keep_rejected` appends lines that cannot be read (corrupt, another schema version, another encoding)
-  byte for byte to ``<path>.rejected`` before a compaction drops them from the cache file, so nothing is lost.
+- :func:`keep_rejected` appends lines that cannot be read (corrupt, too long, another schema version, another
+  encoding) byte for byte to ``<path>.rejected``, copied from the cache file in chunks, before a compaction drops
+  them from it, so nothing is lost.
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 LOCK_SUFFIX = ".lock"
 REJECTED_SUFFIX = ".rejected"
@@ -49,14 +56,62 @@ def atomic_write(path: str, lines: list[str]) -> None:
     _fsync_dir(directory)
 
 
-def keep_rejected(path: str, raw_lines: list[bytes]) -> str:
-    """Append `raw_lines` (each without its newline) unchanged to ``path + '.rejected'``, fsynced; return its path."""
+@dataclass(frozen=True)
+class Line:
+    """One line of a file: its number (from 1), where it starts, its length without the newline, its bytes (None
+    when it is longer than the reader's limit) and whether a newline ends it (only the last line may lack one)."""
+
+    number: int
+    offset: int
+    length: int
+    raw: bytes | None
+    complete: bool
+
+
+def read_lines(path: str, max_line_bytes: int, chunk: int = 1 << 16) -> Iterator[Line]:
+    """The lines of `path` in order; a line longer than `max_line_bytes` comes with `raw=None`, skipped in chunks."""
+    with open(path, "rb") as f:
+        number = offset = 0
+        while raw := f.readline(max_line_bytes + 1):
+            number += 1
+            complete = raw.endswith(b"\n")
+            length = len(raw) - complete
+            if complete or length <= max_line_bytes:
+                yield Line(number, offset, length, raw[:length], complete)
+                offset += len(raw)
+                continue
+            while not complete and (rest := f.readline(chunk)):
+                complete = rest.endswith(b"\n")
+                length += len(rest) - complete
+            yield Line(number, offset, length, None, complete)
+            offset += length + complete
+
+
+def keep_rejected(path: str, lines: Sequence[Line]) -> str:
+    """Append `lines` of the file at `path` unchanged (each with a newline) to ``path + '.rejected'``, copied from
+    `path` in chunks, fsynced; return its path."""
     target = path + REJECTED_SUFFIX
-    with open(target, "ab") as f:
-        f.write(b"".join(raw + b"\n" for raw in raw_lines))
+    with open(path, "rb") as source, open(target, "ab") as f:
+        for line in lines:
+            source.seek(line.offset)
+            shutil.copyfileobj(_Span(source, line.length), f)
+            f.write(b"\n")
         f.flush()
         os.fsync(f.fileno())
     return target
+
+
+class _Span:
+    """The next `length` bytes of a binary file as a readable object (for `shutil.copyfileobj`)."""
+
+    def __init__(self, source, length: int) -> None:
+        self.source, self.left = source, length
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.left if size < 0 else min(size, self.left)
+        data = self.source.read(size)
+        self.left -= len(data)
+        return data
 
 
 class CacheFileLock:

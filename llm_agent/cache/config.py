@@ -37,6 +37,7 @@ class CacheConfig(ConfigSection):
     max_total: int = 10000
     state_buckets: int = 3
     seed: int = 0
+    max_reply_bytes: int = 64 << 10  # a reply longer than this (UTF-8) is neither stored nor read back from the file
 
     def __post_init__(self) -> None:
         if self.path is not None and not self.path.strip():
@@ -52,7 +53,9 @@ class CacheConfig(ConfigSection):
             rates[stage] = float(rate)
         self.stage_hit_rates = rates
         check_number(config_key("default_hit_rate"), self.default_hit_rate, 0.0, 1.0)
-        for name in ("min_bucket_size", "max_per_stage", "max_total", "state_buckets"):
+        for name in ("min_bucket_size", "max_per_stage", "max_total", "state_buckets", "max_reply_bytes"):
+            if not is_int(getattr(self, name)):
+                raise ConfigError(f"{config_key(name)} must be an integer, got {getattr(self, name)!r}")
             check_number(config_key(name), getattr(self, name), 1)
         if self.min_bucket_size > self.max_per_stage:
             raise ConfigError(f"{config_key('min_bucket_size')} ({self.min_bucket_size}) exceeds "

@@ -12,9 +12,12 @@ rate the cache answers with a stored simulator reply instead of calling the simu
   it is rewritten atomically (temp file in the same directory, fsync, ``os.replace``).
 
 File format, one object per line: ``{"scenario", "stage", "reply", "state", "status", "ts"}``. Lines of other
-scenarios are kept verbatim; lines that cannot be read (corrupt, too deeply nested, another schema version or
-encoding) are counted, logged once with their line numbers, and moved byte for byte to ``<path>.rejected``
-before any rewrite, so nothing is lost. One process writes a given file: it holds an exclusive lock on
+scenarios are kept verbatim; lines that cannot be read (corrupt, torn, too deeply nested, too long, another schema
+version or encoding) are counted, logged once with their line numbers, and moved byte for byte to
+``<path>.rejected`` before any rewrite, so nothing is lost. Every line is decoded by the project's policy for
+outside input (`verl.utils.untrusted.load_json`), and every reply stored is cleaned (`clean_text`: lone surrogates
+become U+FFFD), so what the cache holds can always be written back. A reply longer than `max_reply_bytes` is
+neither stored nor read (a file line that long is never held in memory). One process writes a given file: it holds an exclusive lock on
 ``<path>.lock`` (a second process gets CacheLockedError at construction; `close()` releases it); every public
 method takes the same thread lock, so the loop may call from threads.
 `save_snapshot` / `restore_snapshot` copy the replies held into and out of a checkpoint, so a resumed run starts
@@ -32,13 +35,21 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from llm_agent.cache.cache_file import CacheFileLock, CacheLockedError, atomic_write, keep_rejected
+from llm_agent.cache.cache_file import CacheFileLock, CacheLockedError, Line, atomic_write, keep_rejected, read_lines
 from llm_agent.cache.config import CacheConfig, is_int
 from llm_agent.cache.entries import CachedReply, Entry, check_state, parse_line, state_level_fn
+from verl.utils.untrusted import UntrustedInputError, clean_text, load_json
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CacheConfig", "CacheLockedError", "CachedReply", "UserResponseCache"]
+
+
+def max_line_bytes(max_reply_bytes: int) -> int:
+    """The longest cache-file line read: a reply of `max_reply_bytes` escaped in JSON (at most 6 bytes per byte,
+    e.g. \\u0001) plus the other fields."""
+    return 6 * max_reply_bytes + 4096
+
 
 class UserResponseCache:
     """Per-(stage, user-state level) buckets of non-terminal simulator replies, served with the stage's hit rate.
@@ -165,9 +176,10 @@ class UserResponseCache:
     def add(self, stage: int | None, reply: str, state: Mapping[str, int | None], status: int | None) -> bool:
         """Store a simulator reply; True when stored.
 
-        Only a non-terminal (status 0) reply with a non-empty text and an agent stage is stored, once (same text
-        and state tags in the same stage are a duplicate). The oldest replies of the stage, then the globally
-        oldest, are evicted past max_per_stage / max_total. ValueError on mistyped arguments.
+        Only a non-terminal (status 0) reply with a non-empty text of at most `max_reply_bytes` and an agent stage
+        is stored (its text and state keys cleaned), once (same text and state tags in the same stage are a
+        duplicate). The oldest replies of the stage, then the globally oldest, are evicted past max_per_stage /
+        max_total. ValueError on mistyped arguments.
         """
         if stage is not None and (not is_int(stage) or stage < 0):
             raise ValueError(f"UserResponseCache.add: stage must be an int >= 0 or None, got {stage!r}")
@@ -180,7 +192,13 @@ class UserResponseCache:
             raise ValueError(f"UserResponseCache.add: status must be an int or None, got {status!r}")
         if not self._enabled or stage is None or status != 0 or not reply.strip():
             return False
-        entry = Entry(0, time.time(), CachedReply(stage, reply, dict(state), 0))
+        if len(reply) > self.config.max_reply_bytes or len(reply.encode("utf-8", "surrogatepass")) > \
+                self.config.max_reply_bytes:
+            logger.warning("cache: a reply of %d characters is over max_reply_bytes=%d; not stored", len(reply),
+                           self.config.max_reply_bytes)
+            return False
+        state = {clean_text(dim): value for dim, value in state.items()}
+        entry = Entry(0, time.time(), CachedReply(stage, clean_text(reply), state, 0))
         with self._lock:
             if entry.key() in self._keys.get(stage, ()):
                 return False
@@ -253,10 +271,9 @@ class UserResponseCache:
         """Replace the replies held by those of a `save_snapshot` file and rewrite the live file to match (other
         scenarios' lines kept), so replies added after the snapshot are gone; returns the count restored."""
         with self._lock:
-            with open(path, "rb") as f:
-                own, _, bad, _ = self._parse(f.read())
+            own, _, bad, _ = self._parse(os.fspath(path))
             if bad:
-                raise ValueError(f"cache snapshot {path}: {len(bad)} corrupt line(s), first: line {bad[0][0]}: "
+                raise ValueError(f"cache snapshot {path}: {len(bad)} corrupt line(s), first: line {bad[0][0].number}: "
                                  f"{bad[0][1]}")
             self._buckets, self._keys, self._size, self._seq = {}, {}, 0, 0
             for entry in own:
@@ -266,54 +283,55 @@ class UserResponseCache:
             logger.info("cache restored from %s: %d replies", path, self._size)
             return self._size
 
-    def _parse(self, data: bytes) -> tuple[list[Entry], list[str], list[tuple[int, str, bytes]], int]:
-        """Split a cache file's bytes into this scenario's entries, other scenarios' lines, the unreadable lines
-        (line number, reason, raw bytes) and the number of lines."""
-        lines = data.split(b"\n")
-        if lines and lines[-1] == b"":
-            lines.pop()
+    def _parse(self, path: str) -> tuple[list[Entry], list[str], list[tuple[Line, str]], Line | None]:
+        """Split a cache file into this scenario's entries, other scenarios' lines, the unreadable lines (each with
+        the reason) and its last line (None for an empty file)."""
         own: list[Entry] = []
         foreign: list[str] = []
-        bad: list[tuple[int, str, bytes]] = []
-        for number, raw in enumerate(lines, start=1):
-            if not raw.strip():
+        bad: list[tuple[Line, str]] = []
+        limit = max_line_bytes(self.config.max_reply_bytes)
+        last = None
+        for line in read_lines(path, limit):
+            last = line
+            if line.raw is None:
+                bad.append((line, f"{line.length} bytes, over the limit of {limit} (max_reply_bytes)"))
+                continue
+            if not line.raw.strip():
                 continue
             try:
-                text = raw.decode("utf-8")
-                obj = json.loads(text)
-            except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-                why = "nested too deeply" if isinstance(exc, RecursionError) else f"not JSON ({type(exc).__name__})"
-                bad.append((number, why, raw))
+                obj = load_json(line.raw, what="line", max_bytes=limit)
+            except UntrustedInputError as exc:
+                bad.append((line, str(exc).removeprefix("line: ")))
                 continue
             reason = parse_line(obj)
+            if reason is None and len(obj["reply"].encode("utf-8")) > self.config.max_reply_bytes:
+                reason = f"reply over max_reply_bytes={self.config.max_reply_bytes}"
             if reason is not None:
-                bad.append((number, reason, raw))
+                bad.append((line, reason))
             elif obj["scenario"] != self.scenario_name:
-                foreign.append(text.strip())
+                foreign.append(line.raw.decode("utf-8").strip())
             else:
                 reply = CachedReply(obj["stage"], obj["reply"], dict(obj["state"]), 0)
                 own.append(Entry(0, float(obj["ts"]), reply))
-        return own, foreign, bad, len(lines)
+        return own, foreign, bad, last
 
     def _load(self, path: str) -> None:
         """Read the file: own valid lines into memory (limits applied), other scenarios' lines kept verbatim,
-        corrupt lines counted and logged once; compacts when the file needs cleaning."""
-        with open(path, "rb") as f:
-            data = f.read()
-        own, self._foreign, bad, n_lines = self._parse(data)
+        unreadable lines moved to ``<path>.rejected`` and logged once; compacts when the file needs cleaning."""
+        own, self._foreign, bad, last = self._parse(path)
         for entry in own:
             self._insert(entry)
-        self._disk_lines = n_lines
+        self._disk_lines = 0 if last is None else last.number
         self._corrupt = len(bad)
         if bad:
-            kept = keep_rejected(path, [raw for _, _, raw in bad])
-            shown = "; ".join(f"line {n}: {why}" for n, why, _ in bad[:20])
+            kept = keep_rejected(path, [line for line, _ in bad])
+            shown = "; ".join(f"line {line.number}: {why}" for line, why in bad[:20])
             more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
             logger.warning("cache file %s: %d unreadable line(s) moved to %s: %s%s", path, len(bad), kept, shown,
                            more)
         logger.info("cache file %s: loaded %d replies for scenario %r (%d lines, %d of other scenarios)",
-                    path, self._size, self.scenario_name, n_lines, len(self._foreign))
-        if bad or self._surplus() > self._slack or (data and not data.endswith(b"\n")):
+                    path, self._size, self.scenario_name, self._disk_lines, len(self._foreign))
+        if bad or self._surplus() > self._slack or (last is not None and not last.complete):
             self._compact(path)
 
     def flush(self) -> None:

@@ -11,7 +11,9 @@ drives them exactly as it drives the trainer's policy, with the same sampling se
 
 The weights come from the directory's HF export (`save_pretrained` files) or, for a checkpoint saved without one
 (`trainer.save_hf_model=last|never`), from its `sharded_state/` read by `verl.model_merger.load_model_state`; no
-export is written. `pick_engine("auto")` is vLLM when it is importable, HF otherwise.
+export is written. A LoRA checkpoint or adapter directory (`adapter_config.json`: a LoRA run's `actor/`, or
+`python -m verl.model_merger --adapter_only`'s output) is its base model with the adapter merged in
+(`verl.model_merger.merged_lora_model`). `pick_engine("auto")` is vLLM when it is importable, HF otherwise.
 """
 from __future__ import annotations
 
@@ -24,12 +26,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from llm_agent.evaluation.defaults import ENGINES
-from verl.model_merger import load_model_state
+from verl.model_merger import load_model_state, merged_lora_model
 from verl.protocol import DataProto
 from verl.utils.checkpoint import find_latest_checkpoint
 from verl.utils.dataset import load_tokenizer
 from verl.utils.device import get_device_name, get_dist_backend
 from verl.utils.fsdp_utils import SHARDED_STATE_DIR
+from verl.utils.lora import is_adapter_dir, read_adapter_config
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.vllm_rollout import vllm_available
 
@@ -41,19 +44,34 @@ HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch
                    "pytorch_model.bin.index.json")
 
 
+def _is_model_dir(path: Path) -> bool:
+    """A model directory (config.json) or a LoRA adapter (adapter_config.json)."""
+    return (path / "config.json").is_file() or is_adapter_dir(path)
+
+
 def resolve_model_dir(path: str | Path) -> Path:
-    """The HF model directory behind `path`: itself, its `actor/` export (a `global_step_N` checkpoint), or the
-    latest complete checkpoint's `actor/` (a checkpoint root); ValueError naming the path otherwise."""
+    """The HF model (or LoRA adapter) directory behind `path`: itself, its `actor/` (a `global_step_N`
+    checkpoint), or the latest complete checkpoint's `actor/` (a checkpoint root); ValueError naming the path
+    otherwise."""
     root = Path(path)
-    if (root / "config.json").is_file():
+    if _is_model_dir(root):
         return root
-    if (root / "actor" / "config.json").is_file():
+    if _is_model_dir(root / "actor"):
         return root / "actor"
     latest = find_latest_checkpoint(root) if root.is_dir() else None
-    if latest is not None and (latest / "actor" / "config.json").is_file():
+    if latest is not None and _is_model_dir(latest / "actor"):
         return latest / "actor"
-    raise ValueError(f"{path}: not a model directory (no config.json), a checkpoint with actor/config.json, or a "
-                     "checkpoint root with a complete global_step_N")
+    raise ValueError(f"{path}: not a model directory (no config.json), a LoRA adapter (adapter_config.json), a "
+                     "checkpoint with either in actor/, or a checkpoint root with a complete global_step_N")
+
+
+def base_dir(model_dir: Path) -> Path:
+    """Where the model's config and tokenizer are: `model_dir`, or for an adapter without them its base model."""
+    if (model_dir / "config.json").is_file() and (model_dir / "tokenizer_config.json").is_file():
+        return model_dir
+    if is_adapter_dir(model_dir):
+        return Path(read_adapter_config(model_dir).get("base_model_name_or_path") or model_dir)
+    return model_dir
 
 
 def pick_engine(engine: str) -> str:
@@ -75,10 +93,18 @@ def policy_dtype(device: str) -> torch.dtype:
 
 
 def load_policy_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
-    """The causal LM of `model_dir` in `dtype` on `device`, from its HF weight files or its `sharded_state/`
-    (a checkpoint saved without the HF export); ValueError naming the directory when it has neither."""
+    """The causal LM of `model_dir` in `dtype` on `device`, from its HF weight files, its `sharded_state/`
+    (a checkpoint saved without the HF export) or, for a LoRA adapter, its base with the adapter merged;
+    ValueError naming the directory when it has none of them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if is_adapter_dir(model_dir):
+        try:
+            model = merged_lora_model(model_dir, dtype)
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
+        logger.info("loaded %s: its base model with the LoRA adapter merged", model_dir)
+        return model.to(device)
     if any((model_dir / name).is_file() for name in HF_WEIGHT_FILES):
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
     if not (model_dir / SHARDED_STATE_DIR).is_dir():
@@ -105,7 +131,7 @@ class HFRolloutAgent:
         self.model_dir = resolve_model_dir(model_dir)
         self.device = device or get_device_name()
         dtype = policy_dtype(self.device)
-        self.tokenizer = load_tokenizer(str(self.model_dir))
+        self.tokenizer = load_tokenizer(str(base_dir(self.model_dir)))
         model = load_policy_model(self.model_dir, dtype, self.device)
         self.rollout = HFRollout(model, OmegaConf.create({"micro_batch_size_per_gpu": micro_batch_size,
                                                           "do_sample": False}))
@@ -149,7 +175,7 @@ class VLLMRolloutAgent:
         self.model_dir = resolve_model_dir(model_dir)
         self.device = device or get_device_name()
         dtype = policy_dtype(self.device)
-        self.tokenizer = load_tokenizer(str(self.model_dir))
+        self.tokenizer = load_tokenizer(str(base_dir(self.model_dir)))
         model = load_policy_model(self.model_dir, dtype, "cpu")
         self._owns_group = _join_single_rank_group(self.device)
         config = OmegaConf.create({
@@ -158,7 +184,8 @@ class VLLMRolloutAgent:
             "enable_prefix_caching": True, "seed": seed, "free_cache_engine": False, "calculate_log_probs": False,
             "do_sample": False})
         try:
-            self.rollout = vLLMRollout(str(self.model_dir), config, str(dtype).removeprefix("torch."), self.device)
+            self.rollout = vLLMRollout(str(base_dir(self.model_dir)), config, str(dtype).removeprefix("torch."),
+                                       self.device)
             stats = WeightSyncStats()
             stream = ((name, tensor.to(self.device)) for name, tensor in fsdp_weight_stream(model, dtype, stats))
             self.rollout.update_weights(stream, stats)

@@ -6,11 +6,16 @@ of `chunk_size` through `llm_agent.generation.LLMGenerationManager` in validatio
 fixed profiles, no cache, no controller, simulator seeds from the profile) with greedy decoding, so scenario
 parsing, outcomes and metrics are the training ones. Each finished chunk is scored by the dialogue reward
 (`llm_agent.reward.compute_reward`, default weights) and appended to `<out>/<name>_dialogues.jsonl` in the
-rollout log's line format (split `eval`, step: the agent's training step). A rerun reads that file, cuts a torn
-last line, checks that the recorded settings, profiles and step match, and runs only the dialogue ids that are
-missing (with `retry_errors`, also those whose last run ended in `error`). At the end `<out>/<name>_results.json`
-gets every metric of `llm_agent.metrics` with its bootstrap interval (`llm_agent.evaluation.stats`), and for a
-checkpoint agent the checkpoint, its `global_step` and where each setting came from.
+rollout log's line format (split `eval`, step: the agent's training step), each line with the settings it was run
+with (`settings`, the fingerprint of `EvalSettings`; `<name>_settings.json` holds them too). A rerun reads that
+file, moves a torn last line to `<name>_dialogues.jsonl.torn`, checks every line's settings (a line without them
+only when the settings file is there and matches) and step, and the profiles, and runs only the dialogue ids that
+are missing (with `retry_errors`, also those whose last run ended in `error`); a line run under other settings or
+at another step is an error naming the file and the line, never counted. API keys are never settings: they reach
+the simulator client through `evaluate_agent(user_sim_api_key=...)` or its environment. At the end
+`<out>/<name>_results.json` gets every metric of `llm_agent.metrics` with its bootstrap interval
+(`llm_agent.evaluation.stats`), and for a checkpoint agent the checkpoint, its `global_step` and where each setting
+came from.
 """
 from __future__ import annotations
 
@@ -25,8 +30,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from llm_agent.evaluation.dialogue_log import drop_torn_tail, latest_per_dialogue, read_dialogue_log
 from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
+from llm_agent.evaluation.dialogue_log import drop_torn_tail, latest_per_dialogue, read_dialogue_log
 from llm_agent.evaluation.stats import metric_intervals
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.metrics import records_from_batch
@@ -35,12 +40,15 @@ from llm_agent.rollout.config import GenerationConfig
 from llm_agent.rollout.records import RECORD_COLUMNS, append_jsonl, log_lines, object_column
 from llm_agent.scenario import load_scenario
 from verl.utils.dataset import RLHFDataset
+from verl.utils.untrusted import load_json
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EvalSettings", "EvalSummary", "dialogue_id_of", "dialogues_path", "evaluate_agent", "results_path"]
 
 SPLIT = "eval"
+SETTINGS_KEY = "settings"  # each dialogue line's copy of the settings fingerprint
+ANOTHER_NAME = "name the agent differently (--agent NEWNAME=SPEC) or use another --out"  # a refusal's advice
 
 
 def dialogues_path(out_dir: str | os.PathLike, name: str) -> Path:
@@ -82,11 +90,16 @@ class EvalSettings:
     seed: int = GenerationConfig.seed
     user_sim: dict[str, Any] = field(default_factory=dict)
 
-    def loop_config(self, urls: list[str] | None) -> dict[str, Any]:
+    def __post_init__(self) -> None:
+        if "api_key" in self.user_sim:
+            raise ValueError("EvalSettings.user_sim must not hold an API key (settings are written to files); pass "
+                             "it to evaluate_agent(user_sim_api_key=...) or set SEAD_USER_SIM_API_KEY")
+
+    def loop_config(self, urls: list[str] | None, api_key: str | None = None) -> dict[str, Any]:
         """The `rollout_loop.config` mapping for LLMGenerationManager (validated there, key by key)."""
         return {"scenario": self.scenario, "max_turns": self.max_turns, "max_tokens_per_turn": self.max_tokens_per_turn,
                 "max_response_length": self.max_response_length, "max_user_tokens": self.max_user_tokens,
-                "seed": self.seed, "user_sim": {**self.user_sim, "urls": urls},
+                "seed": self.seed, "user_sim": {**self.user_sim, "urls": urls, "api_key": api_key},
                 "cache": {"enabled": False}, "controller": {"enabled": False}}
 
     def fingerprint(self) -> dict[str, Any]:
@@ -110,30 +123,50 @@ class EvalSummary:
     results: dict[str, Any]
 
 
-def _check_settings(out_dir: Path, name: str, settings: EvalSettings) -> None:
+def _differences(saved: Any, current: dict[str, Any]) -> str:
+    """The settings that differ between `saved` and `current`, then and now ("" when they are equal)."""
+    if not isinstance(saved, dict):
+        return f"not a settings object but {type(saved).__name__}"
+    changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if not changed:
+        return ""
+    return (f"{', '.join(changed)}: { {k: saved.get(k) for k in changed} } then, "
+            f"{ {k: current.get(k) for k in changed} } now")
+
+
+def _saved_settings(out_dir: Path, name: str, current: dict[str, Any]) -> bool:
+    """True when `<name>_settings.json` exists (and equals `current`); ValueError naming the file otherwise."""
     path = settings_path(out_dir, name)
-    current = settings.fingerprint()
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-        if changed:
-            raise ValueError(f"{path}: the dialogues of {name!r} were run with other settings ({', '.join(changed)}: "
-                             f"{ {k: saved.get(k) for k in changed} } then, { {k: current.get(k) for k in changed} } "
-                             "now); name the agent differently (--agent NEWNAME=SPEC) or use another --out to evaluate "
-                             "with new settings")
-    else:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(current, indent=2) + "\n")
+    if not path.is_file():
+        return False
+    saved = load_json(path.read_bytes(), what=str(path), max_bytes=1 << 20)
+    if changed := _differences(saved, current):
+        raise ValueError(f"{path}: the dialogues of {name!r} were run with other settings ({changed}); {ANOTHER_NAME} "
+                         "to evaluate with new settings")
+    return True
 
 
-def _done_records(path: Path, profiles: Mapping[str, str], retry_errors: bool, step: int
-                  ) -> dict[str, dict[str, Any]]:
-    """The finished dialogues of a previous run that belong to this test selection, checked against its profiles
-    and the agent's step (a checkpoint root trained on since then is another agent)."""
+def _done_records(path: Path, profiles: Mapping[str, str], retry_errors: bool, current: dict[str, Any],
+                  settings_file: bool, step: int) -> dict[str, dict[str, Any]]:
+    """The finished dialogues of a previous run that belong to this test selection, each line checked against the
+    current settings (a line without settings only when the settings file matched) and the agent's step (a
+    checkpoint root trained on since then is another agent), and the test set's profiles."""
     if not path.is_file():
         return {}
     log = read_dialogue_log(path)
     drop_torn_tail(log)
+    for lineno, record in zip(log.line_numbers, log.records):
+        if SETTINGS_KEY not in record:
+            if not settings_file:
+                raise ValueError(f"{path}:{lineno}: the line does not record its settings and "
+                                 f"{settings_path(path.parent, path.name.removesuffix('_dialogues.jsonl'))} is "
+                                 "missing, so what it was run with is unknown; evaluate into another --out")
+        elif changed := _differences(record[SETTINGS_KEY], current):
+            raise ValueError(f"{path}:{lineno}: dialogue {record.get('dialogue_id')} was run with other settings "
+                             f"({changed}); {ANOTHER_NAME}")
+        if record.get("step") != step:
+            raise ValueError(f"{path}:{lineno}: dialogue {record.get('dialogue_id')} was run with the agent at step "
+                             f"{record.get('step')}, but it is now at step {step} (trained on since?); {ANOTHER_NAME}")
     done = {}
     for dialogue_id, record in latest_per_dialogue(log.records).items():
         if dialogue_id not in profiles:
@@ -141,14 +174,15 @@ def _done_records(path: Path, profiles: Mapping[str, str], retry_errors: bool, s
         if json.dumps(record.get("profile"), sort_keys=True) != profiles[dialogue_id]:
             raise ValueError(f"{path}: dialogue {dialogue_id} has profile {record.get('profile')} but the test set "
                              f"has {profiles[dialogue_id]}; the file belongs to another test set")
-        if record.get("step") != step:
-            raise ValueError(f"{path}: dialogue {dialogue_id} was run with the agent at step {record.get('step')}, "
-                             f"but it is now at step {step} (trained on since?); name the agent differently "
-                             "(--agent NEWNAME=SPEC) or use another --out")
         if retry_errors and record.get("outcome") == "error":
             continue
         done[dialogue_id] = record
     return done
+
+
+def _with_settings(lines: list[str], current: dict[str, Any]) -> list[str]:
+    """The log lines, each with the settings it was run with."""
+    return [json.dumps({**json.loads(line), SETTINGS_KEY: current}, ensure_ascii=False) for line in lines]
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -162,18 +196,21 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
                    retry_errors: bool = False, n_resamples: int = DEFAULT_RESAMPLES,
                    confidence: float = DEFAULT_CONFIDENCE, agent_description: str | None = None,
                    step: int = 0, checkpoint: str | None = None,
-                   settings_origin: Mapping[str, str] | None = None) -> EvalSummary:
+                   settings_origin: Mapping[str, str] | None = None,
+                   user_sim_api_key: str | None = None) -> EvalSummary:
     """Run the missing test dialogues of agent `name` and write its dialogues and results (module docstring).
 
     `agent` has the worker-group interface; `client` (optional) replaces the simulator client built from
-    `user_sim_urls`. `step` is the agent's training step (its dialogues' `step`); `checkpoint` the `global_step_N`
-    directory of a checkpoint agent (results then record it and `global_step`); `settings_origin` says where
-    each setting came from. Returns what was run and the results written.
+    `user_sim_urls` (with `user_sim_api_key`, else $SEAD_USER_SIM_API_KEY). `step` is the agent's training step
+    (its dialogues' `step`); `checkpoint` the `global_step_N` directory of a checkpoint agent (results then record
+    it and `global_step`); `settings_origin` says where each setting came from. Returns what was run and the
+    results written.
     """
     out_dir = Path(out_dir)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    _check_settings(out_dir, name, settings)
+    current = settings.fingerprint()
+    settings_file = _saved_settings(out_dir, name, current)
     scenario = load_scenario(settings.scenario)
     dataset = RLHFDataset(settings.test_file, tokenizer, max_prompt_length=settings.max_prompt_length)
     if "user_profile" not in dataset.columns:
@@ -183,12 +220,15 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
     profiles = {dialogue_id_of(i): json.dumps(json.loads(dataset.rows[i]["user_profile"]), sort_keys=True)
                 for i in rows}
     log_path = dialogues_path(out_dir, name)
-    done = _done_records(log_path, profiles, retry_errors, step)
+    done = _done_records(log_path, profiles, retry_errors, current, settings_file, step)
+    if not settings_file:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(settings_path(out_dir, name), current)
     todo = [i for i in rows if dialogue_id_of(i) not in done]
     logger.info("%s: %d test dialogues, %d already in %s, %d to run", name, len(rows), len(done), log_path, len(todo))
     if todo:
-        loop = LLMGenerationManager(tokenizer, agent, settings.loop_config(user_sim_urls), is_validation=True,
-                                    client=client)
+        loop = LLMGenerationManager(tokenizer, agent, settings.loop_config(user_sim_urls, user_sim_api_key),
+                                    is_validation=True, client=client)
         progress = tqdm(total=len(rows), initial=len(done), desc=f"evaluating {name}", unit="dialogue")
         try:
             for start in range(0, len(todo), chunk_size):
@@ -199,7 +239,7 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
                 out = loop.run_llm_loop(batch)
                 compute_reward(out, tokenizer, scenario=settings.scenario)
                 records = records_from_batch(out, RECORD_COLUMNS)
-                append_jsonl(log_path, log_lines(records, step, SPLIT))
+                append_jsonl(log_path, _with_settings(log_lines(records, step, SPLIT), current))
                 done.update({r["dialogue_id"]: r for r in records})
                 progress.update(len(chunk))
         finally:

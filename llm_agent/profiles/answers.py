@@ -30,6 +30,7 @@ SYSTEM_PROMPT = ("You design believable simulated customers for training a phone
 MAX_ANSWER_BYTES = 64 << 10  # a profile answer is a few hundred bytes
 REPAIR_CUTOFF = 0.9  # difflib ratio above which a behaviour text is taken to mean that library entry
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$", re.IGNORECASE)
+_NUMBER = re.compile(r"[0-9]{1,9}")  # a library number written as text (ASCII digits: int() refuses "²")
 
 
 def _normal(text: str) -> str:
@@ -82,7 +83,7 @@ def _match(item: Any, library: Sequence[Behavior], by_text: Mapping[str, Behavio
     """The library behaviour an answer item names (number, text or {"behavior": text}); None when unknown."""
     if isinstance(item, bool):
         return None
-    if isinstance(item, int) or (isinstance(item, str) and item.strip().isdigit()):
+    if isinstance(item, int) or (isinstance(item, str) and _NUMBER.fullmatch(item.strip())):
         number = int(item)
         return library[number - 1] if 1 <= number <= len(library) else None
     if isinstance(item, Mapping):

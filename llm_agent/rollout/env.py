@@ -14,8 +14,9 @@ Per agent turn: the sampled ids go into the dialogue's row of the shared `TokenB
 - without a well-formed reply tag: a format-error note is the user turn (no simulator call);
 - status -1 (the agent ends the call): `agent_ended`;
 - otherwise the user answers: from the user-response cache (training; the cached words only, the dialogue keeps
-  its own user state), or from the simulator (`Step.request`; a malformed reply is re-requested with a new seed
-  up to `user_sim.reply_retries` times, then `error`; a failed turn is `error`).
+  its own user state), or from the simulator (`Step.request`; a malformed reply is re-requested with a new seed,
+  away from the instance that sent it (`TurnRequest.avoid`), up to `user_sim.reply_retries` times, then `error`;
+  a failed turn is `error`).
 The user turn is appended as the chat template's role markers around the spoken reply (loss 0) unless it ends the
 dialogue: status 1 `completed`, status -1 `hung_up`, an unconfirmed claim of success `agent_ended`, the last of
 `max_turns` turns `timeout`, no room left in the budget `truncated`. Each outcome has one handler below.
@@ -109,10 +110,12 @@ class Step:
 
 @dataclass
 class _Pending:
-    """The agent turn waiting for the simulator and the number of the request sent for it (0 = first)."""
+    """The agent turn waiting for the simulator, the number of the request sent for it (0 = first) and the
+    instances whose replies to it were malformed."""
 
     agent: AgentTurn
     attempt: int
+    avoid: tuple[str, ...] = ()
 
 
 class DialogueEnv:
@@ -189,7 +192,8 @@ class DialogueEnv:
             if pending.attempt < self.rules.user_sim.reply_retries:
                 d.sim_retries += 1
                 pending.attempt += 1
-                return Step(d.turns[-1], request=self._request(pending.attempt))
+                pending.avoid += (result.instance,)
+                return Step(d.turns[-1], request=self._request(pending.attempt, pending.avoid))
             self._pending = None
             d.turns[-1]["user_error"] = malformed
             return self._fail(f"{malformed} (after {pending.attempt + 1} requests)")
@@ -224,12 +228,12 @@ class DialogueEnv:
                 buffer.append(self.row, [eos], 0)
         return ids, cut
 
-    def _request(self, attempt: int) -> TurnRequest:
-        """The simulator request for the last agent turn (its `attempt`-th request)."""
+    def _request(self, attempt: int, avoid: tuple[str, ...] = ()) -> TurnRequest:
+        """The simulator request for the last agent turn (its `attempt`-th request, away from `avoid`)."""
         d, sim = self.dialogue, self.rules.user_sim
         d.sim_requests += 1
         return TurnRequest(d.dialogue_id, d.sim_messages, temperature=sim.temperature, top_p=sim.top_p,
-                           max_tokens=sim.max_tokens, seed=self.rules.seeds(d, d.num_turns - 1, attempt))
+                           max_tokens=sim.max_tokens, seed=self.rules.seeds(d, d.num_turns - 1, attempt), avoid=avoid)
 
     def _format_error(self, turn: AgentTurn) -> Step:
         """The agent's output broke the tag protocol: a note naming the problem is its user turn."""

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llm_agent.api_keys import ApiKeyError, api_key, command_line_refusal
 from llm_agent.user_sim.processes import (REPO_ROOT, ProcessId, ServerSpec, SimulatorStartError, is_our_simulator,
                                           launch, port_in_use, stop_process, wait_until_ready)
 
@@ -128,20 +129,10 @@ def _uint(value: str, message: str) -> int:
 
 def _read_api_key(key_file: str | None, environ: Mapping[str, str]) -> str | None:
     """The key from --api-key-file (a private, non-empty file of this user) or the environment."""
-    if not key_file:
-        return environ.get(API_KEY_ENV) or None
-    path = Path(key_file)
-    if not path.is_file() or not os.access(path, os.R_OK):
-        raise UsageError(f"--api-key-file {key_file} is not a readable file")
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise UsageError(f"--api-key-file {key_file} is not owned by you")
-    if info.st_mode & 0o077:
-        raise UsageError(f"--api-key-file {key_file} may be read by others: chmod 600 {key_file}")
-    key = "".join(path.read_text().split())
-    if not key:
-        raise UsageError(f"--api-key-file {key_file} is empty")
-    return key
+    try:
+        return api_key(API_KEY_ENV, key_file or None, environ=environ)
+    except ApiKeyError as err:
+        raise UsageError(str(err)) from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -189,8 +180,7 @@ def parse_start(argv: Sequence[str], environ: Mapping[str, str]) -> StartOptions
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = _start_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.api_key is not None:
-        raise UsageError(f"--api-key is not accepted (a command line is visible to every local user); set "
-                         f"{API_KEY_ENV} or pass --api-key-file FILE (mode 0600)")
+        raise UsageError(command_line_refusal("--api-key", API_KEY_ENV))
     base = Path(args.caller_dir)
     backend = args.backend or ("vllm" if args.model else "scripted")
     if backend not in ("vllm", "hf", "scripted"):
@@ -344,9 +334,24 @@ def _stop_parser() -> _Parser:
     return p
 
 
+def _unverified(ident: ProcessId, port: int) -> str | None:
+    """Why a live process that a PID file may still rightly name cannot be signalled; None when the recorded
+    process is gone (no process with that PID, or one started at another time than recorded)."""
+    live = ProcessId.of(ident.pid)
+    if live is None or (ident.start_ticks > 0 and live.start_ticks != ident.start_ticks):
+        return None
+    if ident.start_ticks <= 0:
+        return "has no start time to verify"
+    if not ident.mine():
+        return "is not yours"
+    return f"is not a simulator on port {port}"
+
+
 def stop_instances(run_dir: Path, ports: Sequence[int] | None = None, grace_s: float = 20.0) -> int:
     """Stop the recorded instances of `run_dir` (the given ports, else every PID file) that are verifiably ours;
-    remove their PID files (and the URL list once none is left). 0 when every one is gone, 1 otherwise."""
+    remove their PID files (and the URL list once none is left) and the files of processes that are gone. A file
+    naming a live process that cannot be verified is kept and the process left alone. 0 when every recorded
+    instance is gone, 1 otherwise."""
     run = RunDir(run_dir)
     if not run.path.is_dir():
         return 0
@@ -364,10 +369,14 @@ def stop_instances(run_dir: Path, ports: Sequence[int] | None = None, grace_s: f
                 pid_file.unlink(missing_ok=True)
                 continue
             if not is_our_simulator(ident, port):
-                _say("stop_user_sims", f"PID {ident.pid} from {pid_file} is not running, was reused, has no start time "
-                                       f"to verify, is not yours or is not a simulator on port {port}; not signalling "
-                                       "it; removing the file")
-                pid_file.unlink(missing_ok=True)
+                if reason := _unverified(ident, port):  # it may be the instance: keep its only record, fail
+                    _say("stop_user_sims", f"PID {ident.pid} from {pid_file} runs but {reason}; not signalling it; "
+                                           "the file is kept")
+                    status = 1
+                else:
+                    _say("stop_user_sims", f"PID {ident.pid} from {pid_file} is not running (or its PID was reused "
+                                           "by a process started later); removing the file")
+                    pid_file.unlink(missing_ok=True)
                 continue
             if not stop_process(ident, grace_s, log=lambda text: _say("stop_user_sims", text)):
                 _say("stop_user_sims", f"PID {ident.pid} still alive after KILL")

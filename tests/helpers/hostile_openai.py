@@ -1,5 +1,5 @@
 """Test helper: an OpenAI-compatible server on loopback whose answers are hostile (they trickle, flood, nest
-deeply, carry lone surrogates, or are fine), to check every client of such endpoints."""
+deeply, carry lone surrogates, shed load slowly, or are fine), to check every client of such endpoints."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,9 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-MODES = ("ok", "trickle", "flood", "nested", "nested_503", "surrogate", "stall")
+MODES = ("ok", "trickle", "flood", "nested", "nested_503", "nested_post", "surrogate", "stall", "overloaded_slow",
+         "raw")
+SLOW_S = 0.9  # how long an "overloaded_slow" answer takes
 FLOOD_BYTES = 50 << 20
 
 
@@ -30,13 +32,22 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _authorized(self) -> bool:
+        key = self.server.api_key
+        if key is None or self.headers.get("Authorization") == f"Bearer {key}":
+            return True
+        self._send(401, json.dumps({"error": {"message": "invalid API key", "code": "invalid_api_key"}}).encode())
+        return False
+
     def do_GET(self) -> None:
-        self._answer(json.dumps({"data": [{"id": "m"}]}).encode())
+        if self._authorized():
+            self._answer(json.dumps({"data": [{"id": "m"}]}).encode())
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.server.requests += 1
-        self._answer(completion(self.server.content))
+        if self._authorized():
+            self._answer(completion(self.server.content))
 
     def _answer(self, good: bytes) -> None:
         mode = self.server.mode
@@ -56,8 +67,16 @@ class _Handler(BaseHTTPRequestHandler):
                 chunk = b"x" * (1 << 20)
                 for _ in range(FLOOD_BYTES // len(chunk)):
                     self.wfile.write(chunk)
+            elif mode == "nested_post" and self.command == "POST":  # healthy at start-up, hostile afterwards
+                self._send(200, b"[" * 200_000 + b"]" * 200_000)
             elif mode in ("nested", "nested_503"):
                 self._send(200 if mode == "nested" else 503, b"[" * 200_000 + b"]" * 200_000)
+            elif mode == "overloaded_slow" and self.command == "POST":  # a saturated server, slow to say so
+                self.server.stopping.wait(SLOW_S)
+                self._send(503, json.dumps({"error": {"message": "busy", "type": "server_error",
+                                                      "code": "overloaded"}}).encode())
+            elif mode == "raw":  # whatever status and body the test set last (`HostileOpenAIServer.answer_with`)
+                self._send(*self.server.raw)
             elif mode == "surrogate":
                 self._send(200, completion("hello \ud800 there") if self.command == "POST" else good)
             else:
@@ -72,16 +91,23 @@ class _Server(ThreadingHTTPServer):
 
 class HostileOpenAIServer:
     """`with HostileOpenAIServer(mode) as s:` serves on `s.url` (127.0.0.1, a free port) until the block ends;
-    a well-formed answer's text is `content`."""
+    a well-formed answer's text is `content`; with `api_key`, a request without that bearer token gets a 401."""
 
-    def __init__(self, mode: str, content: str = "ok") -> None:
+    def __init__(self, mode: str, content: str = "ok", api_key: str | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.server = _Server(("127.0.0.1", 0), _Handler)
         self.server.mode, self.server.content, self.server.requests = mode, content, 0
+        self.server.api_key = api_key
+        self.server.raw = (200, completion(content))
         self.server.stopping = threading.Event()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # a short poll: shutdown() waits for the serving loop to look at its flag (0.5 s by default)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+
+    def answer_with(self, status: int, body: bytes) -> None:
+        """In mode "raw", answer every request from now on with `status` and `body`."""
+        self.server.raw = (status, body)
 
     @property
     def requests(self) -> int:

@@ -6,6 +6,7 @@ from scripts/presets.sh; every printed command must also compose and validate as
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -19,12 +20,17 @@ from verl.trainer.config_validation import build_config
 
 pytestmark = pytest.mark.processes
 
+QWEN25_14B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
+              "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+              "tie_word_embeddings": False}
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_VARS = ("EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS "
                "MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE "
                "KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH USE_DYNAMIC_BSZ MAX_TOKEN_LEN "
                "LOGPROB_MAX_TOKEN_LEN AGENT_PROMPT_FILE TEST_FREQ SAVE_FREQ "
-               "MAX_CKPT SAVE_HF_MODEL POLICY_GPUS ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM PRESET_OVERRIDES PRESET "
+               "MAX_CKPT SAVE_HF_MODEL POLICY_GPUS ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM LORA_RANK LORA_ALPHA "
+               "PRESET_OVERRIDES PRESET "
                "PRINT_CONFIG_ONLY MODEL_PATH USER_SIM_MODEL USER_SIM_URLS "
                "SIM_INSTANCES SIM_TP SIM_GPUS SIM_BASE_PORT SCENARIO WARM_START_STEPS OUTPUT_DIR SEAD_GPU_MAX_TURNS "
                "DATA_DIR CKPT_DIR LOG_DIR RUN_DIR ROLLOUT_LOG VAL_METRICS DEVICE PYTORCH_CUDA_ALLOC_CONF").split()
@@ -123,10 +129,36 @@ def test_with_model_path_the_papers_gpu_preset_applies(tmp_path):
     assert cmd["trainer.experiment_name"] == "Qwen2.5-14B-Instruct_outbound_ad_trial"
     assert cmd["trainer.default_local_dir"].endswith("checkpoints/Qwen2.5-14B-Instruct_outbound_ad_trial")
     assert "reward.kwargs.weights.format" not in cmd, "the CPU demo's reward shaping leaked into the GPU preset"
+    assert not any(k.startswith("actor_rollout_ref.model.lora") for k in cmd)  # every weight trains (no LoRA)
     assert all(origin == "preset" for _, origin in block.values())
     # the trainer (not the simulators, started before it) gets the expandable-segments CUDA allocator
     assert "trainer environment: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out.splitlines()
     assert_valid(overrides, tmp_path)
+
+
+def test_gpu_lora_preset_trains_a_rank_32_adapter_on_two_gpus_and_fits_the_plan(tmp_path):
+    from verl.trainer import plan
+    from verl.utils.memory_model import ModelShape
+
+    model = tmp_path / "Qwen2.5-14B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_14B))
+    _, block, cmd, overrides = dry_run(tmp_path, MODEL_PATH=str(model), PRESET="gpu_lora",
+                                       USER_SIM_URLS="http://127.0.0.1:5000")
+    lora = {"actor_rollout_ref.model.lora_rank": "32", "actor_rollout_ref.model.lora_alpha": "32",
+            "actor_rollout_ref.actor.optim.lr": "1e-5", "trainer.n_gpus_per_node": "2",
+            "actor_rollout_ref.rollout.gpu_memory_utilization": "0.7"}
+    assert {k: cmd[k] for k in lora} == lora
+    assert {k: cmd[k] for k in GPU if k not in lora} == {k: v for k, v in GPU.items() if k not in lora}
+    assert block["POLICY_GPUS"] == ("0,1", "preset") and block["LORA_RANK"] == ("32", "lora")
+    assert_valid(overrides, model)
+    # the planner on the printed command at 14B: the training phases fit 80 GB with its 15% error to spare, the
+    # rollout (vLLM's pool is a set fraction) no tighter than the full-model GPU preset's 74.6 GB
+    config = build_config(compose_config(overrides, config_name="sead_trainer"))
+    setup, hw = plan.make_setup(config, ModelShape.from_model_dir(str(model)), None), plan.Hardware()
+    phases = {p.name: p.total for p in plan.build_phases(setup, hw)}
+    assert phases.pop("rollout (vLLM)") <= 74.6e9
+    assert 1.15 * max(phases.values()) <= hw.memory_bytes
 
 
 def test_environment_and_key_value_overrides_win(tmp_path):
@@ -170,7 +202,7 @@ def test_unknown_preset_is_refused(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
     done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "main.sh"), "--dry-run"], cwd=tmp_path,
                           env={**env, "PRESET": "tpu"}, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "PRESET must be cpu, gpu or rehearsal, got 'tpu'" in done.stderr
+    assert done.returncode == 2 and "PRESET must be cpu, gpu, gpu_lora or rehearsal, got 'tpu'" in done.stderr
 
 
 @pytest.mark.parametrize("preset", ["cpu", "gpu"])

@@ -50,14 +50,28 @@ class DataConfig:
 
 
 @dataclass
+class ModelLoraConfig:
+    """``actor_rollout_ref.model.lora.*``: how a LoRA actor's weights reach the vLLM engine (veRL's key)."""
+
+    merge: bool = False
+
+
+@dataclass
 class ModelConfig:
-    """``actor_rollout_ref.model.*``: the Hugging Face model shared by actor, rollout and reference."""
+    """``actor_rollout_ref.model.*``: the Hugging Face model shared by actor, rollout and reference, and the actor's
+    LoRA adapter (veRL's keys; ``lora_rank`` 0 = full fine-tuning)."""
 
     path: Optional[str] = None
     tokenizer_path: Optional[str] = None
+    use_shm: bool = False
     enable_gradient_checkpointing: bool = False
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     use_remove_padding: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: Union[str, list[str]] = "all-linear"
+    exclude_modules: Optional[Union[str, list[str]]] = None
+    lora: ModelLoraConfig = field(default_factory=ModelLoraConfig)
 
 
 @dataclass
@@ -199,11 +213,15 @@ class ActorRolloutRefConfig:
 
 @dataclass
 class CriticModelConfig:
-    """``critic.model.*``: the value-model backbone."""
+    """``critic.model.*``: the value-model backbone and its LoRA adapter (veRL's keys)."""
 
     path: Optional[str] = None
+    use_shm: bool = False
     enable_gradient_checkpointing: bool = False
     use_remove_padding: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: Union[str, list[str]] = "all-linear"
     fsdp_config: CriticFSDPOffloadConfig = field(default_factory=CriticFSDPOffloadConfig)
 
 

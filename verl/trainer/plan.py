@@ -9,7 +9,10 @@ weight sync after it) the estimated memory (sharded weights, gradients, optimize
 activations, logits, KV cache, the vLLM engine, CUDA contexts) and a rough time, then the settings to change when a
 phase does not fit. With ``rollout.name=vllm`` the rollout phase is the colocated engine's: the actor's resident
 state beside ``gpu_memory_utilization`` of the GPU, and the engine's KV cache in tokens against the step's peak of
-concurrent dialogue tokens. The offload keys move states off the GPU outside their phases. The formulas are in
+concurrent dialogue tokens. The offload keys move states off the GPU outside their phases. With LoRA
+(``model.lora_rank``) a model's base is frozen in the compute dtype and only its adapter has master weights,
+gradients and AdamW state; the actor's reference pass is the actor itself (adapter disabled) and its vLLM engine
+keeps the base, receiving only the adapter (:mod:`verl.trainer.plan_lora`). The formulas are in
 :mod:`verl.utils.memory_model`.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from omegaconf import OmegaConf
 from verl.trainer.cli_overrides import check_overrides
 from verl.trainer.config_schema import ConfigError, PPOTrainerConfig, compose_config
 from verl.trainer.config_validation import build_config, validate_config
+from verl.trainer.plan_lora import LoraPlan, lora_plan, vllm_adapter_slot_bytes
 from verl.utils import memory_model as mm
 
 GB = 1e9
@@ -45,6 +49,7 @@ class Hardware:
     bf16_tflops: float = 989.0
     mfu: float = 0.4
     hbm_tbps: float = 3.35
+    host_gbps: float = 25.0  # pinned host <-> GPU copies (a LoRA engine's weights wake from host memory)
     decode_step_overhead_s: float = 0.03
     vllm_step_overhead_s: float = 0.005
 
@@ -93,6 +98,17 @@ class Setup:
     response_len: int
     prompt_len: int
     decode_steps: int
+    actor_lora: LoraPlan | None = None
+    critic_lora: LoraPlan | None = None
+
+    @property
+    def serves_adapter(self) -> bool:
+        """Whether the vLLM engine keeps the base and receives the actor's LoRA adapter (not merged weights)."""
+        return self.vllm and self.actor_lora is not None and not self.actor_lora.settings.merge
+
+    def lora(self, model: str) -> LoraPlan | None:
+        """The adapter of ``model`` (actor or critic), if it trains one."""
+        return self.critic_lora if model == "critic" else self.actor_lora
 
     @property
     def vllm(self) -> bool:
@@ -125,25 +141,41 @@ def make_setup(cfg: PPOTrainerConfig, actor: mm.ModelShape, critic: mm.ModelShap
                  compute_bytes=_dtype_bytes(cfg.actor_rollout_ref.actor.fsdp_config.param_dtype),
                  rows_per_gpu=-(-rows // cfg.world_size), seq_len=data.max_prompt_length + data.max_response_length,
                  response_len=data.max_response_length, prompt_len=data.max_prompt_length,
-                 decode_steps=min(decode_steps, data.max_response_length))
+                 decode_steps=min(decode_steps, data.max_response_length),
+                 actor_lora=lora_plan(cfg.actor_rollout_ref.model, actor, "actor_rollout_ref.model"),
+                 critic_lora=lora_plan(cfg.critic.model, critic, "critic.model") if critic is not None else None)
 
 
 def _states(s: Setup) -> dict[str, mm.ShardedState]:
-    """Sharded state of every model on the GPU (actor, reference in the compute dtype, critic)."""
+    """Sharded state of every model on the GPU (actor, reference in the compute dtype, critic); a LoRA model's base
+    in the compute dtype beside its adapter's training state, and no reference of its own for a LoRA actor."""
     b, separate = s.compute_bytes, s.cfg.actor_rollout_ref.actor.strategy == "fsdp2"
-    states = {"actor": mm.sharded_state(s.actor, s.world, b, mm.FP32, True, separate_embedding_units=separate)}
-    if s.cfg.need_reference:
+    if s.actor_lora is not None:
+        states = {"actor": mm.lora_sharded_state(s.actor, s.world, b, s.actor_lora.params,
+                                                 separate_embedding_units=separate)}
+    else:
+        states = {"actor": mm.sharded_state(s.actor, s.world, b, mm.FP32, True, separate_embedding_units=separate)}
+    if s.cfg.need_reference and s.actor_lora is None:
         states["ref"] = mm.sharded_state(s.actor, s.world, b, b, False, separate_embedding_units=separate)
     if s.critic is not None:
-        states["critic"] = mm.sharded_state(s.critic, s.world, _dtype_bytes(s.cfg.critic.fsdp_config.param_dtype),
-                                            mm.FP32, True, value_head=True,
-                                            separate_embedding_units=s.cfg.critic.strategy == "fsdp2")
+        cb, critic_separate = _dtype_bytes(s.cfg.critic.fsdp_config.param_dtype), s.cfg.critic.strategy == "fsdp2"
+        if s.critic_lora is not None:
+            states["critic"] = mm.lora_sharded_state(s.critic, s.world, cb, s.critic_lora.params, value_head=True,
+                                                     separate_embedding_units=critic_separate)
+        else:
+            states["critic"] = mm.sharded_state(s.critic, s.world, cb, mm.FP32, True, value_head=True,
+                                                separate_embedding_units=critic_separate)
     return states
 
 
 # Which model states a phase computes with (brought back to the GPU when offloaded between calls).
 _PARAMS_USED = {"rollout": set(), "rollout hf": {"actor"}, "old": {"actor"}, "ref": {"ref"}, "values": {"critic"},
                 "update critic": {"critic"}, "update actor": {"actor"}, "sync": {"actor"}}
+
+
+def _state_of(s: Setup, model: str) -> str:
+    """The state a pass of ``model`` computes with: a LoRA actor's reference pass is the actor's."""
+    return "actor" if model == "ref" and s.actor_lora is not None else model
 
 
 def _resident(s: Setup, phase: str) -> dict[str, float]:
@@ -154,8 +186,9 @@ def _resident(s: Setup, phase: str) -> dict[str, float]:
                         "critic": c.model.fsdp_config.param_offload}
     offloaded_optim = {"actor": a.actor.fsdp_config.optimizer_offload, "critic": c.model.fsdp_config.optimizer_offload}
     weights = optimizer = 0.0
+    used = {_state_of(s, m) for m in _PARAMS_USED[phase]}
     for model, state in _states(s).items():
-        if not offloaded_params[model] or model in _PARAMS_USED[phase]:
+        if not offloaded_params[model] or model in used:
             weights += state.params
         if state.optimizer and (not offloaded_optim[model] or phase == f"update {model}"):
             optimizer += state.optimizer
@@ -243,7 +276,10 @@ def vllm_engine(s: Setup, hw: Hardware, gpu_memory_utilization: float | None = N
     activations = (batched * shape.forward_transient_bytes_per_token(b) / tp
                    + SAMPLER_COPIES * rollout.max_num_seqs * shape.vocab_size * mm.FP32)
     dialogues = -(-s.rows_per_gpu * s.world // (s.world // tp))
-    return VllmEngine(pool=util * hw.memory_bytes, weights=shape.num_params() * b / tp, activations=activations,
+    weights = shape.num_params() * b / tp
+    if s.serves_adapter:  # the adapter slot: every linear layer at max_lora_rank
+        weights += vllm_adapter_slot_bytes(shape, s.actor_lora.settings.rank, b, tp)
+    return VllmEngine(pool=util * hw.memory_bytes, weights=weights, activations=activations,
                       cuda_graphs=0.0 if rollout.enforce_eager else VLLM_CUDA_GRAPH_BYTES,
                       other=float(VLLM_OTHER_BYTES), kv_bytes_per_token=2 * shape.num_layers * kv_heads
                       * shape.head_dim * b, dialogues=dialogues, concurrent=min(dialogues, rollout.max_num_seqs),
@@ -281,6 +317,14 @@ def weight_sync_phase(s: Setup, hw: Hardware) -> Phase:
     phase = Phase("weight sync (vLLM)", _resident(s, "sync"))
     residual = _vllm_resident(s, hw)["vllm"] if not rollout.free_cache_engine else engine.other + engine.cuda_graphs
     phase.memory["vllm"] = float(residual + (engine.weights if rollout.free_cache_engine else 0.0))
+    if s.serves_adapter:  # the base wakes from host memory (level-1 sleep); the adapter arrives whole
+        adapter = s.actor_lora.params * s.compute_bytes
+        phase.memory["gathered units"] = float(adapter)
+        wake = engine.weights / (hw.host_gbps * 1e9) if rollout.free_cache_engine else 0.0
+        phase.seconds = wake + adapter / (hw.hbm_tbps * 1e12)
+        phase.notes.append(f"LoRA: the engine keeps the base (in host memory while it sleeps) and receives the "
+                           f"adapter, {adapter / 1e6:.0f} MB, after every update")
+        return phase
     phase.memory["gathered units"] = 2.0 * rollout.update_weights_bucket_megabytes * 2**20
     phase.seconds = s.actor.num_params() * s.compute_bytes / (hw.hbm_tbps * 1e12)  # at least one pass over the bytes
     return phase
@@ -301,7 +345,7 @@ def forward_phase(s: Setup, hw: Hardware, name: str, model: str, micro: int, max
                                 head_positions=mb.response_len + 1)  # the actor's head sees response positions only
     phase = Phase(name, {**_resident(s, {"actor": "old", "ref": "ref", "critic": "values"}[model]),
                          **_vllm_resident(s, hw)})
-    phase.memory["gathered units"] = float(states[model].gathered)
+    phase.memory["gathered units"] = float(states[_state_of(s, model)].gathered)
     phase.memory["activations"] = float(peak.activations)
     phase.memory["logits"] = float(peak.logits)
     phase.seconds = _time_forward(s, hw, shape, critic)
@@ -340,15 +384,22 @@ def update_phase(s: Setup, hw: Hardware, model: str, micro: int, checkpointing: 
                                repeat_kv=attn != "flash_attention_2", head_positions=mb.response_len + 1)
     if critic:  # the value head's output is one number per position
         peak = mm.PassPeak(activations=peak.activations, logits=mb.rows * mb.seq_len * mm.FP32)
+    lora = s.lora(model)
+    if lora is not None:  # the adapters' rank-r intermediates: of every layer, or with checkpointing one recomputed
+        per_token = shape.lora_intermediate_bytes_per_token(lora.settings.rank, lora.modules, b)
+        layers = 2 / shape.num_layers if checkpointing else 1
+        peak = mm.PassPeak(activations=int(peak.activations + mb.rows * mb.seq_len * per_token * layers),
+                           logits=peak.logits)
     phase = Phase(f"update {model}" + (" (checkpointing)" if checkpointing else ""),
                   {**_resident(s, f"update {model}"), **_vllm_resident(s, hw)})
     phase.memory["gradients"] = float(states[model].grads)
-    step = ADAMW_STEP_TEMPORARIES * states[model].params
+    step = ADAMW_STEP_TEMPORARIES * states[model].grads  # about one float32 copy of the trained shard
     pass_bytes = states[model].gathered + peak.total
     phase.memory["gathered units"] = float(states[model].gathered) if pass_bytes >= step else 0.0
     phase.memory["activations"] = float(peak.activations) if pass_bytes >= step else float(step)
     phase.memory["logits"] = float(peak.logits) if pass_bytes >= step else 0.0
-    flops = mm.training_flops(shape, s.rows_per_gpu, s.seq_len, checkpointing, critic, _head_positions(s, critic))
+    flops = mm.training_flops(shape, s.rows_per_gpu, s.seq_len, checkpointing, critic, _head_positions(s, critic),
+                              lora.params if lora is not None else 0)
     phase.seconds = flops / (hw.bf16_tflops * 1e12 * hw.mfu)
     return phase
 
@@ -494,6 +545,15 @@ def _update_advice(s: Setup, hw: Hardware, phase: Phase, limit: float) -> str:
             "(fsdp_config.optimizer_offload)")
 
 
+def _lora_line(name: str, lora: LoraPlan, shape: mm.ModelShape) -> str:
+    """One line saying what a model's adapter covers and its size."""
+    how = "" if name == "critic" else (", merged weights to vLLM" if lora.settings.merge else
+                                        ", the adapter alone to vLLM")
+    return (f"{name}: LoRA rank {lora.settings.rank} (alpha {lora.settings.alpha:g}) on {', '.join(lora.modules)}: "
+            f"{lora.params / 1e6:.1f}M trained parameters ({100 * lora.share(shape):.2f}% of the model), the base "
+            f"frozen in the compute dtype{how}")
+
+
 def format_plan(s: Setup, hw: Hardware, phases: list[Phase], advice: list[str]) -> str:
     """The printed plan: the setup, one table row per phase (GB), the verdict, the notes and the advice."""
     columns = [c for c in COLUMNS if c != "vllm" or s.vllm]
@@ -501,6 +561,8 @@ def format_plan(s: Setup, hw: Hardware, phases: list[Phase], advice: list[str]) 
              f"{s.actor.hidden_size}, vocab {s.actor.vocab_size}); {s.world} GPUs of {hw.memory_bytes / GB:.0f} GB; "
              f"{s.rows_per_gpu} rows of {s.seq_len} tokens per GPU and step; compute dtype "
              f"{'bf16' if s.compute_bytes == 2 else 'fp32'}",
+             *[_lora_line(name, lora, shape) for name, lora, shape in
+               (("actor", s.actor_lora, s.actor), ("critic", s.critic_lora, s.critic)) if lora is not None],
              f"{'phase (per GPU, GB)':<34}" + "".join(f"{c[:11]:>12}" for c in columns) + f"{'total':>9}{'time':>10}"]
     for p in phases:
         cells = "".join(f"{p.memory.get(c, 0.0) / GB:>12.1f}" for c in columns)
@@ -545,10 +607,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-step-ms", type=float, default=30.0,
                         help="HF generate's per-token overhead (python, sampling, synced_gpus)")
     parser.add_argument("--vllm-step-ms", type=float, default=5.0, help="vLLM's per-step overhead")
+    parser.add_argument("--host-gbps", type=float, default=Hardware.host_gbps,
+                        help="host <-> GPU copies (GB/s; a LoRA engine's base wakes from host memory)")
     args, overrides = parser.parse_known_args(argv)
     hw = Hardware(memory_bytes=args.gpu_memory_gb * GB, bf16_tflops=args.gpu_tflops, mfu=args.mfu,
                   hbm_tbps=args.hbm_tbps, decode_step_overhead_s=args.decode_step_ms / 1e3,
-                  vllm_step_overhead_s=args.vllm_step_ms / 1e3)
+                  vllm_step_overhead_s=args.vllm_step_ms / 1e3, host_gbps=args.host_gbps)
     try:
         base = OmegaConf.to_container(compose_config([], args.config_name), resolve=False)
         print(plan(check_overrides(overrides, base=base), args.config_name, hw))

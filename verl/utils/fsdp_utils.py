@@ -40,6 +40,8 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, GenerationConfig
 
+from verl.utils.lora import LoraSettings, apply_lora
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_STRATEGIES = ("fsdp2", "fsdp")
@@ -121,6 +123,19 @@ def apply_fsdp2(
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     setattr(model, RESHARD_AFTER_FORWARD_ATTR, reshard_after_forward)
     return model
+
+
+@torch.no_grad()
+def settle_fsdp_root(model: torch.nn.Module, device: torch.device) -> None:
+    """Run one single-token forward through an FSDP2 ``model`` and reshard it, so that FSDP2 takes it as the root.
+
+    FSDP2 takes as its root the first unit whose forward runs. A PEFT model's ``generate`` enters the HF model
+    inside it directly, so generating before any forward (the first rollout) would make a decoder layer the root.
+    A collective: every rank calls it."""
+    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def embedding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -252,12 +267,18 @@ def build_fsdp_model(
     config_overrides: dict[str, Any] | None = None,
     strategy: str = "fsdp2",
     master_dtype: torch.dtype = torch.float32,
+    lora: LoraSettings | None = None,
+    lora_task: str = "causal_lm",
+    lora_where: str = "model",
 ) -> torch.nn.Module:
     """Load ``auto_cls.from_pretrained(model_path)`` with parameters in ``master_dtype`` and shard it.
 
     ``master_dtype`` is what the sharded parameters are kept in: fp32 for a trained model (the optimizer's master
-    copy), the compute dtype for a frozen one (the reference policy). ``torch.manual_seed(seed)`` runs first, so
-    weights the checkpoint lacks (e.g. a new value head) are initialised reproducibly. With ``fsdp2`` only rank 0
+    copy), the compute dtype for a frozen one (the reference policy, a LoRA model's base). With ``lora`` the model
+    becomes a PEFT model with a fresh float32 adapter (:func:`verl.utils.lora.apply_lora`, ``lora_task`` causal_lm or
+    token_cls, ``lora_where`` the config block in errors) before it is sharded: the frozen base and the adapter of a
+    layer share its FSDP2 unit. ``torch.manual_seed(seed)`` runs first, so
+    weights the checkpoint lacks (e.g. a new value head, the adapter's A) are initialised reproducibly. With ``fsdp2`` only rank 0
     reads the checkpoint into host memory; the other ranks build the model on the meta device and receive their
     shards from rank 0 (:func:`broadcast_from_rank0`). With ``fsdp`` (FSDP1) every rank loads the full model.
     ``fsdp_config`` supplies ``param_dtype`` (auto | fp32 | bf16) and ``reshard_after_forward``;
@@ -276,18 +297,24 @@ def build_fsdp_model(
     rank0_only = strategy == "fsdp2" and dist.get_world_size() > 1
     on_meta = rank0_only and dist.get_rank() != 0
     model = _load_weights(auto_cls, model_path, hf_config, master_dtype, attn, on_meta)
-    full_state = model.state_dict() if rank0_only and not on_meta else {}
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
+    if lora is not None:
+        if strategy != "fsdp2":
+            raise ValueError(f"{lora_where}.lora_rank needs the fsdp2 strategy, got {strategy!r}")
+        model = apply_lora(model, lora, lora_task, lora_where)
+    full_state = model.state_dict() if rank0_only and not on_meta else {}
     reshard = bool(fsdp_config.get("reshard_after_forward", True))
     logger.info("%s-wrapping %s from %s (param_dtype=%s, master_dtype=%s, attention %s)", strategy,
                 type(model).__name__, model_path, param_dtype, master_dtype, attn)
     if strategy == "fsdp":
         return apply_fsdp1(model, mesh.device_type, param_dtype, reshard_after_forward=reshard)
     model = apply_fsdp2(model, mesh, param_dtype, reshard_after_forward=reshard)
+    device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
     if rank0_only:
-        device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
         broadcast_from_rank0(model, full_state, device)
+    if lora is not None:
+        settle_fsdp_root(model, device)
     return model
 
 
@@ -308,14 +335,23 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:
     return float(total)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Gather the unsharded state dict on every rank (a collective: all ranks must call it).
+def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Gather the unsharded state dict on every rank (a collective: all ranks must call it); ``trainable_only``
+    leaves out the frozen parameters (a LoRA model's base).
 
     On CUDA it is offloaded to CPU; on CPU offloading is skipped (it would crash FSDP1, ENVIRONMENT.md §3).
     """
     on_cuda = next(model.parameters()).device.type == "cuda"
-    options = StateDictOptions(full_state_dict=True, cpu_offload=on_cuda)
-    return get_model_state_dict(model, options=options)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=on_cuda, ignore_frozen_params=trainable_only)
+    state = get_model_state_dict(model, options=options)
+    return _without_frozen_aliases(model, state) if trainable_only else state
+
+
+def _without_frozen_aliases(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without the keys of frozen parameters: ``ignore_frozen_params`` keeps a frozen tied parameter under
+    its second name (e.g. a tied ``lm_head.weight``)."""
+    trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {key: value for key, value in state.items() if key in trainable}
 
 
 def save_hf_pretrained(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
@@ -354,16 +390,24 @@ def _hf_class(model: torch.nn.Module) -> type:
     raise TypeError(f"{cls.__name__} is not a transformers PreTrainedModel")
 
 
+def _model_state(model: torch.nn.Module, trainable_only: bool) -> dict[str, Any]:
+    """The sharded model state (its trainable parameters only, with ``trainable_only``)."""
+    if not trainable_only:
+        return get_model_state_dict(model)
+    return _without_frozen_aliases(model, get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)))
+
+
 def save_sharded_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
-    process_group: dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None, trainable_only: bool = False,
 ) -> None:
     """Save the sharded model (and optimizer) state with torch.distributed.checkpoint under ``path/sharded_state``.
 
     A collective: every rank writes its own shards, which :func:`load_sharded_state` restores exactly.
-    ``process_group`` carries the save's coordination (default: the default group).
+    ``process_group`` carries the save's coordination (default: the default group). ``trainable_only`` leaves the
+    frozen parameters out (a LoRA model's base, which the run reloads from its model path).
     """
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    state: dict[str, Any] = {"model": _model_state(model, trainable_only)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, checkpoint_id=str(Path(path) / SHARDED_STATE_DIR), process_group=process_group)
@@ -371,16 +415,24 @@ def save_sharded_state(
 
 def load_sharded_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
-    process_group: dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None, trainable_only: bool = False,
 ) -> None:
-    """Restore what :func:`save_sharded_state` wrote at ``path`` into ``model`` (and ``optimizer``)."""
+    """Restore what :func:`save_sharded_state` wrote at ``path`` into ``model`` (and ``optimizer``), with the same
+    ``trainable_only``: then the frozen parameters keep their values and every trainable one must be restored."""
     ckpt_dir = Path(path) / SHARDED_STATE_DIR
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"no sharded model/optimizer state at {ckpt_dir} (written by save_checkpoint)")
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    state: dict[str, Any] = {"model": _model_state(model, trainable_only)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=str(ckpt_dir), process_group=process_group)
-    set_model_state_dict(model, state["model"])
+    if trainable_only:
+        result = set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+        frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        restored_wrongly = set(result.unexpected_keys) | (set(result.missing_keys) - frozen)
+        if restored_wrongly:
+            raise RuntimeError(f"{ckpt_dir}: trainable parameters not restored: {sorted(restored_wrongly)[:5]}")
+    else:
+        set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])

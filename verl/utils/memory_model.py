@@ -17,6 +17,11 @@ Every number is in bytes (memory) or FLOPs and derives from the HF ``config.json
 * FLOPs (:class:`PassFlops`): matmul weights x tokens, causal attention counted by query-key pairs, the head on
   the positions it runs on, the backward at twice the forward and the checkpointing recompute kept apart (MFU
   vs HFU).
+* LoRA (:func:`lora_sharded_state`): the frozen base sharded in the compute dtype, the adapter's float32 master
+  weights, gradients and AdamW moments (r x (in + out) per adapted linear layer and decoder layer); the backward of
+  a frozen linear layer computes its input's gradient only (1 x its forward instead of 2 x); the activations are
+  the full model's plus each adapter's rank-r intermediate (an upper bound: a frozen layer that is not adapted
+  keeps no input for its weight's gradient).
 
 The CPU tests (tests/verl/utils/test_memory_model.py) check these against peaks measured with the torch profiler.
 """
@@ -24,6 +29,7 @@ The CPU tests (tests/verl/utils/test_memory_model.py) check these against peaks 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +140,26 @@ class ModelShape:
     def kv_cache_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of HF generation's KV cache per token of context."""
         return 2 * self.num_layers * self.kv_dim * dtype_bytes
+
+    @property
+    def linear_layers(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of a decoder layer, by its HF module name (Qwen2 / Llama)."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_params(self, rank: int, modules: Iterable[str]) -> int:
+        """Parameters of a rank-``rank`` LoRA adapter on ``modules`` (HF names) of every decoder layer: A (r x in)
+        and B (out x r) per adapted layer. Raises naming a module that is no linear layer of the shape."""
+        unknown = sorted(set(modules) - set(self.linear_layers))
+        if unknown:
+            raise KeyError(f"{unknown} name no linear layer of the decoder (its linear layers are "
+                           f"{sorted(self.linear_layers)})")
+        return self.num_layers * sum(rank * sum(self.linear_layers[m]) for m in set(modules))
+
+    def lora_intermediate_bytes_per_token(self, rank: int, modules: Iterable[str], dtype_bytes: int) -> int:
+        """Bytes per token of the adapters' rank-r intermediates (A x, saved for B's gradient) over all layers."""
+        return self.num_layers * len(set(modules)) * rank * dtype_bytes
 
 
 LOGPROB_CHUNK_BYTES = 2**24 * FP32  # one (rows, vocab) fp32 chunk of verl.utils.torch_functional's log-prob
@@ -254,6 +280,21 @@ def sharded_state(
     return ShardedState(params=params, grads=grads, optimizer=optimizer, gathered=gathered)
 
 
+def lora_sharded_state(
+    shape: ModelShape, world: int, compute_bytes: int, adapter_params: int, value_head: bool = False,
+    separate_embedding_units: bool = False,
+) -> ShardedState:
+    """A LoRA model's per-GPU state: the frozen base's shards in the compute dtype and the adapter's (with a value
+    model's head, trained whole) float32 master shards, gradients and AdamW moments; gathered units as the full
+    model's (the adapter's share of a layer is small but counted)."""
+    trainable = adapter_params + (shape.hidden_size + 1 if value_head else 0)
+    full = sharded_state(shape, world, compute_bytes, compute_bytes, False, value_head, separate_embedding_units)
+    per_layer_adapter = adapter_params // max(shape.num_layers, 1)
+    return ShardedState(params=full.params + trainable * FP32 // world, grads=trainable * FP32 // world,
+                        optimizer=2 * trainable * FP32 // world,
+                        gathered=full.gathered + 2 * per_layer_adapter * compute_bytes)
+
+
 @dataclass(frozen=True)
 class PassFlops:
     """FLOPs of one pass over a batch, split the way MFU (model FLOPs) and HFU (hardware FLOPs) count them.
@@ -270,16 +311,21 @@ class PassFlops:
     dense_forward: float
     attention_forward: float
     recompute_forward: float = 0.0
+    frozen_dense: bool = False  # LoRA: no weight gradients of the base's matmuls (its backward is 1 x, not 2 x)
+    adapter: float = 0.0  # forward FLOPs of LoRA's rank-r matmuls (their backward: 2 x)
 
     @property
     def forward(self) -> float:
         """Forward FLOPs (what a no-grad log-prob or value pass costs)."""
-        return self.dense_forward + self.attention_forward
+        return self.dense_forward + self.attention_forward + self.adapter
 
     @property
     def model(self) -> float:
-        """Model FLOPs of forward + backward (3 x forward), the numerator of MFU; recompute not counted."""
-        return 3.0 * self.forward
+        """Model FLOPs of forward + backward, the numerator of MFU; recompute not counted: 3 x the forward, or with
+        a frozen base 2 x its matmuls + 3 x attention and the adapters."""
+        if not self.frozen_dense:
+            return 3.0 * self.forward
+        return 2.0 * self.dense_forward + 3.0 * (self.attention_forward + self.adapter)
 
     @property
     def hardware(self) -> float:
@@ -296,26 +342,30 @@ def causal_attention_flops(shape: ModelShape, seq_lens: list[int]) -> float:
 
 def pass_flops(
     shape: ModelShape, seq_lens: list[int], head_positions: int, checkpointing: bool, value_head: bool = False,
+    lora_params: int = 0,
 ) -> PassFlops:
     """:class:`PassFlops` of sequences of ``seq_lens`` tokens of which ``head_positions`` go through the LM head
-    (the actor computes logits on the positions that predict response tokens only) or the 1-output value head."""
+    (the actor computes logits on the positions that predict response tokens only) or the 1-output value head;
+    ``lora_params`` > 0: a frozen base trained through an adapter of that many parameters."""
     head_outputs = 1 if value_head else shape.vocab_size
     layers_dense = 2.0 * shape.num_layers * shape.layer_matmul_params * sum(seq_lens)
     attention = causal_attention_flops(shape, seq_lens)
     down_projection = 2.0 * shape.num_layers * shape.hidden_size * shape.intermediate_size * sum(seq_lens)
+    adapter = 2.0 * lora_params * sum(seq_lens)
     return PassFlops(dense_forward=layers_dense + 2.0 * shape.hidden_size * head_outputs * head_positions,
                      attention_forward=attention,
-                     recompute_forward=layers_dense - down_projection + attention if checkpointing else 0.0)
+                     recompute_forward=layers_dense - down_projection + attention + adapter if checkpointing else 0.0,
+                     frozen_dense=lora_params > 0, adapter=adapter)
 
 
 def training_flops(
     shape: ModelShape, rows: int, seq_len: int, checkpointing: bool, value_head: bool = False,
-    head_positions: int | None = None,
+    head_positions: int | None = None, lora_params: int = 0,
 ) -> float:
     """Hardware FLOPs of forward + backward of ``rows`` sequences of ``seq_len`` tokens (:class:`PassFlops`;
-    ``head_positions`` defaults to every position)."""
+    ``head_positions`` defaults to every position; ``lora_params``: a LoRA adapter's size, 0 = full training)."""
     heads = rows * seq_len if head_positions is None else head_positions
-    return pass_flops(shape, [seq_len] * rows, heads, checkpointing, value_head).hardware
+    return pass_flops(shape, [seq_len] * rows, heads, checkpointing, value_head, lora_params).hardware
 
 
 def forward_flops(

@@ -59,9 +59,10 @@ def _clean(value: Any) -> Any:
 
 
 def load_json(data: bytes | str, *, what: str, max_bytes: int, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
-    """Decode `data` as JSON, refusing more than `max_bytes` bytes or `max_depth` levels of nesting
-    (UntrustedInputError naming `what`); every string of the result is `clean_text`-ed. NaN and Infinity
-    literals are refused too: no outside number may be non-finite."""
+    """Decode `data` (UTF-8 when bytes) as JSON, refusing more than `max_bytes` bytes or `max_depth` levels of
+    nesting (UntrustedInputError naming `what`); every string of the result is `clean_text`-ed. NaN and Infinity
+    literals are refused too: no outside number may be non-finite, and so are bytes in another encoding (the
+    standard decoder would guess UTF-16 or UTF-32 from a byte-order mark)."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
         raise UntrustedInputError(f"{what}: {len(raw)} bytes, over the limit of {max_bytes}")
@@ -69,7 +70,7 @@ def load_json(data: bytes | str, *, what: str, max_bytes: int, max_depth: int = 
     if depth > max_depth:
         raise UntrustedInputError(f"{what}: JSON nested {depth} levels deep, over the limit of {max_depth}")
     try:
-        value = json.loads(raw, parse_constant=_refuse_constant)
+        value = json.loads(raw.decode("utf-8", "surrogatepass"), parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise UntrustedInputError(f"{what}: not valid JSON ({_short(exc)})") from None
     return _clean(value)

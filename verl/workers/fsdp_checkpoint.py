@@ -9,6 +9,12 @@ Layout of ``local_path`` (written by every rank together; the trainer makes the 
 - ``sharded_state/``: torch.distributed.checkpoint of the sharded model and optimizer state (exact restore);
 - ``extra_state_rank_{r}.pt``: rank r's LR-scheduler state and torch / numpy / python RNG states.
 
+A LoRA model (:mod:`verl.utils.lora`) saves its adapter instead of the weights: ``adapter_config.json`` (always,
+naming the base model path) and, as its HF export, ``adapter_model.safetensors`` (PEFT's format); ``config.json``
+is the base model's; ``sharded_state/`` holds the adapter (and a value model's head) with the optimizer state, the
+frozen base being reloaded from its model path. Loading checks that the checkpoint and the model agree on LoRA and
+on its rank, alpha and target modules.
+
 The coordination of a save or load (the sharded-state plan, the final barrier) runs on a gloo group with its own
 timeout (``checkpoint_timeout`` of the worker config), so slow writes do not trip the training collectives'.
 """
@@ -28,6 +34,8 @@ import torch.distributed as dist
 
 from verl.utils.fsdp_utils import (full_state_dict, load_sharded_state, save_hf_config, save_hf_pretrained,
                                    save_sharded_state)
+from verl.utils.lora import (adapter_config, is_adapter_dir, peft_model_of, peft_saved_state, read_adapter_config,
+                             save_adapter)
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +78,11 @@ class FSDPCheckpointManager:
         tokenizer: Any | None = None,
         export_dtype: torch.dtype = torch.float32,
         timeout_s: float = 3600.0,
+        base_model_path: str | None = None,
     ):
         self.model = model
+        self.lora = peft_model_of(model) is not None
+        self.base_model_path = base_model_path
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.tokenizer = tokenizer
@@ -102,7 +113,9 @@ class FSDPCheckpointManager:
         """
         path = Path(local_path)
         path.mkdir(parents=True, exist_ok=True)
-        if hf_model:
+        if self.lora:
+            self._save_adapter(path, hf_model)
+        elif hf_model:
             state_dict = full_state_dict(self.model)
             if self._rank() == 0:
                 save_hf_pretrained(self.model, {k: v.to(self.export_dtype) if v.is_floating_point() else v
@@ -113,7 +126,7 @@ class FSDPCheckpointManager:
         if self._rank() == 0 and self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(path))
         group = self._sync_group()
-        save_sharded_state(self.model, self.optimizer, path, process_group=group)
+        save_sharded_state(self.model, self.optimizer, path, process_group=group, trainable_only=self.lora)
         extra = {"lr_scheduler": self.lr_scheduler.state_dict(), "rng": _rng_state()}
         torch.save(extra, path / f"extra_state_rank_{self._rank()}.pt")
         if group is not None:
@@ -135,10 +148,43 @@ class FSDPCheckpointManager:
                 f"checkpoint {path} lacks extra_state_rank_<r>.pt for ranks {missing}: it is incomplete or was "
                 "saved with a different world size"
             )
-        load_sharded_state(self.model, self.optimizer, path, process_group=group)
+        self._check_adapter(path)
+        load_sharded_state(self.model, self.optimizer, path, process_group=group, trainable_only=self.lora)
         extra = torch.load(extra_file, map_location="cpu", weights_only=True)
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         _set_rng_state(extra["rng"])
         if group is not None:
             dist.barrier(group=group)
         logger.info("rank %d loaded checkpoint from %s", self._rank(), path)
+
+    def _save_adapter(self, path: Path, with_weights: bool) -> None:
+        """Rank 0 writes the base model's config and ``adapter_config.json``, with ``with_weights`` also the
+        gathered adapter in PEFT's format (a collective then)."""
+        tensors = None
+        if with_weights:
+            state = full_state_dict(self.model, trainable_only=True)
+            tensors = peft_saved_state(self.model, state) if self._rank() == 0 else None
+        if self._rank() == 0:
+            save_hf_config(self.model.get_base_model(), path)
+            save_adapter(path, tensors, adapter_config(self.model, self.base_model_path))
+
+    def _check_adapter(self, path: Path) -> None:
+        """Raise naming the key when the checkpoint at ``path`` and this model disagree on LoRA or its shape."""
+        if is_adapter_dir(path) != self.lora:
+            saved = "a LoRA adapter" if is_adapter_dir(path) else "full weights"
+            raise ValueError(f"checkpoint {path} holds {saved}, but this model is "
+                             f"{'a LoRA model' if self.lora else 'fully trained'}: set model.lora_rank as when it "
+                             "was saved")
+        if not self.lora:
+            return
+        saved, current = read_adapter_config(path), adapter_config(self.model)
+        for key in ("r", "lora_alpha", "target_modules", "exclude_modules"):
+            if _comparable(saved.get(key)) != _comparable(current.get(key)):
+                raise ValueError(f"checkpoint {path} has a LoRA adapter with {key}={saved.get(key)!r}, this model "
+                                 f"{current.get(key)!r}: set model.lora_rank / lora_alpha / target_modules / "
+                                 "exclude_modules as when it was saved")
+
+
+def _comparable(value: Any) -> Any:
+    """A config value with lists as sorted tuples (PEFT stores resolved module names as a set)."""
+    return tuple(sorted(value)) if isinstance(value, (list, tuple, set)) else value

@@ -24,6 +24,8 @@ from verl.single_controller.base import Dispatch, Worker, register
 from verl.utils.device import empty_cache, get_device_name
 from verl.utils.fsdp_offload import FSDPOffloader
 from verl.utils.fsdp_utils import build_fsdp_model, check_strategy, create_device_mesh, resolve_param_dtype
+from verl.utils.lora import LoraSettings, adapters_disabled
+from verl.utils.shm_model import model_dir
 from verl.utils.optim import build_lr_scheduler, build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
@@ -62,10 +64,17 @@ def _with_meta_defaults(data: DataProto, defaults: dict[str, Any]) -> DataProto:
     return DataProto(batch=data.batch, non_tensor_batch=data.non_tensor_batch, meta_info=meta)
 
 
-def _load_tokenizer(model_cfg: DictConfig) -> Any:
-    """The left-padding tokenizer of ``model.tokenizer_path`` (default ``model.path``)."""
-    path = model_cfg.get("tokenizer_path", None) or model_cfg.path
+def _load_tokenizer(model_cfg: DictConfig, model_path: str) -> Any:
+    """The left-padding tokenizer of ``model.tokenizer_path`` (default ``model_path``: ``model.path`` or its
+    shared-memory copy)."""
+    path = model_cfg.get("tokenizer_path", None) or model_path
     return AutoTokenizer.from_pretrained(path, padding_side="left")
+
+
+def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer updates: all of a fully trained model's, a LoRA model's adapter (and value
+    head) only."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 class ActorRolloutRefWorker(Worker):
@@ -74,6 +83,11 @@ class ActorRolloutRefWorker(Worker):
     The rollout (``rollout.name``) is HF generate on the actor's sharded weights (``hf``) or a vLLM engine in
     this process (``vllm``, the hybrid engine) that receives the actor's weights in memory at start, after every
     ``update_actor`` and after ``load_checkpoint``, and frees its GPU memory during training phases.
+
+    With ``model.lora_rank`` > 0 the actor is a PEFT LoRA model (:mod:`verl.utils.lora`): its frozen base is kept in
+    the compute dtype, the optimizer holds the adapter only, the reference policy is the actor with its adapter
+    disabled (no second copy of the base), and a vLLM engine gets the base once and the adapter after every
+    update (or the merged weights, ``model.lora.merge``).
 
     ``config`` is ``cfg.actor_rollout_ref``; ``role`` is one of ``actor``, ``rollout``, ``ref``,
     ``actor_rollout``, ``actor_rollout_ref``.
@@ -104,6 +118,8 @@ class ActorRolloutRefWorker(Worker):
         self.checkpoint_manager: FSDPCheckpointManager | None = None
         self.actor_offload: FSDPOffloader | None = None
         self.ref_offload: FSDPOffloader | None = None
+        self.lora = LoraSettings.from_model_config(self.config.model, "actor_rollout_ref.model") \
+            if self._is_actor else None
 
     def _require(self, enabled: bool, method: str, needed: str) -> None:
         """Raise naming ``method`` unless this worker's role includes ``needed`` and init_model has run."""
@@ -118,7 +134,8 @@ class ActorRolloutRefWorker(Worker):
         self.init_distributed(timeout_s=float(self.config.get("nccl_timeout", 600)))
         mesh = create_device_mesh(get_device_name())
         cfg = self.config
-        self.tokenizer = _load_tokenizer(cfg.model)
+        model_path = model_dir(cfg.model.path, bool(cfg.model.get("use_shm", False)))
+        self.tokenizer = _load_tokenizer(cfg.model, model_path)
         actor_cfg = copy.deepcopy(cfg.actor)
         with open_dict(actor_cfg):
             actor_cfg.ppo_mini_batch_size = _rows_per_rank(
@@ -127,8 +144,10 @@ class ActorRolloutRefWorker(Worker):
             )  # fmt: skip
             actor_cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
         seed = int(cfg.actor.get("seed", DEFAULT_SEED))
+        compute_dtype = resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
+                                            mesh.device_type)
         model_args = {
-            "model_path": cfg.model.path,
+            "model_path": model_path,
             "mesh": mesh,
             "fsdp_config": cfg.actor.get("fsdp_config", {}),
             "seed": seed,
@@ -137,16 +156,19 @@ class ActorRolloutRefWorker(Worker):
         }
         if self._is_actor or self._is_rollout:
             gradient_checkpointing = self._is_actor and bool(cfg.model.get("enable_gradient_checkpointing", False))
-            module = build_fsdp_model(AutoModelForCausalLM, gradient_checkpointing=gradient_checkpointing, **model_args)
+            module = build_fsdp_model(  # a LoRA model's frozen base in the compute dtype, else fp32 master weights
+                AutoModelForCausalLM, gradient_checkpointing=gradient_checkpointing, lora=self.lora,
+                master_dtype=compute_dtype if self.lora else torch.float32, lora_where="actor_rollout_ref.model",
+                **model_args,
+            )  # fmt: skip
             optimizer = None
             if self._is_actor:
-                optimizer = build_optimizer(module.parameters(), cfg.actor.optim)
+                optimizer = build_optimizer(_trainable(module), cfg.actor.optim)
                 self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim)
-                export_dtype = resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
-                                                   mesh.device_type)
                 self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
-                                                                export_dtype=export_dtype,
-                                                                timeout_s=cfg.get("checkpoint_timeout", 3600))
+                                                                export_dtype=compute_dtype,
+                                                                timeout_s=cfg.get("checkpoint_timeout", 3600),
+                                                                base_model_path=cfg.model.path)
             self.actor = DataParallelPPOActor(actor_cfg, module, optimizer)
             fsdp_cfg = cfg.actor.get("fsdp_config", {})
             self.actor_offload = FSDPOffloader(
@@ -155,12 +177,10 @@ class ActorRolloutRefWorker(Worker):
             )  # fmt: skip
             self._module = module
             if self._is_rollout:
-                self.rollout = self._build_rollout(module)
+                self.rollout = self._build_rollout(module, model_path)
             self.actor_offload.offload()
-        if self._is_ref:  # frozen: kept in the compute dtype (bf16 on CUDA), no fp32 master copy
-            ref_dtype = resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
-                                            mesh.device_type)
-            ref_module = build_fsdp_model(AutoModelForCausalLM, master_dtype=ref_dtype, **model_args)
+        if self._is_ref and self.lora is None:  # frozen: kept in the compute dtype (bf16 on CUDA), no fp32 master
+            ref_module = build_fsdp_model(AutoModelForCausalLM, master_dtype=compute_dtype, **model_args)
             ref_module.requires_grad_(False)
             self.ref_policy = DataParallelPPOActor(actor_cfg, ref_module)
             ref_param_offload = cfg.ref.get("fsdp_config", {}).get("param_offload", False)
@@ -170,7 +190,7 @@ class ActorRolloutRefWorker(Worker):
         torch.manual_seed(seed + self.rank)
         logger.info("rank %d: ActorRolloutRefWorker(%s) ready", self.rank, self.role)
 
-    def _build_rollout(self, module: torch.nn.Module) -> Any:
+    def _build_rollout(self, module: torch.nn.Module, model_path: str) -> Any:
         """The ``rollout.name`` engine: HF generate on ``module``, or a colocated vLLM engine given its weights."""
         cfg = self.config
         if self.rollout_name == "hf":
@@ -181,20 +201,22 @@ class ActorRolloutRefWorker(Worker):
         if dtype == "auto":  # the actor's compute dtype, so rollout and training see the same numbers
             dtype = str(resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
                                             get_device_name())).removeprefix("torch.")
-        rollout = vLLMRollout(cfg.model.path, cfg.rollout, dtype, get_device_name(),
-                              tokenizer_path=cfg.model.get("tokenizer_path", None))
+        rollout = vLLMRollout(model_path, cfg.rollout, dtype, get_device_name(),
+                              tokenizer_path=cfg.model.get("tokenizer_path", None), lora=self.lora)
         self._sync_rollout_weights(rollout)
         return rollout
 
     def _sync_rollout_weights(self, rollout: Any = None) -> dict[str, float]:
-        """Stream the actor's current weights into the vLLM engine (in memory); returns the sync metrics."""
-        from verl.workers.rollout.vllm_rollout import WeightSyncStats, fsdp_weight_stream
+        """Stream the actor's current weights into the vLLM engine (in memory); returns the sync metrics.
+
+        A LoRA actor sends its base only while the engine lacks it (at start) and then its adapter; with
+        ``model.lora.merge`` the merged weights (:func:`verl.workers.rollout.vllm_rollout.sync_actor_weights`)."""
+        from verl.workers.rollout.vllm_rollout import WeightSyncStats, sync_actor_weights
 
         rollout = rollout or self.rollout
         stats = WeightSyncStats()
         with self.actor_offload.on_device():  # offloaded actor parameters come back to the GPU for the gather
-            rollout.update_weights(fsdp_weight_stream(self._module, rollout.weight_dtype, stats, rollout.bucket_bytes),
-                                   stats)
+            sync_actor_weights(self._module, rollout, stats, self.lora, self.config.model.path)
         logger.info("rank %d: synced %d tensors (%.1f MiB) into vLLM in %.3f s", self.rank, stats.tensors,
                     stats.bytes / 2**20, stats.seconds)
         return stats.metrics()
@@ -271,12 +293,17 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        """Reference-policy log-probs of ``responses``: ``ref_log_prob``."""
+        """Reference-policy log-probs of ``responses``: ``ref_log_prob`` (a LoRA actor's with its adapter
+        disabled)."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
         self._release_rollout()
         data = _with_meta_defaults(data, self._log_prob_defaults(self.config.ref))
-        with self.ref_offload.on_device():
-            log_probs, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False)
+        if self.lora is not None:
+            with self.actor_offload.on_device(), adapters_disabled(self._module):
+                log_probs, _ = self.actor.compute_log_prob(data, calculate_entropy=False)
+        else:
+            with self.ref_offload.on_device():
+                log_probs, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False)
         empty_cache()
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
@@ -335,7 +362,9 @@ class CriticWorker(Worker):
     """Value-function worker: an FSDP-sharded ``AutoModelForTokenClassification(num_labels=1)``.
 
     ``config`` is ``cfg.critic``; the model is loaded from ``critic.model.path`` (a causal-LM directory: its
-    backbone is reused and a scalar value head is initialised with the same seed on every rank).
+    backbone is reused and a scalar value head is initialised with the same seed on every rank). With
+    ``critic.model.lora_rank`` > 0 the backbone is frozen in the compute dtype and trained through a LoRA adapter,
+    the value head whole; the optimizer holds those only.
     """
 
     def __init__(self, config: DictConfig):
@@ -347,6 +376,7 @@ class CriticWorker(Worker):
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.checkpoint_manager: FSDPCheckpointManager | None = None
         self.critic_offload: FSDPOffloader | None = None
+        self.lora = LoraSettings.from_model_config(self.config.model, "critic.model")
 
     def _require_init(self, method: str) -> None:
         """Raise naming ``method`` if init_model has not run."""
@@ -359,7 +389,8 @@ class CriticWorker(Worker):
         self.init_distributed(timeout_s=float(self.config.get("nccl_timeout", 600)))
         cfg = self.config
         mesh = create_device_mesh(get_device_name())
-        self.tokenizer = _load_tokenizer(cfg.model)
+        model_path = model_dir(cfg.model.path, bool(cfg.model.get("use_shm", False)))
+        self.tokenizer = _load_tokenizer(cfg.model, model_path)
         critic_cfg = copy.deepcopy(cfg)
         with open_dict(critic_cfg):
             critic_cfg.ppo_mini_batch_size = _rows_per_rank(
@@ -367,9 +398,10 @@ class CriticWorker(Worker):
             )
             critic_cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
         seed = int(cfg.get("seed", DEFAULT_SEED))
+        compute_dtype = resolve_param_dtype(cfg.get("fsdp_config", {}).get("param_dtype", "auto"), mesh.device_type)
         module = build_fsdp_model(
             AutoModelForTokenClassification,
-            model_path=cfg.model.path,
+            model_path=model_path,
             mesh=mesh,
             fsdp_config=cfg.get("fsdp_config", {}),
             seed=seed,
@@ -377,13 +409,17 @@ class CriticWorker(Worker):
             gradient_checkpointing=bool(cfg.model.get("enable_gradient_checkpointing", False)),
             config_overrides={"num_labels": 1, "classifier_dropout": 0.0},
             strategy=cfg.get("strategy", "fsdp2"),
+            master_dtype=compute_dtype if self.lora else torch.float32,
+            lora=self.lora,
+            lora_task="token_cls",
+            lora_where="critic.model",
         )
-        optimizer = build_optimizer(module.parameters(), cfg.optim)
+        optimizer = build_optimizer(_trainable(module), cfg.optim)
         self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
-        export_dtype = resolve_param_dtype(cfg.get("fsdp_config", {}).get("param_dtype", "auto"), mesh.device_type)
         self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
-                                                        export_dtype=export_dtype,
-                                                        timeout_s=cfg.get("checkpoint_timeout", 3600))
+                                                        export_dtype=compute_dtype,
+                                                        timeout_s=cfg.get("checkpoint_timeout", 3600),
+                                                        base_model_path=cfg.model.path)
         self.critic = DataParallelPPOCritic(critic_cfg, module, optimizer)
         offload_cfg = cfg.model.get("fsdp_config", {})
         self.critic_offload = FSDPOffloader(

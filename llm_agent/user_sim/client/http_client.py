@@ -1,13 +1,18 @@
 """Fault-tolerant client for N OpenAI-compatible user-simulator instances.
 
 Every dialogue's turn is its own ``POST {url}/v1/chat/completions``. A batch is sent concurrently (asyncio +
-aiohttp on a private event-loop thread) and each request goes to the healthy instance with the fewest requests
-in flight, so a slow instance simply receives less work. A failed attempt (connection error, timeout, non-200,
-or a 200 whose body is not a chat completion) is retried after a backoff on another instance when one exists.
-A request an instance shed because it is saturated (HTTP 429, or 503 with code ``overloaded``) is sent again
-after a growing pause without using up an attempt or counting against the instance's health (bounded by
-``timeout_s`` of pauses). An instance with ``down_after_failures`` consecutive failures is marked down and
-probed with ``GET /health``
+aiohttp on a private event-loop thread) and each request goes to the healthy instance with the lowest load score
+(`routing.py`: a peak-EWMA latency estimate times the requests in flight, divided by the share of useful
+replies), so a slow instance receives work in proportion to its speed and one whose replies fail gets little.
+A re-request of a reply the caller refused (`TurnRequest.avoid`) goes to another instance when one is up, and
+the refusal counts against the instance that sent it. A failed attempt (connection error, timeout, non-200, or a
+200 whose body is not a chat completion) is retried after a backoff on another instance when one exists. Every
+reply body is decoded by the project's policy for outside input (`verl.utils.untrusted.load_json`: size and
+nesting limits, text cleaned), so a hostile body is a failed attempt, never an exception. A request an instance
+shed because it is saturated (HTTP 429, or 503 with code ``overloaded``) is sent again after a growing pause
+without using up an attempt or counting against the instance's health, for at most ``timeout_s`` of wall time per
+turn (requests and pauses together); after that a shed is a failed attempt. An instance with
+``down_after_failures`` consecutive failures is marked down and probed with ``GET /health``
 every ``probe_interval_s`` until it answers; the client never restarts or kills a server. A turn that cannot
 be answered within ``max_attempts`` attempts and the batch deadline comes back as a :class:`TurnFailure`,
 never as a made-up reply. Every wait is bounded: one attempt by ``timeout_s``, a batch by ``deadline_s``.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import threading
@@ -64,16 +70,16 @@ class UserSimClient(SimulatorClient):
         max_in_flight: int = 256,
     ) -> None:
         for name, value in (("timeout_s", timeout_s), ("probe_interval_s", probe_interval_s)):
-            if value <= 0:
-                raise ValueError(f"UserSimClient: {name} must be > 0, got {value}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"UserSimClient: {name} must be a finite number > 0, got {value}")
         for name, value in (("max_attempts", max_attempts), ("down_after_failures", down_after_failures),
                             ("max_in_flight", max_in_flight)):
             if value < 1:
                 raise ValueError(f"UserSimClient: {name} must be >= 1, got {value}")
-        if deadline_s is not None and deadline_s <= 0:
-            raise ValueError(f"UserSimClient: deadline_s must be > 0 or None, got {deadline_s}")
-        if backoff_s < 0:
-            raise ValueError(f"UserSimClient: backoff_s must be >= 0, got {backoff_s}")
+        if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
+            raise ValueError(f"UserSimClient: deadline_s must be a finite number > 0 or None, got {deadline_s}")
+        if not (math.isfinite(backoff_s) and backoff_s >= 0):
+            raise ValueError(f"UserSimClient: backoff_s must be a finite number >= 0, got {backoff_s}")
         self.timeout_s = float(timeout_s)
         self.max_attempts = max_attempts
         self.deadline_s = deadline_s
@@ -112,10 +118,7 @@ class UserSimClient(SimulatorClient):
                     raise AttemptError("http", f"GET /health answered HTTP {health.status_code}")
                 listed = await self._http.get(f"{inst.url}/v1/models", timeout=timeout_s)
                 raise_for_status(listed)
-                try:
-                    ids = served_model_ids(listed.json())
-                except ValueError:
-                    ids = []
+                ids = served_model_ids(listed)
                 if not ids:
                     raise AttemptError("garbage", "GET /v1/models lists no model")
                 if self._configured_model is not None and self._configured_model not in ids:
@@ -123,6 +126,8 @@ class UserSimClient(SimulatorClient):
                                                    f"{self._configured_model!r} (rollout_loop.config.user_sim.model)")
                 served[inst.name] = self._configured_model or ids[0]
             except AttemptError as exc:
+                problems.append(f"{inst.url}: {exc}")
+            except ResponseTooLarge as exc:
                 problems.append(f"{inst.url}: {exc}")
             except (aiohttp.ClientError, TimeoutError) as exc:
                 problems.append(f"{inst.url}: unreachable ({type(exc).__name__}: {exc})")
@@ -191,14 +196,25 @@ class UserSimClient(SimulatorClient):
             logger.warning("user simulator: %d of %d turns failed on every attempt", failed, len(results))
         return list(results)
 
-    def _pick(self, tried: list[str]) -> InstanceState | None:
-        """The up instance with the fewest requests in flight, preferring ones this turn has not tried yet."""
+    def _pick(self, tried: list[str], avoid: tuple[str, ...] = ()) -> InstanceState | None:
+        """The up instance with the lowest load score (`routing.LoadScore`), preferring ones this turn has neither
+        tried yet nor had a reply refused by (`avoid`), then ones it has not had a reply refused by."""
         up = [inst for inst in self._instances if not inst.down]
-        fresh = [inst for inst in up if inst.name not in tried]
-        pool = fresh or up
-        if not pool:
+        if not up:
             return None
-        return min(pool, key=lambda inst: (inst.in_flight, inst.requests))
+        allowed = [inst for inst in up if inst.name not in avoid]
+        fresh = [inst for inst in allowed if inst.name not in tried]
+        pool = fresh or allowed or up
+        known = [inst.load.latency_s for inst in self._instances if inst.load.latency_s is not None]
+        fallback = min(known, default=None)
+        return min(pool, key=lambda inst: (inst.load.score(inst.in_flight, fallback), inst.in_flight, inst.requests))
+
+    def _count_refusal(self, req: TurnRequest) -> None:
+        """The caller refused the reply of `req.avoid[-1]` (the newest refusal): count it against that instance."""
+        inst = next((i for i in self._instances if i.name == req.avoid[-1]), None)
+        if inst is not None:
+            self._stats.count_failure(inst, "protocol")
+            inst.load.refused(time.monotonic())
 
     async def _wait_until_up(self, budget_s: float) -> bool:
         """Wait up to `budget_s` for some instance to be up (a probe succeeding); True if one is."""
@@ -217,12 +233,17 @@ class UserSimClient(SimulatorClient):
     async def _complete_one(self, req: TurnRequest, deadline: float | None) -> TurnResult:
         """All attempts of one turn, each on the least-loaded up instance not yet tried when possible.
 
-        A request an instance shed (`overloaded`) does not use up an attempt: it is sent again after a pause
-        that doubles up to `MAX_SHED_PAUSE_S`, for at most `timeout_s` of such pauses in all."""
+        A request an instance shed (`overloaded`) does not use up an attempt: it is sent again after a pause that
+        doubles up to `MAX_SHED_PAUSE_S`, while the turn is younger than `timeout_s` (its requests and pauses
+        together); a later shed is a failed attempt. So a turn without a deadline lasts at most `timeout_s` plus
+        `max_attempts` attempts and their backoff pauses."""
+        if req.avoid:
+            self._count_refusal(req)
         errors: list[str] = []
         tried: list[str] = []
         attempts = sheds = 0
-        pause = shed_wait = 0.0
+        pause = 0.0
+        started = time.monotonic()
         while attempts < self.max_attempts:
             if pause:
                 remaining = self._remaining(deadline)
@@ -237,11 +258,10 @@ class UserSimClient(SimulatorClient):
                         raise AttemptError("unavailable", f"no instance up within {wait_s:.2f}s")
                 inst, text, latency = await self._send(req, tried, deadline)
             except AttemptError as exc:
-                if exc.kind == "overloaded" and shed_wait < self.timeout_s:
+                pause = min(MAX_SHED_PAUSE_S, self.backoff_s * 2 ** sheds) * random.uniform(0.5, 1.0)
+                if exc.kind == "overloaded" and time.monotonic() + pause - started < self.timeout_s:
                     tried.pop()  # the instance is busy, not failing: it may be picked again
-                    pause = min(MAX_SHED_PAUSE_S, self.backoff_s * 2 ** sheds) * random.uniform(0.5, 1.0)
                     sheds += 1
-                    shed_wait += pause
                     continue
                 attempts += 1
                 errors.append(f"attempt {attempts}: {exc}")
@@ -260,7 +280,7 @@ class UserSimClient(SimulatorClient):
         except TimeoutError:
             raise AttemptError("deadline", "deadline reached while queued for an in-flight slot") from None
         try:
-            inst = self._pick(tried)
+            inst = self._pick(tried, req.avoid)
             if inst is None:
                 raise AttemptError("unavailable", "every instance went down while queued")
             self._stats.count_request(inst, tried[-1] if tried else None)
@@ -293,8 +313,10 @@ class UserSimClient(SimulatorClient):
                 inst.in_flight -= 1
         finally:
             self._slots.release()
-        latency = time.monotonic() - sent
+        now = time.monotonic()
+        latency = now - sent
         self._stats.count_success(inst, latency)
+        inst.load.reply(latency, now)
         inst.consecutive_failures = 0
         return inst, text, latency
 
@@ -324,18 +346,16 @@ class UserSimClient(SimulatorClient):
                 return
             response = await self._http.get(f"{inst.url}/v1/models")
             raise_for_status(response)
-            try:
-                model = response.json()["data"][0]["id"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                model = None
-            if not isinstance(model, str):
+            ids = served_model_ids(response)
+            if not ids:
                 raise AttemptError("garbage", "GET /v1/models answered 200 without a model id")
-            inst.model = model
+            inst.model = model = ids[0]
             logger.info("user simulator %s serves model %r", inst.name, model)
 
     def _record_failure(self, inst: InstanceState, kind: str) -> None:
         """Count a failed attempt and mark the instance down after `down_after_failures` in a row."""
         self._stats.count_failure(inst, kind)
+        inst.load.failed(time.monotonic())
         inst.consecutive_failures += 1
         if not inst.down and inst.consecutive_failures >= self.down_after_failures:
             inst.down = True

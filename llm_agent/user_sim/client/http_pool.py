@@ -11,12 +11,13 @@ a thread hop and an environment scan per request in aiohttp).
 """
 from __future__ import annotations
 
-import json
 import ssl
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from verl.utils.untrusted import load_json
 
 __all__ = ["HTTPReply", "MAX_RESPONSE_BYTES", "ResponseTooLarge", "SimulatorHTTP"]
 
@@ -43,8 +44,9 @@ class HTTPReply:
         return self.content.decode("utf-8", errors="replace")
 
     def json(self) -> Any:
-        """The body parsed as JSON (ValueError when it is not JSON)."""
-        return json.loads(self.content)
+        """The body decoded by the project's policy for outside input (`verl.utils.untrusted.load_json`: a nesting
+        limit, NaN refused, every string cleaned); `UntrustedInputError`, a ValueError, when it is not such JSON."""
+        return load_json(self.content, what=f"{self.method} {self.path} reply", max_bytes=MAX_RESPONSE_BYTES)
 
 
 class SimulatorHTTP:

@@ -5,6 +5,12 @@ simulator (`llm_agent.stand_ins.inprocess_user_sim`) and the tests' fakes. A req
 dialogue's rendered simulator messages and decoding parameters); an answer is a `TurnReply` (the simulator's text)
 or a `TurnFailure` (no instance answered; never a made-up reply). The sync rollout loop sends each round of turns
 as one `complete` call; the async loop runs its dialogues inside `run_on_loop` and awaits `acomplete` per turn.
+
+A reply's text is outside input: `TurnReply` cleans it (`verl.utils.untrusted.clean_text`: lone surrogates and NUL
+become U+FFFD) whatever client built it, so it can always reach a tokenizer, a cache file or a log. A caller that
+refuses a reply (it breaks the scenario's tag protocol) re-requests the turn with that reply's instance appended
+to `TurnRequest.avoid`: the client then sends it elsewhere when it can and counts the refusal against that
+instance, so an instance whose replies are useless loses its share of the traffic.
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, Union, runtime_checkable
 
+from verl.utils.untrusted import clean_text
+
 __all__ = ["SimulatorClient", "TurnFailure", "TurnReply", "TurnRequest", "TurnResult"]
 
 T = TypeVar("T")
@@ -22,7 +30,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class TurnRequest:
-    """One dialogue's next user turn: the rendered chat messages for the simulator and the decoding parameters."""
+    """One dialogue's next user turn: the rendered chat messages for the simulator and the decoding parameters.
+
+    `avoid`: the instances (`TurnReply.instance`) whose earlier replies to this turn the caller refused, in order;
+    each re-request appends the instance of the reply it replaces, so the last one is the newest refusal.
+    """
 
     dialogue_id: str
     messages: list[dict]
@@ -30,6 +42,7 @@ class TurnRequest:
     top_p: float = 1.0
     max_tokens: int = 256
     seed: int | None = None
+    avoid: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"TurnRequest(dialogue_id={self.dialogue_id!r})"
@@ -46,18 +59,26 @@ class TurnRequest:
             raise ValueError(f"{where}: top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"{where}: max_tokens must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.avoid, tuple) or not all(isinstance(name, str) for name in self.avoid):
+            raise ValueError(f"{where}: avoid must be a tuple of instance names, got {self.avoid!r}")
 
 
 @dataclass(frozen=True)
 class TurnReply:
-    """A simulator's answer: its text, the instance (host:port) that served it, the answering request's latency
-    in seconds, and how many attempts the turn took (1 = no retry)."""
+    """A simulator's answer: its text (cleaned, see the module docstring), the instance (host:port) that served it,
+    the answering request's latency in seconds, and how many attempts the turn took (1 = no retry)."""
 
     dialogue_id: str
     text: str
     instance: str
     latency_s: float
     attempts: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise TypeError(f"TurnReply(dialogue_id={self.dialogue_id!r}): text must be a str, "
+                            f"got {type(self.text).__name__}")
+        object.__setattr__(self, "text", clean_text(self.text))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Bookkeeping of `llm_agent.user_sim.client.UserSimClient`: per-instance routing/health state and the counters.
 
-`InstanceState` holds one simulator instance's routing state (in flight, consecutive failures, down) and its
-counters; `ClientStats` holds the client-wide counters and flattens everything into the metrics dict that
+`InstanceState` holds one simulator instance's routing state (in flight, consecutive failures, down, its load score
+of `routing.py`) and its counters; `ClientStats` holds the client-wide counters and flattens everything into the metrics dict that
 `UserSimClient.stats()` returns. Routing and health fields are touched only on the client's event-loop thread;
 the counters are also read by `snapshot()` from the caller's thread, so every counter update and every read takes
 `ClientStats.lock`.
@@ -13,8 +13,10 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from llm_agent.user_sim.client.routing import LoadScore
+
 LATENCY_WINDOW = 10_000  # successful-request latencies kept per instance for the percentiles
-FAILURE_KINDS = ("timeout", "connection", "http", "garbage", "overloaded")
+FAILURE_KINDS = ("timeout", "connection", "http", "garbage", "overloaded", "protocol")
 
 
 @dataclass
@@ -22,7 +24,8 @@ class InstanceState:
     """Routing state and counters of one simulator instance.
 
     `retries` counts the retry attempts this instance received (a turn's 2nd, 3rd... attempt); `failovers` those
-    of them that came from a different instance than the turn's previous attempt.
+    of them that came from a different instance than the turn's previous attempt. `failures["protocol"]` counts
+    its replies the caller refused (`TurnRequest.avoid`).
     """
 
     url: str
@@ -38,6 +41,7 @@ class InstanceState:
     failures: dict[str, int] = field(default_factory=dict)
     marked_down: int = 0
     latencies: deque = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    load: LoadScore = field(default_factory=LoadScore)
     model_lock: asyncio.Lock | None = None
     probe_task: asyncio.Task | None = None
 
@@ -83,7 +87,7 @@ class ClientStats:
             inst.latencies.append(latency_s)
 
     def count_failure(self, inst: InstanceState, kind: str) -> None:
-        """Record a failed request of `kind` (timeout | connection | http | garbage)."""
+        """Record a failed request (or a refused reply) of `kind`, one of `FAILURE_KINDS`."""
         with self.lock:
             inst.failures[kind] = inst.failures.get(kind, 0) + 1
 
@@ -95,7 +99,7 @@ class ClientStats:
     def snapshot(self) -> dict[str, float]:
         """Counters flattened for metrics: `user_sim/<host:port>/<name>` per instance plus `user_sim/<name>` totals.
 
-        Per instance: requests, successes, failures (and failures_timeout/_connection/_http/_garbage), retries,
+        Per instance: requests, successes, failures (and failures_<kind> of each of `FAILURE_KINDS`), retries,
         failovers, marked_down, down (0/1), in_flight, latency_p50_s, latency_p95_s. Totals: requests, turns,
         turn_failures, retries, failovers (retries sent to a different instance), instances_down, latency_p50_s,
         latency_p95_s. Latency keys appear once some request has succeeded.

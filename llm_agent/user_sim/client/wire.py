@@ -1,7 +1,6 @@
 """The wire side of the simulator client: base-URL parsing, response checks and the errors they raise."""
 from __future__ import annotations
 
-from typing import Any
 from urllib.parse import urlsplit
 
 from llm_agent.user_sim.client.http_pool import HTTPReply
@@ -73,9 +72,10 @@ def raise_for_status(response: HTTPReply) -> None:
 def _error_code(response: HTTPReply) -> str | None:
     """The `error.code` of an OpenAI-style error body, if it has one."""
     try:
-        error = response.json().get("error")
-    except (ValueError, AttributeError):
+        body = response.json()
+    except ValueError:
         return None
+    error = body.get("error") if isinstance(body, dict) else None
     return error.get("code") if isinstance(error, dict) else None
 
 
@@ -84,15 +84,22 @@ def completion_text(response: HTTPReply) -> str:
     try:
         body = response.json()
         content = body["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
+    except ValueError as exc:
+        raise AttemptError("garbage", f"200 with a body that is not a chat completion ({exc})") from None
+    except (KeyError, IndexError, TypeError) as exc:
         raise AttemptError("garbage", f"200 with a body that is not a chat completion ({exc!r})") from None
     if not isinstance(content, str):
         raise AttemptError("garbage", f"200 with non-string message content {content!r}")
     return content
 
 
-def served_model_ids(body: Any) -> list[str]:
-    """The model ids of a `GET /v1/models` body (`{"data": [{"id": ...}, ...]}`); [] when it is not one."""
+def served_model_ids(response: HTTPReply) -> list[str]:
+    """The model ids of a `GET /v1/models` reply (`{"data": [{"id": ...}, ...]}`); [] when it lists none,
+    `AttemptError('garbage')` naming the problem when its body is not JSON the policy accepts."""
+    try:
+        body = response.json()
+    except ValueError as exc:
+        raise AttemptError("garbage", str(exc)) from None
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         return []

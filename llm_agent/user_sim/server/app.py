@@ -26,7 +26,6 @@ import hmac
 import json
 import logging
 import os
-import stat
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,12 +38,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from llm_agent.api_keys import ApiKeyError, api_key, command_line_refusal
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH
 from llm_agent.user_sim.server.backend import BackendInputError, BackendResult, ChatBackend, Completion, SamplingParams
 from llm_agent.user_sim.server.chat_request import (DEFAULT_MAX_MESSAGES, ApiError, ChatRequest,  # noqa: F401
                                                     parse_chat_request)
 from llm_agent.user_sim.server.faults import FAULT_KINDS, FaultConfig, FaultInjector
 from llm_agent.user_sim.server.http_guard import guarded_protocol, install_log_limits, usable_connection_cap
+from verl.utils.untrusted import clean_text
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class ServerConfig:
     max_messages: int = DEFAULT_MAX_MESSAGES
     max_concurrency: int = 4
     max_queue: int = 64
-    body_timeout_s: float = 30.0
+    body_timeout_s: float = 5.0
     faults: FaultConfig = FaultConfig()
 
     def __repr__(self) -> str:  # the key never reaches a log line through the config
@@ -78,7 +79,10 @@ class _ClientGone(Exception):
 
 
 def _error_response(err: ApiError) -> JSONResponse:
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    """The OpenAI-shaped JSON error; its text is cleaned (`clean_text`), since a message may quote a field of the
+    request and a lone surrogate there would make the JSON unencodable (a plain-text 500)."""
+    param = None if err.param is None else clean_text(err.param)
+    body = {"error": {"message": clean_text(err.message), "type": err.type, "param": param, "code": err.code}}
     headers = {"retry-after": "1"} if err.status == 503 else {}
     if err.status in (408, 413):  # the body was not read to its end: the connection cannot carry another request
         headers["connection"] = "close"
@@ -308,7 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a thread; more get 503")
     p.add_argument("--max-connections", type=int, default=1024, help="open connections; more are closed")
     p.add_argument("--header-timeout", type=float, default=10.0, help="seconds to receive request headers")
-    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body")
+    p.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout_s,
+                   help="seconds to receive a request body (a chat request is a few KB)")
     p.add_argument("--inject-latency-ms", type=float, default=0.0, help="median of the lognormal latency")
     p.add_argument("--inject-latency-sigma", type=float, default=0.0, help="log-space sigma of the latency")
     p.add_argument("--inject-fault", choices=FAULT_KINDS, default="none")
@@ -320,32 +325,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def read_api_key(path: str | None) -> str | None:
     """The API key from `path` (a file that only its owner, who must be us, can read or write) or from the
     environment variable SEAD_USER_SIM_API_KEY; None when neither is set. SystemExit names the problem."""
-    if path is None:
-        key = os.environ.get(API_KEY_ENV, "").strip()
-        return key or None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as err:
-        raise SystemExit(f"error: --api-key-file {path}: {err.strerror}") from None
-    with os.fdopen(fd, "r", encoding="utf-8") as fh:
-        info = os.fstat(fh.fileno())
-        if info.st_uid != os.getuid():
-            raise SystemExit(f"error: --api-key-file {path} is owned by uid {info.st_uid}, not by you")
-        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise SystemExit(f"error: --api-key-file {path} has mode {stat.S_IMODE(info.st_mode):04o}; other users "
-                             f"may read it: chmod 600 {path}")
-        key = fh.read().strip()
-    if not key:
-        raise SystemExit(f"error: --api-key-file {path} is empty")
-    return key
+        return api_key(API_KEY_ENV, path)
+    except ApiKeyError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
     """Build the backend and serve it with uvicorn until SIGTERM/SIGINT."""
     args = parse_args(argv)
     if args.api_key is not None:
-        raise SystemExit(f"error: --api-key is not accepted: a command line is visible to every local user in "
-                         f"/proc/PID/cmdline; set {API_KEY_ENV} or pass --api-key-file PATH (mode 0600)")
+        raise SystemExit(f"error: {command_line_refusal('--api-key', API_KEY_ENV)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("max_request_bytes", "max_messages", "max_concurrency", "max_queue", "max_connections"):
         if getattr(args, name) < 1:

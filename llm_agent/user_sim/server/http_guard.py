@@ -3,8 +3,10 @@ malformed HTTP, rate-limited logging and the uvicorn launch that uses them.
 
 uvicorn alone keeps a connection that sends a partial request open forever and answers malformed HTTP with a
 plain-text 400; :func:`guarded_protocol` builds an h11 protocol class that, over the connection cap, closes the
-connection that has waited longest without sending a request (or refuses the new one with a JSON 503 when every
-connection is busy), answers a connection whose request headers are not complete `header_timeout_s` after it
+connection that has waited longest for the client: without sending a request's headers, or sending its body
+(a slow client, idle or hostile: a chat request arrives in milliseconds; a request being answered is never
+closed), or refuses the new one with a JSON 503 when every connection is busy, so clients that reconnect as fast
+as they are shed cannot keep `/health` out. It answers a connection whose request headers are not complete `header_timeout_s` after it
 opened (or after its previous response) with a JSON 408 and closes it, and sends malformed-HTTP 400s as
 OpenAI-shaped JSON. The body deadline and the in-flight cap live in the app (`server.py`). :class:`RateLimitFilter` keeps a flood
 of identical warnings (e.g. asyncio's failed accepts) from filling the disk.
@@ -41,6 +43,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
 
         _header_timer: asyncio.TimerHandle | None = None
         _idle_since = 0.0
+        _body_since: float | None = None  # when the current request's headers arrived, while its body arrives
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -49,17 +52,34 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11P
             if len(self.connections) > max_connections:
                 self._shed()
 
-        def _waiting_for_headers(self) -> bool:
-            return not self.transport.is_closing() and self.conn.their_state is h11.IDLE and (
-                self.cycle is None or self.cycle.response_complete)
+        def _waiting_for_client_since(self) -> float | None:
+            """Since when this connection waits for its client: for a request's headers (idle or partial) or for
+            the rest of its body; None while a request is being answered or the connection is closing."""
+            if self.transport.is_closing():
+                return None
+            if self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete):
+                return self._idle_since
+            if self.conn.their_state is h11.SEND_BODY:
+                return self._body_since
+            return None
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is h11.SEND_BODY:
+                if self._body_since is None:
+                    self._body_since = time.monotonic()
+            else:
+                self._body_since = None
 
         def _shed(self) -> None:
-            """Over the cap: close the connection that has waited longest without sending a request (a slow or
-            idle client), else refuse this new one with a JSON 503."""
-            idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c._waiting_for_headers()]
-            oldest = min(idle, key=lambda c: c._idle_since, default=None)
+            """Over the cap: close the connection that has waited longest for its client (headers or body), else
+            refuse this new one with a JSON 503."""
+            waiting = [(since, c) for c in self.connections if isinstance(c, GuardedH11Protocol)
+                       and (since := c._waiting_for_client_since()) is not None]
+            oldest = min(waiting, key=lambda pair: pair[0], default=(None, None))[1]
             if oldest is not None and oldest is not self:
-                logger.warning("connection cap of %d reached: closing the longest-idle connection", max_connections)
+                logger.warning("connection cap of %d reached: closing the connection that waited longest for its "
+                               "client", max_connections)
                 oldest.transport.close()
                 return
             logger.warning("connection cap of %d reached: refusing a new connection", max_connections)

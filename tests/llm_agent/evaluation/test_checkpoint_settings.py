@@ -102,3 +102,10 @@ def test_results_record_the_global_step_and_a_newer_step_is_not_resumed(tok, sce
     assert run(4).n_resumed == 2
     with pytest.raises(ValueError, match=r"run with the agent at step 4, but it is now at step 6 .*--agent NEWNAME=SPEC"):
         run(6)
+    # every line is checked, not only each dialogue's latest: lines at step 6 after the step-4 ones hide nothing
+    log = tmp_path / "out" / "rl_dialogues.jsonl"
+    lines = log.read_text().splitlines()
+    later = [json.dumps({**json.loads(line), "step": 6}) for line in lines]
+    log.write_text("\n".join(lines + later) + "\n")
+    with pytest.raises(ValueError, match=r"rl_dialogues.jsonl:1: dialogue test0#0 was run with the agent at step 4"):
+        run(6)

@@ -122,18 +122,31 @@ def test_stop_removes_a_stale_pid_file_without_killing_anything(tmp_path):
     assert not (tmp_path / "user_sim_1234.pid").exists()
 
 
-@pytest.mark.parametrize("record", ["{pid}", "{pid} 0", "{pid} 1"])
-def test_stop_never_signals_a_pid_it_cannot_verify(tmp_path, record):
-    """A PID file naming a live process without (or with a wrong) start time: the PID may have been reused by
-    someone else, so the process is left alone and only the file is removed."""
+@pytest.mark.parametrize("record", ["{pid}", "{pid} 0"])
+def test_stop_never_signals_a_pid_it_cannot_verify_and_keeps_its_file(tmp_path, record):
+    """A PID file naming a live process without a start time: it may be the instance or a reused PID, so the process
+    is left alone, the file is kept (it may be the only record of a running instance) and the stop fails."""
     foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         (tmp_path / "user_sim_4321.pid").write_text(record.format(pid=foreign.pid) + "\n")
         result = _run(STOP, run_dir=tmp_path, timeout=30)
-        assert result.returncode == 0, result.stderr
-        assert "not signalling" in result.stderr
+        assert result.returncode == 1, result.stderr
+        assert "not signalling" in result.stderr and "kept" in result.stderr
         assert foreign.poll() is None, "the foreign process must survive"
-        assert not (tmp_path / "user_sim_4321.pid").exists()
+        assert (tmp_path / "user_sim_4321.pid").exists()
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
+def test_stop_removes_a_pid_file_whose_pid_was_reused(tmp_path):
+    """The recorded start time differs from the live process's: the recorded instance is gone, the file is stale."""
+    foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / "user_sim_4321.pid").write_text(f"{foreign.pid} 1\n")
+        result = _run(STOP, run_dir=tmp_path, timeout=30)
+        assert result.returncode == 0 and "not running" in result.stderr, result.stderr
+        assert foreign.poll() is None and not (tmp_path / "user_sim_4321.pid").exists()
     finally:
         foreign.kill()
         foreign.wait()

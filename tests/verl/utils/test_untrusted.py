@@ -69,3 +69,13 @@ def test_lone_surrogates_and_nul_are_replaced_everywhere():
     assert clean_text("caf\u00e9 \ud800") == "caf\u00e9 \ufffd"
     raw_str = json.loads('"\\udc80"')  # what the standard decoder lets through
     assert clean_text(raw_str) == "\ufffd"
+
+
+def test_bytes_must_be_utf8_even_with_a_byte_order_mark():
+    """json.loads(bytes) guesses UTF-16/32 from a BOM: a cache file re-saved as UTF-16 was read as valid lines."""
+    doc = '{"reply": "hi"}'
+    assert load_json(doc.encode("utf-8"), what="line", max_bytes=100) == {"reply": "hi"}
+    for encoding in ("utf-16", "utf-32"):
+        assert json.loads(doc.encode(encoding)) == {"reply": "hi"}
+        with pytest.raises(UntrustedInputError, match="line: not valid JSON"):
+            load_json(doc.encode(encoding), what="line", max_bytes=100)

@@ -11,7 +11,12 @@ checkpoint is loaded. Only vLLM's public API is used: ``LLM``, ``SamplingParams`
 
 On CUDA, with ``free_cache_engine``, the engine sleeps at level 2 during training phases: its weights and KV
 cache are freed, not copied to host memory (the next weight sync overwrites the weights anyway), so the engine
-reports :attr:`vLLMRollout.weights_discarded` until :meth:`vLLMRollout.update_weights` has run. Expandable
+reports :attr:`vLLMRollout.weights_discarded` until :meth:`vLLMRollout.update_weights` has run.
+
+A LoRA actor (``lora``, unless ``model.lora.merge``) gets an engine with vLLM's LoRA support (``enable_lora``, one
+adapter slot): the frozen base arrives once (:meth:`vLLMRollout.update_weights`), the adapter after every update
+(:meth:`vLLMRollout.update_adapter`, in memory, :mod:`.lora_adapter`), and every request names it. Such an engine
+sleeps at level 1: the base is kept in host memory and copied back on wake, never sent again. Expandable
 segments of the CUDA allocator are switched off while vLLM allocates (engine start, wake-up; see
 :mod:`verl.utils.cuda_allocator`). Each worker sees one GPU, so vLLM's custom all-reduce, which maps its peers'
 GPUs, is off (NCCL all-reduces the TP group).
@@ -32,8 +37,11 @@ from omegaconf import DictConfig
 from verl.protocol import DataProto
 from verl.utils.cuda_allocator import expandable_segments_off
 from verl.workers.batching import select_batch
-from verl.workers.rollout.vllm_rollout.cpu_shm import remove_stale_segments
+from verl.utils.lora import LoraSettings
 from verl.workers.rollout.hf_rollout import PROMPT_KEYS, check_left_padded, generation_tensors, sampling_setting
+from verl.workers.rollout.vllm_rollout.cpu_shm import remove_stale_segments
+from verl.workers.rollout.vllm_rollout.lora_adapter import (LORA_ID, check_in_memory_loading, load_adapter_in_memory,
+                                                           lora_request, max_lora_rank)
 from verl.workers.rollout.vllm_rollout.weight_sync import DEFAULT_BUCKET_BYTES, Stopwatch, WeightSyncStats
 
 logger = logging.getLogger(__name__)
@@ -43,6 +51,7 @@ CPU_KV_CACHE_BYTES = 2**30  # the KV cache on CPU unless VLLM_CPU_KVCACHE_SPACE 
 MAX_SEED = 2**31 - 1
 SLEEP_TAGS = ("weights", "kv_cache")
 SLEEP_LEVEL = 2  # weights and KV cache freed without a host copy: the next weight sync reloads the weights
+ADAPTER_SLEEP_LEVEL = 1  # a LoRA engine keeps its base (in host memory while asleep): only the adapter is synced
 
 
 def vllm_available() -> bool:
@@ -56,8 +65,9 @@ def max_model_len(config: DictConfig) -> int:
 
 
 def engine_kwargs(config: DictConfig, model_path: str, tokenizer_path: str | None, dtype: str,
-                  device_type: str) -> dict[str, Any]:
-    """The ``vllm.LLM`` arguments of a colocated rollout engine from the ``actor_rollout_ref.rollout`` block."""
+                  device_type: str, lora_rank: int = 0) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of a colocated rollout engine from the ``actor_rollout_ref.rollout`` block; with
+    ``lora_rank`` > 0 it serves one LoRA adapter of that rank."""
     kwargs: dict[str, Any] = {
         "model": model_path,
         "tokenizer": tokenizer_path or model_path,
@@ -82,6 +92,8 @@ def engine_kwargs(config: DictConfig, model_path: str, tokenizer_path: str | Non
         kwargs["max_num_batched_tokens"] = int(config.max_num_batched_tokens)
     if device_type == "cpu":
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES  # vLLM replaces it by VLLM_CPU_KVCACHE_SPACE if set
+    if lora_rank > 0:
+        kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=max_lora_rank(lora_rank))
     return kwargs
 
 
@@ -126,11 +138,12 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
     prompt batch's ``meta_info`` overrides ``do_sample``, ``temperature``, ``top_p``, ``top_k``,
     ``response_length`` and ``n`` (responses per row, default 1: the trainer repeats prompts by ``rollout.n``
     itself) and must carry ``eos_token_id`` and ``pad_token_id``. Sampling seeds are drawn per row from the
-    worker's torch RNG, so a run is reproducible from the checkpointed RNG states.
+    worker's torch RNG, so a run is reproducible from the checkpointed RNG states. ``lora`` (a LoRA actor's
+    settings) makes it serve the actor's adapter on the base, unless ``lora.merge``.
     """
 
     def __init__(self, model_path: str, config: DictConfig, dtype: str, device_type: str,
-                 tokenizer_path: str | None = None):
+                 tokenizer_path: str | None = None, lora: LoraSettings | None = None):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"actor_rollout_ref.rollout.dtype={dtype!r}; expected auto, bfloat16, float16 or float32")
         _set_launcher_env(device_type)
@@ -143,7 +156,11 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
         self.max_model_len = max_model_len(config)
         self.calculate_log_probs = bool(config.get("calculate_log_probs", False))
         self.bucket_bytes = int(float(config.get("update_weights_bucket_megabytes", 0)) * 2**20) or DEFAULT_BUCKET_BYTES
-        kwargs = engine_kwargs(config, model_path, tokenizer_path, dtype, device_type)
+        self.serves_adapter = lora is not None and not lora.merge
+        self.base_loaded = False  # the engine starts with dummy weights
+        self.adapter_loaded = False
+        kwargs = engine_kwargs(config, model_path, tokenizer_path, dtype, device_type,
+                               lora.rank if self.serves_adapter else 0)
         if bool(config.get("enforce_eager", True)) != kwargs["enforce_eager"]:
             logger.info("rollout.enforce_eager=false: CUDA graphs need CUDA; on %s the engine runs eagerly", device_type)
         with expandable_segments_off(device_type):
@@ -152,7 +169,10 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
         if self.tp_group.world_size != int(config.get("tensor_model_parallel_size", 1)):
             raise RuntimeError(f"vLLM built a TP group of {self.tp_group.world_size} ranks for "
                                f"rollout.tensor_model_parallel_size={config.get('tensor_model_parallel_size', 1)}")
+        if self.serves_adapter:
+            self.llm.collective_rpc(check_in_memory_loading)
         self._sleep_enabled = device_type == "cuda" and bool(config.get("free_cache_engine", True))
+        self._sleep_level = ADAPTER_SLEEP_LEVEL if self.serves_adapter else SLEEP_LEVEL
         self._asleep: set[str] = set()
         self.weights_discarded = False
         if bool(config.get("free_cache_engine", True)) and not self._sleep_enabled:
@@ -163,16 +183,17 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
     # --------------------------------------------------------------------------------------------- memory
     def release(self) -> None:
         """Free the engine's GPU memory for training (sleep level 2: weights and KV cache freed, nothing kept on
-        the host); :attr:`weights_discarded` is then true until the next :meth:`update_weights`.
+        the host; :attr:`weights_discarded` is then true until the next :meth:`update_weights`. An engine serving
+        an adapter sleeps at level 1: its weights wait in host memory).
 
         A no-op on CPU or with ``free_cache_engine=false``.
         """
         if not self._sleep_enabled or self._asleep == set(SLEEP_TAGS):
             return
         self._wake(SLEEP_TAGS)  # vLLM sleeps from a fully awake engine
-        self.llm.sleep(level=SLEEP_LEVEL)
+        self.llm.sleep(level=self._sleep_level)
         self._asleep = set(SLEEP_TAGS)
-        self.weights_discarded = True
+        self.weights_discarded = self._sleep_level == SLEEP_LEVEL
 
     def _wake(self, tags: Iterable[str]) -> None:
         """Bring the tagged allocations (``weights``, ``kv_cache``) back to the GPU if they sleep."""
@@ -193,6 +214,21 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
             self.llm.apply_model(reprocess_tied_lm_heads)
             self.llm.reset_prefix_cache()
         self.weights_discarded = False
+        self.base_loaded = True
+
+    def update_adapter(self, tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
+                       stats: WeightSyncStats) -> None:
+        """Make ``(PEFT saved name, full tensor)`` pairs with PEFT config ``config`` the adapter every request uses
+        (in memory, replacing the previous one) and forget prefix-cache entries computed with the old one; the
+        elapsed time, gathering the pairs included, is added to ``stats.seconds``."""
+        if not self.serves_adapter:
+            raise RuntimeError("update_adapter: this engine serves no LoRA adapter (lora_rank 0 or lora.merge)")
+        with Stopwatch(stats):
+            adapter = dict(tensors)
+            self._wake(["weights"])
+            self.llm.collective_rpc(load_adapter_in_memory, args=(adapter, config, LORA_ID))
+            self.llm.reset_prefix_cache()
+        self.adapter_loaded = True
 
     # ---------------------------------------------------------------------------------------- generation
     def _sampling(self, meta_info: dict[str, Any]) -> tuple[dict[str, Any], int, list[int], int, int]:
@@ -244,12 +280,16 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
         if self.weights_discarded:
             raise RuntimeError("vLLMRollout: the engine's weights were freed by sleep (level 2) and not reloaded "
                                "since; the worker syncs the actor's weights (update_weights) before generating")
+        if self.serves_adapter and not (self.base_loaded and self.adapter_loaded):
+            raise RuntimeError("vLLMRollout: the engine serves the actor's LoRA adapter but has not received the base "
+                               "weights and the adapter yet (update_weights, update_adapter)")
         self._wake(SLEEP_TAGS)
         requests = [TokensPrompt(prompt_token_ids=row) for row in rows]
         sampling = [SamplingParams(seed=seed, **{**params, "max_tokens": min(params["max_tokens"],
                                                                              self.max_model_len - len(row))})
                     for row, seed in zip(rows, seeds)]
-        return [out.outputs[0] for out in self.llm.generate(requests, sampling, use_tqdm=False)]
+        adapter = lora_request() if self.serves_adapter else None
+        return [out.outputs[0] for out in self.llm.generate(requests, sampling, use_tqdm=False, lora_request=adapter)]
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generate ``n`` responses per prompt row (interleaved); returns ``prompts, responses, input_ids,

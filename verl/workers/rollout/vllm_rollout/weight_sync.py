@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +53,10 @@ def hf_parameter_name(name: str) -> str:
 
 
 def fsdp_weight_stream(module: torch.nn.Module, dtype: torch.dtype, stats: WeightSyncStats | None = None,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(HF parameter name, full tensor in dtype)`` for every parameter of the FSDP-wrapped ``module``.
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, select: Callable[[str], bool] | None = None,
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(HF parameter name, full tensor in dtype)`` for every parameter of the FSDP-wrapped ``module`` (those
+    whose name ``select`` accepts, when given; every rank must select the same).
 
     FSDP2 parameters are cast on their shards and gathered in buckets of about ``bucket_bytes`` (full size in
     ``dtype``; a larger parameter is a bucket of its own); an FSDP1 model is gathered whole for the duration of
@@ -67,10 +69,12 @@ def fsdp_weight_stream(module: torch.nn.Module, dtype: torch.dtype, stats: Weigh
     if isinstance(module, FSDP):
         with FSDP.summon_full_params(module, recurse=True, writeback=False), torch.no_grad():
             for name, param in module.named_parameters():
-                yield _counted(hf_parameter_name(name), param.detach().to(dtype), stats)
+                if select is None or select(hf_parameter_name(name)):
+                    yield _counted(hf_parameter_name(name), param.detach().to(dtype), stats)
         return
+    params = [(name, p) for name, p in module.named_parameters() if select is None or select(hf_parameter_name(name))]
     with torch.no_grad():
-        for bucket in _buckets(list(module.named_parameters()), dtype, bucket_bytes):
+        for bucket in _buckets(params, dtype, bucket_bytes):
             for name, tensor in _gather_bucket(bucket, dtype, stats):
                 yield _counted(hf_parameter_name(name), tensor, stats)
 

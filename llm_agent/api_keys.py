@@ -1,0 +1,57 @@
+"""API keys of the services the project calls (user simulators, an agent endpoint), read so that a key never
+reaches a command line (every local user can read /proc/PID/cmdline), a file the project writes, an error message
+or a log: from an environment variable, or from a file that only its owner, who must be the caller, can read or
+write (mode 0600). Every message here names the file or the variable, never the key.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+
+__all__ = ["ApiKeyError", "api_key", "command_line_refusal", "read_key_file"]
+
+
+class ApiKeyError(ValueError):
+    """A key file that cannot be used (missing, not ours, readable by others, empty); the message says why."""
+
+
+def read_key_file(path: str | os.PathLike, option: str = "--api-key-file") -> str:
+    """The key held in `path` (surrounding whitespace removed). ApiKeyError naming `option` and the file unless it
+    is a regular file, not a symbolic link, owned by the caller, with no group or other permission, and not empty."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as err:
+        raise ApiKeyError(f"{option} {path}: {err.strerror}") from None
+    with os.fdopen(fd, "r", encoding="utf-8") as fh:
+        info = os.fstat(fh.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ApiKeyError(f"{option} {path} is not a regular file")
+        if info.st_uid != os.getuid():
+            raise ApiKeyError(f"{option} {path} is owned by uid {info.st_uid}, not by you")
+        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ApiKeyError(f"{option} {path} has mode {stat.S_IMODE(info.st_mode):04o}; other users may read it: "
+                              f"chmod 600 {path}")
+        try:
+            key = fh.read().strip()
+        except UnicodeDecodeError:
+            raise ApiKeyError(f"{option} {path} is not UTF-8 text") from None
+    if not key:
+        raise ApiKeyError(f"{option} {path} is empty")
+    return key
+
+
+def api_key(env_var: str, path: str | os.PathLike | None = None, option: str = "--api-key-file",
+            environ: Mapping[str, str] | None = None) -> str | None:
+    """The key from `path` when given (see `read_key_file`), else from the environment variable `env_var`; None
+    when neither is set."""
+    if path is not None:
+        return read_key_file(path, option)
+    return (os.environ if environ is None else environ).get(env_var, "").strip() or None
+
+
+def command_line_refusal(flag: str, env_var: str) -> str:
+    """The message refusing a key passed as `flag KEY` on the command line (it never repeats the key)."""
+    return (f"{flag} is not accepted: a command line is visible to every local user in /proc/PID/cmdline; set "
+            f"{env_var} or pass {flag}-file PATH (mode 0600)")

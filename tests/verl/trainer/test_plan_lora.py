@@ -1,0 +1,77 @@
+"""The planner with LoRA: hand-computed adapter sizes and states at 14B, no reference copy, the vLLM engine's adapter
+slot and the adapter-only sync, unknown module names and the FLOPs of a frozen base (its memory against the
+profiler: tests/verl/utils/test_memory_model_lora.py)."""
+from __future__ import annotations
+
+import pytest
+from test_plan import P_14B, QWEN25_14B, _preset_phases, model_14b  # noqa: F401 (fixture)
+
+from verl.trainer import plan as plan_mod
+from verl.trainer.config_schema import ConfigError, compose_config
+from verl.trainer.config_validation import build_config
+from verl.utils.memory_model import ModelShape, pass_flops
+
+LORA_32 = ["actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=32"]
+# rank 32 on all seven linear layers of each of 48 layers: r x (in + out), in + out = q 10240, k 6144, v 6144,
+# o 10240, gate 18944, up 18944, down 18944
+ADAPTER_14B = 48 * 32 * (10240 + 6144 + 6144 + 10240 + 3 * 18944)
+
+
+def test_lora_states_are_hand_computed_and_the_reference_is_the_actor(model_14b):
+    setup, hw, phases = _preset_phases(model_14b, [*LORA_32, "trainer.n_gpus_per_node=2"])
+    assert setup.actor_lora.params == ADAPTER_14B == 137_625_600
+    update = phases["update actor"]
+    assert update.memory["weights"] == pytest.approx((2 * P_14B + 4 * ADAPTER_14B) / 2, rel=1e-6)  # bf16 base
+    assert update.memory["optimizer"] == pytest.approx(8 * ADAPTER_14B / 2, rel=1e-6)
+    assert update.memory["gradients"] == pytest.approx(4 * ADAPTER_14B / 2, rel=1e-6)
+    # no second copy of the base: the reference pass computes with the actor's own state
+    assert phases["reference log-probs"].memory["weights"] == phases["old log-probs"].memory["weights"]
+    _, _, full = _preset_phases(model_14b, ["trainer.n_gpus_per_node=2"])
+    assert full["reference log-probs"].memory["weights"] > full["old log-probs"].memory["weights"]
+    # the engine: bf16 weights over TP 2 plus one adapter slot for every linear layer at max_lora_rank 32
+    engine = plan_mod.vllm_engine(setup, hw)
+    assert engine.weights == pytest.approx(2 * P_14B / 2 + 2 * ADAPTER_14B / 2)
+    sync = phases["weight sync"]
+    assert sync.memory["gathered units"] == 2 * ADAPTER_14B  # the adapter arrives whole, in bf16
+    assert sync.seconds == pytest.approx(engine.weights / 25e9 + 2 * ADAPTER_14B / 3.35e12)
+    assert max(p.total for p in phases.values()) <= hw.memory_bytes  # 14B with LoRA fits 2 GPUs of 80 GB
+    assert max(p.total for p in full.values()) > hw.memory_bytes  # full fine-tuning does not
+
+
+def test_target_and_excluded_modules_and_merged_sync(model_14b):
+    setup, _, phases = _preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+                                                  "actor_rollout_ref.model.lora.merge=true"])
+    assert setup.actor_lora.params == 48 * 32 * (10240 + 6144)
+    assert phases["weight sync"].memory["gathered units"] == 2 * 512 * 2**20  # merged: every weight, in buckets
+    setup, _, _ = _preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.exclude_modules=[down_proj]"])
+    assert setup.actor_lora.params == ADAPTER_14B - 48 * 32 * 18944
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.target_modules: \['qkv_proj'\] name no linear "
+                                          r"layer of the model's decoder layers"):
+        _preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.target_modules=[q_proj,qkv_proj]"])
+    with pytest.raises(ConfigError, match="exclude_modules removes every target module"):
+        _preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.target_modules=[q_proj]",
+                                   "actor_rollout_ref.model.exclude_modules=[q_proj]"])
+
+
+def test_critic_lora_state_counts_its_value_head(model_14b):
+    cfg = build_config(compose_config([f"actor_rollout_ref.model.path={model_14b}", "algorithm.adv_estimator=gae",
+                                       "critic.model.lora_rank=16", "trainer.n_gpus_per_node=2"], "sead_trainer"))
+    shape = ModelShape.from_hf_config(QWEN25_14B)
+    setup = plan_mod.make_setup(cfg, shape, shape)
+    trained = 48 * 16 * (10240 + 6144 + 6144 + 10240 + 3 * 18944) + 5120 + 1
+    critic = plan_mod.update_phase(setup, plan_mod.Hardware(), "critic", 1, True)
+    assert critic.memory["gradients"] == pytest.approx(4 * trained / 2, rel=1e-6)
+
+
+def test_frozen_base_flops():
+    shape = ModelShape.from_hf_config(QWEN25_14B)
+    full = pass_flops(shape, [4096, 2048], 3000, checkpointing=True)
+    lora = pass_flops(shape, [4096, 2048], 3000, checkpointing=True, lora_params=ADAPTER_14B)
+    adapter = 2.0 * ADAPTER_14B * 6144
+    assert lora.adapter == adapter and lora.dense_forward == full.dense_forward
+    # the base's matmuls: forward + input gradients; attention and the adapters: forward + 2 x backward
+    assert lora.model == pytest.approx(2 * full.dense_forward + 3 * (full.attention_forward + adapter))
+    assert lora.hardware == pytest.approx(lora.model + full.recompute_forward + adapter)
+    # saved: the base's weight gradients (1 x its matmuls) less the adapters' forward, backward and recompute
+    assert full.hardware - lora.hardware == pytest.approx(full.dense_forward - 4 * adapter)
+    assert lora.hardware < 0.8 * full.hardware
