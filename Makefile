@@ -12,7 +12,7 @@ export TORCHDYNAMO_DISABLE ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast vllm-env bench clean-venv gpu-check gpu-check-wheels gpu-check-dry-run \
+.PHONY: install demo test test-fast test-extended vllm-env bench clean-venv gpu-check gpu-check-wheels gpu-check-dry-run \
 	gpu-check-smoke
 
 $(STAMP): setup.py requirements.txt constraints.txt
@@ -38,8 +38,16 @@ VLLM_TEST_MARK = $(if $(wildcard $(VLLM_VENV)/.installed),(vllm or oldest) and n
 XDIST = -n 2 --dist loadgroup
 
 test: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not vllm" -q $(XDIST)
-	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "$(VLLM_TEST_MARK)" -q -rs $(XDIST)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not vllm and not extended" -q $(XDIST)
+	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest \
+		-m "($(VLLM_TEST_MARK)) and not extended" -q -rs $(XDIST)
+
+# The `extended` tests: end-to-end runs of minutes each (the LLM user simulator fine-tuned, served by vLLM and
+# trained against), kept out of `make test`'s 20-minute budget; CI (.ci/run) runs them after `make test`.
+test-extended: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "extended and not gpu and not vllm" -q $(XDIST)
+	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest \
+		-m "extended and vllm and not gpu" -q -rs $(XDIST)
 
 test-fast: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not processes and not vllm" -q $(XDIST)

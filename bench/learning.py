@@ -90,6 +90,7 @@ class LearningSettings:
     val_temperature: float = 0.0  # 0: greedy validation; > 0: sampled, val_n calls per fixed profile
     val_n: int = 1
     sim_instances: int = 2
+    overrides: str = ""  # more sead_trainer key=value overrides, space-separated (after the ones above)
 
 
 def warm_start(s: LearningSettings, work: Path) -> tuple[Path, float]:
@@ -139,6 +140,7 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         f"{loop}.max_tokens_per_turn={s.max_tokens_per_turn}", f"{loop}.max_user_tokens={s.max_user_tokens}",
         f"{loop}.user_sim.urls='{urls}'", f"{loop}.cache.enabled=false", f"{loop}.controller.seed={s.seed}",
         f"{loop}.rollout_log_path={work / 'rollouts.jsonl'}", f"{loop}.val_metrics_path={work / 'val_metrics.jsonl'}",
+        *s.overrides.split(),
     ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ControllerConfig override for the recommended weights, e.g. target_completion_rate=0.6")
     p.add_argument("--browser-limit", type=int, default=DEFAULT_BROWSER_LIMIT,
                    help="the dialogue browser holds the last N dialogues (metrics and analysis use all)")
+    p.add_argument("--simulator-card", action="append", default=[], metavar="FILE",
+                   help="a simulator report card (python -m for_evaluation.simulator_report) to show (repeatable)")
     return p.parse_args(argv)
 
 
@@ -63,8 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(exc)) from None
     if args.dialogues:
         files = dataclasses.replace(files, dialogues=Path(args.dialogues))
-    path = build_report(files, load_scenario(args.scenario or DEFAULT_SCENARIO_PATH), args.out, smooth=args.smooth, bootstrap=args.bootstrap,
-                        browser_limit=args.browser_limit, controller=controller)
+    cards = []
+    for card in args.simulator_card:
+        try:
+            cards.append(json.loads(Path(card).read_text(encoding="utf-8")))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--simulator-card {card}: {exc}") from None
+    path = build_report(files, load_scenario(args.scenario or DEFAULT_SCENARIO_PATH), args.out, smooth=args.smooth,
+                        bootstrap=args.bootstrap, browser_limit=args.browser_limit, controller=controller,
+                        simulator_cards=cards)
     print(path)
     return 0
 

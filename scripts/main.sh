@@ -126,8 +126,9 @@ export PYTHON
 
 # The trainer command (USER_SIM_URLS must be known).
 trainer_command() {
-    local -a extra
+    local -a extra correction=()
     read -r -a extra <<< "$PRESET_OVERRIDES"
+    if [[ "$ROLLOUT_CORRECTION" != off ]]; then read -r -a correction <<< "$ROLLOUT_CORRECTION"; fi
     TRAIN_CMD=()
     if [[ "$POLICY_GPUS" != none ]]; then TRAIN_CMD=(env CUDA_VISIBLE_DEVICES="$POLICY_GPUS"); fi
     TRAIN_CMD+=("$PYTHON" -m verl.trainer.main_ppo --config-name sead_trainer
@@ -176,7 +177,7 @@ trainer_command() {
         trainer.logger='[console,jsonl,tensorboard]'
         trainer.default_local_dir="$CKPT_DIR"
         trainer.log_dir="$LOG_DIR"
-        "${DEMO_ARGS[@]}" "${extra[@]}" "${ARGS[@]}")
+        "${DEMO_ARGS[@]}" "${correction[@]}" "${extra[@]}" "${ARGS[@]}")
 }
 ARGS=("$@")
 

@@ -14,7 +14,8 @@ SEAD_PRESET_VARS=(EXPERIMENT DEVICE N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BA
                   MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE
                   KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH USE_DYNAMIC_BSZ
                   MAX_TOKEN_LEN LOGPROB_MAX_TOKEN_LEN TEST_FREQ SAVE_FREQ MAX_CKPT SAVE_HF_MODEL POLICY_GPUS
-                  ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM LORA_RANK LORA_ALPHA PRESET_OVERRIDES)
+                  ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM LORA_RANK LORA_ALPHA ROLLOUT_CORRECTION
+                  PRESET_OVERRIDES)
 declare -gA SEAD_PRESET_ORIGIN=()
 
 # The policy's rollout engine on CPU: vllm when $PYTHON can import vLLM (the .venv-vllm environment), else hf.
@@ -82,6 +83,7 @@ _sead_cpu_preset() {
     _sead_default ROLLOUT_GPU_MEM 0.5
     _sead_default LORA_RANK ""
     _sead_default LORA_ALPHA ""
+    _sead_default ROLLOUT_CORRECTION off
     _sead_default PRESET_OVERRIDES "rollout_loop.config.cache.min_bucket_size=2"
 }
 
@@ -100,7 +102,10 @@ _sead_cpu_preset() {
 # GB for the reference pass: both fit 80 GB with the planner's 15% error to spare; README "GPU box"). The policy
 # generates with vLLM: TP 2 engines colocated with the FSDP actor, 55% of each GPU while awake (at 14B the planner
 # gives 74.6 of 80 GB with the actor's resident state beside it), CUDA graphs, asleep during training (level 2),
-# weights synced in buckets.
+# weights synced in buckets. Rollout correction (README "Rollout correction"): the engine's log-probs of every
+# sampled token come back with the dialogue, each token's loss is weighted by its truncated IS ratio (TIS, at most
+# 2), and an agent turn whose mean k3 divergence between the engine's (bf16) and the actor's policy exceeds 0.01 is
+# left out of the loss (one bad turn, not the whole dialogue).
 _sead_gpu_preset() {
     _sead_default EXPERIMENT "$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")"
     _sead_default DEVICE cuda
@@ -138,6 +143,9 @@ _sead_gpu_preset() {
     _sead_default ROLLOUT_GPU_MEM 0.55
     _sead_default LORA_RANK ""
     _sead_default LORA_ALPHA ""
+    _sead_default ROLLOUT_CORRECTION "actor_rollout_ref.rollout.calculate_log_probs=true \
+algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_rs=turn_mean_k3 \
+algorithm.rollout_correction.rollout_rs_threshold=0.01"
     _sead_default PRESET_OVERRIDES "actor_rollout_ref.model.use_remove_padding=true \
 actor_rollout_ref.ref.fsdp_config.param_offload=true actor_rollout_ref.rollout.enforce_eager=false \
 actor_rollout_ref.rollout.free_cache_engine=true"

@@ -5,12 +5,14 @@ they exist, plus a built-in corpus) and saved with a ChatML chat template; a Qwe
 random weights (head_dim 32, the smallest size vLLM's CPU attention accepts) is initialised from a seed. Both
 are written with `save_pretrained`, so `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(dir)` load them.
 With `tag_tokens`, every scenario's agent tags (`<stage>`, `</stage>`, ...) become single tokens, so a
-tagged agent turn is about 40 tokens instead of 90 (cheaper to train and generate on a CPU). The scenarios read
-are the shipped ones (`SHIPPED_SCENARIOS`) plus those named with `--scenario` (a run's own): never the whole
-`format_prompt/` folder, so a draft there changes no one's tokenizer. Nothing is downloaded.
+tagged agent turn is about 40 tokens instead of 90 (cheaper to train and generate on a CPU); `user_tag_tokens`
+does the same for the user simulator's tags (a tiny simulator model). The scenarios read are the shipped ones
+(`SHIPPED_SCENARIOS`) plus those named with `--scenario` (a run's own): never the whole `format_prompt/` folder,
+so a draft there changes no one's tokenizer. Nothing is downloaded.
 
     python -m utils.make_tiny_model --out outputs/tiny_model [--seed 0] [--vocab-size 1024] \
-        [--hidden-size 64 --intermediate-size 128 --layers 2 --heads 2 --kv-heads 1 --tag-tokens] [--scenario F]
+        [--hidden-size 64 --intermediate-size 128 --layers 2 --heads 2 --kv-heads 1 --tag-tokens] [--user-tag-tokens] \
+        [--scenario F]
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ _TAGS = ("response", "stage", "status", "user_reply", "user_status", "cooperatio
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of the tiny model (and whether the scenario tags are whole tokens); the defaults are what the
-    tests use."""
+    """Shape of the tiny model (and whether the scenarios' agent / user tags are whole tokens); the defaults are
+    what the tests use."""
 
     vocab_size: int = 1024
     hidden_size: int = 64
@@ -55,6 +57,7 @@ class TinyModelSpec:
     num_key_value_heads: int = 1
     max_position_embeddings: int = 4096
     tag_tokens: bool = False
+    user_tag_tokens: bool = False
 
 
 def builtin_corpus(seed: int, n_lines: int = 600) -> list[str]:
@@ -83,13 +86,14 @@ def scenario_corpus(extra: Sequence[str | Path] = ()) -> list[str]:
     return lines
 
 
-def scenario_tags(extra: Sequence[str | Path] = ()) -> list[str]:
-    """The opening and closing markup of every agent tag of `scenario_files(extra)`, sorted."""
+def scenario_tags(extra: Sequence[str | Path] = (), side: str = "agent") -> list[str]:
+    """The opening and closing markup of every `side` ("agent" or "user") tag of `scenario_files(extra)`, sorted."""
     from llm_agent.scenario import load_scenario
 
     names = set()
     for path in scenario_files(extra):
-        names.update(load_scenario(path).agent_tags.tags.values())
+        scenario = load_scenario(path)
+        names.update((scenario.agent_tags if side == "agent" else scenario.user_tags).tags.values())
     return sorted(f"<{slash}{name}>" for name in names if name for slash in ("", "/"))
 
 
@@ -131,7 +135,8 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec = T
 
     out = Path(out_dir)
     corpus = scenario_corpus(scenarios) + builtin_corpus(seed)
-    tags = scenario_tags(scenarios) if spec.tag_tokens else []
+    tags = ((scenario_tags(scenarios) if spec.tag_tokens else [])
+            + (scenario_tags(scenarios, "user") if spec.user_tag_tokens else []))
     fingerprint = hashlib.sha256(
         json.dumps({"seed": seed, "spec": asdict(spec), "corpus": corpus, "tags": tags}).encode()
     ).hexdigest()
@@ -183,6 +188,7 @@ def main() -> None:
                         help="attention heads (keep hidden-size / heads >= 32 for vLLM on CPU)")
     parser.add_argument("--kv-heads", type=int, default=TinyModelSpec.num_key_value_heads, help="key/value heads")
     parser.add_argument("--tag-tokens", action="store_true", help="make every scenario agent tag one token")
+    parser.add_argument("--user-tag-tokens", action="store_true", help="make every scenario user tag one token")
     parser.add_argument("--scenario", action="append", default=[],
                         help="a scenario file to learn besides the shipped ones (repeatable)")
     args = parser.parse_args()
@@ -190,7 +196,7 @@ def main() -> None:
     spec = TinyModelSpec(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                          intermediate_size=args.intermediate_size, num_hidden_layers=args.layers,
                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         tag_tokens=args.tag_tokens)
+                         tag_tokens=args.tag_tokens, user_tag_tokens=args.user_tag_tokens)
     if spec.hidden_size % spec.num_attention_heads or spec.num_attention_heads % spec.num_key_value_heads:
         parser.error("--hidden-size must be a multiple of --heads, and --heads a multiple of --kv-heads")
     path = build_tiny_model(args.out, seed=args.seed, spec=spec, scenarios=args.scenario)

@@ -21,26 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
-import torch
+from llm_agent.stand_ins.scripted_calls import AgentFactory, scripted_calls
+from verl.trainer.fsdp_sft_trainer import SFTConfig, SFTRow, train_sft
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
-LOG_FILE = "sft_log.json"
-
-
-@dataclass(frozen=True)
-class EncodedDialogue:
-    """Token ids of one rendered transcript and a 0/1 mask that is 1 exactly on the assistant's tokens."""
-
-    input_ids: list[int]
-    loss_mask: list[int]
+LOSS_ON = ("all", "last")
 
 
 def check_messages(messages: object, where: str) -> list[dict[str, str]]:
@@ -86,28 +76,40 @@ def _assistant_span(body: str, content: str, eos: str | None, index: int) -> tup
     return start, end
 
 
-def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length: int | None = None
-                    ) -> EncodedDialogue:
-    """Render `messages` with the tokenizer's chat template and mark the assistant tokens.
+def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length: int | None = None,
+                    loss_on: str | Collection[int] = "all") -> SFTRow:
+    """Render `messages` with the tokenizer's chat template and mark the assistant tokens that carry loss: every
+    assistant message (`loss_on="all"`), only the last message, which must be an assistant one (`"last"`: a
+    prompt and its answer, e.g. one simulator request and the simulator's reply), or the assistant messages at
+    the given indices.
 
-    The template is rendered incrementally: the text before each assistant message (with the generation
-    prompt, as the policy sees it when it starts its turn) and the text including it. The assistant's span is
-    its content plus the EOS marker the template writes right after it; role markers and everything else get
-    mask 0. Each piece is tokenised on its own, as the rollout loop appends tokens, so the mask never straddles
-    a token. Sequences longer than `max_length` are cut at the end.
+    The template is rendered incrementally: the text before each marked assistant message (with the generation
+    prompt, as the model sees it when it starts its turn) and the text including it. The marked span is the
+    content plus the EOS marker the template writes right after it; role markers and everything else get mask
+    0. Each piece is tokenised on its own, as the rollout loop appends tokens, so the mask never straddles a
+    token (with `"last"` the whole prompt is one piece, tokenised as a server tokenises it). Sequences longer
+    than `max_length` are cut at the end.
     """
     messages = check_messages(list(messages), "transcript")
+    if isinstance(loss_on, str):
+        if loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on must be one of {LOSS_ON} or message indices, got {loss_on!r}")
+        marked = [len(messages) - 1] if loss_on == "last" else [i for i, m in enumerate(messages)
+                                                                if m["role"] == "assistant"]
+    else:
+        marked = sorted(set(loss_on))
+    bad = [i for i in marked if not 0 <= i < len(messages) or messages[i]["role"] != "assistant"]
+    if bad:
+        raise ValueError(f"transcript: loss_on={loss_on!r} marks message(s) {bad}, which are not assistant messages")
     eos = tokenizer.eos_token
     pieces: list[tuple[str, int]] = []
     covered = ""
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    for i in marked:
         head = _render(tokenizer, messages[:i], generation_prompt=True)
         pieces.append((_extend(head, covered, f"the messages before message {i}"), 0))
         body = _extend(_render(tokenizer, messages[: i + 1], generation_prompt=False), head,
                        f"assistant message {i} after the generation prompt")
-        start, end = _assistant_span(body, message["content"], eos, i)
+        start, end = _assistant_span(body, messages[i]["content"], eos, i)
         pieces += [(body[:start], 0), (body[start:end], 1), (body[end:], 0)]
         covered = head + body
     pieces.append((_extend(_render(tokenizer, messages, generation_prompt=False), covered, "the last messages"), 0))
@@ -125,55 +127,24 @@ def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length
         mask += [flag] * len(piece)
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
-    return EncodedDialogue(ids, mask)
-
-
-def assistant_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
-                  ) -> tuple[torch.Tensor, int]:
-    """Mean next-token negative log-likelihood over the positions with loss_mask 1, and their count.
-
-    Token t is predicted from the logits at t-1, so the first token of a row never carries loss.
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    weights = loss_mask[:, 1:].to(logits.dtype)
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                            reduction="none").view_as(weights)
-    count = int(weights.sum().item())
-    return (nll * weights).sum() / max(count, 1), count
-
-
-def collate(rows: Sequence[EncodedDialogue], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad encoded transcripts into input_ids / attention_mask / loss_mask tensors."""
-    width = max(len(r.input_ids) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    loss = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r.input_ids)
-        ids[i, :n] = torch.tensor(r.input_ids)
-        attention[i, :n] = 1
-        loss[i, :n] = torch.tensor(r.loss_mask)
-    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}
+    return SFTRow(ids, mask)
 
 
 def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: list[list[dict]], steps: int,
                      lr: float, batch_size: int = 8, seed: int = 0, max_length: int = 1024) -> Path:
     """Fine-tune the local causal LM at `model_path` on `dialogues`, loss on assistant tokens only.
 
-    AdamW at a constant `lr` (gradient norm clipped to 1), `steps` updates of `batch_size` transcripts drawn
-    epoch by epoch in a seeded shuffled order; the loss is the mean over all assistant tokens of the batch.
-    Model and tokenizer are written to `out_dir` with save_pretrained, plus `sft_log.json` (per-step loss,
-    settings, wall time). Returns `out_dir`.
+    `verl.trainer.fsdp_sft_trainer.train_sft` with AdamW at a constant `lr` (gradient norm clipped to 1), `steps`
+    updates of `batch_size` transcripts drawn epoch by epoch in a seeded shuffled order; the loss is the mean over
+    all assistant tokens of the batch. Model and tokenizer are written to `out_dir` with save_pretrained, plus
+    `sft_log.json` (per-step loss, settings, wall time). Returns `out_dir`.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if steps < 1 or batch_size < 1 or lr <= 0 or max_length < 2:
         raise ValueError(f"need steps >= 1, batch_size >= 1, lr > 0 and max_length >= 2; got steps={steps}, "
                          f"batch_size={batch_size}, lr={lr}, max_length={max_length}")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.pad_token_id is None:
-        raise ValueError(f"the tokenizer at {model_path} has no pad token")
     encoded = []
     for i, messages in enumerate(dialogues):
         row = encode_dialogue(tokenizer, check_messages(messages, f"dialogue {i}"), max_length)
@@ -183,62 +154,9 @@ def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: lis
         encoded.append(row)
     if not encoded:
         raise ValueError(f"no dialogue keeps an assistant token within max_length={max_length}")
-
-    rng = random.Random(seed)
-    previous_rng = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    finally:
-        torch.random.set_rng_state(previous_rng)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    order: list[int] = []
-    losses: list[float] = []
-    started = time.monotonic()
-    for step in range(steps):
-        batch_rows = []
-        while len(batch_rows) < min(batch_size, len(encoded)):
-            if not order:
-                order = list(range(len(encoded)))
-                rng.shuffle(order)
-            batch_rows.append(encoded[order.pop()])
-        batch = collate(batch_rows, tokenizer.pad_token_id)
-        loss, _ = assistant_nll(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        if step % 20 == 0 or step == steps - 1:
-            logger.info("sft step %d/%d loss %.4f", step + 1, steps, losses[-1])
-    seconds = time.monotonic() - started
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    log = {"model": str(model_path), "steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed,
-           "max_length": max_length, "n_dialogues": len(encoded), "seconds": round(seconds, 3), "losses": losses}
-    (out / LOG_FILE).write_text(json.dumps(log) + "\n", encoding="utf-8")
-    logger.info("sft: %d steps on %d dialogues in %.1f s, loss %.4f -> %.4f; saved to %s", steps, len(encoded),
-                seconds, losses[0], losses[-1], out)
-    return out
-
-
-AgentFn = Callable[[list[dict[str, str]]], str]
-AgentFactory = Callable[[str, int], AgentFn]
-
-
-def scripted_policy_agents(scenario) -> AgentFactory:
-    """Agent factory of llm_agent.stand_ins.scripted_policy.ScriptedAgent (qualities: its QUALITIES)."""
-    from llm_agent.stand_ins.scripted_policy import ScriptedAgent
-
-    def factory(quality: str, seed: int) -> AgentFn:
-        agent = ScriptedAgent(scenario, quality=quality, seed=seed)
-        return lambda messages: agent.respond([(m["role"], m["content"]) for m in messages[1:]])
-
-    return factory
+    config = SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    return train_sft(model_path, encoded, out_dir, config,
+                     extra_log={"max_length": max_length, "n_dialogues": len(encoded)})
 
 
 def scripted_dialogues(scenario_path: str | Path, n: int, quality_mix: Mapping[str, float], seed: int,
@@ -246,56 +164,23 @@ def scripted_dialogues(scenario_path: str | Path, n: int, quality_mix: Mapping[s
                        system_prompt: str | None = None) -> list[list[dict]]:
     """Play `n` scripted calls from the agent's side and return their transcripts.
 
-    Each call draws an agent quality from `quality_mix` (name -> weight) and a user profile (uniform initial
-    state, 1-3 library behaviours), then alternates the agent (`agent_factory(quality, seed)`: a callable from
-    the agent-side messages so far to its raw output) with the scripted simulator
-    (llm_agent.user_sim.server.scripted.ScriptedPersonaBackend, in process, seeded per call and turn). A transcript is
+    The calls are `llm_agent.stand_ins.scripted_calls.scripted_calls(...)`: each draws an agent quality from
+    `quality_mix` (name -> weight) and a user profile (uniform initial state, 1-3 library behaviours), then
+    alternates the agent (`agent_factory(quality, seed)`: a callable from the agent-side messages so far to its raw
+    output; default `scripted_policy_agents`) with the scripted simulator in process. A transcript is
     `Scenario.render_agent_messages` of the call: system prompt, opening, the agent's raw turns and the user's
-    spoken replies, exactly what the policy sees in the rollout loop. A call ends when the user completes or
-    hangs up, the agent ends it (status 1/-1), the agent's output has no reply tag (the transcript ends with
-    that turn), or after `max_turns` agent turns. The default agent factory is `scripted_policy_agents`.
-    `system_prompt` replaces the scenario's agent system prompt in the transcripts (e.g. a compact one for a
-    tiny model, matching the prompts it is then trained on with RL); the agents never read it.
+    spoken replies, exactly what the policy sees in the rollout loop. `system_prompt` replaces the scenario's
+    agent system prompt in the transcripts (e.g. a compact one for a tiny model, matching the prompts it is then
+    trained on with RL); the agents never read it.
     """
-    from llm_agent.scenario import STATUS_CONTINUE, UserProfile, load_scenario, sample_behaviors
-    from llm_agent.user_sim.server.backend import SamplingParams
-    from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
+    from llm_agent.scenario import load_scenario
 
-    names = list(quality_mix)
-    weights = [quality_mix[q] for q in names]
-    if not names or any(not isinstance(w, (int, float)) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"quality_mix must map quality names to non-negative weights with a positive sum, "
-                         f"got {dict(quality_mix)!r}")
-    if n < 1 or max_turns < 1:
-        raise ValueError(f"need n >= 1 and max_turns >= 1, got n={n}, max_turns={max_turns}")
     scenario = load_scenario(scenario_path)
-    factory = agent_factory or scripted_policy_agents(scenario)
-    backend = ScriptedPersonaBackend(scenario, seed=seed)
-    rng = random.Random(seed)
     transcripts, outcomes = [], {}
-    for k in range(n):
-        quality = rng.choices(names, weights)[0]
-        profile = UserProfile(*rng.choice(scenario.state_space()),
-                              behaviors=tuple(sample_behaviors(scenario.behaviors, rng)))
-        agent = factory(quality, rng.randrange(2**31))
-        dialogue: list = []
-        outcome = "timeout"
-        for turn in range(max_turns):
-            agent_turn = scenario.parse_agent_output(agent(scenario.render_agent_messages(dialogue)))
-            dialogue.append(agent_turn)
-            if agent_turn.parse_error or agent_turn.status not in (None, STATUS_CONTINUE):
-                outcome = "format_error" if agent_turn.parse_error else "agent_ended"
-                break
-            reply = backend.complete(scenario.render_user_messages(profile, dialogue),
-                                     SamplingParams(seed=seed * 1_000_003 + k * 101 + turn))
-            user_turn = scenario.parse_user_output(reply.choices[0].text)
-            dialogue.append(user_turn)
-            if user_turn.status not in (None, STATUS_CONTINUE):
-                outcome = "completed" if user_turn.status == 1 else "hung_up"
-                break
-        key = f"{quality}/{outcome}"
+    for call in scripted_calls(scenario, n, quality_mix, seed, agent_factory, max_turns):
+        key = f"{call.quality}/{call.outcome}"
         outcomes[key] = outcomes.get(key, 0) + 1
-        messages = scenario.render_agent_messages(dialogue)
+        messages = scenario.render_agent_messages(call.dialogue)
         if system_prompt is not None:
             messages[0] = {"role": "system", "content": system_prompt}
         transcripts.append(messages)

@@ -24,6 +24,7 @@ from llm_agent.evaluation.defaults import DEFAULT_BROWSER_LIMIT, DEFAULT_CONFIDE
 from llm_agent.evaluation.headline import cr_points, headline_html
 from llm_agent.evaluation.plots import RunData, build_figures, load_run
 from llm_agent.evaluation.report_sections import analysis_html, metrics_html, plots_html
+from llm_agent.evaluation.report_simulator import simulator_html
 from llm_agent.evaluation.run_data import RunFiles, output_root
 from llm_agent.evaluation.stats import metric_intervals
 from llm_agent.metrics import dialogue_metrics
@@ -87,10 +88,11 @@ def _asset(name: str) -> str:
 
 def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float = 0.6,
                   bootstrap: int = DEFAULT_RESAMPLES, controller: Mapping[str, Any] | None = None,
-                  browser_limit: int = DEFAULT_BROWSER_LIMIT) -> str:
+                  browser_limit: int = DEFAULT_BROWSER_LIMIT, simulator_cards: Sequence[Mapping[str, Any]] = ()) -> str:
     """The report page of `run` as HTML text. `bootstrap` resamples per metric interval (0: no intervals);
     `controller` overrides ControllerConfig keys for the recommended weights; the dialogue browser holds the
-    last `browser_limit` dialogues (metrics and analysis always use all)."""
+    last `browser_limit` dialogues (metrics and analysis always use all); `simulator_cards` are simulator report
+    cards (llm_agent.simulator_report) shown in the user-simulator section."""
     if browser_limit < 1:
         raise ValueError(f"browser_limit must be >= 1, got {browser_limit}")
     has_plot_data = bool(run.steps or run.val or run.dialogues)
@@ -116,6 +118,7 @@ def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float 
         metrics=metrics_html(columns, "Every metric as defined in llm_agent/metrics.py (ci: the cooperation "
                              "improvement; n/a: undefined, e.g. ATT without a completed call). " + ci_note),
         mistakes=analysis_html(analyses),
+        simulator=simulator_html(simulator_cards),
         browser_note=html.escape(f"The browser holds the last {browser_limit} of the {len(records)} dialogues."
                                  if len(records) > browser_limit else ""),
         data=embed_json(browser_payload(records[-browser_limit:], scenario)),

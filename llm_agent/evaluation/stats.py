@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,7 +35,10 @@ from llm_agent.metrics import MetricParts, metric_parts, record_label, record_ou
 from llm_agent.scenario import Scenario
 
 __all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_RESAMPLES", "Interval", "PairedComparison", "bootstrap_indices",
-           "mcnemar_exact", "metric_intervals", "paired_comparison", "pair_key", "pair_records"]
+           "bootstrap_intervals", "mcnemar_exact", "metric_intervals", "paired_comparison", "pair_key",
+           "pair_records"]
+
+T = TypeVar("T")
 
 _CHUNK_CELLS = 4_000_000  # resample counts held at once (resamples x records), about 32 MB of float64
 
@@ -97,6 +100,23 @@ def _interval(point: float | None, samples: np.ndarray, confidence: float) -> In
         return Interval(point, None, None, int(kept.size))
     low, high = np.quantile(kept, [(1 - confidence) / 2, (1 + confidence) / 2])
     return Interval(point, float(low), float(high), int(kept.size))
+
+
+def bootstrap_intervals(items: Sequence[T], statistic: Callable[[Sequence[T]], Mapping[str, float | None]],
+                        n_resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
+                        seed: int = 0) -> dict[str, Interval | None]:
+    """Every key of `statistic(items)` with its percentile bootstrap interval over `items` (resampled with
+    `bootstrap_indices`). A key whose value on all items is None maps to None; a resample on which a key is None
+    is left out of that key's quantiles."""
+    _check_confidence(confidence)
+    point = statistic(items)
+    samples: dict[str, list[float]] = {key: [] for key, value in point.items() if value is not None}
+    for rows in bootstrap_indices(len(items), n_resamples, seed):
+        for key, value in statistic([items[i] for i in rows]).items():
+            if key in samples and value is not None:
+                samples[key].append(value)
+    return {key: None if value is None else _interval(value, np.asarray(samples[key], dtype=np.float64), confidence)
+            for key, value in point.items()}
 
 
 def metric_intervals(records: Sequence[Mapping[str, Any]], scenario: Scenario,

@@ -20,10 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from llm_agent.rollout.generation_call import GenerationCall, SampledTurn
 from llm_agent.rollout.pacing import BusyMeter
-from llm_agent.rollout.generation_call import GenerationCall
 from verl.workers.rollout.replicas import rollout_replicas
 
 __all__ = ["MicroBatchingEngine", "rollout_replicas"]
@@ -81,8 +79,8 @@ class MicroBatchingEngine:
             self._placement[dialogue_id] = min(range(len(self.replicas)), key=lambda i: (self._load[i], i))
         return self._placement[dialogue_id]
 
-    async def generate(self, dialogue_id: str, row: int) -> tuple[torch.Tensor, int]:
-        """The next agent turn of buffer row `row`: (response ids, sampled length)."""
+    async def generate(self, dialogue_id: str, row: int) -> SampledTurn:
+        """The next agent turn of buffer row `row` (its sampled ids and, when computed, their log-probs)."""
         index = self.replica_of(dialogue_id)
         request = _Request(row, asyncio.get_running_loop().create_future())
         self._queues[index].append(request)
@@ -120,8 +118,7 @@ class MicroBatchingEngine:
                 call = self.build_call([r.row for r in taken], int(getattr(replica, "world_size", 1)))
                 self.meters[index].begin(len(taken))
                 try:
-                    responses, lengths = await loop.run_in_executor(self._executor, call.run,
-                                                                    replica.generate_sequences)
+                    turns = await loop.run_in_executor(self._executor, call.run, replica.generate_sequences)
                 finally:
                     self.meters[index].end(len(taken))
             except Exception as exc:  # every dialogue of the batch fails with the engine's error
@@ -129,6 +126,6 @@ class MicroBatchingEngine:
                     if not request.future.done():
                         request.future.set_exception(exc)
                 continue
-            for i, request in enumerate(taken):
+            for request, turn in zip(taken, turns):
                 if not request.future.done():
-                    request.future.set_result((responses[i, :lengths[i]], lengths[i]))
+                    request.future.set_result(turn)

@@ -49,8 +49,8 @@ async def _run_dialogue(env: DialogueEnv, engine: MicroBatchingEngine, sim: Simu
                         progress: tqdm) -> None:
     """Take one dialogue from its opening to its outcome, one agent turn and its answer at a time."""
     while env.active:
-        ids, _ = await engine.generate(env.dialogue_id, env.row)
-        step = env.step(ids)
+        turn = await engine.generate(env.dialogue_id, env.row)
+        step = env.step(turn.ids, turn.log_probs)
         while step.request is not None:
             step = env.answer(await sim.complete(step.request))
     progress.update(1)

@@ -2,8 +2,9 @@
 each dialogue's plain-Python record.
 
 `TokenBuffer` holds one preallocated (B, P + R) id tensor (the left-padded prompts in the first P columns, each
-row's response tokens appended after them) plus the (B, R) loss mask and per-row lengths, so building the next
-turn's left-padded generation batch is a single gather whose Python cost does not grow with the dialogue.
+row's response tokens appended after them) plus, per response token, the loss mask, the agent turn and the rollout
+engine's log-prob (B, R each), and per-row lengths, so building the next turn's left-padded generation batch is a
+single gather whose Python cost does not grow with the dialogue.
 `ChatMarkers` finds, once, the token pieces a chat template puts around a user turn. `Dialogue` is one row's
 record (turns, messages, the simulator's message list kept incrementally) and becomes the row's
 `non_tensor_batch` values.
@@ -19,6 +20,7 @@ import torch
 
 from llm_agent.rollout.outcome import Outcome
 from llm_agent.scenario import AgentTurn, STATE_DIMS, UserProfile
+from verl.utils.agent_turns import AGENT_TURN_IDS
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,14 @@ class ChatMarkers:
 
 
 class TokenBuffer:
-    """All rows' token ids, loss mask and lengths: prompts (B, P) left-padded + responses (B, R) right-padded."""
+    """All rows' tokens: prompts (B, P) left-padded + responses (B, R) right-padded, and per response token the
+    loss mask, the agent turn (`agent_turn_ids`: -1 off the loss) and the rollout engine's log-prob (0 off the loss).
+
+    Tokens enter in two ways: `append_sampled` for an agent turn's sampled tokens (loss 1, its turn index and, when
+    the engine returned them, its log-probs) and `append_context` for tokens the loop writes itself (user turns, an
+    unsampled closing eos: loss 0, turn -1, log-prob 0). Either every sampled turn brings log-probs or none does;
+    `final_tensors` returns `rollout_log_probs` only in the first case.
+    """
 
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
                  pad_token_id: int) -> None:
@@ -97,24 +106,51 @@ class TokenBuffer:
         self.ids = torch.full((batch, width + response_length), pad_token_id, dtype=input_ids.dtype)
         self.ids[:, :width] = input_ids
         self.loss_mask = torch.zeros(batch, response_length, dtype=torch.long)
+        self.turn_ids = torch.full((batch, response_length), -1, dtype=torch.long)
+        self.log_probs = torch.zeros(batch, response_length, dtype=torch.float32)
+        self.with_log_probs: bool | None = None  # set by the first sampled turn
         self.resp_len = [0] * batch
 
     def remaining(self, row: int) -> int:
         """Response tokens row `row` may still append."""
         return self.R - self.resp_len[row]
 
-    def append(self, row: int, ids: list[int] | torch.Tensor, loss: int) -> None:
-        """Append `ids` to row `row` with loss-mask value `loss` (caller checked the budget)."""
+    def _put(self, row: int, ids: list[int] | torch.Tensor) -> slice | None:
+        """Write `ids` after row `row`'s response so far; returns their response columns (None when empty)."""
         n = len(ids)
         if n == 0:
-            return
+            return None
         start = self.resp_len[row]
         if start + n > self.R:
             raise ValueError(f"row {row}: appending {n} tokens exceeds the response budget {self.R}")
         values = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=self.ids.dtype)
         self.ids[row, self.P + start:self.P + start + n] = values
-        self.loss_mask[row, start:start + n] = loss
         self.resp_len[row] = start + n
+        return slice(start, start + n)
+
+    def append_sampled(self, row: int, ids: list[int] | torch.Tensor, turn: int,
+                       log_probs: torch.Tensor | None = None) -> None:
+        """Append agent turn `turn`'s sampled `ids` to row `row` (loss 1), with the engine's log-prob of each
+        (`log_probs`, as long as `ids`) when it returned them (caller checked the budget)."""
+        if log_probs is not None and len(log_probs) != len(ids):
+            raise ValueError(f"row {row}: {len(log_probs)} log-probs for {len(ids)} sampled tokens")
+        with_log_probs = log_probs is not None
+        if self.with_log_probs is None:
+            self.with_log_probs = with_log_probs
+        elif self.with_log_probs != with_log_probs:
+            raise ValueError("the rollout engine returned rollout_log_probs for some agent turns and not for others")
+        cols = self._put(row, ids)
+        if cols is None:
+            return
+        self.loss_mask[row, cols] = 1
+        self.turn_ids[row, cols] = turn
+        if log_probs is not None:
+            self.log_probs[row, cols] = log_probs.to(torch.float32)
+
+    def append_context(self, row: int, ids: list[int] | torch.Tensor) -> None:
+        """Append tokens the loop writes itself (a user turn, an unsampled eos) to row `row`: no loss, no agent
+        turn, log-prob 0 (caller checked the budget)."""
+        self._put(row, ids)
 
     def context_batch(self, rows: list[int]) -> dict[str, torch.Tensor]:
         """Left-padded input_ids / attention_mask / position_ids of `rows`' contexts (prompt + responses so far).
@@ -136,19 +172,26 @@ class TokenBuffer:
                 "position_ids": (cols - pad_cols).clamp(min=0)}
 
     def drop_loss(self, row: int) -> None:
-        """Take every token of row `row` out of the loss (a dialogue that ended in an error)."""
+        """Take every token of row `row` out of the loss (a dialogue that ended in an error): loss 0, no agent
+        turn, log-prob 0."""
         self.loss_mask[row] = 0
+        self.turn_ids[row] = -1
+        self.log_probs[row] = 0.0
 
     def final_tensors(self) -> dict[str, torch.Tensor]:
-        """The generation-batch tensors of all rows."""
+        """The generation-batch tensors of all rows: the generate_sequences keys, `agent_turn_ids` and, when the
+        engine returned them, `rollout_log_probs`."""
         responses = self.ids[:, self.P:].clone()
         lengths = torch.tensor(self.resp_len, dtype=torch.long)
         response_attention = (torch.arange(self.R).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
         attention = torch.cat([self.prompt_mask, response_attention], dim=1)
-        loss_mask = self.loss_mask.clone()
-        return {"prompts": self.prompts, "responses": responses, "input_ids": torch.cat([self.prompts, responses], 1),
-                "attention_mask": attention, "position_ids": (attention.cumsum(dim=1) - 1).clamp(min=0),
-                "response_mask": loss_mask}
+        tensors = {"prompts": self.prompts, "responses": responses,
+                   "input_ids": torch.cat([self.prompts, responses], 1), "attention_mask": attention,
+                   "position_ids": (attention.cumsum(dim=1) - 1).clamp(min=0),
+                   "response_mask": self.loss_mask.clone(), AGENT_TURN_IDS: self.turn_ids.clone()}
+        if self.with_log_probs:
+            tensors["rollout_log_probs"] = self.log_probs.clone()
+        return tensors
 
 
 def _state_or_none(state: dict[str, int | None] | None) -> dict[str, int | None] | None:

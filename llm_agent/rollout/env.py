@@ -9,7 +9,8 @@ together); the async loop steps each dialogue at its own pace and awaits `acompl
 rules below, so tokens, loss masks, outcomes and records are the same in both modes.
 
 Per agent turn: the sampled ids go into the dialogue's row of the shared `TokenBuffer` exactly as sampled (loss
-1; a turn stopped by the per-turn limit gets an unsampled eos, loss 0), are decoded only to be parsed, and then
+1, the turn's index as their `agent_turn_ids`, the engine's log-probs beside them when it returned them; a turn
+stopped by the per-turn limit gets an unsampled eos, loss 0 and log-prob 0), are decoded only to be parsed, and then
 - cut by the per-dialogue budget: the dialogue ends `truncated`;
 - without a well-formed reply tag: a format-error note is the user turn (no simulator call);
 - status -1 (the agent ends the call): `agent_ended`;
@@ -23,9 +24,9 @@ dialogue: status 1 `completed`, status -1 `hung_up`, an unconfirmed claim of suc
 
 Where later per-turn or per-token data goes: a turn's own fields go into its record (`Dialogue.add_agent_turn` /
 `add_user_turn`, one dict per agent turn in the `turns` column); per-token data of the agent's sampled tokens
-(e.g. the engine's rollout log-probs) comes back from `GenerationCall.run` beside the ids, enters `step` with them
-and is stored by `TokenBuffer.append` in a (B, R) tensor beside the loss mask (0 under user turns), which
-`TokenBuffer.final_tensors` returns with the others.
+comes back from `GenerationCall.run` beside the ids (as the engine's rollout log-probs do: `SampledTurn`), enters
+`step` with them and is stored by `TokenBuffer.append_sampled` in a (B, R) tensor beside the loss mask (0 under
+user turns), which `TokenBuffer.final_tensors` returns with the others.
 """
 from __future__ import annotations
 
@@ -140,14 +141,15 @@ class DialogueEnv:
         """True from `reset` until the dialogue has an outcome."""
         return self.dialogue is not None and self.dialogue.active
 
-    def step(self, agent_ids: torch.Tensor) -> Step:
-        """Take the agent's next turn (its sampled token ids, eos included when sampled)."""
+    def step(self, agent_ids: torch.Tensor, log_probs: torch.Tensor | None = None) -> Step:
+        """Take the agent's next turn: its sampled token ids (eos included when sampled) and, when the engine
+        computed them, its log-prob of each (aligned with `agent_ids`)."""
         d = self._dialogue()
         if self._pending is not None:
             raise RuntimeError(f"dialogue {self.dialogue_id} waits for the simulator's answer, not an agent turn")
         if d.num_turns >= self.rules.max_turns:
             raise RuntimeError(f"dialogue {self.dialogue_id} has no outcome after {d.num_turns} turns")
-        kept, cut = self._keep_agent_tokens(agent_ids)
+        kept, cut = self._keep_agent_tokens(agent_ids, log_probs, d.num_turns)
         text = self.rules.tokenizer.decode(kept.tolist(), skip_special_tokens=True)
         turn = self.rules.scenario.parse_agent_output(text)
         if cut:
@@ -212,20 +214,21 @@ class DialogueEnv:
             raise RuntimeError(f"dialogue {self.dialogue_id} already ended as {self.dialogue.outcome}")
         return self.dialogue
 
-    def _keep_agent_tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Append the sampled `ids` (loss 1) within the budget, closing a turn stopped by the per-turn limit with
-        an unsampled eos (loss 0); returns (kept ids, cut by the budget)."""
+    def _keep_agent_tokens(self, ids: torch.Tensor, log_probs: torch.Tensor | None,
+                           turn: int) -> tuple[torch.Tensor, bool]:
+        """Append agent turn `turn`'s sampled `ids` (loss 1, with their log-probs) within the budget, closing a
+        turn stopped by the per-turn limit with an unsampled eos (loss 0); returns (kept ids, cut by the budget)."""
         buffer, eos = self.buffer, self.rules.eos_id
         budget = buffer.remaining(self.row)
         cut = ids.numel() > budget
         ids = ids[:budget]
-        buffer.append(self.row, ids, 1)
+        buffer.append_sampled(self.row, ids, turn, None if log_probs is None else log_probs[:budget])
         ended = ids.numel() > 0 and ids[-1].item() == eos
         if not cut and not ended:
             if buffer.remaining(self.row) < 1:
                 cut = True
             else:
-                buffer.append(self.row, [eos], 0)
+                buffer.append_context(self.row, [eos])
         return ids, cut
 
     def _request(self, attempt: int, avoid: tuple[str, ...] = ()) -> TurnRequest:
@@ -275,7 +278,7 @@ class DialogueEnv:
         block = rules.markers.user_block(ids)
         if len(block) >= self.buffer.remaining(self.row):
             return self._truncate()
-        self.buffer.append(self.row, block, 0)
+        self.buffer.append_context(self.row, block)
         return Step(d.turns[-1], user_ids=block)
 
     # ------------------------------------------------------------------------- the six outcomes, one handler each

@@ -2,12 +2,14 @@
 
 `AgentBatches` builds, from the shared token buffer, the left-padded batch of the rows whose agent turn is due
 (padded to a multiple of the worker group's world size, with the decoding meta of the rollout and the per-turn
-limit); `GenerationCall.run` sends it and returns the rows' sampled ids. The sync loop makes one call per turn,
-the async engine one per micro-batch. Both loops hand each row's ids to its `DialogueEnv.step`.
+limit); `GenerationCall.run` sends it and returns each row's `SampledTurn`: the ids it sampled and, when the
+engine computed them (`rollout.calculate_log_probs`), the engine's log-prob of each. The sync loop makes one call
+per turn, the async engine one per micro-batch. Both loops hand each row's turn to its `DialogueEnv.step`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +17,16 @@ import torch
 from llm_agent.rollout.dialogue import TokenBuffer
 from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
-__all__ = ["AgentBatches", "GenerationCall"]
+__all__ = ["AgentBatches", "GenerationCall", "SampledTurn"]
+
+
+@dataclass(frozen=True)
+class SampledTurn:
+    """One row's agent turn as the engine sampled it: the token ids (eos included when sampled) and the engine's
+    log-prob of each (`rollout_log_probs`, aligned with `ids`; None when the engine did not compute them)."""
+
+    ids: torch.Tensor
+    log_probs: torch.Tensor | None = None
 
 
 class GenerationCall:
@@ -24,16 +35,21 @@ class GenerationCall:
     def __init__(self, rows: list[int], batch: DataProto, pad_size: int, response_length: int) -> None:
         self.rows, self.batch, self.pad_size, self.response_length = rows, batch, pad_size, response_length
 
-    def run(self, generate: Callable[[DataProto], DataProto]) -> tuple[torch.Tensor, list[int]]:
-        """Call `generate(batch)` (a worker group's `generate_sequences`); returns (responses, sampled lengths):
-        row i sampled `responses[i, :lengths[i]]`."""
+    def run(self, generate: Callable[[DataProto], DataProto]) -> list[SampledTurn]:
+        """Call `generate(batch)` (a worker group's `generate_sequences`); returns each row's sampled turn, in the
+        order of `rows`: its `responses` up to its sampled length, with its `rollout_log_probs` when present."""
         out = unpad_dataproto(generate(self.batch), self.pad_size)
         responses = out.batch["responses"]
         if responses.size(0) != len(self.rows) or responses.size(1) > self.response_length:
             raise RuntimeError(f"generate_sequences returned responses of shape {tuple(responses.shape)} for "
                                f"{len(self.rows)} rows and response_length {self.response_length}")
         lengths = out.batch["attention_mask"][:, -responses.size(1):].sum(dim=1).tolist()
-        return responses, lengths
+        log_probs = out.batch["rollout_log_probs"] if "rollout_log_probs" in out.batch.keys() else None
+        if log_probs is not None and log_probs.shape != responses.shape:
+            raise RuntimeError(f"generate_sequences returned rollout_log_probs of shape {tuple(log_probs.shape)} "
+                               f"for responses of shape {tuple(responses.shape)}")
+        return [SampledTurn(responses[i, :n], None if log_probs is None else log_probs[i, :n])
+                for i, n in enumerate(lengths)]
 
 
 class AgentBatches:

@@ -34,12 +34,12 @@ def run_turn_synchronous(envs: Sequence[DialogueEnv], worker_group: Any, batches
         call = batches([env.row for env in active], world_size)
         engine.begin(len(active))
         try:
-            responses, lengths = call.run(worker_group.generate_sequences)
+            turns = call.run(worker_group.generate_sequences)
         finally:
             engine.end(len(active))
         pending: list[tuple[DialogueEnv, TurnRequest]] = []
-        for i, env in enumerate(active):
-            step = env.step(responses[i, :lengths[i]])
+        for env, turn in zip(active, turns):
+            step = env.step(turn.ids, turn.log_probs)
             if step.request is not None:
                 pending.append((env, step.request))
         while pending:

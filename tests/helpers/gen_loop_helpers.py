@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 
 import numpy as np
 import torch
@@ -56,11 +57,20 @@ def make_gen_batch(tokenizer, scenario: Scenario, keys: list[str], uids: list[st
                                non_tensors={"uid": uid, "user_profile": prof}, meta_info=dict(meta or {}))
 
 
-class ProgrammedPolicy:
-    """Worker group answering turn t of dialogue `key` with `scripts[key][t]` (+ eos), cut to response_length."""
+def programmed_log_probs(key: str, turn: int, n: int) -> torch.Tensor:
+    """The log-probs ProgrammedPolicy reports for the n tokens of turn `turn` of dialogue `key`: distinct values
+    in (-8, 0) drawn from a generator seeded by the key and the turn."""
+    gen = torch.Generator().manual_seed(zlib.crc32(key.encode()) * 64 + turn)
+    return -8.0 * torch.rand(n, generator=gen)
 
-    def __init__(self, tokenizer, scripts: dict[str, list[str]], world_size: int = 2) -> None:
-        self.tokenizer, self.scripts, self.world_size = tokenizer, scripts, world_size
+
+class ProgrammedPolicy:
+    """Worker group answering turn t of dialogue `key` with `scripts[key][t]` (+ eos), cut to response_length;
+    with `log_probs`, also `rollout_log_probs` (programmed_log_probs per sampled token, 0 after them), as an engine
+    with `calculate_log_probs` does. `returned` keeps every (key, turn)'s returned ids."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]], world_size: int = 2, log_probs: bool = False) -> None:
+        self.tokenizer, self.scripts, self.world_size, self.log_probs = tokenizer, scripts, world_size, log_probs
         self.calls: list[dict] = []
         self.returned: dict[tuple[str, int], list[int]] = {}
 
@@ -74,6 +84,7 @@ class ProgrammedPolicy:
         self.calls.append({**meta, "rows": len(data), "width": ids.size(1)})
         out = torch.full((len(data), length), pad, dtype=torch.long)
         out_mask = torch.zeros(len(data), length, dtype=torch.long)
+        log_probs = torch.zeros(len(data), length)
         for row in range(len(data)):
             context = self.tokenizer.decode(ids[row][mask[row].bool()].tolist())
             key = _KEY.search(context).group(1)
@@ -82,13 +93,15 @@ class ProgrammedPolicy:
             self.returned[(key, turn)] = sampled
             out[row, :len(sampled)] = torch.tensor(sampled)
             out_mask[row, :len(sampled)] = 1
-        return DataProto.from_dict(tensors={"prompts": ids, "responses": out,
-                                            "input_ids": torch.cat([ids, out], 1),
-                                            "attention_mask": torch.cat([mask, out_mask], 1),
-                                            "position_ids": torch.cat([data.batch["position_ids"],
-                                                                       data.batch["position_ids"][:, -1:] +
-                                                                       torch.arange(1, length + 1)], 1),
-                                            "response_mask": out_mask})
+            log_probs[row, :len(sampled)] = programmed_log_probs(key, turn, len(sampled))
+        tensors = {"prompts": ids, "responses": out, "input_ids": torch.cat([ids, out], 1),
+                   "attention_mask": torch.cat([mask, out_mask], 1),
+                   "position_ids": torch.cat([data.batch["position_ids"],
+                                              data.batch["position_ids"][:, -1:] + torch.arange(1, length + 1)], 1),
+                   "response_mask": out_mask}
+        if self.log_probs:
+            tensors["rollout_log_probs"] = log_probs
+        return DataProto.from_dict(tensors=tensors)
 
 
 class ProgrammedSim(SimulatorClient):
@@ -144,8 +157,13 @@ def greedy_rollouts_in_both_modes(tokenizer, worker_group, scenario: Scenario, k
 
 
 def assert_same_dialogues(outs: dict[str, DataProto]) -> None:
-    """Sync and async outputs carry the same tokens, masks, outcomes and records."""
-    for key in ("responses", "response_mask", "attention_mask", "input_ids"):
+    """Sync and async outputs carry the same tokens, masks, agent turns, outcomes and records, and the same
+    rollout log-probs up to float rounding (other batch compositions pad the contexts differently)."""
+    for key in ("responses", "response_mask", "attention_mask", "input_ids", "agent_turn_ids"):
         assert torch.equal(outs["sync"].batch[key], outs["async"].batch[key]), key
+    assert ("rollout_log_probs" in outs["sync"].batch.keys()) == ("rollout_log_probs" in outs["async"].batch.keys())
+    if "rollout_log_probs" in outs["sync"].batch.keys():
+        torch.testing.assert_close(outs["sync"].batch["rollout_log_probs"], outs["async"].batch["rollout_log_probs"],
+                                   rtol=0, atol=1e-4)
     for key in ("outcome", "turns", "messages", "num_turns"):
         assert list(outs["sync"].non_tensor_batch[key]) == list(outs["async"].non_tensor_batch[key]), key

@@ -281,7 +281,7 @@ def test_token_buffer_gather_matches_plain_python(tok):
     buf = TokenBuffer(ids, mask, R, pad)
     extra = {0: [11, 12], 2: [13, 14, 15, 16], 3: [], 4: [17]}
     for r, toks in extra.items():
-        buf.append(r, toks, 1)
+        buf.append_sampled(r, toks, 0)
     rows = [4, 0, 2, 3]
     got = buf.context_batch(rows)
     contexts = [ids[r, P - lens[r]:].tolist() + extra[r] for r in rows]
@@ -291,7 +291,7 @@ def test_token_buffer_gather_matches_plain_python(tok):
         assert got["attention_mask"][j].tolist() == [0] * (W - len(ctx)) + [1] * len(ctx)
         assert got["position_ids"][j].tolist() == [0] * (W - len(ctx)) + list(range(len(ctx)))
     with pytest.raises(ValueError, match="exceeds the response budget"):
-        buf.append(1, list(range(R + 1)), 1)
+        buf.append_context(1, list(range(R + 1)))
     right = mask.flip(1)
     with pytest.raises(ValueError, match="not left-padded"):
         TokenBuffer(ids, right, R, pad)

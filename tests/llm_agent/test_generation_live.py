@@ -1,5 +1,6 @@
 """The rollout loop against real components (slow): two scripted simulator servers with one SIGKILLed mid-loop,
-and the tiny model sampling through a real 2-rank RayWorkerGroup of ActorRolloutRefWorker."""
+and the tiny model sampling through a real 2-rank RayWorkerGroup of ActorRolloutRefWorker (tokens and masks,
+sync == async, the HF rollout's log-probs against an independent recomputation)."""
 from __future__ import annotations
 
 import threading
@@ -109,8 +110,10 @@ def test_loop_survives_a_simulator_killed_mid_loop(mode, tiny_model_path, tmp_pa
     assert {"completed"} & set(nt["outcome"]), set(nt["outcome"])
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def actor_group(tiny_model_path):
+    """A 2-rank HF actor_rollout group of the tiny model with calculate_log_probs, shared by the module's tests
+    (its start, ~50 s on a loaded 2-core box, is what makes them slow)."""
     import ray
     from tests.helpers.ppo_batch_helpers import actor_rollout_ref_config
 
@@ -122,6 +125,7 @@ def actor_group(tiny_model_path):
     group = None
     try:
         config = actor_rollout_ref_config(tiny_model_path, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1)
+        config.rollout.calculate_log_probs = True
         group = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config, role="actor_rollout"),
                                name_prefix="gen_loop_actor")
         group.init_model()
@@ -133,6 +137,7 @@ def actor_group(tiny_model_path):
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_real_policy_tokens_and_masks(actor_group, tiny_model_path, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     scenario = load_scenario(SCENARIO_PATH)
@@ -174,6 +179,7 @@ def test_real_policy_tokens_and_masks(actor_group, tiny_model_path, tmp_path):
         assert agent_i == nt["num_turns"][i] and nt["outcome"][i] != "error"
 
 
+@pytest.mark.slow
 def test_real_policy_greedy_dialogues_are_identical_in_sync_and_async_mode(actor_group, tiny_model_path):
     """The tiny model on 2 FSDP ranks, greedy, against the deterministic scripted persona: the async loop (other
     batch compositions, a size cap of 3 rows) yields the sync loop's tokens, masks, outcomes and records."""
@@ -183,3 +189,44 @@ def test_real_policy_greedy_dialogues_are_identical_in_sync_and_async_mode(actor
     assert_same_dialogues(outs)
     assert outs["async"].meta_info["metrics"]["rollout/generate_batches"] > \
         outs["sync"].meta_info["metrics"]["rollout/generate_batches"]
+
+
+def recomputed_log_probs(model_path: str, batch, temperature: float) -> torch.Tensor:
+    """(bs, R) log softmax(logits / temperature) of each response token under the model at `model_path` (fp32 HF
+    forward of each row's whole prompt + response, its own padding and positions), the actor's definition."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    R = batch.batch["responses"].size(1)
+    with torch.no_grad():
+        logits = model(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
+                       position_ids=batch.batch["position_ids"]).logits[:, -R - 1:-1].double()
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    return log_probs.gather(-1, batch.batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.slow
+def test_real_policy_rollout_log_probs_match_an_independent_recomputation(actor_group, tiny_model_path):
+    """The HF rollout on 2 FSDP ranks with calculate_log_probs, sampling at temperature 0.8, in both modes: under
+    every sampled agent token the dialogue's `rollout_log_probs` is the token's log-prob under the same weights
+    recomputed by a plain HF forward over the whole dialogue (temperature applied); 0 elsewhere."""
+    from verl.utils.agent_turns import agent_turn_ids_from_mask
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    scenario = load_scenario(SCENARIO_PATH)
+    temperature = 0.8
+    for mode in ("sync", "async"):
+        cfg = {"scenario": str(SCENARIO_PATH), "mode": mode, "max_turns": 3, "max_tokens_per_turn": 12,
+               "max_response_length": 200, "cache": {"enabled": False}, "controller": {"enabled": False},
+               "async_rollout": {"max_batch_size": 2}}
+        loop = LLMGenerationManager(tok, actor_group, cfg, is_validation=True, client=InProcessUserSim(scenario))
+        out = loop.run_llm_loop(make_gen_batch(tok, scenario, [f"s{i}" for i in range(4)],
+                                               meta={"do_sample": True, "temperature": temperature}))
+        b = out.batch
+        mask = b["response_mask"].bool()
+        assert int(mask.sum()) > 0 and max(out.non_tensor_batch["num_turns"]) >= 2, mode
+        expected = recomputed_log_probs(tiny_model_path, out, temperature)
+        got = b["rollout_log_probs"].double()
+        assert float((got - expected).abs()[mask].max()) < 1e-4, mode
+        assert not got[~mask].any(), mode
+        assert torch.equal(b["agent_turn_ids"], agent_turn_ids_from_mask(b["response_mask"])), mode

@@ -244,14 +244,22 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
         pool.remove()
 
 
+CORRECTION = ("actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=turn",
+              "algorithm.rollout_correction.rollout_rs=turn_mean_k3",
+              "algorithm.rollout_correction.rollout_rs_threshold=0.01")
+
+
 @pytest.mark.slow
 def test_sead_training_step_in_async_mode(warm_model_path, tmp_path, sims, ray_cluster):
-    """One GRPO step with rollout_loop.config.mode=async (cache and controller on) on the real trainer: every
-    dialogue is logged with an outcome its turns support, each row's reward is its own, the controller learnt from
-    the step, and the pacing metrics reach the step's metrics."""
+    """One GRPO step with rollout_loop.config.mode=async (cache and controller on) and turn-level rollout
+    correction on the real trainer: every dialogue is logged with an outcome its turns support, each row's reward
+    is its own, the controller learnt from the step, the pacing metrics reach the step's metrics, and so do the
+    rollout/training mismatch metrics of the dialogues (overall and per agent turn) and the correction's: the HF
+    rollout and the actor hold the same fp32 weights, so the mismatch is float noise and nothing is rejected (a
+    log-prob put under the wrong token would be off by nats)."""
     _, urls = sims
     config = _config(warm_model_path, tmp_path, urls, 1, ("rollout_loop.config.mode=async",
-                                                          "trainer.save_freq=-1", "trainer.test_freq=-1"))
+                                                          "trainer.save_freq=-1", "trainer.test_freq=-1", *CORRECTION))
     trainer, pool = _trainer(config)
     try:
         trainer.init_workers()
@@ -272,3 +280,12 @@ def test_sead_training_step_in_async_mode(warm_model_path, tmp_path, sims, ray_c
 
     assert misaligned_rows(batch, trainer.tokenizer) == []
     assert controller["updates"] == 1
+    assert "rollout_log_probs" in batch.batch.keys() and "agent_turn_ids" in batch.batch.keys()
+    assert 0 <= metrics["rollout/kl_k3"] < 1e-6 and 0 <= metrics["rollout/logprob_abs_diff_max"] < 1e-3
+    most_turns = max(line["num_turns"] for line in lines)
+    assert most_turns >= 2, "no dialogue with a second agent turn to break the mismatch down by"
+    for k in range(min(most_turns, 8)):
+        assert 0 <= metrics[f"rollout/kl_k3_turn_{k}"] < 1e-6
+        assert 0 <= metrics[f"rollout/logprob_abs_diff_mean_turn_{k}"] < 1e-4
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)

@@ -83,7 +83,10 @@ def test_the_rehearsal_is_the_gpu_preset_with_only_device_and_sizes_changed(tmp_
                        "actor_rollout_ref.model.use_remove_padding": "true",
                        "actor_rollout_ref.actor.use_dynamic_bsz": "true", "actor_rollout_ref.actor.use_kl_loss": "true",
                        "actor_rollout_ref.ref.fsdp_config.param_offload": "true",
-                       "actor_rollout_ref.rollout.free_cache_engine": "true", "trainer.save_hf_model": "last"}.items():
+                       "actor_rollout_ref.rollout.free_cache_engine": "true", "trainer.save_hf_model": "last",
+                       "actor_rollout_ref.rollout.calculate_log_probs": "true",
+                       "algorithm.rollout_correction.rollout_is": "token",
+                       "algorithm.rollout_correction.rollout_rs": "turn_mean_k3"}.items():
         assert rehearsal[key] == value, key
     assert rehearsal["trainer.device"] == "cpu" and "PYTORCH_CUDA_ALLOC_CONF" not in out
     assert out.startswith("preset: rehearsal")
@@ -131,6 +134,8 @@ def test_gpu_preset_rehearsal_trains_checkpoints_and_resumes(tmp_path, warm_mode
     for m in metrics:
         if "actor/pg_loss" in m:
             assert m["timing_s/weight_sync"] > 0 and m["actor/kl_loss"] >= 0
+            # rollout correction on (the engine and the actor both fp32 here: float noise, nothing rejected)
+            assert 0 <= m["rollout/kl_k3"] < 1e-4 and m["rollout_corr/rollout_rs_masked_fraction"] == 0
     ckpts = outputs / "checkpoints" / experiment
     assert (ckpts / "global_step_1" / "actor" / "model.safetensors").is_file()  # the last step of launch 1
     exported = AutoModelForCausalLM.from_pretrained(ckpts / "global_step_2" / "actor")

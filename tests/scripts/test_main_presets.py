@@ -30,7 +30,7 @@ PRESET_VARS = ("EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN
                "KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH USE_DYNAMIC_BSZ MAX_TOKEN_LEN "
                "LOGPROB_MAX_TOKEN_LEN AGENT_PROMPT_FILE TEST_FREQ SAVE_FREQ "
                "MAX_CKPT SAVE_HF_MODEL POLICY_GPUS ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM LORA_RANK LORA_ALPHA "
-               "PRESET_OVERRIDES PRESET "
+               "ROLLOUT_CORRECTION PRESET_OVERRIDES PRESET "
                "PRINT_CONFIG_ONLY MODEL_PATH USER_SIM_MODEL USER_SIM_URLS "
                "SIM_INSTANCES SIM_TP SIM_GPUS SIM_BASE_PORT SCENARIO WARM_START_STEPS OUTPUT_DIR SEAD_GPU_MAX_TURNS "
                "DATA_DIR CKPT_DIR LOG_DIR RUN_DIR ROLLOUT_LOG VAL_METRICS DEVICE PYTORCH_CUDA_ALLOC_CONF").split()
@@ -53,6 +53,9 @@ GPU = {
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "32768",
     "actor_rollout_ref.rollout.gpu_memory_utilization": "0.55", "actor_rollout_ref.rollout.enforce_eager": "false",
     "actor_rollout_ref.rollout.free_cache_engine": "true",
+    # rollout correction (README "Rollout correction": the recommended setting)
+    "actor_rollout_ref.rollout.calculate_log_probs": "true", "algorithm.rollout_correction.rollout_is": "token",
+    "algorithm.rollout_correction.rollout_rs": "turn_mean_k3", "algorithm.rollout_correction.rollout_rs_threshold": "0.01",
 }
 # Today's CPU demo settings (CPU preset).
 CPU = {
@@ -114,6 +117,7 @@ def test_without_model_path_the_cpu_preset_applies_and_nothing_is_built(tmp_path
     # the demo's models are the experiment's own (its name includes the scenario)
     assert cmd["actor_rollout_ref.model.path"] == f"{tmp_path / 'outputs'}/models/cpu_demo_outbound_ad_trial/tiny_model_warm"
     assert block["LR"] == ("2e-4", "preset") and block["MAX_TURNS"] == ("10", "preset")
+    assert block["ROLLOUT_CORRECTION"] == ("off", "preset") and not any("rollout_correction" in k for k in cmd)
     assert not (tmp_path / "outputs").exists(), "the dry run built or wrote something"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in out
     assert_valid(overrides, tmp_path)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH
-from utils.sft_warm_start import (assistant_nll, check_messages, collate, encode_dialogue, parse_quality_mix,
-                                  read_dialogues, scripted_dialogues, sft_on_dialogues)
+from utils.sft_warm_start import (check_messages, encode_dialogue, parse_quality_mix, read_dialogues,
+                                  scripted_dialogues, sft_on_dialogues)
+from verl.trainer.fsdp_sft_trainer import assistant_nll, collate
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIO_PATH = DEFAULT_SCENARIO_PATH

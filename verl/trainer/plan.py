@@ -37,6 +37,8 @@ ADAMW_STEP_TEMPORARIES = 1  # the foreach AdamW step allocates about one fp32 co
 VLLM_CUDA_GRAPH_BYTES = 1 * mm.GIB
 VLLM_OTHER_BYTES = mm.GIB // 2
 SAMPLER_COPIES = 2  # vLLM's sampler holds the fp32 logits of every running sequence about twice (logits, probs)
+# and once more with rollout.calculate_log_probs: the log-softmax it takes the sampled tokens' log-probs from
+LOGPROB_COPIES = 1
 COLUMNS = ["weights", "optimizer", "gradients", "gathered units", "activations", "logits", "kv cache", "vllm",
            "cuda contexts"]
 
@@ -273,8 +275,9 @@ def vllm_engine(s: Setup, hw: Hardware, gpu_memory_utilization: float | None = N
     util = rollout.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
     kv_heads = max(1, shape.num_kv_heads // tp)  # KV heads split over the TP ranks (replicated below one each)
     batched = rollout.max_num_batched_tokens or 8192
+    copies = SAMPLER_COPIES + (LOGPROB_COPIES if rollout.calculate_log_probs else 0)
     activations = (batched * shape.forward_transient_bytes_per_token(b) / tp
-                   + SAMPLER_COPIES * rollout.max_num_seqs * shape.vocab_size * mm.FP32)
+                   + copies * rollout.max_num_seqs * shape.vocab_size * mm.FP32)
     dialogues = -(-s.rows_per_gpu * s.world // (s.world // tp))
     weights = shape.num_params() * b / tp
     if s.serves_adapter:  # the adapter slot: every linear layer at max_lora_rank
@@ -409,7 +412,9 @@ def build_phases(s: Setup, hw: Hardware) -> list[Phase]:
     a = s.cfg.actor_rollout_ref
     ckpt = a.model.enable_gradient_checkpointing
     rollout = vllm_rollout_phase(s, hw) if s.vllm else rollout_phase(s, hw, a.rollout.micro_batch_size_per_gpu)
-    phases = [rollout, forward_phase(s, hw, "old log-probs", "actor", a.rollout.log_prob_micro_batch_size_per_gpu)]
+    phases = [rollout]
+    if not s.cfg.algorithm.rollout_correction.bypass_mode:  # bypass: the rollout's log-probs are the old ones
+        phases.append(forward_phase(s, hw, "old log-probs", "actor", a.rollout.log_prob_micro_batch_size_per_gpu))
     if s.cfg.need_reference:
         phases.append(forward_phase(s, hw, "reference log-probs", "ref", a.ref.log_prob_micro_batch_size_per_gpu))
     if s.critic is not None:

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from llm_agent.rollout.async_engine import MicroBatchingEngine
+from llm_agent.rollout.generation_call import SampledTurn
 from verl.workers.rollout.replicas import RankGroupReplica, rollout_replicas
 from llm_agent.rollout.pacing import BusyMeter, pacing_metrics
 
 
 class FakeCall:
-    """A GenerationCall stand-in: answers row r with the single token r."""
+    """A GenerationCall stand-in: answers row r with the single token r, of log-prob -r/2."""
 
     def __init__(self, rows: list[int]) -> None:
         self.rows = rows
@@ -40,7 +41,7 @@ class FakeReplica:
         time.sleep(self.seconds)
         if self.fail:
             raise RuntimeError("replica down")
-        return torch.tensor(rows).unsqueeze(1), [1] * len(rows)
+        return [SampledTurn(torch.tensor([r]), torch.tensor([-0.5 * r])) for r in rows]
 
 
 async def run_requests(engine, requests, spacing_s=0.0):
@@ -60,7 +61,7 @@ def test_requests_within_the_window_share_a_batch_and_the_cap_splits_them():
     replica = FakeReplica(seconds=0.05)
     engine = MicroBatchingEngine([replica], lambda rows, ws: FakeCall(rows), batch_wait_ms=30.0, max_batch_size=3)
     answers = asyncio.run(run_requests(engine, [(f"d{i}", i) for i in range(5)]))
-    assert [int(ids[0]) for ids, _ in answers] == [0, 1, 2, 3, 4]
+    assert [(int(turn.ids[0]), float(turn.log_probs[0])) for turn in answers] == [(i, -0.5 * i) for i in range(5)]
     assert replica.batches == [[0, 1, 2], [3, 4]]  # cap 3: the rest go out as the next batch
     assert replica.threads and all(name.startswith("rollout-generate") for name in replica.threads)
 

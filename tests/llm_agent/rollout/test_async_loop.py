@@ -21,7 +21,8 @@ from llm_agent.user_sim.client import TurnReply
 from tests.helpers.gen_loop_helpers import FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch
 from tests.helpers.repo import SCENARIO_PATH
 
-TENSORS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
+TENSORS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
+           "agent_turn_ids")
 RECORDS = ("uid", "dialogue_id", "profile", "outcome", "num_turns", "turns", "messages", "cache_hits",
            "format_errors", "sim_retries", "error")
 

@@ -117,7 +117,10 @@ PRESET_GPU = ["data.train_batch_size=60", "actor_rollout_ref.rollout.n=8", "trai
               "actor_rollout_ref.ref.fsdp_config.param_offload=true", "actor_rollout_ref.rollout.name=vllm",
               "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
               "actor_rollout_ref.rollout.gpu_memory_utilization=0.55", "actor_rollout_ref.rollout.enforce_eager=false",
-              "rollout_loop.config.max_turns=15", "rollout_loop.config.max_tokens_per_turn=256"]
+              "rollout_loop.config.max_turns=15", "rollout_loop.config.max_tokens_per_turn=256",
+              "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
+              "algorithm.rollout_correction.rollout_rs=turn_mean_k3",
+              "algorithm.rollout_correction.rollout_rs_threshold=0.01"]
 
 
 @pytest.fixture()
@@ -198,3 +201,16 @@ def test_cli_prints_the_vllm_phase(model_14b, capsys):
     plan_mod.main(["--config-name", "sead_trainer", f"actor_rollout_ref.model.path={model_14b}", *PRESET_GPU])
     out = capsys.readouterr().out
     assert "rollout (vLLM)" in out and "weight sync (vLLM)" in out and "tokens;" in out and "fits in 80 GB" in out
+
+
+def test_rollout_correction_costs_the_engine_a_log_softmax_and_bypass_drops_the_old_log_prob_pass(model_14b):
+    setup, hw, phases = _preset_phases(model_14b)
+    without, _, _ = _preset_phases(model_14b, ["actor_rollout_ref.rollout.calculate_log_probs=false",
+                                               "algorithm.rollout_correction.rollout_is=null",
+                                               "algorithm.rollout_correction.rollout_rs=null"])
+    # the engine's log-probs: one more fp32 (max_num_seqs, vocab) tensor in the sampler
+    extra = plan_mod.vllm_engine(setup, hw).activations - plan_mod.vllm_engine(without, hw).activations
+    assert extra == pytest.approx(setup.cfg.actor_rollout_ref.rollout.max_num_seqs * 152064 * 4)
+    assert "old log-probs" in phases
+    _, _, bypass = _preset_phases(model_14b, ["algorithm.rollout_correction.bypass_mode=true"])
+    assert "old log-probs" not in bypass and list(bypass) == [name for name in phases if name != "old log-probs"]

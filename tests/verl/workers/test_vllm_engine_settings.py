@@ -72,3 +72,12 @@ def test_expandable_segments_are_off_inside_the_block_and_restored_after(monkeyp
             assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == conf
     finally:
         torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+
+
+def test_cpu_prefills_every_prompt_whole_and_cuda_keeps_chunked_prefill():
+    cpu = engine_kwargs(_rollout(max_num_batched_tokens=256, max_model_len=1024), "/m", None, "float32", "cpu")
+    assert cpu["enable_chunked_prefill"] is False and cpu["max_num_batched_tokens"] == 1024
+    roomy = engine_kwargs(_rollout(max_num_batched_tokens=8192, max_model_len=1024), "/m", None, "float32", "cpu")
+    assert roomy["max_num_batched_tokens"] == 8192
+    cuda = engine_kwargs(_rollout(max_num_batched_tokens=256, max_model_len=1024), "/m", None, "bfloat16", "cuda")
+    assert "enable_chunked_prefill" not in cuda and cuda["max_num_batched_tokens"] == 256

@@ -122,6 +122,12 @@ def test_sampling_is_seeded_by_torch_rng_and_reports_the_sampled_tokens_log_prob
     assert gap.max() < 1e-3, f"vLLM's sampled-token log-probs differ from HF's by up to {gap.max():.2e}"
     assert (out["rollout_log_probs"][~mask] == 0).all()
 
+    # prompts longer in total than the engine's token budget (512): on CPU each is prefilled whole, since a prefill
+    # split across steps would rewind its seeded generator, which a CPU generator cannot do
+    torch.manual_seed(7)
+    long = rollout.generate_sequences(_prompts(tokenizer, length=300, temperature=0.7)).batch
+    assert long["responses"].shape == (ROWS, 9) and long["response_mask"].sum() > 0
+
 
 def test_weight_update_reaches_the_engine_and_drops_stale_prefix_cache(engine, tokenizer):
     from verl.workers.rollout.vllm_rollout import WeightSyncStats, fsdp_weight_stream

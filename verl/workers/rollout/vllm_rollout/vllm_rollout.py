@@ -92,6 +92,10 @@ def engine_kwargs(config: DictConfig, model_path: str, tokenizer_path: str | Non
         kwargs["max_num_batched_tokens"] = int(config.max_num_batched_tokens)
     if device_type == "cpu":
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES  # vLLM replaces it by VLLM_CPU_KVCACHE_SPACE if set
+        # A prefill split across steps rewinds its request's seeded generator, which a CPU generator cannot do
+        # ("CPU Generator does not use offset"): every prompt is prefilled whole, so the budget holds the longest.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(int(config.get("max_num_batched_tokens") or 0), kwargs["max_model_len"])
     if lora_rank > 0:
         kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=max_lora_rank(lora_rank))
     return kwargs
