@@ -182,7 +182,8 @@ def cache_run(tokenizer: Any, scenario: Any, dialogues: int, turns: int, steps: 
             stages = {}
             for s in STAGE_RATES:
                 lookups, stage_hits = metrics[f"cache/lookups/stage{s}"], metrics[f"cache/hits/stage{s}"]
-                rate, eligible = metrics[f"cache/hit_rate/stage{s}"], int(metrics[f"cache/eligible/stage{s}"])
+                # the hit rate is left out when no lookup was eligible (undefined)
+                rate, eligible = metrics.get(f"cache/hit_rate/stage{s}"), int(metrics[f"cache/eligible/stage{s}"])
                 stages[s] = {"lookups": lookups, "hits": stage_hits, "hit_rate_eligible": rate,
                              "served_share": stage_hits / lookups if lookups else 0.0}
                 if step > 0:  # the first step fills the buckets

@@ -1,10 +1,10 @@
 """Evaluate agents on the fixed test set against user simulators; resumable.
 
-    python for_evaluation/evaluate.py --agent outputs/checkpoints/cpu_demo \\
-        --test-file outputs/prompt_data/cpu_demo/test.parquet --out outputs/evaluation/cpu_demo
+    python for_evaluation/evaluate.py --agent rl=outputs/checkpoints/cpu_demo_outbound_ad_trial \\
+        --out outputs/evaluation/cpu_demo_outbound_ad_trial
     python for_evaluation/evaluate.py --agent sft=models/sft --agent rl=ckpts/global_step_200 \\
         --agent gpt=https://api.example.com --tokenizer models/sft --agent-model gpt-4o-mini \\
-        --user-sim-urls http://127.0.0.1:5000,http://127.0.0.1:5001
+        --test-file data/test.parquet --user-sim-urls http://127.0.0.1:5000,http://127.0.0.1:5001
 
 An agent is `[NAME=]SPEC`: a Hugging Face model directory, a checkpoint (`global_step_N`, its `actor/`, or a
 checkpoint root: the latest complete step; with or without its HF export; a LoRA run's: its base with the adapter
@@ -12,10 +12,13 @@ merged), a LoRA adapter directory (`adapter_config.json` naming a local base mod
 verl.model_merger --adapter_only`'s output) or a merged one, generating through the trainer's
 `vLLMRollout` or `HFRollout` (--engine; auto = vLLM when it is installed), an OpenAI-compatible endpoint
 `http(s)://...` (with --tokenizer), or `scripted:good|bad|malformed|ender` (the scripted stand-in, with
---tokenizer). Without --user-sim-urls it starts
---num-sims scripted simulators on loopback and stops exactly those. Per agent it writes
-`<out>/<name>_dialogues.jsonl` (appended chunk by chunk; a rerun runs only missing dialogues) and
-`<out>/<name>_results.json` (every metric with its bootstrap CI). Compare them with for_evaluation/metrics_table.py.
+--tokenizer). A checkpoint agent brings the settings it was trained with (its `trainer_config.json`): every
+setting below that the command line leaves out (test file, scenario, turns, token limits, simulator sampling,
+seed) is the run's own, so evaluating a run's checkpoint repeats its validation; the rest keep the rollout loop's
+defaults. Without --user-sim-urls it starts --num-sims scripted simulators on loopback and stops exactly those.
+Per agent it writes `<out>/<name>_dialogues.jsonl` (appended chunk by chunk; a rerun runs only missing dialogues)
+and `<out>/<name>_results.json` (every metric with its bootstrap interval, the checkpoint's global_step, where
+each setting came from). Compare them with for_evaluation/metrics_table.py.
 
 API keys never go on the command line (every local user can read it in /proc/PID/cmdline): the simulators' from
 $SEAD_USER_SIM_API_KEY or --sim-api-key-file PATH, the agent endpoint's from $SEAD_AGENT_API_KEY or
@@ -25,46 +28,44 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 from pathlib import Path
+from typing import Any
 
 from llm_agent.api_keys import api_key, command_line_refusal
-from llm_agent.evaluation.agents import AgentSpec, LocalEngineOptions, build_agent
-from llm_agent.evaluation.local_agents import ENGINES, pick_engine
-from llm_agent.evaluation.runner import EvalSettings, evaluate_agent
-from llm_agent.evaluation.sims import LocalSimulators
-from llm_agent.rollout.config import GenerationConfig, resolve_path
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
-from llm_agent.user_sim.client import UserSimConfig, parse_urls
+from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, ENGINES
+
+CHECKPOINT = "default: the checkpoint's training config, else "  # help text of the settings a checkpoint gives
+MAX_PROMPT_LENGTH = 4096  # when neither the command line nor a checkpoint gives one
 
 SIM_KEY_ENV = "SEAD_USER_SIM_API_KEY"
 AGENT_KEY_ENV = "SEAD_AGENT_API_KEY"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (see the module docstring); defaults mirror sead_trainer.yaml's rollout_loop.config."""
+    """The command line (see the module docstring). Settings left None are resolved by `resolve_settings`."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--agent", action="append", required=True, metavar="[NAME=]SPEC", help="agent to evaluate (repeatable)")
-    p.add_argument("--test-file", default="outputs/prompt_data/cpu_demo/test.parquet", help="test parquet")
-    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH), help="scenario YAML")
+    p.add_argument("--test-file", default=None, help=f"test parquet ({CHECKPOINT}required)")
+    p.add_argument("--scenario", default=None, help=f"scenario YAML ({CHECKPOINT}the default scenario)")
     p.add_argument("--out", default="outputs/evaluation", help="output directory")
     p.add_argument("--user-sim-urls", default=None, help="running simulators (comma-separated base URLs)")
     p.add_argument("--num-sims", type=int, default=2, help="scripted simulators to start without --user-sim-urls")
     p.add_argument("--max-dialogues", type=int, default=1000, help="first N test profiles")
     p.add_argument("--chunk-size", type=int, default=64, help="dialogues run concurrently (and appended) at once")
-    p.add_argument("--max-turns", type=int, default=GenerationConfig.max_turns)
-    p.add_argument("--max-tokens-per-turn", type=int, default=GenerationConfig.max_tokens_per_turn)
-    p.add_argument("--max-response-length", type=int, default=GenerationConfig.max_response_length,
-                   help="per-dialogue token budget")
-    p.add_argument("--max-user-tokens", type=int, default=GenerationConfig.max_user_tokens)
-    p.add_argument("--max-prompt-length", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0, help="simulator request seeds and bootstrap seed")
-    p.add_argument("--sim-temperature", type=float, default=UserSimConfig.temperature)
-    p.add_argument("--sim-top-p", type=float, default=UserSimConfig.top_p)
-    p.add_argument("--sim-max-tokens", type=int, default=UserSimConfig.max_tokens)
-    p.add_argument("--sim-timeout-s", type=float, default=UserSimConfig.timeout_s)
-    p.add_argument("--sim-max-attempts", type=int, default=UserSimConfig.max_attempts)
+    loop = f"{CHECKPOINT}the rollout loop's"
+    p.add_argument("--max-turns", type=int, default=None, help=loop)
+    p.add_argument("--max-tokens-per-turn", type=int, default=None, help=loop)
+    p.add_argument("--max-response-length", type=int, default=None, help=f"per-dialogue token budget ({loop})")
+    p.add_argument("--max-user-tokens", type=int, default=None, help=loop)
+    p.add_argument("--max-prompt-length", type=int, default=None, help=f"{CHECKPOINT}{MAX_PROMPT_LENGTH}")
+    p.add_argument("--seed", type=int, default=None, help=f"simulator request seeds and bootstrap seed ({loop})")
+    sim = f"{CHECKPOINT}the simulator client's"
+    p.add_argument("--sim-temperature", type=float, default=None, help=sim)
+    p.add_argument("--sim-top-p", type=float, default=None, help=sim)
+    p.add_argument("--sim-max-tokens", type=int, default=None, help=sim)
+    p.add_argument("--sim-timeout-s", type=float, default=None, help=sim)
+    p.add_argument("--sim-max-attempts", type=int, default=None, help=sim)
     p.add_argument("--sim-model", default=None, help="model name the simulators answer to (null: discovered)")
     p.add_argument("--sim-api-key", default=None, help=argparse.SUPPRESS)
     p.add_argument("--sim-api-key-file", default=None,
@@ -81,64 +82,109 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=None, help="rows per generate() of a local model (hf)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM's share of the GPU (vllm)")
     p.add_argument("--retry-errors", action="store_true", help="rerun dialogues whose last run ended in error")
-    p.add_argument("--n-resamples", type=int, default=1000, help="bootstrap resamples")
-    p.add_argument("--confidence", type=float, default=0.95)
+    p.add_argument("--n-resamples", type=int, default=DEFAULT_RESAMPLES, help="bootstrap resamples per interval")
+    p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE)
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 
-def checkpoint_step(spec: str) -> int:
-    """N of a `global_step_N` in the spec's path, else 0."""
-    match = re.search(r"global_step_(\d+)", spec)
-    return int(match.group(1)) if match else 0
+def resolve_settings(args: argparse.Namespace, checkpoints: list[tuple[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every setting: the command line's, else the checkpoints' training config, else the defaults of the rollout
+    loop and the simulator client; and where each came from."""
+    from llm_agent.evaluation.checkpoint_settings import SETTING_KEYS, settings_from_checkpoints
+    from llm_agent.rollout.config import GenerationConfig
+    from llm_agent.scenario import DEFAULT_SCENARIO_PATH
+    from llm_agent.user_sim.client import UserSimConfig
+
+    values, origin = settings_from_checkpoints({name: getattr(args, name) for name in SETTING_KEYS}, checkpoints)
+    defaults = {"scenario": str(DEFAULT_SCENARIO_PATH), "max_prompt_length": MAX_PROMPT_LENGTH,
+                **{name: getattr(GenerationConfig, name) for name in ("max_turns", "max_tokens_per_turn",
+                                                                     "max_response_length", "max_user_tokens", "seed")},
+                **{f"sim_{name}": getattr(UserSimConfig, name) for name in ("temperature", "top_p", "max_tokens",
+                                                                            "timeout_s", "max_attempts")}}
+    for name, value in defaults.items():
+        if values.get(name) is None:
+            values[name], origin[name] = value, "default"
+    if values.get("test_file") is None:
+        raise ValueError("no test file: pass --test-file (a checkpoint agent's training config gives its "
+                         "data.val_files)")
+    return values, origin
 
 
 def run(args: argparse.Namespace) -> list[Path]:
     """Evaluate every agent; returns the results files."""
+    from llm_agent.evaluation.agents import AgentSpec, LocalEngineOptions, build_agent
+    from llm_agent.evaluation.checkpoint_settings import checkpoint_info
+    from llm_agent.evaluation.local_agents import pick_engine
+    from llm_agent.evaluation.runner import EvalSettings, evaluate_agent
+    from llm_agent.evaluation.sims import LocalSimulators
+    from llm_agent.metrics import NOT_AVAILABLE
+    from llm_agent.rollout.config import resolve_path
+    from llm_agent.scenario import load_scenario
+    from llm_agent.user_sim.client import parse_urls
+
+    engine = pick_engine(args.engine)  # an engine that is not installed is refused before anything starts
     sim_key = api_key(SIM_KEY_ENV, args.sim_api_key_file, "--sim-api-key-file")
     agent_key = api_key(AGENT_KEY_ENV, args.agent_api_key_file, "--agent-api-key-file")
     specs = [AgentSpec.parse(a) for a in args.agent]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"agent names must differ, got {names}; name them with NAME=SPEC")
-    scenario_path = resolve_path(args.scenario)  # the working directory, then the repository root
+    infos = {s.name: checkpoint_info(s.spec) if s.is_local else None for s in specs}
+    values, origin = resolve_settings(args, [(name, info) for name, info in infos.items() if info is not None])
+    scenario_path = resolve_path(values["scenario"])  # the working directory, then the repository root
     if scenario_path is None:
-        raise ValueError(f"--scenario {args.scenario!r}: file not found")
+        raise ValueError(f"scenario {values['scenario']!r} ({origin['scenario']}): file not found")
     scenario = load_scenario(scenario_path)
     settings = EvalSettings(
-        scenario=str(scenario_path), test_file=args.test_file, max_dialogues=args.max_dialogues,
-        max_prompt_length=args.max_prompt_length, max_turns=args.max_turns,
-        max_tokens_per_turn=args.max_tokens_per_turn, max_response_length=args.max_response_length,
-        max_user_tokens=args.max_user_tokens, seed=args.seed,
-        user_sim={"temperature": args.sim_temperature, "top_p": args.sim_top_p, "max_tokens": args.sim_max_tokens,
-                  "timeout_s": args.sim_timeout_s, "max_attempts": args.sim_max_attempts, "model": args.sim_model})
-    local = LocalEngineOptions(engine=pick_engine(args.engine), micro_batch_size=args.micro_batch_size,
-                               max_model_len=args.max_prompt_length + args.max_response_length,
+        scenario=str(scenario_path), test_file=values["test_file"], max_dialogues=args.max_dialogues,
+        max_prompt_length=values["max_prompt_length"], max_turns=values["max_turns"],
+        max_tokens_per_turn=values["max_tokens_per_turn"], max_response_length=values["max_response_length"],
+        max_user_tokens=values["max_user_tokens"], seed=values["seed"],
+        user_sim={"temperature": values["sim_temperature"], "top_p": values["sim_top_p"],
+                  "max_tokens": values["sim_max_tokens"], "timeout_s": values["sim_timeout_s"],
+                  "max_attempts": values["sim_max_attempts"], "model": args.sim_model})
+    from_checkpoint = sorted(name for name, where in origin.items() if where not in ("command line", "default"))
+    if from_checkpoint:
+        print("settings from the checkpoint's training config: "
+              + ", ".join(f"{name}={values[name]}" for name in from_checkpoint))
+    local = LocalEngineOptions(engine=engine, micro_batch_size=args.micro_batch_size,
+                               max_model_len=settings.max_prompt_length + settings.max_response_length,
                                gpu_memory_utilization=args.gpu_memory_utilization)
     sims = None
     if args.user_sim_urls:
         urls = parse_urls(args.user_sim_urls)
     else:
-        sims = LocalSimulators(args.num_sims, str(scenario_path), Path(args.out) / "user_sims", seed=args.seed)
+        sims = LocalSimulators(args.num_sims, str(scenario_path), Path(args.out) / "user_sims", seed=settings.seed)
         urls = sims.start()
     written = []
     try:
         for spec in specs:
-            agent, tokenizer = build_agent(spec.spec, scenario, tokenizer_path=args.tokenizer,
-                                           agent_model=args.agent_model, api_key=agent_key,
-                                           concurrency=args.agent_concurrency, local=local)
+            info = infos[spec.name]
+            # a checkpoint root is read at the step resolved above, even if training saves a newer one meanwhile
+            agent, tokenizer = build_agent(str(info.step_dir) if info else spec.spec, scenario,
+                                           tokenizer_path=args.tokenizer, agent_model=args.agent_model,
+                                           api_key=agent_key, concurrency=args.agent_concurrency,
+                                           local=local)
             try:
                 summary = evaluate_agent(spec.name, agent, tokenizer, settings, args.out, user_sim_urls=urls,
                                          chunk_size=args.chunk_size, retry_errors=args.retry_errors,
                                          n_resamples=args.n_resamples, confidence=args.confidence,
                                          agent_description=spec.describe(local.engine),
-                                         step=checkpoint_step(spec.spec), user_sim_api_key=sim_key)
+                                         step=info.global_step if info else 0,
+                                         checkpoint=str(info.step_dir) if info else None, settings_origin=origin,
+                                         user_sim_api_key=sim_key)
             finally:
                 if hasattr(agent, "close"):
                     agent.close()
-            cr = summary.results["metrics"]["completion_rate"]
-            print(f"{spec.name}: {summary.n_selected} dialogues ({summary.n_resumed} resumed, {summary.n_run} run), "
-                  f"CR {cr['value']:.3f} [{cr['low']:.3f}, {cr['high']:.3f}]")
+            at = f" at global_step {info.global_step}" if info else ""
+            print(f"{spec.name}{at}: {summary.n_selected} dialogues ({summary.n_resumed} resumed, {summary.n_run} run)")
+            for key, label in (("completion_rate", "CR"), ("att", "ATT"), ("adt", "ADT")):
+                m = summary.results["metrics"][key]
+                interval = "" if m["low"] is None else \
+                    f" [{args.confidence:.0%} interval {m['low']:.3f}, {m['high']:.3f}]"
+                value = NOT_AVAILABLE if m["value"] is None else f"{m['value']:.3f}{interval}"
+                print(f"  {label} {value}")
             print(f"  dialogues: {summary.dialogues_file}\n  results:   {summary.results_file}")
             written.append(summary.results_file)
     finally:

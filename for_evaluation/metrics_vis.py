@@ -2,7 +2,7 @@
 
     python for_evaluation/metrics_vis.py                          # the latest run under outputs/ (after make demo)
     python for_evaluation/metrics_vis.py --run outputs/logs/a --run outputs/logs/b --out outputs/plots/a_vs_b
-    python for_evaluation/metrics_vis.py --run outputs/logs/cpu_demo --smooth 0   # raw curves only
+    python for_evaluation/metrics_vis.py --run outputs/logs/cpu_demo_outbound_ad_trial --smooth 0   # raw curves only
 
 A run is a main.sh output root (its latest experiment), a log directory `outputs/logs/<experiment>`, its
 `metrics.jsonl`, a rollout log or an evaluation's `<name>_dialogues.jsonl`. Several --run are drawn on the same
@@ -16,8 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
-from llm_agent.evaluation.plots import load_run, plot_runs
-from llm_agent.evaluation.run_data import default_plot_dir, find_latest_run, resolve_run
+from llm_agent.evaluation.defaults import DEFAULT_OUTPUTS, DEFAULT_SMOOTH
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,9 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--run", action="append", default=[], metavar="DIR",
                    help="a run to plot (repeat to compare runs); default: the latest run under --outputs")
-    p.add_argument("--outputs", default="outputs", help="main.sh output root searched when no --run is given")
+    p.add_argument("--outputs", default=DEFAULT_OUTPUTS, help="main.sh output root searched when no --run is given")
     p.add_argument("--out", default=None, help="directory for the figures (default <root>/plots/<experiment>)")
-    p.add_argument("--smooth", type=float, default=0.6,
+    p.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH,
                    help="EMA weight in [0, 1) for training curves; raw points are drawn faintly (0: raw only)")
     p.add_argument("--format", action="append", choices=("png", "svg", "pdf"), default=None,
                    help="file format(s) (default png and svg)")
@@ -39,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     """Plot the runs and print one written path per line."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    # imported here, after parsing, so that --help answers without loading numpy and matplotlib
+    from llm_agent.evaluation.plots import load_run, plot_runs
+    from llm_agent.evaluation.run_data import default_plot_dir, find_latest_run, resolve_run
+
     if not 0.0 <= args.smooth < 1.0:
         raise SystemExit(f"--smooth must be in [0, 1), got {args.smooth}")
     try:

@@ -1,8 +1,8 @@
 """Write the HTML report of a run or an evaluation: plots, metrics, mistakes analysis and a dialogue browser.
 
     python for_evaluation/report.py                                    # the latest run under outputs/
-    python for_evaluation/report.py outputs/logs/cpu_demo --out /tmp/cpu_demo.html
-    python for_evaluation/report.py outputs/evaluation/cpu_demo/rl_dialogues.jsonl
+    python for_evaluation/report.py outputs/logs/cpu_demo_outbound_ad_trial --out /tmp/cpu_demo_outbound_ad_trial.html
+    python for_evaluation/report.py outputs/evaluation/cpu_demo_outbound_ad_trial/rl_dialogues.jsonl
 
 The report is one self-contained file (nothing is loaded from the network; open it from disk). It prints its
 path. Default location: `<root>/reports/<experiment>.html` for a run, `<dir>/<name>_report.html` beside an
@@ -17,10 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
-from llm_agent.evaluation.analysis import parse_controller_overrides
-from llm_agent.evaluation.report import DEFAULT_BROWSER_LIMIT, build_report
-from llm_agent.evaluation.run_data import find_latest_run, resolve_run
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
+from llm_agent.evaluation.defaults import DEFAULT_BROWSER_LIMIT, DEFAULT_OUTPUTS, DEFAULT_RESAMPLES, DEFAULT_SMOOTH
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,15 +27,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("run", nargs="?", default=None,
                    help="a run (output root, log dir, metrics.jsonl, rollouts.jsonl or *_dialogues.jsonl); "
                         "default: the latest run under --outputs")
-    p.add_argument("--outputs", default="outputs", help="main.sh output root searched when no run is given")
+    p.add_argument("--outputs", default=DEFAULT_OUTPUTS, help="main.sh output root searched when no run is given")
     p.add_argument("--out", default=None, help="the HTML file to write")
     p.add_argument("--dialogues", default=None,
                    help="the run's rollout log when it is not where main.sh puts it (<root>/rollouts/<experiment>)")
-    p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH),
+    p.add_argument("--scenario", default=None,
                    help="the run's scenario YAML (stage names, state ranges; default: the demo's)")
-    p.add_argument("--smooth", type=float, default=0.6, help="EMA weight of the training curves (0: raw)")
-    p.add_argument("--bootstrap", type=int, default=200,
-                   help="bootstrap resamples for the metric intervals (0: no intervals)")
+    p.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH, help="EMA weight of the training curves (0: raw)")
+    p.add_argument("--bootstrap", type=int, default=DEFAULT_RESAMPLES,
+                   help="bootstrap resamples for the metric intervals, as many as metrics_table.py's by default "
+                        "(0: no intervals)")
     p.add_argument("--controller", action="append", default=[], metavar="KEY=VALUE",
                    help="ControllerConfig override for the recommended weights, e.g. target_completion_rate=0.6")
     p.add_argument("--browser-limit", type=int, default=DEFAULT_BROWSER_LIMIT,
@@ -52,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     """Write the report and print its path."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    # imported here, after parsing, so that --help answers without loading numpy and matplotlib
+    from llm_agent.evaluation.analysis import parse_controller_overrides
+    from llm_agent.evaluation.report import build_report
+    from llm_agent.evaluation.run_data import find_latest_run, resolve_run
+    from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
+
     try:
         files = resolve_run(args.run) if args.run else find_latest_run(args.outputs)
     except FileNotFoundError as exc:
@@ -68,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             cards.append(json.loads(Path(card).read_text(encoding="utf-8")))
         except (OSError, ValueError) as exc:
             raise SystemExit(f"--simulator-card {card}: {exc}") from None
-    path = build_report(files, load_scenario(args.scenario), args.out, smooth=args.smooth, bootstrap=args.bootstrap,
-                        browser_limit=args.browser_limit, controller=controller, simulator_cards=cards)
+    path = build_report(files, load_scenario(args.scenario or DEFAULT_SCENARIO_PATH), args.out, smooth=args.smooth,
+                        bootstrap=args.bootstrap, browser_limit=args.browser_limit, controller=controller,
+                        simulator_cards=cards)
     print(path)
     return 0
 

@@ -2,11 +2,16 @@
 
 A *record* is one dialogue as the rollout loop (`llm_agent.generation.LLMGenerationManager`) writes it into
 `non_tensor_batch` (see `records_from_batch`): `profile`, `outcome`, `num_turns`, `turns`, `cache_hits`,
-`format_errors`. `range_d` is `max - min` of state dimension d in the scenario's `state_ranges`, so every
-dimension is normalised by its own range. Records with outcome `error` (a simulator turn that failed or stayed
-malformed after its re-requests) count only in `n_dialogues`, `error_rate`, `completion_rate_all` and
-`sim_reply_retries`; every other metric is over the N non-error records. No metric is ever NaN: an empty
-denominator gives 0.
+`format_errors`, and what it cost (`agent_tokens`, `sim_requests`, `wall_s`). `range_d` is `max - min` of state
+dimension d in the scenario's `state_ranges`, so every dimension is normalised by its own range. Records with
+outcome `error` (a simulator turn that failed or stayed malformed after its re-requests) count only in
+`n_dialogues`, `error_rate`, `completion_rate_all`, `sim_reply_retries` and the cost metrics; every other metric
+is over the N non-error records.
+
+A metric whose denominator is empty is *undefined* (ATT when no call completed, FPR when the agent never claimed
+success, every rate when all dialogues are errors, ...): `dialogue_metrics` leaves it out of its dict, so
+trackers and JSONL files never hold NaN or null, `METRIC_KEYS` lists every key, and displays show `NOT_AVAILABLE`
+("n/a"). A value is never NaN and never a 0 that stands for "nothing happened".
 
 - `n_dialogues` = number of records, errors included; `error_rate` = #error / n_dialogues
 - `completion_rate` (CR) = #completed / N: error dialogues are NOT in its denominator;
@@ -26,16 +31,25 @@ denominator gives 0.
 - `format_error_rate` = sum format_errors / sum num_turns
 - `cache_hit_rate` = sum cache_hits / #user turns (turns whose user_source is "simulator" or "cache")
 - `sim_reply_retries` = sum over all records of `sim_retries` (re-requests of malformed simulator replies)
+- `agent_tokens_per_dialogue`, `sim_requests_per_dialogue`, `seconds_per_dialogue` = mean over the records that
+  carry it (errors included: they cost too) of `agent_tokens` (tokens the agent generated), `sim_requests`
+  (requests sent to a simulator, re-requests included) and `wall_s` (the dialogue's share of its rollout call's
+  wall time: the call's seconds / its dialogues, so the shares add up to the time the dialogues took)
 
 A paired turn has all three dimensions present in both its `agent_state` (the agent's estimate) and its
 `user_state` (the state the user side reported after that agent turn; for a cached reply the dialogue's own
 state carried over, never the cached reply's tags). A simulator value of dimension d counts when the turn's `user_state` holds
 a non-None d; the same per-dimension rule applies to the agent's estimates.
+
+Every metric is a ratio of sums over records (or a plain sum): `metric_parts` computes each record's numerator and
+denominator once, `MetricParts.values(weights)` aggregates them under any record weights, so a bootstrap
+(`llm_agent.evaluation.stats`) resamples by weighting rows instead of re-reading records.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,23 +61,29 @@ if TYPE_CHECKING:  # records are read from a batch's arrays: the metrics (and th
     from verl.protocol import DataProto
 
 __all__ = [
-    "METRIC_KEYS", "OUTCOMES", "RECORD_KEYS", "USER_TURN_SOURCES", "claimed_done", "dialogue_metrics",
-    "dimension_values", "is_false_positive", "paired_errors", "range_spans", "record_count", "record_field",
-    "record_label", "record_outcome", "record_turns", "records_from_batch", "stages_complete", "state_delta",
-    "turn_state_error", "user_turn_count",
+    "COST_FIELDS", "METRIC_KEYS", "MetricParts", "NOT_AVAILABLE", "OUTCOMES", "RECORD_KEYS", "USER_TURN_SOURCES",
+    "claimed_done", "dialogue_metrics", "dimension_values", "is_false_positive", "metric_parts", "paired_errors",
+    "range_spans", "record_count", "record_field", "record_label", "record_outcome", "record_turns",
+    "records_from_batch", "stages_complete", "state_delta", "turn_state_error", "user_turn_count",
 ]
 
+NOT_AVAILABLE = "n/a"  # how displays show an undefined metric
 OUTCOMES: tuple[str, ...] = tuple(outcome.value for outcome in Outcome)
 RECORD_KEYS: tuple[str, ...] = ("profile", "outcome", "num_turns", "turns", "cache_hits", "format_errors")
 USER_TURN_SOURCES: tuple[str, ...] = ("simulator", "cache")
+# record field -> the metric that averages it over the records carrying it (what a dialogue cost)
+COST_FIELDS: dict[str, str] = {"agent_tokens": "agent_tokens_per_dialogue", "sim_requests": "sim_requests_per_dialogue",
+                               "wall_s": "seconds_per_dialogue"}
 _RATE_OF_OUTCOME = {"hung_up": "hang_up_rate", "timeout": "timeout_rate", "truncated": "truncated_rate",
                     "agent_ended": "agent_ended_rate"}
 _INDEX_DIMS = {"ei": "emotion", "ti": "trust", "ci": "cooperation"}
 METRIC_KEYS: tuple[str, ...] = (
     "n_dialogues", "error_rate", "completion_rate", "completion_rate_all", *_RATE_OF_OUTCOME.values(), "att", "adt", "upa",
     *_INDEX_DIMS, *(f"{k}_agent" for k in _INDEX_DIMS), "stage_completeness", "false_positive_rate",
-    "format_error_rate", "cache_hit_rate", "sim_reply_retries",
+    "format_error_rate", "cache_hit_rate", "sim_reply_retries", *COST_FIELDS.values(),
 )
+_TOTALS = ("n_dialogues", "sim_reply_retries")  # plain sums; every other metric is sum(numerator) / sum(denominator)
+_COLUMN = {key: i for i, key in enumerate(METRIC_KEYS)}
 _LOOP = "llm_agent.generation.LLMGenerationManager"
 
 
@@ -192,58 +212,115 @@ def stages_complete(turns: Sequence[Mapping[str, Any]], stage_ids: Sequence[int]
     return bool(seen) and seen == set(range(max(seen) + 1))
 
 
-def _mean(values: Sequence[float]) -> float:
-    return math.fsum(values) / len(values) if values else 0.0
+def _cost(record: Mapping[str, Any], field_name: str, where: str) -> float | None:
+    """The record's cost field as a float (None when it does not carry it: an older log); ValueError unless it is a
+    finite number >= 0."""
+    value = record.get(field_name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where}: {field_name!r} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
-def _ratio(num: float, den: float) -> float:
-    return num / den if den else 0.0
+@dataclass(frozen=True)
+class MetricParts:
+    """Each record's numerator and denominator of every metric of `METRIC_KEYS` (columns in that order).
+
+    A metric's value over records weighted by w is sum(w * numerator) / sum(w * denominator) (1 minus that for
+    `upa`), undefined when the denominator sums to 0; `n_dialogues` and `sim_reply_retries` are sum(w * numerator).
+    """
+
+    numerators: np.ndarray  # (n_records, len(METRIC_KEYS)) float64
+    denominators: np.ndarray  # same shape
+
+    def __len__(self) -> int:
+        return self.numerators.shape[0]
+
+    def values(self, weights: np.ndarray) -> dict[str, np.ndarray]:
+        """{key: one value per row of `weights` (R, n_records)}, NaN where the metric is undefined."""
+        weights = np.asarray(weights, dtype=np.float64)
+        num, den = weights @ self.numerators, weights @ self.denominators
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+        out = {}
+        for key, column in _COLUMN.items():
+            out[key] = num[:, column] if key in _TOTALS else ratio[:, column]
+        out["upa"] = 1.0 - out["upa"]
+        return out
+
+    def point(self) -> dict[str, float]:
+        """The defined metrics over all records (each record once), summed with `math.fsum`."""
+        num = [math.fsum(col) for col in self.numerators.T]
+        den = [math.fsum(col) for col in self.denominators.T]
+        out = {}
+        for key, column in _COLUMN.items():
+            if key in _TOTALS:
+                out[key] = num[column]
+            elif den[column] > 0:
+                out[key] = num[column] / den[column]
+        if "upa" in out:
+            out["upa"] = 1.0 - out["upa"]
+        return out
+
+
+def _record_parts(record: Mapping[str, Any], index: int, scenario: Scenario, spans: Mapping[str, int]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The numerator and denominator rows of one record (see `MetricParts`)."""
+    where = record_label(record, index)
+    num, den = np.zeros(len(METRIC_KEYS)), np.zeros(len(METRIC_KEYS))
+
+    def put(key: str, numerator: float, denominator: float = 1.0) -> None:
+        num[_COLUMN[key]], den[_COLUMN[key]] = numerator, denominator
+
+    outcome = record_outcome(record, where)
+    error = outcome == "error"
+    put("n_dialogues", 1.0)
+    put("error_rate", float(error))
+    put("completion_rate_all", float(outcome == "completed"))
+    if "sim_retries" in record:
+        put("sim_reply_retries", float(record_count(record, "sim_retries", where)))
+    for field_name, key in COST_FIELDS.items():
+        value = _cost(record, field_name, where)
+        if value is not None:
+            put(key, value)
+    if error:
+        return num, den
+    turns, num_turns = record_turns(record, where), record_count(record, "num_turns", where)
+    completed = outcome == "completed"
+    put("completion_rate", float(completed))
+    for name, key in _RATE_OF_OUTCOME.items():
+        put(key, float(outcome == name))
+    put("att", float(num_turns) if completed else 0.0, float(completed))
+    put("adt", float(num_turns))
+    errors = paired_errors(turns, spans)
+    put("upa", math.fsum(errors), float(len(errors)))
+    profile = record_field(record, "profile", where)
+    for key, dim in _INDEX_DIMS.items():
+        if not isinstance(profile, Mapping) or profile.get(dim) is None:
+            raise ValueError(f"{where}: 'profile' must be a dict holding {dim!r}, got {profile!r}")
+        put(key, state_delta([int(profile[dim]), *dimension_values(turns, "user", dim)]))
+        put(f"{key}_agent", state_delta(dimension_values(turns, "agent", dim)))
+    put("stage_completeness", float(stages_complete(turns, scenario.stage_ids, where)))
+    claimed = claimed_done(turns)
+    put("false_positive_rate", float(claimed and not completed), float(claimed))
+    put("format_error_rate", float(record_count(record, "format_errors", where)), float(num_turns))
+    put("cache_hit_rate", float(record_count(record, "cache_hits", where)), float(user_turn_count(turns)))
+    return num, den
+
+
+def metric_parts(records: Sequence[Mapping[str, Any]], scenario: Scenario) -> MetricParts:
+    """Every record's numerators and denominators (`MetricParts`); records are checked here, errors name them."""
+    spans = range_spans(scenario)
+    rows = [_record_parts(record, i, scenario, spans) for i, record in enumerate(records)]
+    shape = (len(rows), len(METRIC_KEYS))
+    numerators = np.array([r[0] for r in rows]).reshape(shape)
+    denominators = np.array([r[1] for r in rows]).reshape(shape)
+    return MetricParts(numerators, denominators)
 
 
 def dialogue_metrics(records: Sequence[Mapping[str, Any]], scenario: Scenario) -> dict[str, float]:
-    """Every metric of the module docstring over `records`, as {key: float}; see the table there."""
-    spans = range_spans(scenario)
-    scored: list[tuple[Mapping[str, Any], str, list[Mapping[str, Any]], int, str]] = []
-    n_error = 0
-    for i, record in enumerate(records):
-        where = record_label(record, i)
-        outcome = record_outcome(record, where)
-        if outcome == "error":
-            n_error += 1
-            continue
-        turns, num_turns = record_turns(record, where), record_count(record, "num_turns", where)
-        scored.append((record, outcome, turns, num_turns, where))
-    n = len(scored)
-    outcomes = [s[1] for s in scored]
-    turn_counts = [s[3] for s in scored]
-    metrics: dict[str, float] = {
-        "n_dialogues": float(len(records)),
-        "error_rate": _ratio(n_error, len(records)),
-        "completion_rate": _ratio(outcomes.count("completed"), n),
-        "completion_rate_all": _ratio(outcomes.count("completed"), len(records)),
-        **{key: _ratio(outcomes.count(outcome), n) for outcome, key in _RATE_OF_OUTCOME.items()},
-        "att": _mean([t for t, o in zip(turn_counts, outcomes) if o == "completed"]),
-        "adt": _mean(turn_counts),
-    }
-    errors = [e for _, _, turns, _, _ in scored for e in paired_errors(turns, spans)]
-    metrics["upa"] = 1.0 - _mean(errors) if errors else 0.0
-    for key, dim in _INDEX_DIMS.items():
-        sim, agent = [], []
-        for record, _, turns, _, where in scored:
-            profile = record_field(record, "profile", where)
-            if not isinstance(profile, Mapping) or profile.get(dim) is None:
-                raise ValueError(f"{where}: 'profile' must be a dict holding {dim!r}, got {profile!r}")
-            sim.append(state_delta([int(profile[dim]), *dimension_values(turns, "user", dim)]))
-            agent.append(state_delta(dimension_values(turns, "agent", dim)))
-        metrics[key], metrics[f"{key}_agent"] = _mean(sim), _mean(agent)
-    metrics["stage_completeness"] = _ratio(
-        sum(stages_complete(turns, scenario.stage_ids, where) for _, _, turns, _, where in scored), n)
-    claims = [(o, turns) for _, o, turns, _, _ in scored if claimed_done(turns)]
-    metrics["false_positive_rate"] = _ratio(sum(o != "completed" for o, _ in claims), len(claims))
-    metrics["format_error_rate"] = _ratio(sum(record_count(r, "format_errors", w) for r, *_, w in scored),
-                                          sum(turn_counts))
-    metrics["cache_hit_rate"] = _ratio(sum(record_count(r, "cache_hits", w) for r, *_, w in scored),
-                                       sum(user_turn_count(turns) for _, _, turns, _, _ in scored))
-    metrics["sim_reply_retries"] = float(sum(record_count(r, "sim_retries", record_label(r, i))
-                                             for i, r in enumerate(records) if "sim_retries" in r))
-    return metrics
+    """Every defined metric of the module docstring over `records`, as {key: float}; an undefined one (empty
+    denominator) is left out."""
+    return metric_parts(records, scenario).point()

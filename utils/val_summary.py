@@ -19,11 +19,16 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Validation:
-    """One validation line: the training step, how many dialogues it ran and their completion rate."""
+    """One validation line: the training step, how many dialogues it ran and their completion rate (None when it
+    is undefined: every dialogue ended in a simulator error, so the metrics left it out)."""
 
     step: int
     n_dialogues: int
-    completion_rate: float
+    completion_rate: float | None
+
+    def cr_text(self) -> str:
+        """The completion rate with 3 decimals, or n/a."""
+        return "n/a (every dialogue failed)" if self.completion_rate is None else f"{self.completion_rate:.3f}"
 
 
 def read_validations(path: str | Path) -> list[Validation]:
@@ -46,6 +51,9 @@ def read_validations(path: str | Path) -> list[Validation]:
                 raise ValueError(f"{where}: 'step' must be an integer, got {step!r}")
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"{where}: 'n_dialogues' must be an integer >= 0, got {n!r}")
+            if "completion_rate" not in metrics and (n == 0 or metrics.get("error_rate") == 1.0):
+                out.append(Validation(step, n, None))  # undefined: no dialogue ended without a simulator error
+                continue
             if isinstance(cr, bool) or not isinstance(cr, (int, float)) or not 0.0 <= cr <= 1.0:
                 raise ValueError(f"{where}: 'metrics.completion_rate' must be a number in [0, 1], got {cr!r}")
             out.append(Validation(step, n, float(cr)))
@@ -70,10 +78,9 @@ def summary_line(validations: list[Validation]) -> str:
     n = f"{last.n_dialogues} dialogues" if first.n_dialogues == last.n_dialogues else \
         f"{first.n_dialogues} and {last.n_dialogues} dialogues"
     if len(run) == 1:
-        return (f"validation completion rate: {last.completion_rate:.3f} (step {last.step}, the run's only "
-                f"validation) ({n})")
-    return (f"validation completion rate: before {first.completion_rate:.3f} (step {first.step}) -> after "
-            f"{last.completion_rate:.3f} (step {last.step}) ({n})")
+        return f"validation completion rate: {last.cr_text()} (step {last.step}, the run's only validation) ({n})"
+    return (f"validation completion rate: before {first.cr_text()} (step {first.step}) -> after "
+            f"{last.cr_text()} (step {last.step}) ({n})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -341,9 +341,10 @@ class UserResponseCache:
                 self._compact(self.config.path)
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
-        """Lookups, eligible lookups, hits and hit rate (hits / eligible) per stage since the last reset, plus
+        """Lookups, eligible lookups, hits, hit rate (hits / eligible; left out when nothing was eligible: it is
+        undefined, not 0) and the configured target rate per stage since the last reset, plus
         cache/blocked_consecutive, cache/size and cache/corrupt_lines (found when loading); resets the counters
-        when `reset`. Configured stages always appear, so the keys are stable."""
+        when `reset`. Configured stages always appear."""
         with self._lock:
             stages = sorted(set(self.config.stage_hit_rates) | set(self._lookups))
             out: dict[str, float] = {}
@@ -352,7 +353,9 @@ class UserResponseCache:
                 out[f"cache/lookups/stage{s}"] = float(self._lookups.get(s, 0))
                 out[f"cache/hits/stage{s}"] = float(hits)
                 out[f"cache/eligible/stage{s}"] = float(eligible)
-                out[f"cache/hit_rate/stage{s}"] = hits / eligible if eligible else 0.0
+                if eligible:
+                    out[f"cache/hit_rate/stage{s}"] = hits / eligible
+                out[f"cache/target_hit_rate/stage{s}"] = self.config.stage_hit_rates.get(s, self.config.default_hit_rate)
             out["cache/blocked_consecutive"] = float(self._blocked)
             out["cache/size"] = float(self._size)
             out["cache/corrupt_lines"] = float(self._corrupt)

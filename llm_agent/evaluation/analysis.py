@@ -25,8 +25,8 @@ from llm_agent.diagnosis import DIAGNOSED_OUTCOMES, annotated, label_names
 from llm_agent.metrics import OUTCOMES, record_field, record_label, record_outcome, record_turns
 from llm_agent.scenario import STATE_DIMS, Scenario
 
-__all__ = ["Z_95", "analyze_by_split", "analyze_dialogues", "cr_by_dimension", "failure_labels", "highest_stage",
-           "parse_controller_overrides", "rate", "wilson_interval"]
+__all__ = ["Z_95", "analyze_by_split", "analyze_dialogues", "before_after_groups", "cr_by_dimension", "failure_labels",
+           "highest_stage", "parse_controller_overrides", "rate", "wilson_interval"]
 
 Z_95 = 1.959963984540054  # two-sided 95% normal quantile
 NO_STAGE = "none"
@@ -56,6 +56,28 @@ def highest_stage(turns: Sequence[Mapping[str, Any]], stage_ids: Sequence[int]) 
     order = {sid: i for i, sid in enumerate(stage_ids)}
     reached = [order[t["agent_stage"]] for t in turns if t.get("agent_stage") in order]
     return stage_ids[max(reached)] if reached else None
+
+
+def before_after_groups(dialogues: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[Mapping[str, Any]]]]:
+    """(label, dialogues) to compare by initial state: the first and the last validation (before and after
+    training) side by side; without validations an evaluation's last step, else the last training step. Steps
+    are never pooled: each validation meets the same users with a different policy."""
+    by_split: dict[str, dict[Any, list[Mapping[str, Any]]]] = {}
+    for d in dialogues:
+        by_split.setdefault(str(d.get("split") or "all"), {}).setdefault(d.get("step"), []).append(d)
+
+    def ordered(split: str) -> list[Any]:
+        return sorted(by_split[split], key=lambda s: (not isinstance(s, int), s if isinstance(s, int) else 0))
+
+    if "val" in by_split:
+        steps = ordered("val")
+        if len(steps) == 1:
+            return [(f"val, step {steps[0]}", by_split["val"][steps[0]])]
+        return [(f"before: val, step {steps[0]}", by_split["val"][steps[0]]),
+                (f"after: val, step {steps[-1]}", by_split["val"][steps[-1]])]
+    split = "eval" if "eval" in by_split else "train" if "train" in by_split else sorted(by_split)[0]
+    last = ordered(split)[-1]
+    return [(f"{split}, step {last}" if last is not None else split, by_split[split][last])]
 
 
 def cr_by_dimension(records: Iterable[Mapping[str, Any]]) -> dict[str, list[dict[str, float]]]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from llm_agent.evaluation.defaults import ENGINES
 from verl.model_merger import load_model_state, merged_lora_model
 from verl.protocol import DataProto
 from verl.utils.checkpoint import find_latest_checkpoint
@@ -39,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ENGINES", "HFRolloutAgent", "VLLMRolloutAgent", "load_policy_model", "pick_engine", "resolve_model_dir"]
 
-ENGINES = ("auto", "hf", "vllm")
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
 

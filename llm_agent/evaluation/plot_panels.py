@@ -10,16 +10,18 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-from llm_agent.evaluation.analysis import cr_by_dimension
+from llm_agent.evaluation.analysis import before_after_groups, cr_by_dimension
 from llm_agent.evaluation.plot_style import (draw_curve, grid_figure, legend_if_useful, no_data, run_color,
                                              style_axes)
-from llm_agent.evaluation.series import cache_stage_series, controller_matrix
+from llm_agent.evaluation.series import cache_stage_series, cache_targets, controller_matrix
 from llm_agent.scenario import STATE_DIMS
 
 __all__ = ["cache_figure", "controller_figure", "cr_by_state_figure", "stacked_per_run_figure"]
 
 _ANNOTATE_MAX_CELLS = 160  # write the value into each heatmap cell up to this many cells
+NO_DATA_COLOR = "#eeeeee"
 
 
 def stacked_per_run_figure(series: Mapping[str, tuple[np.ndarray, Mapping[str, np.ndarray]]],
@@ -45,9 +47,10 @@ def stacked_per_run_figure(series: Mapping[str, tuple[np.ndarray, Mapping[str, n
 
 
 def _heatmap(ax: Axes, labels: Sequence[str], steps: np.ndarray, matrix: np.ndarray, title: str, cmap: str,
-             vmin: float, vmax: float, ylabel: str) -> None:
+             vmin: float, vmax: float, ylabel: str, missing: str) -> None:
+    """A (value x step) heatmap; NaN cells are grey and a legend below says what they mean (`missing`)."""
     masked = np.ma.masked_invalid(matrix)
-    colormap = colormaps[cmap].with_extremes(bad="#eeeeee")
+    colormap = colormaps[cmap].with_extremes(bad=NO_DATA_COLOR)
     image = ax.imshow(masked, aspect="auto", origin="lower", cmap=colormap, vmin=vmin, vmax=vmax,
                       interpolation="nearest")
     ax.set_yticks(range(len(labels)), labels)
@@ -65,6 +68,9 @@ def _heatmap(ax: Axes, labels: Sequence[str], steps: np.ndarray, matrix: np.ndar
     ax.set_ylabel(ylabel, fontsize=9)
     ax.tick_params(labelsize=8)
     ax.figure.colorbar(image, ax=ax, shrink=0.85)
+    if np.isnan(matrix).any():
+        ax.legend(handles=[Patch(facecolor=NO_DATA_COLOR, edgecolor="#999999", label=missing)], fontsize=7.5,
+                  loc="upper center", bbox_to_anchor=(0.5, -0.28), frameon=False)
 
 
 def controller_figure(runs: Sequence[Any], dim: str, notes: list[str]) -> Figure | None:
@@ -84,31 +90,29 @@ def controller_figure(runs: Sequence[Any], dim: str, notes: list[str]) -> Figure
         prefix = f"{name}: " if len(rows) > 1 else ""
         top = float(np.nanmax(matrix)) if np.isfinite(matrix).any() else 1.0
         _heatmap(axes[2 * k], labels, steps, matrix, f"{prefix}sampling weight", "viridis", 0.0, max(top, 1e-9),
-                 f"{dim} value")
+                 f"{dim} value", "no data: weight not logged at that step")
         if cr_labels:
             _heatmap(axes[2 * k + 1], cr_labels, cr_steps, cr_matrix, f"{prefix}CR per value at the update",
-                     "RdYlGn", 0.0, 1.0, f"{dim} value")
+                     "RdYlGn", 0.0, 1.0, f"{dim} value", "no data: no dialogue with that value at that update")
         else:
             no_data(axes[2 * k + 1], f"no controller/cr/{dim}=<value> metrics")
     return fig
 
 
 def cr_by_state_figure(runs: Sequence[Any], notes: list[str]) -> Figure | None:
-    """CR per initial value of each state dimension, one bar per (run, split), with Wilson 95% intervals."""
+    """CR per initial value of each state dimension with Wilson 95% intervals: per run, the first and the last
+    validation side by side (before vs after training), labelled with their steps (`before_after_groups`)."""
     groups: list[tuple[str, dict[str, list[dict[str, float]]]]] = []
     for run in runs:
         if not run.dialogues:
             continue
-        splits = sorted({str(d.get("split") or "all") for d in run.dialogues})
-        for split in splits:
-            records = [d for d in run.dialogues if str(d.get("split") or "all") == split]
-            label = " / ".join(x for x in (run.name if len(runs) > 1 else "", split) if x)
-            groups.append((label, cr_by_dimension(records)))
+        for label, records in before_after_groups(run.dialogues):
+            groups.append((f"{run.name}: {label}" if len(runs) > 1 else label, cr_by_dimension(records)))
     if not groups:
         notes.append("cr_by_initial_state skipped (no dialogues: rollouts.jsonl not found)")
         return None
-    fig, axes = grid_figure(len(STATE_DIMS), ncols=3, panel_size=(4.8, 3.2),
-                            title="Completion rate by initial user state (95% Wilson intervals)")
+    fig, axes = grid_figure(len(STATE_DIMS), ncols=3, panel_size=(4.8, 3.4),
+                            title="Completion rate by initial user state (bars: CR; whiskers: 95% Wilson intervals)")
     width = 0.8 / len(groups)
     for ax, dim in zip(axes, STATE_DIMS):
         values = sorted({row["value"] for _, by_dim in groups for row in by_dim[dim]})
@@ -123,24 +127,31 @@ def cr_by_state_figure(runs: Sequence[Any], notes: list[str]) -> Figure | None:
             for xi, r in zip(x, rows):
                 ax.text(xi, min(r["ci_high"] + 0.02, 1.02), f"n={r['n']}", ha="center", va="bottom", fontsize=6)
         ax.set_xticks(range(len(values)), [str(v) for v in values])
-        ax.set_ylim(0, 1.1)
+        ax.set_ylim(0, 1.15)
         style_axes(ax, dim, "completion rate", xlabel=f"initial {dim}")
-        legend_if_useful(ax)
+        ax.legend(fontsize=7, loc="upper left", framealpha=0.8)  # always: it says which step each bar is
     return fig
 
 
 def cache_figure(runs: Sequence[Any], smooth: float, notes: list[str]) -> Figure | None:
-    """Per run, the cache hit rate (hits / eligible lookups) of each SOP stage over steps."""
-    panels = [(run.name, cache_stage_series(run.steps)) for run in runs]
-    panels = [(name, s) for name, s in panels if s]
+    """Per run, the cache hit rate (hits / eligible lookups) of each SOP stage over steps, and the configured
+    target rate of each stage as a dashed line of the same colour."""
+    panels = [(run.name, cache_stage_series(run.steps), cache_targets(run.steps)) for run in runs]
+    panels = [(name, s, t) for name, s, t in panels if s]
     if not panels:
         notes.append("cache_hit_rate_by_stage skipped (no cache/hit_rate/stage<id> metrics: cache off?)")
         return None
-    fig, axes = grid_figure(len(panels), ncols=min(3, len(panels)), panel_size=(5.0, 3.2),
-                            title="User-response cache: hit rate by SOP stage")
-    for ax, (name, stages) in zip(axes, panels):
+    fig, axes = grid_figure(len(panels), ncols=min(3, len(panels)), panel_size=(5.4, 3.4),
+                            title="User-response cache: hit rate by SOP stage (dashed: configured target)")
+    for ax, (name, stages, targets) in zip(axes, panels):
         for k, (stage, (steps, rates)) in enumerate(stages.items()):
             draw_curve(ax, steps, rates, run_color(k), stage, smooth)
+            if stage in targets:
+                ax.axhline(targets[stage], color=run_color(k), linestyle="--", linewidth=1.0, alpha=0.8,
+                           label=f"{stage} target {targets[stage]:.2f}", gid="target")
+        if not targets:
+            notes.append(f"cache_hit_rate_by_stage: {name} logged no cache/target_hit_rate/stage<id> (a run from "
+                         "before targets were logged): no target lines")
         ax.set_ylim(-0.02, 1.02)
         style_axes(ax, name if len(panels) > 1 else "hit rate per stage", "hits / eligible lookups")
         legend_if_useful(ax, min_labels=1)  # name the stage even when only one has data

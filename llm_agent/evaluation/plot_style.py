@@ -1,5 +1,6 @@
-"""Shared drawing helpers for the run plots: figure creation without pyplot, smoothed lines with the raw points
-shown faintly, "no data" panels and saving as PNG/SVG.
+"""Shared drawing helpers for the run plots: figure creation without pyplot (titles wrapped to the figure's width),
+curves with their raw points and, when there are enough of them, a labelled EMA, "no data" panels and saving as
+PNG/SVG.
 
 Figures are `matplotlib.figure.Figure` objects built directly (no pyplot, no global backend state), so plotting
 is headless on any machine and safe in threads; `savefig` renders with the Agg (PNG) and SVG canvases.
@@ -7,6 +8,7 @@ is headless on any machine and safe in threads; `savefig` renders with the Agg (
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,13 +16,16 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from llm_agent.evaluation.defaults import MIN_SMOOTH_POINTS
 from llm_agent.evaluation.series import ema
 
-__all__ = ["LINE_STYLES", "RUN_COLORS", "draw_curve", "grid_figure", "legend_if_useful", "no_data", "run_color",
-           "save_figure", "style_axes"]
+__all__ = ["LINE_STYLES", "RUN_COLORS", "TITLE_SIZE", "draw_curve", "grid_figure", "legend_if_useful", "no_data", "run_color",
+           "save_figure", "style_axes", "wrap_title"]
 
 RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 LINE_STYLES = ("-", "--", ":", "-.")
+TITLE_SIZE = 13  # points, bold
+_CHAR_WIDTH = 0.62  # a bold character's width as a share of its font size (about; wrapping keeps a margin)
 
 
 def run_color(index: int) -> str:
@@ -39,22 +44,34 @@ def grid_figure(n_panels: int, ncols: int = 3, panel_size: tuple[float, float] =
     for ax in axes[n_panels:]:
         ax.remove()
     if title:
-        fig.suptitle(title, fontsize=13, fontweight="bold")
+        fig.suptitle(wrap_title(title, fig.get_figwidth()), fontsize=TITLE_SIZE, fontweight="bold")
     return fig, axes[:n_panels]
+
+
+def wrap_title(title: str, width_in: float) -> str:
+    """`title` broken into lines that fit a figure `width_in` inches wide at the title's font size."""
+    chars = max(12, int(0.95 * width_in * 72 / (TITLE_SIZE * _CHAR_WIDTH)))
+    return textwrap.fill(title, width=chars)
 
 
 def draw_curve(ax: Axes, steps: np.ndarray, values: np.ndarray, color: str, label: str, smooth: float,
                linestyle: str = "-", markers: bool = False) -> None:
-    """Plot one series: with smoothing > 0 the raw points faintly and the smoothed line on top (labelled);
-    otherwise the raw line. `markers` marks every point (sparse series such as validations)."""
+    """Plot one series. Its raw values are always drawn; with smoothing > 0 and at least `MIN_SMOOTH_POINTS`
+    defined points a debiased EMA goes on top (labelled "EMA <weight>"), since over a handful of points an EMA
+    mostly lags and would end far from the last value. NaN values (undefined at that step) leave a gap, and the
+    label says at how many steps. `markers` marks every point (sparse series such as validations)."""
     if len(steps) == 0:
         return
+    defined = np.isfinite(values)
+    undefined = int((~defined).sum())
+    if undefined and label:
+        label = f"{label} (n/a at {undefined} step{'s' if undefined > 1 else ''})"
     marker = "o" if markers or len(steps) <= 12 else None
-    if smooth > 0 and len(steps) > 2:
-        ax.plot(steps, values, color=color, alpha=0.25, linewidth=1.0, marker=marker, markersize=3,
+    if smooth > 0 and defined.sum() >= MIN_SMOOTH_POINTS:
+        ax.plot(steps, values, color=color, alpha=0.45, linewidth=1.0, marker=marker, markersize=3,
                 linestyle=linestyle, gid="raw")
-        ax.plot(steps, ema(values, smooth), color=color, linewidth=2.0, linestyle=linestyle, label=label,
-                gid="smoothed")
+        ax.plot(steps, ema(values, smooth), color=color, linewidth=2.0, linestyle=linestyle,
+                label=f"{label} (EMA {smooth:g})" if label else f"EMA {smooth:g}", gid="smoothed")
     else:
         ax.plot(steps, values, color=color, linewidth=1.8, linestyle=linestyle, marker=marker, markersize=4,
                 label=label, gid="raw")
@@ -81,8 +98,10 @@ def style_axes(ax: Axes, title: str, ylabel: str = "", xlabel: str = "step") -> 
 
 
 def legend_if_useful(ax: Axes, min_labels: int = 2) -> None:
-    """A small legend when at least `min_labels` labelled lines share the axes."""
-    if len(ax.get_legend_handles_labels()[1]) >= min_labels:
+    """A small legend when at least `min_labels` labelled lines share the axes, or when a label says something
+    the line cannot (smoothing, undefined points)."""
+    labels = ax.get_legend_handles_labels()[1]
+    if len(labels) >= min_labels or any("EMA" in text or "n/a" in text for text in labels):
         ax.legend(fontsize=7.5, loc="best", framealpha=0.8)
 
 

@@ -6,12 +6,19 @@
     training_outcome_mix     share of dialogues per outcome over steps (stacked area, one panel per run)
     training_time_split      seconds per step generating vs waiting for the user simulator (stacked, per run)
     validation_curves        the validation dialogue metrics at each validation step
-    controller_<dimension>   the controller's sampling weights and per-value CR over steps (heatmaps, per run)
-    cr_by_initial_state      CR per initial value of each state dimension with Wilson 95% intervals (dialogues)
-    cache_hit_rate_by_stage  the user-response cache's hit rate per SOP stage over steps
+    controller_<dimension>   the controller's sampling weights and per-value CR over steps (heatmaps, per run;
+                             cells without data in grey, with a legend)
+    cr_by_initial_state      CR per initial value of each state dimension with Wilson 95% intervals, before and
+                             after training side by side (first and last validation; else an evaluation's or the
+                             last training step's dialogues)
+    cache_hit_rate_by_stage  the user-response cache's hit rate per SOP stage over steps, beside its configured
+                             target rate
 
 as PNG and SVG. A figure or panel whose metrics no run has is skipped and a note says which keys were missing.
-With smoothing > 0 the lines are debiased EMAs over the raw points, which are drawn faintly.
+Raw values are always drawn; with smoothing > 0 a series of at least `MIN_SMOOTH_POINTS` points also gets a
+debiased EMA, labelled. A metric undefined at some steps (left out of the metrics: ATT when no call completed)
+leaves a gap there and its label says so. Series of one panel that are exactly equal (the score and the reward
+without a KL penalty) are one line named after both.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from matplotlib.figure import Figure
 
 from llm_agent.evaluation.plot_panels import (cache_figure, controller_figure, cr_by_state_figure,
@@ -114,6 +122,21 @@ def _short_names(keys: Sequence[str]) -> dict[str, str]:
     return {k: "/".join(p[common:]) for k, p in zip(keys, parts)}
 
 
+def _merge_identical(series: list[tuple[str, np.ndarray, np.ndarray]]) -> list[tuple[list[str], np.ndarray, np.ndarray]]:
+    """Group the (key, steps, values) series that are exactly equal (NaN where NaN), in first-seen order, so that
+    e.g. the score and the reward of a run without a KL penalty are one line named after both, not a line hidden
+    under another."""
+    groups: list[tuple[list[str], np.ndarray, np.ndarray]] = []
+    for key, steps, values in series:
+        for keys, g_steps, g_values in groups:
+            if np.array_equal(steps, g_steps) and np.array_equal(values, g_values, equal_nan=True):
+                keys.append(key)
+                break
+        else:
+            groups.append(([key], steps, values))
+    return groups
+
+
 def _curves_figure(runs: Sequence[RunData], panels: Sequence[tuple[str, str, tuple[str, ...]]], rows_of: str,
                    title: str, smooth: float, notes: list[str], figure: str) -> Figure | None:
     """A grid of line panels, one per entry of `panels` that some run has data for."""
@@ -130,20 +153,19 @@ def _curves_figure(runs: Sequence[RunData], panels: Sequence[tuple[str, str, tup
     fig, axes = grid_figure(len(used), ncols=4 if len(used) > 6 else 3, title=title)
     for ax, (panel_title, ylabel, keys) in zip(axes, used):
         if len(keys) > 3:  # many-key panels (reward components): leave out keys that are 0 throughout
-            keys = [k for k in keys if any(metric_series(getattr(r, rows_of), k)[1].any() for r in runs)] or keys
+            keys = [k for k in keys if any(np.nan_to_num(metric_series(getattr(r, rows_of), k)[1]).any()
+                                           for r in runs)] or keys
         short = _short_names(keys)
         for i, run in enumerate(runs):
-            for j, key in enumerate(keys):
-                steps, values = metric_series(getattr(run, rows_of), key)
-                if len(steps) == 0:
-                    continue
-                label = " / ".join(x for x in (run.name if len(runs) > 1 else "", short[key]
-                                               if len(keys) > 1 else "") if x) or run.name
-                # one run: a colour per key; several: a colour per run and a line style per key
-                color, style = ((run_color(j), "-") if len(runs) == 1
-                                else (run_color(i), LINE_STYLES[j % len(LINE_STYLES)]))
+            series = [(key, *metric_series(getattr(run, rows_of), key, undefined_as_nan=True)) for key in keys]
+            for same, steps, values in _merge_identical([s for s in series if len(s[1])]):
+                j = keys.index(same[0])
+                names = " = ".join(short[k] for k in same) if len(keys) > 1 else ""
+                label = " / ".join(x for x in (run.name if len(runs) > 1 else "", names) if x) or run.name
+                # one run: a colour and a line style per key; several: a colour per run and a line style per key
+                color = run_color(j) if len(runs) == 1 else run_color(i)
                 draw_curve(ax, steps, values, color, label, 0.0 if rows_of == "val" else smooth,
-                           linestyle=style, markers=rows_of == "val")
+                           linestyle=LINE_STYLES[j % len(LINE_STYLES)], markers=rows_of == "val")
         style_axes(ax, panel_title, ylabel)
         legend_if_useful(ax)
     return fig

@@ -20,6 +20,8 @@ from typing import Any
 
 from llm_agent.evaluation.analysis import analyze_dialogues
 from llm_agent.evaluation.browser_data import browser_payload, embed_json
+from llm_agent.evaluation.defaults import DEFAULT_BROWSER_LIMIT, DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
+from llm_agent.evaluation.headline import cr_points, headline_html
 from llm_agent.evaluation.plots import RunData, build_figures, load_run
 from llm_agent.evaluation.report_sections import analysis_html, metrics_html, plots_html
 from llm_agent.evaluation.report_simulator import simulator_html
@@ -32,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DialogueGroup", "build_report", "default_report_path", "dialogue_groups", "render_report"]
 
-DEFAULT_BROWSER_LIMIT = 20_000  # dialogues embedded for the browser (about 15 MB of page)
 ASSETS = "report_assets"  # package data of llm_agent.evaluation: the page template, its CSS and JavaScript
 
 
@@ -85,9 +86,9 @@ def _asset(name: str) -> str:
     return resources.files("llm_agent.evaluation").joinpath(ASSETS, name).read_text(encoding="utf-8")
 
 
-def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float = 0.6, bootstrap: int = 200,
-                  controller: Mapping[str, Any] | None = None, browser_limit: int = DEFAULT_BROWSER_LIMIT,
-                  simulator_cards: Sequence[Mapping[str, Any]] = ()) -> str:
+def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float = 0.6,
+                  bootstrap: int = DEFAULT_RESAMPLES, controller: Mapping[str, Any] | None = None,
+                  browser_limit: int = DEFAULT_BROWSER_LIMIT, simulator_cards: Sequence[Mapping[str, Any]] = ()) -> str:
     """The report page of `run` as HTML text. `bootstrap` resamples per metric interval (0: no intervals);
     `controller` overrides ControllerConfig keys for the recommended weights; the dialogue browser holds the
     last `browser_limit` dialogues (metrics and analysis always use all); `simulator_cards` are simulator report
@@ -99,7 +100,8 @@ def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float 
     records = run.dialogues or []
     table_groups, analysis_groups = dialogue_groups(records)
     columns = _metric_columns(table_groups, scenario, bootstrap)
-    ci_note = (f"Brackets: percentile bootstrap 95% intervals over dialogues ({bootstrap} resamples, "
+    ci_note = (f"Brackets: percentile bootstrap {DEFAULT_CONFIDENCE:.0%} intervals over dialogues ({bootstrap} "
+               f"resamples{', as metrics_table.py takes' if bootstrap == DEFAULT_RESAMPLES else ''}; "
                "llm_agent.evaluation.stats); none for training pooled over steps, whose policy changed from step "
                "to step." if bootstrap > 0 else "No intervals (bootstrap off).")
     analyses = [(g.label, g.scope, analyze_dialogues(g.records, scenario, controller=controller))
@@ -111,8 +113,10 @@ def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float 
         sources=html.escape(f"{sources} · scenario {scenario.name} · {len(records)} dialogues · "
                             f"generated {generated}"),
         css=_asset("report.css"),
+        headline=headline_html(cr_points(records, run.val)),
         plots=plots_html(figures, notes),
-        metrics=metrics_html(columns, "Every metric as defined in llm_agent/metrics.py. " + ci_note),
+        metrics=metrics_html(columns, "Every metric as defined in llm_agent/metrics.py (ci: the cooperation "
+                             "improvement; n/a: undefined, e.g. ATT without a completed call). " + ci_note),
         mistakes=analysis_html(analyses),
         simulator=simulator_html(simulator_cards),
         browser_note=html.escape(f"The browser holds the last {browser_limit} of the {len(records)} dialogues."

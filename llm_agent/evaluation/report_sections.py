@@ -12,17 +12,21 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from llm_agent.metrics import METRIC_KEYS
+from llm_agent.evaluation.defaults import MIN_SMOOTH_POINTS
+from llm_agent.metrics import METRIC_KEYS, NOT_AVAILABLE
 
 __all__ = ["analysis_html", "metrics_html", "plots_html"]
 
 PLOT_CAPTIONS = {
-    "training_curves": "Training curves per step (smoothed line over faint raw points).",
+    "training_curves": f"Training curves per step: raw values, and a labelled EMA over series of {MIN_SMOOTH_POINTS} "
+                       "points or more; a gap where a metric is undefined.",
     "training_outcome_mix": "How training dialogues ended, as shares of all dialogues per step.",
     "training_time_split": "Rollout seconds per step spent generating vs waiting for the user simulator.",
     "validation_curves": "Validation metrics on the fixed validation users at each validation step.",
-    "cr_by_initial_state": "Completion rate by the simulated user's initial state, with 95% Wilson intervals.",
-    "cache_hit_rate_by_stage": "User-response cache hit rate (hits / eligible lookups) per SOP stage.",
+    "cr_by_initial_state": "Completion rate by the simulated user's initial state, before and after training (first "
+                           "and last validation), with 95% Wilson intervals.",
+    "cache_hit_rate_by_stage": "User-response cache hit rate (hits / eligible lookups) per SOP stage; dashed: the "
+                               "configured target.",
 }
 
 
@@ -67,7 +71,7 @@ def plots_html(figures: Mapping[str, Figure], notes: Sequence[str]) -> str:
 
 def metrics_html(columns: Sequence[tuple[str, Mapping[str, Any]]], note: str) -> str:
     """One row per dialogue metric, one column per group of dialogues. A column's value per metric is a float
-    or a {"value", "low", "high"} interval (printed with its bracket)."""
+    or a {"value", "low", "high"} interval (printed with its bracket); an undefined one (absent or None) is n/a."""
     if not columns:
         return '<p class="note">No dialogues to compute metrics over.</p>'
     rows = []
@@ -75,10 +79,12 @@ def metrics_html(columns: Sequence[tuple[str, Mapping[str, Any]]], note: str) ->
         cells = [f"<code>{_esc(key)}</code>"]
         for _, values in columns:
             v = values.get(key)
-            if isinstance(v, Mapping):
+            if isinstance(v, Mapping) and v.get("value") is not None:
                 cells.append(f'{_num(v["value"])} <span class="ci">[{_num(v["low"])}, {_num(v["high"])}]</span>')
+            elif v is None or isinstance(v, Mapping):  # undefined (e.g. ATT with no completed call)
+                cells.append(NOT_AVAILABLE)
             else:
-                cells.append("–" if v is None else _num(v))
+                cells.append(_num(v))
         rows.append(cells)
     return _table(["metric", *(name for name, _ in columns)], rows) + f'<p class="note">{_esc(note)}</p>'
 
@@ -89,7 +95,7 @@ def _rate_cells(r: Mapping[str, Any]) -> list[str]:
 
 
 def _combo_table(combos: Sequence[Mapping[str, Any]]) -> str:
-    return _table(["state", "cooperation", "emotion", "trust", "n", "CR", "95% CI"],
+    return _table(["state", "cooperation", "emotion", "trust", "n", "CR", "95% interval"],
                   [[_esc(c["state_key"]), str(c["cooperation"]), str(c["emotion"]), str(c["trust"]),
                     *_rate_cells(c)] for c in combos])
 
@@ -101,7 +107,7 @@ def _split_html(name: str, scope: str, a: Mapping[str, Any]) -> str:
              f'CR {c["cr"]:.3f} [{c["ci_low"]:.3f}, {c["ci_high"]:.3f}] over {a["n_scored"]}.</p>',
              "<h4>CR by initial-state value</h4><div class=grid>"]
     for dim, rows in a["by_dimension"].items():
-        parts.append(_table([dim, "n", "CR", "95% CI"], [[str(r["value"]), *_rate_cells(r)] for r in rows]))
+        parts.append(_table([dim, "n", "CR", "95% interval"], [[str(r["value"]), *_rate_cells(r)] for r in rows]))
     parts.append("</div>")
     parts.append(f'<h4>Hardest and easiest combinations</h4><p class="note">Combinations with at least '
                  f'{a["min_count"]} dialogues, ranked by CR.</p><div class=grid><div><b>hardest</b>'
@@ -109,9 +115,9 @@ def _split_html(name: str, scope: str, a: Mapping[str, Any]) -> str:
     parts.append(f'<details><summary>all {len(a["by_combination"])} combinations</summary>'
                  f'{_combo_table(a["by_combination"])}</details>')
     parts.append("<h4>CR by behaviour</h4>" + _table(
-        ["category", "n", "CR", "95% CI"], [[_esc(r["category"]), *_rate_cells(r)] for r in a["by_behavior_category"]]))
+        ["category", "n", "CR", "95% interval"], [[_esc(r["category"]), *_rate_cells(r)] for r in a["by_behavior_category"]]))
     parts.append(f'<details><summary>all {len(a["by_behavior"])} behaviours</summary>' + _table(
-        ["category", "behaviour", "n", "CR", "95% CI"],
+        ["category", "behaviour", "n", "CR", "95% interval"],
         [[_esc(r["category"]), _esc(r["behavior"]), *_rate_cells(r)] for r in a["by_behavior"]], numeric_from=2)
         + "</details>")
     f = a["failures"]

@@ -6,14 +6,16 @@ of `chunk_size` through `llm_agent.generation.LLMGenerationManager` in validatio
 fixed profiles, no cache, no controller, simulator seeds from the profile) with greedy decoding, so scenario
 parsing, outcomes and metrics are the training ones. Each finished chunk is scored by the dialogue reward
 (`llm_agent.reward.compute_reward`, default weights) and appended to `<out>/<name>_dialogues.jsonl` in the
-rollout log's line format (split `eval`), each line with the settings it was run with (`settings`, the
-fingerprint of `EvalSettings`; `<name>_settings.json` holds them too). A rerun reads that file, moves a torn last
-line to `<name>_dialogues.jsonl.torn`, checks every line's settings (a line without them only when the settings
-file is there and matches) and the profiles, and runs only the dialogue ids that are missing (with
-`retry_errors`, also those whose last run ended in `error`); a line run under other settings is an error naming
-the file, the line and the settings that differ, never counted. API keys are never settings: they reach the
-simulator client through `evaluate_agent(user_sim_api_key=...)` or its environment. At the end `<out>/<name>_results.json` gets every metric of
-`llm_agent.metrics.dialogue_metrics` with its bootstrap confidence interval (`llm_agent.evaluation.stats`).
+rollout log's line format (split `eval`, step: the agent's training step), each line with the settings it was run
+with (`settings`, the fingerprint of `EvalSettings`; `<name>_settings.json` holds them too). A rerun reads that
+file, moves a torn last line to `<name>_dialogues.jsonl.torn`, checks every line's settings (a line without them
+only when the settings file is there and matches) and step, and the profiles, and runs only the dialogue ids that
+are missing (with `retry_errors`, also those whose last run ended in `error`); a line run under other settings or
+at another step is an error naming the file and the line, never counted. API keys are never settings: they reach
+the simulator client through `evaluate_agent(user_sim_api_key=...)` or its environment. At the end
+`<out>/<name>_results.json` gets every metric of `llm_agent.metrics` with its bootstrap interval
+(`llm_agent.evaluation.stats`), and for a checkpoint agent the checkpoint, its `global_step` and where each setting
+came from.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
 from llm_agent.evaluation.dialogue_log import drop_torn_tail, latest_per_dialogue, read_dialogue_log
-from llm_agent.evaluation.stats import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, metric_intervals
+from llm_agent.evaluation.stats import metric_intervals
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.metrics import records_from_batch
 from llm_agent.reward import compute_reward
@@ -45,6 +48,7 @@ __all__ = ["EvalSettings", "EvalSummary", "dialogue_id_of", "dialogues_path", "e
 
 SPLIT = "eval"
 SETTINGS_KEY = "settings"  # each dialogue line's copy of the settings fingerprint
+ANOTHER_NAME = "name the agent differently (--agent NEWNAME=SPEC) or use another --out"  # a refusal's advice
 
 
 def dialogues_path(out_dir: str | os.PathLike, name: str) -> Path:
@@ -137,15 +141,16 @@ def _saved_settings(out_dir: Path, name: str, current: dict[str, Any]) -> bool:
         return False
     saved = load_json(path.read_bytes(), what=str(path), max_bytes=1 << 20)
     if changed := _differences(saved, current):
-        raise ValueError(f"{path}: the dialogues of {name!r} were run with other settings ({changed}); use another "
-                         "--name or --out to evaluate with new settings")
+        raise ValueError(f"{path}: the dialogues of {name!r} were run with other settings ({changed}); {ANOTHER_NAME} "
+                         "to evaluate with new settings")
     return True
 
 
 def _done_records(path: Path, profiles: Mapping[str, str], retry_errors: bool, current: dict[str, Any],
-                  settings_file: bool) -> dict[str, dict[str, Any]]:
+                  settings_file: bool, step: int) -> dict[str, dict[str, Any]]:
     """The finished dialogues of a previous run that belong to this test selection, each line checked against the
-    current settings (a line without settings only when the settings file matched) and the test set's profiles."""
+    current settings (a line without settings only when the settings file matched) and the agent's step (a
+    checkpoint root trained on since then is another agent), and the test set's profiles."""
     if not path.is_file():
         return {}
     log = read_dialogue_log(path)
@@ -158,7 +163,10 @@ def _done_records(path: Path, profiles: Mapping[str, str], retry_errors: bool, c
                                  "missing, so what it was run with is unknown; evaluate into another --out")
         elif changed := _differences(record[SETTINGS_KEY], current):
             raise ValueError(f"{path}:{lineno}: dialogue {record.get('dialogue_id')} was run with other settings "
-                             f"({changed}); evaluate into another --out")
+                             f"({changed}); {ANOTHER_NAME}")
+        if record.get("step") != step:
+            raise ValueError(f"{path}:{lineno}: dialogue {record.get('dialogue_id')} was run with the agent at step "
+                             f"{record.get('step')}, but it is now at step {step} (trained on since?); {ANOTHER_NAME}")
     done = {}
     for dialogue_id, record in latest_per_dialogue(log.records).items():
         if dialogue_id not in profiles:
@@ -187,12 +195,16 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
                    user_sim_urls: list[str] | None = None, client: Any = None, chunk_size: int = 64,
                    retry_errors: bool = False, n_resamples: int = DEFAULT_RESAMPLES,
                    confidence: float = DEFAULT_CONFIDENCE, agent_description: str | None = None,
-                   step: int = 0, user_sim_api_key: str | None = None) -> EvalSummary:
+                   step: int = 0, checkpoint: str | None = None,
+                   settings_origin: Mapping[str, str] | None = None,
+                   user_sim_api_key: str | None = None) -> EvalSummary:
     """Run the missing test dialogues of agent `name` and write its dialogues and results (module docstring).
 
     `agent` has the worker-group interface; `client` (optional) replaces the simulator client built from
-    `user_sim_urls` (with `user_sim_api_key`, else $SEAD_USER_SIM_API_KEY). Returns what was run and the results
-    written.
+    `user_sim_urls` (with `user_sim_api_key`, else $SEAD_USER_SIM_API_KEY). `step` is the agent's training step
+    (its dialogues' `step`); `checkpoint` the `global_step_N` directory of a checkpoint agent (results then record
+    it and `global_step`); `settings_origin` says where each setting came from. Returns what was run and the
+    results written.
     """
     out_dir = Path(out_dir)
     if chunk_size < 1:
@@ -208,7 +220,7 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
     profiles = {dialogue_id_of(i): json.dumps(json.loads(dataset.rows[i]["user_profile"]), sort_keys=True)
                 for i in rows}
     log_path = dialogues_path(out_dir, name)
-    done = _done_records(log_path, profiles, retry_errors, current, settings_file)
+    done = _done_records(log_path, profiles, retry_errors, current, settings_file, step)
     if not settings_file:
         out_dir.mkdir(parents=True, exist_ok=True)
         _write_json(settings_path(out_dir, name), current)
@@ -239,9 +251,12 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
     results = {"name": name, "agent": agent_description or name, "split": SPLIT, "step": step,
                "scenario": settings.scenario, "test_file": settings.test_file, "n_dialogues": len(selected),
                "dialogues_file": log_path.name, "outcomes": dict(Counter(r["outcome"] for r in selected)),
-               "confidence": confidence, "n_resamples": n_resamples, "ci_method": "percentile bootstrap over dialogues",
+               "checkpoint": checkpoint, "global_step": step if checkpoint is not None else None,
+               "confidence": confidence, "n_resamples": n_resamples,
+               "interval_method": "percentile bootstrap over dialogues",
                "metrics": {key: interval.to_dict() for key, interval in intervals.items()},
-               "settings": {**settings.fingerprint(), "max_dialogues": settings.max_dialogues}}
+               "settings": {**settings.fingerprint(), "max_dialogues": settings.max_dialogues},
+               "settings_origin": dict(settings_origin or {})}
     _write_json(results_path(out_dir, name), results)
     return EvalSummary(name=name, dialogues_file=log_path, results_file=results_path(out_dir, name),
                        n_selected=len(rows), n_run=len(todo), n_resumed=len(rows) - len(todo), results=results)

@@ -1,16 +1,23 @@
-"""Statistics over evaluated dialogues: bootstrap confidence intervals of every dialogue metric and paired tests.
+"""Statistics over evaluated dialogues: bootstrap intervals of every dialogue metric and paired tests.
 
-Every metric value comes from `llm_agent.metrics.dialogue_metrics` (the one definition); this module only decides
-which records it sees. Confidence intervals are percentile bootstrap intervals over dialogues: resample the N
-records with replacement `n_resamples` times (numpy's `default_rng(seed)`), compute every metric on each
-resample, and take the `(1 - confidence) / 2` and `(1 + confidence) / 2` quantiles (numpy's default linear
-interpolation). A metric whose definition excludes some records (e.g. error dialogues, ATT over completed ones)
-is resampled through those same records, so its interval reflects that definition.
+Every metric value comes from `llm_agent.metrics` (the one definition); this module only decides which records it
+sees and how often. Intervals are percentile bootstrap intervals over dialogues: resample the N records with
+replacement `n_resamples` times (numpy's `default_rng(seed)`), compute every metric on each resample, and take
+the `(1 - confidence) / 2` and `(1 + confidence) / 2` quantiles (numpy's default linear interpolation). A resample
+is a vector of counts (how often each record was drawn) and each metric is a ratio of per-record sums
+(`llm_agent.metrics.MetricParts`), so all resamples are two matrix products, with exactly the values a loop over
+resampled record lists would give. A metric whose definition excludes some records (error dialogues, ATT over
+completed ones) is resampled through those same records, so its interval reflects that definition.
+
+A metric can be undefined on a resample (ATT on a resample without a completed call): such resamples are skipped
+for that metric, and its `Interval.resamples` says over how many the quantiles were taken, so displays can say
+so. A metric undefined on all the records has no value and no interval (`Interval.value` is None).
 
 For two agents evaluated on the same profiles, records are paired by dialogue id and profile (`pair_records`).
-The CR difference gets a paired bootstrap interval (one index draw resamples both sides) and McNemar's exact
-test: on pairs where neither dialogue is an `error`, b = pairs only A completed, c = pairs only B completed, and
-the two-sided p-value is min(1, 2 * P[X <= min(b, c)]) for X ~ Binomial(b + c, 1/2) (1 when b + c = 0).
+The CR difference gets a paired bootstrap interval (one index draw resamples both sides; a resample where either
+side's CR is undefined is skipped) and McNemar's exact test: on pairs where neither dialogue is an `error`, b =
+pairs only A completed, c = pairs only B completed, and the two-sided p-value is min(1, 2 * P[X <= min(b, c)]) for
+X ~ Binomial(b + c, 1/2) (1 when b + c = 0).
 """
 from __future__ import annotations
 
@@ -23,28 +30,37 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from llm_agent.metrics import dialogue_metrics, record_label, record_outcome
+from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
+from llm_agent.metrics import MetricParts, metric_parts, record_label, record_outcome
 from llm_agent.scenario import Scenario
 
-__all__ = ["Interval", "PairedComparison", "bootstrap_indices", "bootstrap_intervals", "mcnemar_exact",
-           "metric_intervals", "paired_comparison", "pair_key", "pair_records"]
+__all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_RESAMPLES", "Interval", "PairedComparison", "bootstrap_indices",
+           "bootstrap_intervals", "mcnemar_exact", "metric_intervals", "paired_comparison", "pair_key",
+           "pair_records"]
 
 T = TypeVar("T")
 
-DEFAULT_RESAMPLES = 1000
-DEFAULT_CONFIDENCE = 0.95
+_CHUNK_CELLS = 4_000_000  # resample counts held at once (resamples x records), about 32 MB of float64
 
 
 @dataclass(frozen=True)
 class Interval:
-    """A point estimate on all records and its bootstrap interval [low, high]."""
+    """A point estimate on all records and its bootstrap interval [low, high] over `resamples` resamples (those
+    on which the metric was defined). `value` is None when the metric is undefined on the records themselves;
+    `low`/`high` are None when no resample (or none was drawn) defined it."""
 
-    value: float
-    low: float
-    high: float
+    value: float | None
+    low: float | None
+    high: float | None
+    resamples: int = 0
 
-    def to_dict(self) -> dict[str, float]:
-        """{"value", "low", "high"} as plain floats (the results.json form)."""
+    @property
+    def defined(self) -> bool:
+        """True when the metric has a value on the records."""
+        return self.value is not None
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        """{"value", "low", "high", "resamples"} as plain numbers or null (the results.json form)."""
         return asdict(self)
 
 
@@ -57,11 +73,33 @@ def bootstrap_indices(n: int, n_resamples: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n, size=(n_resamples, n))
 
 
-def _quantiles(values: Sequence[float], confidence: float) -> tuple[float, float]:
+def _counts(indices: np.ndarray, n: int) -> np.ndarray:
+    """(R, n) how often each record occurs in each resample row of `indices` (R, n)."""
+    rows = indices.shape[0]
+    flat = (indices + n * np.arange(rows)[:, None]).ravel()
+    return np.bincount(flat, minlength=rows * n).reshape(rows, n).astype(np.float64)
+
+
+def _resampled_values(parts: MetricParts, indices: np.ndarray) -> dict[str, np.ndarray]:
+    """{metric: value per resample (NaN where undefined)} for the resample `indices` (R, n), in chunks of rows."""
+    n = len(parts)
+    step = max(1, _CHUNK_CELLS // max(n, 1))
+    chunks = [parts.values(_counts(indices[start:start + step], n)) for start in range(0, len(indices), step)]
+    return {key: np.concatenate([c[key] for c in chunks]) for key in chunks[0]}
+
+
+def _check_confidence(confidence: float) -> None:
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    low, high = np.quantile(np.asarray(values, dtype=np.float64), [(1 - confidence) / 2, (1 + confidence) / 2])
-    return float(low), float(high)
+
+
+def _interval(point: float | None, samples: np.ndarray, confidence: float) -> Interval:
+    """The percentile interval of the finite `samples` (the resamples that define the metric)."""
+    kept = samples[np.isfinite(samples)]
+    if point is None or kept.size == 0:
+        return Interval(point, None, None, int(kept.size))
+    low, high = np.quantile(kept, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return Interval(point, float(low), float(high), int(kept.size))
 
 
 def bootstrap_intervals(items: Sequence[T], statistic: Callable[[Sequence[T]], Mapping[str, float | None]],
@@ -70,21 +108,26 @@ def bootstrap_intervals(items: Sequence[T], statistic: Callable[[Sequence[T]], M
     """Every key of `statistic(items)` with its percentile bootstrap interval over `items` (resampled with
     `bootstrap_indices`). A key whose value on all items is None maps to None; a resample on which a key is None
     is left out of that key's quantiles."""
+    _check_confidence(confidence)
     point = statistic(items)
     samples: dict[str, list[float]] = {key: [] for key, value in point.items() if value is not None}
     for rows in bootstrap_indices(len(items), n_resamples, seed):
         for key, value in statistic([items[i] for i in rows]).items():
             if key in samples and value is not None:
                 samples[key].append(value)
-    return {key: None if value is None else Interval(value, *_quantiles(samples[key] or [value], confidence))
+    return {key: None if value is None else _interval(value, np.asarray(samples[key], dtype=np.float64), confidence)
             for key, value in point.items()}
 
 
 def metric_intervals(records: Sequence[Mapping[str, Any]], scenario: Scenario,
                      n_resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
                      seed: int = 0) -> dict[str, Interval]:
-    """Every key of `dialogue_metrics` with its percentile bootstrap interval over `records` (see module doc)."""
-    return bootstrap_intervals(records, lambda rows: dialogue_metrics(rows, scenario), n_resamples, confidence, seed)
+    """Every key of `METRIC_KEYS` with its percentile bootstrap interval over `records` (see module doc)."""
+    _check_confidence(confidence)
+    parts = metric_parts(records, scenario)
+    point = parts.point()
+    samples = _resampled_values(parts, bootstrap_indices(len(records), n_resamples, seed))
+    return {key: _interval(point.get(key), values, confidence) for key, values in samples.items()}
 
 
 def pair_key(record: Mapping[str, Any], where: str) -> tuple[str, str]:
@@ -145,22 +188,22 @@ def paired_comparison(records_a: Sequence[Mapping[str, Any]], records_b: Sequenc
                       scenario: Scenario, n_resamples: int = DEFAULT_RESAMPLES,
                       confidence: float = DEFAULT_CONFIDENCE, seed: int = 0) -> PairedComparison | None:
     """Compare A and B on their common (dialogue id, profile) pairs; None when they share none."""
+    _check_confidence(confidence)
     pairs = pair_records(records_a, records_b)
     if not pairs:
         return None
-    side_a, side_b = [a for a, _ in pairs], [b for _, b in pairs]
-
-    def cr(records: Sequence[Mapping[str, Any]]) -> float:
-        return dialogue_metrics(records, scenario)["completion_rate"]
-
-    diffs = [cr([side_a[i] for i in rows]) - cr([side_b[i] for i in rows])
-             for rows in bootstrap_indices(len(pairs), n_resamples, seed)]
+    parts_a = metric_parts([a for a, _ in pairs], scenario)
+    parts_b = metric_parts([b for _, b in pairs], scenario)
+    indices = bootstrap_indices(len(pairs), n_resamples, seed)
+    diffs = (_resampled_values(parts_a, indices)["completion_rate"]
+             - _resampled_values(parts_b, indices)["completion_rate"])
+    cr_a, cr_b = parts_a.point().get("completion_rate"), parts_b.point().get("completion_rate")
+    point = None if cr_a is None or cr_b is None else cr_a - cr_b
     outcomes = [(record_outcome(a, f"agent A {record_label(a, i)}"), record_outcome(b, f"agent B {record_label(b, i)}"))
                 for i, (a, b) in enumerate(pairs)]
     scored = [(oa == "completed", ob == "completed") for oa, ob in outcomes if "error" not in (oa, ob)]
     only_a = sum(a and not b for a, b in scored)
     only_b = sum(b and not a for a, b in scored)
-    return PairedComparison(n_pairs=len(pairs),
-                            cr_difference=Interval(cr(side_a) - cr(side_b), *_quantiles(diffs, confidence)),
+    return PairedComparison(n_pairs=len(pairs), cr_difference=_interval(point, diffs, confidence),
                             mcnemar_pairs=len(scored), only_a_completed=only_a, only_b_completed=only_b,
                             mcnemar_p=mcnemar_exact(only_a, only_b))

@@ -1,10 +1,15 @@
-"""The paper table: the headline dialogue metrics of several evaluated agents side by side, with bootstrap CIs,
-and paired tests of the completion-rate difference between agents evaluated on the same profiles.
+"""The paper table: the headline dialogue metrics of several evaluated agents side by side, with bootstrap
+intervals, what their dialogues cost, and paired tests of the completion-rate difference between agents evaluated
+on the same profiles.
 
 Inputs are evaluations' `<name>_results.json` (their dialogues file beside them is read) or dialogue logs
 (`<name>_dialogues.jsonl`, or a training run's `rollouts.jsonl` with a split and step chosen). Metrics are always
-recomputed from the dialogues with `llm_agent.metrics.dialogue_metrics`, so every column follows the current
-definitions there; CIs and tests are those of `llm_agent.evaluation.stats`.
+recomputed from the dialogues with `llm_agent.metrics`, so every column follows the current definitions there;
+intervals and tests are those of `llm_agent.evaluation.stats`. An undefined metric (ATT with no completed call)
+prints as "n/a", and an interval over fewer resamples than asked (the metric was undefined on the others) carries
+a `*` explained under the table. "CI" is the cooperation improvement, as in the paper; confidence intervals are
+called intervals. The cost columns are per 1,000 dialogues: agent tokens generated, simulator requests and wall
+seconds (measured where the dialogues ran).
 """
 from __future__ import annotations
 
@@ -16,13 +21,15 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
+from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, TABLE_FORMATS
 from llm_agent.evaluation.dialogue_log import latest_per_dialogue, read_dialogue_log
-from llm_agent.evaluation.stats import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, Interval, PairedComparison,
-                                        metric_intervals, paired_comparison)
+from llm_agent.evaluation.stats import Interval, PairedComparison, metric_intervals, paired_comparison
+from llm_agent.metrics import NOT_AVAILABLE
 from llm_agent.rollout.config import resolve_path
 from llm_agent.scenario import Scenario, load_scenario
 
-__all__ = ["COLUMNS", "AgentEval", "ComparisonTable", "build_table", "load_evaluation", "render"]
+__all__ = ["COLUMNS", "COST_COLUMNS", "FORMATS", "AgentEval", "ComparisonTable", "build_table", "load_evaluation",
+           "render"]
 
 # (column header, dialogue_metrics key, what it is) in the paper's order.
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -36,7 +43,16 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TI", "ti", "trust improvement"),
     ("CI", "ci", "cooperation improvement"),
 )
-FORMATS = ("terminal", "markdown", "csv", "latex")
+# (column header, dialogue_metrics key of the per-dialogue mean, what it is): shown per 1,000 dialogues
+COST_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("tokens/1k", "agent_tokens_per_dialogue", "agent tokens generated"),
+    ("sim calls/1k", "sim_requests_per_dialogue", "simulator requests (re-requests included)"),
+    ("s/1k", "seconds_per_dialogue", "wall seconds of the rollout calls, on the machine and with the concurrency "
+                                     "they ran with"),
+)
+PER = 1000  # the cost columns are per this many dialogues
+FORMATS = TABLE_FORMATS
+MARK = "*"  # an interval over fewer resamples than asked
 
 
 @dataclass
@@ -98,7 +114,7 @@ def load_evaluation(path: str | Path, scenario_path: str | None = None, split: s
 
 @dataclass
 class ComparisonTable:
-    """Per agent its dialogue count and an Interval per column key; per compared pair its PairedComparison."""
+    """Per agent its dialogue count and an Interval per metric key; per compared pair its PairedComparison."""
 
     names: list[str]
     counts: list[int]
@@ -110,7 +126,7 @@ class ComparisonTable:
 
 def build_table(evals: list[AgentEval], n_resamples: int = DEFAULT_RESAMPLES,
                 confidence: float = DEFAULT_CONFIDENCE, seed: int = 0) -> ComparisonTable:
-    """Metrics with CIs for every agent and a paired comparison for every pair sharing profiles."""
+    """Metrics with intervals for every agent and a paired comparison for every pair sharing profiles."""
     names = [e.name for e in evals]
     if len(set(names)) != len(names):
         raise ValueError(f"agent names must differ, got {names} (pass --name per input)")
@@ -125,21 +141,43 @@ def build_table(evals: list[AgentEval], n_resamples: int = DEFAULT_RESAMPLES,
     return ComparisonTable(names, [len(e.records) for e in evals], metrics, pairs, confidence, n_resamples)
 
 
-def _cell(interval: Interval, digits: int) -> str:
-    return f"{interval.value:.{digits}f} [{interval.low:.{digits}f}, {interval.high:.{digits}f}]"
+def _cell(interval: Interval, digits: int, n_resamples: int) -> str:
+    """`value [low, high]`, `*` when over fewer resamples than asked; n/a when undefined."""
+    if interval.value is None:
+        return NOT_AVAILABLE
+    if interval.low is None or interval.high is None:
+        return f"{interval.value:.{digits}f} [{NOT_AVAILABLE}]"
+    mark = MARK if interval.resamples < n_resamples else ""
+    return f"{interval.value:.{digits}f} [{interval.low:.{digits}f}, {interval.high:.{digits}f}]{mark}"
+
+
+def _per_thousand(interval: Interval) -> float | None:
+    return None if interval.value is None else PER * interval.value
+
+
+def _compact(value: float | None) -> str:
+    """A cost figure in a few characters: 812, 4.31k, 52.3k, 1.20M; n/a when unknown."""
+    if value is None:
+        return NOT_AVAILABLE
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            scaled = value / scale
+            return f"{scaled:.3g}{suffix}" if scaled < 100 else f"{scaled:.0f}{suffix}"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
 def _grid(table: ComparisonTable, digits: int) -> tuple[list[str], list[list[str]]]:
-    header = ["agent", "N", *(c for c, _, _ in COLUMNS)]
-    rows = [[name, str(n), *(_cell(m[key], digits) for _, key, _ in COLUMNS)]
+    header = ["agent", "N", *(c for c, _, _ in COLUMNS), *(c for c, _, _ in COST_COLUMNS)]
+    rows = [[name, str(n), *(_cell(m[key], digits, table.n_resamples) for _, key, _ in COLUMNS),
+             *(_compact(_per_thousand(m[key])) for _, key, _ in COST_COLUMNS)]
             for name, n, m in zip(table.names, table.counts, table.metrics)]
     return header, rows
 
 
 def _pair_grid(table: ComparisonTable, digits: int) -> tuple[list[str], list[list[str]]]:
     header = ["A vs B", "pairs", "CR(A)-CR(B)", "only A done", "only B done", "McNemar exact p"]
-    rows = [[f"{a} vs {b}", str(c.n_pairs), _cell(c.cr_difference, digits), str(c.only_a_completed),
-             str(c.only_b_completed), f"{c.mcnemar_p:.4g}"] for a, b, c in table.pairs]
+    rows = [[f"{a} vs {b}", str(c.n_pairs), _cell(c.cr_difference, digits, table.n_resamples),
+             str(c.only_a_completed), str(c.only_b_completed), f"{c.mcnemar_p:.4g}"] for a, b, c in table.pairs]
     return header, rows
 
 
@@ -154,12 +192,27 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
                       *("| " + " | ".join(r) + " |" for r in rows)])
 
 
+def _fewer_resamples(table: ComparisonTable) -> list[str]:
+    """`<agent> <column> <k>/<n>` for every shown interval taken over fewer resamples than asked."""
+    notes = [f"{name} {column} {m[key].resamples}/{table.n_resamples}"
+             for name, m in zip(table.names, table.metrics) for column, key, _ in COLUMNS
+             if m[key].value is not None and m[key].resamples < table.n_resamples]
+    notes += [f"{a} vs {b} {c.cr_difference.resamples}/{table.n_resamples}" for a, b, c in table.pairs
+              if c.cr_difference.value is not None and c.cr_difference.resamples < table.n_resamples]
+    return notes
+
+
 def _legend(table: ComparisonTable) -> str:
     level = f"{table.confidence:.0%}"
-    return (f"value [{level} CI]: percentile bootstrap over dialogues, {table.n_resamples} resamples. "
+    fewer = _fewer_resamples(table)
+    return (f"value [{level} interval]: percentile bootstrap over dialogues, {table.n_resamples} resamples"
+            + (f"; {MARK} over the resamples on which the metric is defined ({', '.join(fewer)})" if fewer else "")
+            + f"; {NOT_AVAILABLE}: undefined on these dialogues (ATT needs a completed call, FPR a claim of success, "
+            "UPA a turn with both states). "
             + "; ".join(f"{c} = {text}" for c, _, text in COLUMNS)
-            + ". Pairs: same dialogue id and profile; CR difference with a paired bootstrap CI; McNemar's exact "
-            "test (two-sided binomial on discordant pairs, pairs with an error dialogue left out).")
+            + f". Cost per {PER:,} dialogues: " + "; ".join(f"{c} = {text}" for c, _, text in COST_COLUMNS)
+            + ". Pairs: same dialogue id and profile; CR difference with a paired bootstrap interval; McNemar's "
+            "exact test (two-sided binomial on discordant pairs, pairs with an error dialogue left out).")
 
 
 def _latex_escape(text: str) -> str:
@@ -168,38 +221,69 @@ def _latex_escape(text: str) -> str:
     return text
 
 
+def _latex_cell(interval: Interval, digits: int, n_resamples: int) -> str:
+    if interval.value is None:
+        return "n/a"
+    if interval.low is None or interval.high is None:
+        return f"{interval.value:.{digits}f}"
+    mark = "$^*$" if interval.resamples < n_resamples else ""
+    return (f"{interval.value:.{digits}f}\\,{{\\scriptsize[{interval.low:.{digits}f}, "
+            f"{interval.high:.{digits}f}]}}{mark}")
+
+
+def _latex_tabular(header: list[str], rows: list[list[str]], align: str) -> list[str]:
+    """A complete `tabular` environment (no package needed: \\hline rules)."""
+    return [f"\\begin{{tabular}}{{{align}}}", "\\hline", " & ".join(header) + " \\\\", "\\hline",
+            *(" & ".join(r) + " \\\\" for r in rows), "\\hline", "\\end{tabular}"]
+
+
+def _latex(table: ComparisonTable, digits: int) -> str:
+    header = ["Agent", "N", *(c for c, _, _ in COLUMNS), *(_latex_escape(c) for c, _, _ in COST_COLUMNS)]
+    rows = [[_latex_escape(name), str(n), *(_latex_cell(m[key], digits, table.n_resamples) for _, key, _ in COLUMNS),
+             *(_compact(_per_thousand(m[key])) for _, key, _ in COST_COLUMNS)]
+            for name, n, m in zip(table.names, table.counts, table.metrics)]
+    lines = [f"% for_evaluation/metrics_table.py: {_latex_escape(_legend(table))}",
+             *_latex_tabular(header, rows, "lr" + "c" * len(COLUMNS) + "r" * len(COST_COLUMNS))]
+    if table.pairs:
+        pair_header = ["A vs B", "pairs", "$\\Delta$CR", "only A", "only B", "McNemar exact $p$"]
+        pair_rows = [[f"{_latex_escape(a)} vs {_latex_escape(b)}", str(c.n_pairs),
+                      _latex_cell(c.cr_difference, digits, table.n_resamples), str(c.only_a_completed),
+                      str(c.only_b_completed), f"{c.mcnemar_p:.4g}"] for a, b, c in table.pairs]
+        lines += ["", *_latex_tabular(pair_header, pair_rows, "lrcrrr")]
+    return "\n".join(lines) + "\n"
+
+
+def _csv(table: ComparisonTable) -> str:
+    """value, low, high and resamples per metric column, then the cost columns per 1,000 dialogues; empty cells
+    for undefined values."""
+    def number(value: float | int | None) -> str:
+        return "" if value is None else repr(value)
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["agent", "n_dialogues",
+                     *(f"{c}_{part}" for c, _, _ in COLUMNS for part in ("value", "low", "high", "resamples")),
+                     *(key.replace("_per_dialogue", f"_per_{PER // 1000}k_dialogues") for _, key, _ in COST_COLUMNS)])
+    for name, n, m in zip(table.names, table.counts, table.metrics):
+        writer.writerow([name, n, *(number(getattr(m[key], part)) for _, key, _ in COLUMNS
+                                    for part in ("value", "low", "high", "resamples")),
+                         *(number(_per_thousand(m[key])) for _, key, _ in COST_COLUMNS)])
+    return buffer.getvalue()
+
+
 def render(table: ComparisonTable, fmt: str, digits: int = 3) -> str:
-    """The table as `terminal` text, `markdown`, `csv` (value, low, high per metric) or `latex` rows."""
+    """The table as `terminal` text, `markdown`, `csv` (value, low, high, resamples per metric) or a `latex`
+    tabular (a second one for the paired comparisons)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "csv":
+        return _csv(table)
+    if fmt == "latex":
+        return _latex(table, digits)
     header, rows = _grid(table, digits)
     pair_header, pair_rows = _pair_grid(table, digits)
-    if fmt == "terminal":
-        parts = [_aligned(header, rows)]
-        if pair_rows:
-            parts.append(_aligned(pair_header, pair_rows))
-        return "\n\n".join([*parts, _legend(table)]) + "\n"
-    if fmt == "markdown":
-        parts = [_markdown(header, rows)]
-        if pair_rows:
-            parts.append(_markdown(pair_header, pair_rows))
-        return "\n\n".join([*parts, _legend(table)]) + "\n"
-    if fmt == "csv":
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(["agent", "n_dialogues", *(f"{c}_{part}" for c, _, _ in COLUMNS for part in ("value", "low", "high"))])
-        for name, n, m in zip(table.names, table.counts, table.metrics):
-            writer.writerow([name, n, *(repr(getattr(m[key], part)) for _, key, _ in COLUMNS
-                                        for part in ("value", "low", "high"))])
-        return buffer.getvalue()
-    lines = [f"% agent & N & {' & '.join(c for c, _, _ in COLUMNS)} \\\\ ({table.confidence:.0%} bootstrap CIs)"]
-    for name, n, m in zip(table.names, table.counts, table.metrics):
-        cells = [f"{m[key].value:.{digits}f}\\,{{\\scriptsize[{m[key].low:.{digits}f}, {m[key].high:.{digits}f}]}}"
-                 for _, key, _ in COLUMNS]
-        lines.append(f"{_latex_escape(name)} & {n} & " + " & ".join(cells) + " \\\\")
-    for a, b, c in table.pairs:
-        d = c.cr_difference
-        lines.append(f"% {_latex_escape(a)} vs {_latex_escape(b)}: $\\Delta$CR = {d.value:.{digits}f} "
-                     f"[{d.low:.{digits}f}, {d.high:.{digits}f}], McNemar exact $p$ = {c.mcnemar_p:.4g} "
-                     f"({c.n_pairs} pairs)")
-    return "\n".join(lines) + "\n"
+    block = _aligned if fmt == "terminal" else _markdown
+    parts = [block(header, rows)]
+    if pair_rows:
+        parts.append(block(pair_header, pair_rows))
+    return "\n\n".join([*parts, _legend(table)]) + "\n"

@@ -205,8 +205,8 @@ class Dialogue:
     `sim_messages` is exactly `Scenario.render_user_messages(profile, turns)` for the turns so far, grown by one
     or two messages per turn instead of being re-rendered. `user_state` is the user's current state: the
     profile's initial state, then each dimension as the simulator last reported it (a cached turn keeps it).
-    `sim_retries` counts the extra simulator requests made for malformed replies; `ended_at` is the
-    `time.monotonic()` reading when the outcome was set.
+    `sim_retries` counts the extra simulator requests made for malformed replies, `sim_requests` every request
+    sent (cached turns send none); `ended_at` is the `time.monotonic()` reading when the outcome was set.
     """
 
     row: int
@@ -221,6 +221,7 @@ class Dialogue:
     cache_hits: int = 0
     format_errors: int = 0
     sim_retries: int = 0
+    sim_requests: int = 0
     user_state: dict[str, int | None] = field(default_factory=dict)
     ended_at: float | None = None
 
@@ -275,4 +276,5 @@ class Dialogue:
         return {"dialogue_id": self.dialogue_id, "profile": self.profile.to_dict(),
                 "state_key": self.profile.state_key, "outcome": self.outcome, "num_turns": self.num_turns,
                 "turns": self.turns, "messages": self.messages, "cache_hits": self.cache_hits,
-                "format_errors": self.format_errors, "sim_retries": self.sim_retries, "error": self.error}
+                "format_errors": self.format_errors, "sim_retries": self.sim_retries, "error": self.error,
+                "sim_requests": self.sim_requests}

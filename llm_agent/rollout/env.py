@@ -234,6 +234,7 @@ class DialogueEnv:
     def _request(self, attempt: int, avoid: tuple[str, ...] = ()) -> TurnRequest:
         """The simulator request for the last agent turn (its `attempt`-th request, away from `avoid`)."""
         d, sim = self.dialogue, self.rules.user_sim
+        d.sim_requests += 1
         return TurnRequest(d.dialogue_id, d.sim_messages, temperature=sim.temperature, top_p=sim.top_p,
                            max_tokens=sim.max_tokens, seed=self.rules.seeds(d, d.num_turns - 1, attempt), avoid=avoid)
 

@@ -30,7 +30,7 @@ from llm_agent.rollout.env import DialogueEnv, DialogueRules, RequestSeeds
 from llm_agent.rollout.generation_call import AgentBatches
 from llm_agent.rollout.outcome import Outcome
 from llm_agent.rollout.pacing import BusyMeter, pacing_metrics
-from llm_agent.rollout.records import RECORD_COLUMNS, append_jsonl, log_lines, object_column, prefixed
+from llm_agent.rollout.records import COST_COLUMNS, RECORD_COLUMNS, append_jsonl, log_lines, object_column, prefixed
 from llm_agent.rollout.step_outcomes import StepOutcomes
 from llm_agent.rollout.sync_loop import run_turn_synchronous
 from llm_agent.rollout.user_profiles import UserProfiles
@@ -149,7 +149,7 @@ class LLMGenerationManager(RolloutLoop):
         if not self.is_validation and gen_batch.meta_info.get("do_sample", True):  # not a greedy ReMax baseline
             self.step_outcomes.add(dialogues)
         pacing = pacing_metrics(wall, engines, sim, [d.ended_at - started for d in dialogues])
-        return self._output(envs, buffer, engines, sim, pacing)
+        return self._output(envs, buffer, engines, sim, pacing, wall)
 
     def _envs(self, gen_batch: DataProto, buffer: TokenBuffer) -> list[DialogueEnv]:
         """One environment per row, reset with the row's user; dialogue ids `<uid>#<k>` (k-th row of the uid)."""
@@ -172,15 +172,20 @@ class LLMGenerationManager(RolloutLoop):
         return envs
 
     def _output(self, envs: list[DialogueEnv], buffer: TokenBuffer, engines: list[BusyMeter], sim: BusyMeter,
-                pacing: dict[str, float]) -> DataProto:
+                pacing: dict[str, float], wall: float) -> DataProto:
         dialogues = [env.dialogue for env in envs]
+        tensors = buffer.final_tensors()
         records = [d.record() for d in dialogues]
+        # what each dialogue cost: its sampled (loss-carrying) tokens and its share of the call's wall time
+        for record, tokens in zip(records, tensors["response_mask"].sum(dim=1).tolist()):
+            record.update(agent_tokens=int(tokens), wall_s=wall / len(dialogues))
         for record in records:  # per-turn signals and failure labels (llm_agent/diagnosis)
             annotate_record(record, self.scenario, record["dialogue_id"])
         # an error row (no loss) is its own GRPO group, so it does not shift its siblings' baseline
         uids = [f"{d.uid}/error/{d.dialogue_id}" if d.outcome == Outcome.ERROR else d.uid for d in dialogues]
         columns = {"uid": object_column(uids)}
-        columns.update({key: object_column([r[key] for r in records]) for key in RECORD_COLUMNS if key != "uid"})
+        columns.update({key: object_column([r[key] for r in records])
+                        for key in (*RECORD_COLUMNS, *COST_COLUMNS) if key != "uid"})
         metrics = prefixed(dialogue_metrics(records, self.scenario), "rollout/")
         generate_s = sum(m.busy_s for m in engines)
         metrics.update({"rollout/sim_requests": float(sim.started), "rollout/time_generate_s": generate_s,
@@ -190,7 +195,7 @@ class LLMGenerationManager(RolloutLoop):
                     "the simulator", self.calls, "val" if self.is_validation else "train", self.config.mode,
                     len(dialogues), pacing["rollout/time_to_last_dialogue_s"], dict(sorted(outcomes.items())),
                     generate_s, sim.busy_s)
-        return DataProto.from_dict(tensors=buffer.final_tensors(), non_tensors=columns, meta_info={"metrics": metrics})
+        return DataProto.from_dict(tensors=tensors, non_tensors=columns, meta_info={"metrics": metrics})
 
     # --------------------------------------------------------------------------------------- trainer hooks
     def on_train_step_end(self, batch: DataProto, step: int) -> dict[str, float]:

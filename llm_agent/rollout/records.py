@@ -2,8 +2,9 @@
 
 The column names are the per-dialogue record of docs/rollout_loop.md (`uid`, `dialogue_id`, `profile`,
 `state_key`, `outcome`, `num_turns`, `turns`, `messages`, `cache_hits`, `format_errors`, `sim_retries`,
-`error`, `labels`); a rollout-log line is one JSON object per dialogue with those fields plus `step`, `split`,
-`reward`, `reward_components` and `turn_rewards`.
+`error`, `labels`) plus what the dialogue cost (`COST_COLUMNS`: `agent_tokens` generated, `sim_requests` sent,
+`wall_s`, its share of the rollout call's wall time); a rollout-log line is one JSON object per dialogue with those
+fields plus `step`, `split`, `reward`, `reward_components` and `turn_rewards`.
 """
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOG_KEYS", "RECORD_COLUMNS", "append_jsonl", "log_lines", "object_column", "prefixed"]
+__all__ = ["COST_COLUMNS", "LOG_KEYS", "RECORD_COLUMNS", "append_jsonl", "log_lines", "object_column", "prefixed"]
 
 RECORD_COLUMNS: tuple[str, ...] = ("uid", "dialogue_id", "profile", "state_key", "outcome", "num_turns", "turns",
                                    "messages", "cache_hits", "format_errors", "sim_retries", "error", "labels")
+COST_COLUMNS: tuple[str, ...] = ("agent_tokens", "sim_requests", "wall_s")  # read by llm_agent.metrics
 LOG_KEYS: tuple[str, ...] = ("uid", "dialogue_id", "profile", "state_key", "outcome", "num_turns", "turns",
                              "messages", "reward", "reward_components", "turn_rewards", "cache_hits", "format_errors",
-                             "sim_retries", "error", "labels")
+                             "sim_retries", "error", "labels", *COST_COLUMNS)
 
 
 def object_column(values: Sequence[Any]) -> np.ndarray:

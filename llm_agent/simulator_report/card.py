@@ -177,8 +177,8 @@ def build_card(dialogues: Sequence[SimDialogue], scenario: Scenario, name: str, 
                n_resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE, seed: int = 0,
                max_jump: int | None = None) -> dict[str, Any]:
     """The report card of `dialogues` as a JSON-ready dict: `name`, `source` (what was measured and how), counts,
-    `metrics` ({value, low, high} with intervals when `n_resamples` > 0, else plain values; None when not
-    measurable), the jump limits used and a few failing examples."""
+    `metrics` ({value, low, high, resamples} with intervals when `n_resamples` > 0, else plain values; None when
+    not measurable), the jump limits used and a few failing examples."""
     if not any(d.turns for d in dialogues):
         raise ValueError(f"simulator report {name!r}: no simulator turns to grade")
     scored = score_dialogues(dialogues, scenario, max_jump)

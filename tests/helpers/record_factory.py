@@ -59,7 +59,9 @@ def random_record(rng: random.Random, scenario: Scenario, index: int) -> dict[st
             "cache_hits": sum(t["user_source"] == "cache" for t in turns),
             "format_errors": sum(not t["agent_format_ok"] for t in turns),
             "sim_retries": rng.choice([0, 0, 0, 1, 2]),
-            "error": "simulator down" if outcome == "error" else None}
+            "error": "simulator down" if outcome == "error" else None,
+            "agent_tokens": rng.randint(0, 40) * num_turns, "sim_requests": rng.randint(0, num_turns + 2),
+            "wall_s": round(rng.uniform(0.01, 3.0), 4)}
 
 
 def random_records(seed: int, n: int, scenario: Scenario) -> list[dict[str, Any]]:

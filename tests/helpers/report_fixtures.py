@@ -71,8 +71,10 @@ def step_metrics(step: int, with_time: bool) -> dict[str, float]:
            "dialogue/error_rate": 0.05, "dialogue/att": 3.0, "dialogue/adt": 2.5, "dialogue/format_error_rate": 0.2,
            "actor/ppo_kl": 0.001 * step, "actor/entropy": 1.0 / step, "actor/lr": 1e-5,
            "perf/tokens_per_s": 1000.0 + step, "controller/cr": cr,
-           "cache/hit_rate/stage0": 0.0, "cache/eligible/stage0": 0.0 if step < 3 else 4.0,
-           "cache/hit_rate/stage1": 0.25, "cache/eligible/stage1": 8.0}
+           "cache/eligible/stage0": 0.0 if step < 3 else 4.0, "cache/target_hit_rate/stage0": 0.9,
+           "cache/hit_rate/stage1": 0.25, "cache/eligible/stage1": 8.0, "cache/target_hit_rate/stage1": 0.5}
+    if step >= 3:  # nothing was eligible at stage 0 before step 3: its hit rate is undefined (left out) there
+        row["cache/hit_rate/stage0"] = 0.5
     for dim, values in (("cooperation", (1, 2, 3)), ("emotion", (1, 2)), ("trust", (1, 2, 3, 4))):
         for k, v in enumerate(values):
             row[f"controller/weight/{dim}={v}"] = controller_weight(step, k, len(values))

@@ -35,22 +35,26 @@ def _delta(vals):
     return vals[-1] - vals[0] if len(vals) > 1 else 0.0
 
 
+def _ratio(num, den):
+    """num / den, None (undefined) when den is 0."""
+    return num / den if den else None
+
+
 def reference_metrics(records):
-    """The spec's formulas written out with plain float64 loops."""
+    """The spec's formulas written out with plain float64 loops; undefined metrics (empty denominator) left out."""
     ok = [r for r in records if r["outcome"] != "error"]
     n = len(ok)
     ref = {"n_dialogues": float(len(records)),
-           "error_rate": (len(records) - n) / len(records) if records else 0.0,
-           "completion_rate_all": (sum(1.0 for r in records if r["outcome"] == "completed") / len(records)
-                                   if records else 0.0),
+           "error_rate": _ratio(len(records) - n, len(records)),
+           "completion_rate_all": _ratio(sum(1.0 for r in records if r["outcome"] == "completed"), len(records)),
            "sim_reply_retries": float(sum(r.get("sim_retries", 0) for r in records))}
     for outcome, key in [("completed", "completion_rate"), ("hung_up", "hang_up_rate"),
                          ("timeout", "timeout_rate"), ("truncated", "truncated_rate"),
                          ("agent_ended", "agent_ended_rate")]:
-        ref[key] = sum(1.0 for r in ok if r["outcome"] == outcome) / n if n else 0.0
+        ref[key] = _ratio(sum(1.0 for r in ok if r["outcome"] == outcome), n)
     done = [float(r["num_turns"]) for r in ok if r["outcome"] == "completed"]
-    ref["att"] = sum(done) / len(done) if done else 0.0
-    ref["adt"] = sum(float(r["num_turns"]) for r in ok) / n if n else 0.0
+    ref["att"] = _ratio(sum(done), len(done))
+    ref["adt"] = _ratio(sum(float(r["num_turns"]) for r in ok), n)
     errs = []
     for r in ok:
         for t in r["turns"]:
@@ -60,25 +64,29 @@ def reference_metrics(records):
             # inbound_support.yaml's ranges, read by hand: cooperation 0-4, emotion 0-3, trust 0-5
             errs.append((abs(a["cooperation"] - u["cooperation"]) / 4.0 + abs(a["emotion"] - u["emotion"]) / 3.0
                          + abs(a["trust"] - u["trust"]) / 5.0) / 3.0)
-    ref["upa"] = 1.0 - sum(errs) / len(errs) if errs else 0.0
+    ref["upa"] = 1.0 - sum(errs) / len(errs) if errs else None
     for key, dim in [("ei", "emotion"), ("ti", "trust"), ("ci", "cooperation")]:
         sim = [_delta([float(r["profile"][dim])] + _values(r["turns"], "user_state", dim)) for r in ok]
         agent = [_delta(_values(r["turns"], "agent_state", dim)) for r in ok]
-        ref[key] = sum(sim) / n if n else 0.0
-        ref[key + "_agent"] = sum(agent) / n if n else 0.0
+        ref[key] = _ratio(sum(sim), n)
+        ref[key + "_agent"] = _ratio(sum(agent), n)
     complete = 0
     for r in ok:
         stages = [t["agent_stage"] for t in r["turns"] if t["agent_stage"] is not None]
         complete += bool(stages) and all(s in stages for s in range(max(stages)))
-    ref["stage_completeness"] = complete / n if n else 0.0
+    ref["stage_completeness"] = _ratio(complete, n)
     claimed = [r for r in ok if r["turns"] and r["turns"][-1]["agent_status"] == 1]
     fp = [r for r in claimed if r["outcome"] != "completed"]
-    ref["false_positive_rate"] = len(fp) / len(claimed) if claimed else 0.0
+    ref["false_positive_rate"] = _ratio(len(fp), len(claimed))
     turns = sum(r["num_turns"] for r in ok)
-    ref["format_error_rate"] = sum(r["format_errors"] for r in ok) / turns if turns else 0.0
+    ref["format_error_rate"] = _ratio(sum(r["format_errors"] for r in ok), turns)
     user_turns = sum(1 for r in ok for t in r["turns"] if t["user_source"] in ("simulator", "cache"))
-    ref["cache_hit_rate"] = sum(r["cache_hits"] for r in ok) / user_turns if user_turns else 0.0
-    return ref
+    ref["cache_hit_rate"] = _ratio(sum(r["cache_hits"] for r in ok), user_turns)
+    for field, key in [("agent_tokens", "agent_tokens_per_dialogue"), ("sim_requests", "sim_requests_per_dialogue"),
+                       ("wall_s", "seconds_per_dialogue")]:
+        carried = [float(r[field]) for r in records if r.get(field) is not None]
+        ref[key] = _ratio(sum(carried), len(carried))
+    return {k: v for k, v in ref.items() if v is not None}
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -86,7 +94,7 @@ def test_metrics_match_independent_reference(scenario, seed):
     records = random_records(seed, 300, scenario)
     got = dialogue_metrics(records, scenario)
     ref = reference_metrics(records)
-    assert set(got) == set(METRIC_KEYS) == set(ref)
+    assert set(got) == set(METRIC_KEYS) == set(ref)  # the generator gives every metric a denominator
     for key in METRIC_KEYS:
         assert got[key] == pytest.approx(ref[key], rel=1e-12, abs=1e-12), key
         assert math.isfinite(got[key])
@@ -116,13 +124,23 @@ def test_att_is_completed_only_and_adt_all(scenario):
     assert got["att"] == 3.0 and got["adt"] == 4.0 and got["error_rate"] == 0.25 and got["n_dialogues"] == 40
 
 
-def test_only_errors_and_empty_give_zero_not_nan(scenario):
+def test_empty_denominators_leave_the_metric_undefined_never_zero(scenario):
     records = [r for r in random_records(3, 100, scenario) if r["outcome"] == "error"][:5]
     got = dialogue_metrics(records, scenario)
-    assert got["error_rate"] == 1.0 and all(got[k] == 0.0 for k in METRIC_KEYS if k not in (
-        "error_rate", "n_dialogues", "sim_reply_retries"))
-    empty = dialogue_metrics([], scenario)
-    assert all(v == 0.0 for v in empty.values())
+    # only errors: nothing but the counts over all dialogues and the costs is defined
+    assert set(got) == {"n_dialogues", "error_rate", "completion_rate_all", "sim_reply_retries",
+                        "agent_tokens_per_dialogue", "sim_requests_per_dialogue", "seconds_per_dialogue"}
+    assert got["error_rate"] == 1.0 and got["completion_rate_all"] == 0.0
+    assert dialogue_metrics([], scenario) == {"n_dialogues": 0.0, "sim_reply_retries": 0.0}
+    # no call completed and no claim: ATT and FPR are undefined, ADT is not
+    hung = [{**r, "outcome": "hung_up", "turns": [{**t, "agent_status": 0} for t in r["turns"]]}
+            for r in random_records(4, 20, scenario) if r["outcome"] != "error"]
+    got = dialogue_metrics(hung, scenario)
+    assert "att" not in got and "false_positive_rate" not in got and got["adt"] > 0 and got["completion_rate"] == 0.0
+    # a log without the cost fields (written before they existed, or null in the JSON line) has no cost metrics
+    old = [{k: v for k, v in r.items() if k not in ("agent_tokens", "sim_requests")} | {"wall_s": None} for r in hung]
+    assert not {"agent_tokens_per_dialogue", "sim_requests_per_dialogue", "seconds_per_dialogue"} & set(
+        dialogue_metrics(old, scenario))
 
 
 def test_stage_completeness_rule():
@@ -144,6 +162,9 @@ def test_bad_records_name_the_problem(scenario):
         dialogue_metrics([{k: v for k, v in good.items() if k != "num_turns"}], scenario)
     with pytest.raises(ValueError, match="'cache_hits' must be a non-negative int"):
         dialogue_metrics([{**good, "cache_hits": -1}], scenario)
+    for bad in (float("nan"), -1.0, "3"):
+        with pytest.raises(ValueError, match="'wall_s' must be a finite number >= 0"):
+            dialogue_metrics([{**good, "wall_s": bad}], scenario)
 
 
 def test_records_from_batch_round_trip_and_missing_key(scenario):

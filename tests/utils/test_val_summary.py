@@ -39,6 +39,14 @@ def test_a_run_with_one_validation_says_so(tmp_path):
         "validation completion rate: 0.812 (step 4, the run's only validation) (16 dialogues)"
 
 
+def test_a_validation_where_every_dialogue_failed_is_na_not_zero(tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_text(json.dumps({"step": 0, "n_dialogues": 8, "metrics": {"n_dialogues": 8.0, "error_rate": 1.0}})
+                    + "\n" + json.dumps({"step": 2, "n_dialogues": 8, "metrics": {"completion_rate": 0.25}}) + "\n")
+    assert summary_line(read_validations(path)) == \
+        "validation completion rate: before n/a (every dialogue failed) (step 0) -> after 0.250 (step 2) (8 dialogues)"
+
+
 @pytest.mark.parametrize("line, message", [
     ("{not json", "val.jsonl:2: not valid JSON"),
     ('{"step": 1, "n_dialogues": 4}', "val.jsonl:2: expected an object"),

@@ -97,9 +97,11 @@ def test_measured_hit_rates_match_configured_rates_per_stage():
         assert metrics[f"cache/hits/stage{stage}"] == hits
         assert metrics[f"cache/eligible/stage{stage}"] == n
         assert metrics[f"cache/hit_rate/stage{stage}"] == pytest.approx(hits / n, abs=1e-12)
+        assert metrics[f"cache/target_hit_rate/stage{stage}"] == p  # the configured rate, beside the observed one
     assert metrics["cache/blocked_consecutive"] == 0 and metrics["cache/size"] == 5 * 12
     after = cache.metrics()
-    assert after["cache/lookups/stage0"] == 0 and after["cache/hit_rate/stage0"] == 0.0
+    # nothing was eligible since the reset: the hit rate is undefined, not 0
+    assert after["cache/lookups/stage0"] == 0 and "cache/hit_rate/stage0" not in after
     assert after["cache/size"] == 5 * 12
 
 
@@ -109,7 +111,8 @@ def test_small_bucket_and_missing_stage_never_serve():
     assert all(cache.lookup(f"d{k}", 0) is None for k in range(50))
     assert cache.lookup("x", None) is None
     m = cache.metrics()
-    assert m["cache/lookups/stage0"] == 50 and m["cache/hit_rate/stage0"] == 0.0
+    assert m["cache/lookups/stage0"] == 50 and m["cache/eligible/stage0"] == 0 and "cache/hit_rate/stage0" not in m
+    assert m["cache/target_hit_rate/stage0"] == 1.0
     _fill(cache, 0, 1, prefix="extra")
     assert cache.lookup("d0", 0) is not None
 

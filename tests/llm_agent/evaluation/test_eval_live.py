@@ -147,11 +147,12 @@ def test_evaluate_cli_on_a_trainer_checkpoint_is_resumed_after_a_kill(warm_model
                             capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     n = len(done_before)
-    assert f"warm: 8 dialogues ({n} resumed, {8 - n} run)" in second.stdout
+    assert f"warm at global_step 2: 8 dialogues ({n} resumed, {8 - n} run)" in second.stdout
     final = lines(log)
     assert final[:n] == done_before and [r["dialogue_id"] for r in final] == [f"test{i}#0" for i in range(8)]
     results = json.loads((out / "warm_results.json").read_text())
     assert results["agent"] == f"{checkpoint} (hf)"
+    assert (results["global_step"], results["checkpoint"]) == (2, str(checkpoint / "global_step_2"))
     assert results["n_dialogues"] == 8 and set(results["metrics"]) >= {"completion_rate", "upa", "att"}
     assert all(r["num_turns"] == len(r["turns"]) >= 1 and r["split"] == "eval" for r in final)
 

@@ -127,3 +127,39 @@ def test_browser_holds_the_last_dialogues_and_the_metrics_all(tmp_path, scenario
     assert "The browser holds the last 10 of the 40 dialogues." in page
     train = [d for d in written["dialogues"] if d["split"] == "train"]
     assert int(_metric_row(page, "n_dialogues")[0]) == len(train)
+
+
+def test_headline_points_from_dialogues_val_metrics_or_nothing():
+    from llm_agent.evaluation.headline import CRPoint, cr_points, headline_html
+
+    def dialogue(step, outcome, split="val"):
+        return {"step": step, "split": split, "outcome": outcome}
+
+    records = [dialogue(0, "completed"), dialogue(0, "hung_up"), dialogue(0, "error"), dialogue(3, "completed"),
+               dialogue(3, "completed"), dialogue(3, "timeout"), dialogue(3, "completed"), dialogue(2, "hung_up", "train")]
+    before, after = cr_points(records, [])
+    assert (before.label, before.completed, before.n, before.cr) == ("before: val, step 0", 1, 2, 0.5)
+    assert (after.label, after.completed, after.n, after.cr) == ("after: val, step 3", 3, 4, 0.75)
+    assert before.interval[0] < 0.5 < before.interval[1]  # the Wilson values are checked in the analysis tests
+    page = headline_html([before, after])
+    assert 'id="headline"' in page and "(+0.250)" in page and "&rarr;" in page
+    # every validation dialogue of the first step failed: n/a, and no change is claimed
+    failed = cr_points([dialogue(0, "error"), dialogue(1, "completed")], [])
+    assert failed[0].text() == "n/a (every dialogue failed)" and "cr-change" not in headline_html(failed)
+    # no dialogues logged: the tracked val metrics, without an interval
+    rows = [{"step": 0.0, "val/dialogue/completion_rate": 0.0}, {"step": 2.0, "x": 1.0},
+            {"step": 4.0, "val/dialogue/completion_rate": 0.25}]
+    assert cr_points(None, rows) == [CRPoint("before: val, step 0", 0.0), CRPoint("after: val, step 4", 0.25)]
+    assert "no interval" in headline_html(cr_points(None, rows))
+    assert cr_points(None, []) == [] and headline_html([]) == ""
+
+
+def test_an_undefined_metric_is_na_in_the_metrics_table():
+    from llm_agent.evaluation.report_sections import metrics_html
+
+    page = metrics_html([("eval (step 2)", {"att": {"value": None, "low": None, "high": None},
+                                            "adt": {"value": 2.5, "low": 2.0, "high": 3.0}}),
+                         ("train (steps 1-2)", {"adt": 2.5})], "note")
+    att_row = page.split("<code>att</code>", 1)[1].split("</tr>", 1)[0]
+    assert att_row.count("n/a") == 2 and "None" not in page  # an interval of nothing, and a value left out
+    assert "2.500 <span" in page.split("<code>adt</code>", 1)[1]

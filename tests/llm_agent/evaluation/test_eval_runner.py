@@ -124,8 +124,10 @@ def test_an_interrupted_run_resumes_with_the_missing_dialogues_only(tok, scenari
 
 def test_a_resume_with_other_settings_or_profiles_is_refused(tok, scenario, test_file, tmp_path):
     run(tok, scenario, test_file, tmp_path, max_dialogues=2)
-    with pytest.raises(ValueError, match=r"other settings \(max_turns"):
+    with pytest.raises(ValueError, match=r"other settings \(max_turns") as refused:
         run(tok, scenario, test_file, tmp_path, max_dialogues=2, max_turns=5)
+    # the advice names flags that exist (evaluate.py has no --name)
+    assert "--agent NEWNAME=SPEC" in str(refused.value) and "--name" not in str(refused.value)
     log = dialogues_path(tmp_path, "agent")
     records = lines(log)
     records[1]["profile"]["trust"] = (records[1]["profile"]["trust"] + 1) % 3
@@ -142,3 +144,20 @@ def test_a_broken_line_inside_a_log_is_an_error_naming_it(tmp_path):
     path.write_text('{"dialogue_id": "a#0"}\n{"dialogue_id": "b')
     log = read_dialogue_log(path)
     assert [r["dialogue_id"] for r in log.records] == ["a#0"] and log.torn_tail and log.valid_bytes == 23
+
+
+def test_each_dialogue_records_what_it_cost(tok, scenario, test_file, tmp_path):
+    run(tok, scenario, test_file, tmp_path)
+    logged = lines(dialogues_path(tmp_path, "agent"))
+    for r in logged:
+        # every user turn came from the simulator (validation: no cache) with one request each
+        assert r["sim_requests"] == sum(t["user_source"] == "simulator" for t in r["turns"]) + r["sim_retries"]
+        # the agent's sampled tokens: its turns' text re-encoded, plus the end-of-turn token it sampled each time
+        encoded = sum(len(tok.encode(t["agent_text"], add_special_tokens=False)) + 1 for t in r["turns"])
+        assert r["agent_tokens"] == encoded, r["dialogue_id"]
+    # chunks of 3: the dialogues of one rollout call share its wall time equally
+    shares = [r["wall_s"] for r in logged]
+    assert all(s > 0 for s in shares) and shares[0] == shares[1] == shares[2] and shares[3] == shares[4] == shares[5]
+    metrics = json.loads(results_path(tmp_path, "agent").read_text())["metrics"]
+    assert metrics["sim_requests_per_dialogue"]["value"] == pytest.approx(sum(r["sim_requests"] for r in logged) / 8)
+    assert metrics["seconds_per_dialogue"]["value"] == pytest.approx(sum(shares) / 8)

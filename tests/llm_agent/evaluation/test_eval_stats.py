@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from llm_agent.evaluation.stats import (bootstrap_indices, mcnemar_exact, metric_intervals, pair_records,
+from llm_agent.evaluation.stats import (Interval, bootstrap_indices, mcnemar_exact, metric_intervals, pair_records,
                                         paired_comparison)
 
 from tests.helpers.eval_fixtures import linear_percentile, record
@@ -22,7 +22,29 @@ def test_point_values_on_a_hand_computed_fixture(scenario):
     assert got["error_rate"].value == pytest.approx(0.25)
     assert got["n_dialogues"].value == 4.0
     for interval in got.values():
-        assert interval.low <= interval.high
+        assert interval.low <= interval.high if interval.defined else interval.low is None
+    # no turn holds states or a claim: UPA and FPR are undefined, with no interval
+    assert got["upa"] == got["false_positive_rate"] == Interval(None, None, None, 0)
+
+
+def test_resamples_where_a_metric_is_undefined_are_skipped_and_counted(scenario):
+    # two completed calls among 14: about (12/14)^14 = 12% of resamples draw no completed call, so ATT is
+    # undefined there; the interval is over the others, computed here by an independent loop
+    records = [record("completed", 3, 0), record("completed", 6, 1)] + [record("hung_up", 2 + i % 4, i)
+                                                                         for i in range(2, 14)]
+    got = metric_intervals(records, scenario, n_resamples=400, seed=2)
+    atts = []
+    for rows in bootstrap_indices(len(records), 400, 2):
+        done = [records[i]["num_turns"] for i in rows if records[i]["outcome"] == "completed"]
+        if done:
+            atts.append(sum(done) / len(done))
+    assert 300 < len(atts) < 390
+    att = got["att"]
+    assert (att.value, att.resamples) == (4.5, len(atts))
+    assert att.low == pytest.approx(linear_percentile(atts, 0.025), abs=1e-12) and att.low == 3.0
+    assert att.high == pytest.approx(linear_percentile(atts, 0.975), abs=1e-12) and att.high == 6.0
+    assert got["completion_rate"].resamples == 400
+    assert got["att"].to_dict() == {"value": 4.5, "low": att.low, "high": att.high, "resamples": len(atts)}
 
 
 def test_two_dialogues_give_the_hand_computed_percentile_interval(scenario):

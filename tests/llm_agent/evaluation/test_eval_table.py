@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 
 import pytest
 
@@ -53,9 +54,64 @@ def test_every_format_names_every_metric(two_agents):
         for column in ("CR", "FPR", "SCR", "ATT", "ADT", "UPA", "EI", "TI", "CI", "McNemar"):
             assert column in text, (fmt, column)
         assert "0.600 [" in text and "rl vs sft" in text
-    latex = render(table, "latex").splitlines()
-    assert latex[1].startswith("rl & 10 & 0.600") and latex[1].endswith("\\\\") and latex[1].count("&") == 10
-    assert latex[-1].startswith("% rl vs sft") and "0.375" in latex[-1]
+    assert "95% interval]: percentile bootstrap over dialogues, 50 resamples" in render(table, "terminal")
+
+
+def _tabulars(latex):
+    """[(column spec, [cells per row])] of every tabular environment, read with a regex, not the renderer."""
+    found = re.findall(r"\\begin\{tabular\}\{([lrc]+)\}\n(.*?)\\end\{tabular\}", latex, re.S)
+    return [(spec, [row.split(" & ") for row in re.findall(r"^(.*) \\\\$", body, re.M)]) for spec, body in found]
+
+
+def test_latex_is_complete_tabular_environments(two_agents):
+    latex = render(build_table([load_evaluation(p) for p in two_agents], n_resamples=50), "latex")
+    assert latex.count("\\begin{tabular}") == latex.count("\\end{tabular}") == 2
+    (spec, rows), (pair_spec, pair_rows) = _tabulars(latex)
+    assert len(rows) == 3 and all(len(r) == len(spec) == 14 for r in rows)  # agent, N, 9 metrics, 3 costs
+    assert rows[0][:4] == ["Agent", "N", "CR", "FPR"] and rows[0][-3:] == ["tokens/1k", "sim calls/1k", "s/1k"]
+    assert rows[1][:3] == ["rl", "10", "0.600\\,{\\scriptsize[" + rows[1][2].split("[")[1]]
+    assert len(pair_rows) == 2 and all(len(r) == len(pair_spec) for r in pair_rows)
+    assert pair_rows[1][0] == "rl vs sft" and pair_rows[1][-1] == "0.375"
+    body = [line for line in latex.splitlines() if line and not line.startswith("%")]
+    assert body[0].startswith("\\begin{tabular}") and body[-1] == "\\end{tabular}"
+
+
+def _terminal_row(text, headers):
+    """{header: cell} of the first row of the terminal table, sliced at the header columns' start positions."""
+    header, _, row = text.splitlines()[:3]
+    starts = []
+    for h in headers:  # each header after the previous one ("s/1k" is also the end of "tokens/1k")
+        starts.append(header.index(h, starts[-1] + 1 if starts else 0))
+    return {h: row[a:b].strip() for h, a, b in zip(headers, starts, starts[1:] + [len(row)])}
+
+
+def test_undefined_metrics_are_na_and_costs_are_per_thousand_dialogues(tmp_path):
+    # no call completed and none claimed success: ATT and FPR are undefined, not 0
+    never = [{**record("hung_up", 2 + i % 3, i), "agent_tokens": 40 + i, "sim_requests": 3, "wall_s": 0.5}
+             for i in range(6)]
+    table = build_table([load_evaluation(write_results(tmp_path, "stuck", never))], n_resamples=30)
+    text = render(table, "terminal")
+    cells = _terminal_row(text, ["agent", "N", "CR", "FPR", "SCR", "ATT", "ADT", "UPA", "EI", "TI", "CI",
+                                 "tokens/1k", "sim calls/1k", "s/1k"])
+    assert cells["ATT"] == "n/a" and cells["FPR"] == "n/a" and cells["CR"] == "0.000 [0.000, 0.000]"
+    assert cells["ADT"].startswith("3.000 [")
+    # per 1,000 dialogues: mean(40..45) = 42.5 tokens, 3 simulator requests, 0.5 s per dialogue
+    assert (cells["tokens/1k"], cells["sim calls/1k"], cells["s/1k"]) == ("42.5k", "3k", "500")
+    (csv_row,) = csv.DictReader(io.StringIO(render(table, "csv")))
+    assert csv_row["ATT_value"] == csv_row["ATT_low"] == csv_row["FPR_value"] == ""
+    assert float(csv_row["agent_tokens_per_1k_dialogues"]) == pytest.approx(42_500)
+    assert float(csv_row["sim_requests_per_1k_dialogues"]) == pytest.approx(3_000)
+    assert float(csv_row["seconds_per_1k_dialogues"]) == pytest.approx(500)
+    assert "n/a" in render(table, "latex") and "n/a: undefined on these dialogues" in text
+
+
+def test_an_interval_over_fewer_resamples_is_marked_and_counted(tmp_path):
+    mixed = [record("completed", 3, 0)] + [record("hung_up", 2, i) for i in range(1, 10)]
+    table = build_table([load_evaluation(write_results(tmp_path, "rare", mixed))], n_resamples=200, seed=1)
+    att = table.metrics[0]["att"]
+    assert 0 < att.resamples < 200  # (9/10)^10 = 35% of resamples draw no completed call
+    text = render(table, "terminal")
+    assert "3.000 [3.000, 3.000]*" in text and f"rare ATT {att.resamples}/200" in text
 
 
 def test_a_rollout_log_uses_the_last_validation_step(tmp_path):

@@ -156,3 +156,22 @@ def test_cli_errors_name_the_problem(tmp_path):
     with pytest.raises(SystemExit, match="no dialogues of split 'val'"):
         analyze_mistakes.main([str(path), "--split", "val"])
     assert parse_controller_overrides(["joint=true", "floor=0.01"]) == {"joint": True, "floor": 0.01}
+
+
+def test_cli_without_arguments_summarises_the_latest_run(tmp_path, capsys, monkeypatch):
+    log = tmp_path / "outputs" / "rollouts" / "exp" / "rollouts.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    monkeypatch.chdir(tmp_path)
+    assert analyze_mistakes.main(["--min-count", "2"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0] == "dialogues: outputs/rollouts/exp/rollouts.jsonl"
+    # r1..r8: 7 scored, 3 completed (r1, r3, r8); Wilson bounds of 3/7 worked out in the tests above
+    low, high = wilson_interval(3, 7)
+    assert (f"train: 8 dialogues (1 simulator errors, left out of every CR); CR 0.429 [{low:.3f}, {high:.3f}] "
+            "(3/7)") in lines
+    assert any(line.startswith("  hardest initial states (>= 2 dialogues): c2-e2-t2 CR 0.000") for line in lines)
+    assert len(lines) < 15 and "{" not in text  # a summary, not the JSON
+    assert analyze_mistakes.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["splits"]["train"]["n_dialogues"] == 8

@@ -24,7 +24,8 @@ def test_cli_grades_the_scripted_persona_and_compares_cards(tmp_path, capsys):
     assert simulator_report.main(["--scripted", "--probe-dialogues", "3", "--bootstrap", "20", "--out", str(out)]) == 0
     card = json.loads(out.read_text())
     assert card["name"] == "scripted" and card["source"]["probes"]["dialogues"] == 3
-    assert card["metrics"]["scripted_state_agreement"] == {"value": 1.0, "low": 1.0, "high": 1.0}
+    assert card["metrics"]["scripted_state_agreement"] == {"value": 1.0, "low": 1.0, "high": 1.0,
+                                                          "resamples": 20}
     printed = capsys.readouterr().out
     assert "scripted_direction_agreement  1.000 [1.000, 1.000]" in printed
     other = dict(card, name="<b>other</b>", metrics={**card["metrics"], "failed_rate": None})

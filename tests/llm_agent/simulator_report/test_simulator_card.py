@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sim_report_fixtures import COST_DOUBT, INTRO, NEUTRAL, PUSHY, agent, profile, reply_text, user
 
 from llm_agent.evaluation.stats import bootstrap_indices
 from llm_agent.simulator_report import (SimDialogue, SimTurn, build_card, build_probe_set, card_metrics, run_probes,
                                         score_dialogues)
 from llm_agent.simulator_report.card import METRIC_KEYS
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
+from tests.helpers.sim_report_fixtures import COST_DOUBT, INTRO, NEUTRAL, PUSHY, agent, profile, reply_text, user
 
 
 def hand_dialogues(scenario) -> list[SimDialogue]:
@@ -64,7 +64,8 @@ def test_bootstrap_intervals_match_an_independent_resampling(scenario):
     # failed_rate per resample, computed here from the per-dialogue counts: D1 0 of 2 failed, D2 1 of 2
     failed = [sum(d == 1 for d in rows) / (2 * len(rows)) for rows in bootstrap_indices(2, 300, 5)]
     low, high = np.quantile(failed, [0.025, 0.975])
-    assert card["metrics"]["failed_rate"] == {"value": 0.25, "low": pytest.approx(low), "high": pytest.approx(high)}
+    assert card["metrics"]["failed_rate"] == {"value": 0.25, "low": pytest.approx(low), "high": pytest.approx(high),
+                                              "resamples": 300}  # every resample defines failed_rate
     assert card["metrics"]["distinct_1"] == pytest.approx(6 / 7)  # no interval for diversity
     assert card["metrics"]["first_try_valid_rate"]["low"] <= 0.5 <= card["metrics"]["first_try_valid_rate"]["high"]
     assert card["examples"]["malformed_first_replies"][0]["reply"] == COST_DOUBT

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
-from sim_report_fixtures import COST_DOUBT, INTRO, PUSHY, agent, profile, reply_text, user
 
 from llm_agent.simulator_report import DoubtMatcher, ReplyChecker, ScriptedReference, carried_state, jump_limits
 from llm_agent.user_sim.server.backend import BackendInputError
+from tests.helpers.sim_report_fixtures import COST_DOUBT, INTRO, PUSHY, agent, profile, reply_text, user
 
 
 def test_jump_limits_sum_every_effect_of_one_sign(scenario):

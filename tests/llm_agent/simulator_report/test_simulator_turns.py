@@ -5,13 +5,12 @@ from __future__ import annotations
 import copy
 import json
 
-from sim_report_fixtures import COST_DOUBT, reply_text
-
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.simulator_report import ProbeSampling, build_probe_set, dialogues_from_log, run_probes
 from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest
 from tests.helpers.gen_loop_helpers import ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch
 from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.sim_report_fixtures import COST_DOUBT, reply_text
 
 
 class FlakySim(SimulatorClient):

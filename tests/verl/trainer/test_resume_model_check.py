@@ -17,6 +17,7 @@ import pytest
 
 from verl.trainer.config_schema import ConfigError
 from verl.trainer.ppo.trainer_checkpoint import check_same_model
+from verl.utils.run_config import load_run_config
 
 
 def _overrides(model: Path, data: Path, out: Path, steps: int, *extra: str) -> list[str]:
@@ -71,6 +72,9 @@ def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path
 
     run_ppo(compose_config(_overrides(model_a, data, out, 1)))
     assert _state(out, 1)["model_path"] == str(model_a.resolve())
+    recorded = load_run_config(out / "ckpt" / "global_step_1")  # the run's own config, for evaluations
+    assert recorded.select("actor_rollout_ref.model.path") == str(model_a.resolve())
+    assert recorded.select("data.max_response_length") == 4 and recorded.select("trainer.total_training_steps") == 1
 
     with pytest.raises(ConfigError) as err:
         run_ppo(compose_config(_overrides(model_b, data, out, 2)))

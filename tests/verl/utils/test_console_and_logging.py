@@ -19,6 +19,19 @@ def test_console_line_shows_a_plugins_metrics_first_with_percentages_and_groups(
     assert line == "step 2/10 | CR 41% | a/b 20/5% | gen_s 12 | tok/s 999 | step_s 3.5"
 
 
+def test_a_plugin_metric_left_out_as_undefined_shows_na_never_zero():
+    from llm_agent.generation import LLMGenerationManager
+
+    # every training dialogue of the step failed: the rates over non-error dialogues are undefined (left out)
+    metrics = {"dialogue/error_rate": 1.0, "dialogue/n_dialogues": 8.0, "rollout/time_generate_s": 2.0,
+               "timing_s/step": 3.0}
+    line = format_console_line(5, 10, metrics, LLMGenerationManager.console_metrics)
+    assert line.startswith("step 5/10 | CR n/a | done/hang/quit/time/trunc/err n/a/n/a/n/a/n/a/n/a/100% | gen_s 2 |")
+    assert "val CR" not in line  # no validation this step: its namespace was not logged, nothing to show
+    # an engine metric that is absent (no critic) is still just skipped
+    assert "vf_loss" not in format_console_line(1, 2, {"critic/score/mean": 1.0})
+
+
 def test_the_dialogue_loop_declares_what_people_watch():
     from llm_agent.generation import LLMGenerationManager
 

@@ -31,6 +31,7 @@ __all__ = [
 
 console_logger = logging.getLogger("verl.trainer.console")
 
+NOT_AVAILABLE = "n/a"  # how the console line shows an undefined metric
 # (metric, short label) of the console line, in order; absent metrics are skipped.
 CONSOLE_METRICS = (
     ("critic/score/mean", "score"), ("critic/rewards/mean", "reward"), ("actor/pg_loss", "pg_loss"),
@@ -133,23 +134,34 @@ def _short(value: float) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _namespace_logged(key: str, metrics: Mapping[str, Any]) -> bool:
+    """True when `metrics` holds another key under `key`'s namespace (its path up to the last "/")."""
+    namespace = key.rsplit("/", 1)[0] + "/"
+    return any(k.startswith(namespace) for k in metrics)
+
+
 def format_console_line(step: int, total_steps: int, metrics: Mapping[str, Any],
                         first: Sequence[tuple[str, str]] = ()) -> str:
     """One compact line: ``step 3/20 | <first> | score 0.41 | ... | val/<source> 0.5`` with the metrics present.
 
     `first` are (metric, label) pairs shown right after the step, e.g. a rollout-loop plug-in's own
     `console_metrics` (what people watch in that kind of run); a label ending in "%" shows the value as a
-    percentage, and a pair whose metric is a tuple of keys shows them together ("a/b/c" style)."""
+    percentage, and a pair whose metric is a tuple of keys shows them together ("a/b/c" style). A `first` metric
+    that is missing while its namespace was logged this step is undefined there (a plug-in leaves out a metric
+    with an empty denominator, e.g. a completion rate over no dialogue) and shows as ``n/a``."""
     parts = [f"step {step}/{total_steps}"]
-    for key, label in [*first, *CONSOLE_METRICS]:
+    for index, (key, label) in enumerate([*first, *CONSOLE_METRICS]):
         keys = key if isinstance(key, tuple) else (key,)
-        if not all(k in metrics for k in keys):
-            continue
-        values = [metrics[k] for k in keys]
+        values = [metrics.get(k) for k in keys]
+        if any(v is None for v in values):
+            undefined_here = index < len(first) and any(_namespace_logged(k, metrics) for k in keys)
+            if not undefined_here:
+                continue
         if label.endswith("%"):
-            parts.append(f"{label[:-1]} {'/'.join(f'{100 * v:.0f}' for v in values)}%")
+            shown = "/".join(NOT_AVAILABLE if v is None else f"{100 * v:.0f}" for v in values)
+            parts.append(f"{label[:-1]} {shown}%" if any(v is not None for v in values) else f"{label[:-1]} {shown}")
         else:
-            parts.append(f"{label} {'/'.join(_short(v) for v in values)}")
+            parts.append(f"{label} {'/'.join(NOT_AVAILABLE if v is None else _short(v) for v in values)}")
     prefix = "val/test_score/"
     parts += [f"val/{key[len(prefix):]} {_short(value)}" for key, value in metrics.items() if key.startswith(prefix)]
     return " | ".join(parts)

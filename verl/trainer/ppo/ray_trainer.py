@@ -186,7 +186,8 @@ class RayPPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(dataclasses.asdict(self.typed.algorithm.kl_ctrl))
         self.checkpoints = TrainerCheckpoints(self.typed.trainer,
                                               str(Path(self.typed.actor_rollout_ref.model.path).resolve()),
-                                              run_inputs(tokenizer, OmegaConf.select(self.config, SCENARIO_KEY)))
+                                              run_inputs(tokenizer, OmegaConf.select(self.config, SCENARIO_KEY)),
+                                              run_config=OmegaConf.to_container(self.config, resolve=True))
         self.global_steps = 0
         self.actor_rollout_wg: Optional[RayWorkerGroup] = None
         self.critic_wg: Optional[RayWorkerGroup] = None

@@ -1,8 +1,9 @@
 """Checkpoint save / resume of a training run (:class:`TrainerCheckpoints`, used by the PPO trainer).
 
 ``global_step_N`` holds ``actor/`` and ``critic/`` (written by the worker groups: HF export plus optimizer,
-scheduler and RNG state per rank) and ``trainer_state.json`` (step, dataloader position, KL coefficient, driver
-RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the run started from), plus
+scheduler and RNG state per rank), ``trainer_state.json`` (step, dataloader position, KL coefficient, driver
+RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the run started from),
+``trainer_config.json`` (the run's resolved config, secrets left out: :mod:`verl.utils.run_config`), plus
 ``rollout_loop/`` where the rollout-loop plug-in keeps files of its own (its ``save_checkpoint(dir)`` /
 ``load_checkpoint(dir)`` hooks). It is written into ``global_step_N.partial``, fsynced and committed by a rename
 (:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint; a checkpoint
@@ -39,6 +40,7 @@ from verl.utils.checkpoint import (
     save_trainer_state,
     set_rng_state,
 )
+from verl.utils.run_config import save_run_config
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +110,16 @@ class TrainerCheckpoints:
     """Save and resume of a run's ``global_step_N`` checkpoints under ``trainer.default_local_dir``.
 
     Built from the trainer's checked config; ``model_path`` is the resolved ``actor_rollout_ref.model.path`` the
-    run trains and ``inputs`` its :func:`run_inputs` (both recorded in each checkpoint and compared on resume).
+    run trains and ``inputs`` its :func:`run_inputs` (both recorded in each checkpoint and compared on resume);
+    ``run_config`` the whole resolved config, written into each checkpoint as ``trainer_config.json``.
     """
 
-    def __init__(self, trainer: TrainerConfig, model_path: str, inputs: Mapping[str, str] | None = None) -> None:
+    def __init__(self, trainer: TrainerConfig, model_path: str, inputs: Mapping[str, str] | None = None,
+                 run_config: Mapping[str, Any] | None = None) -> None:
         self.config = trainer
         self.model_path = model_path
         self.inputs = dict(inputs or {})
+        self.run_config = run_config
         self.root = Path(trainer.default_local_dir).resolve()  # workers may run in another directory
 
     def save(self, step: int, total_steps: int, parts: CheckpointedParts) -> Path:
@@ -138,6 +143,8 @@ class TrainerCheckpoints:
             "model_path": self.model_path,
             "run_inputs": self.inputs,
         })
+        if self.run_config is not None:
+            save_run_config(partial, self.run_config)
         final = commit_checkpoint(self.root, step, self.config.max_ckpt_to_keep)
         logger.info("saved checkpoint %s", final)
         return final
