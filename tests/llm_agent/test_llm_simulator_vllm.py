@@ -99,13 +99,13 @@ def test_report_card_of_the_served_tiny_simulator(llm_simulator, tmp_path):
 
 
 def test_cpu_training_against_the_llm_simulator(llm_simulator, warm_model_path, tmp_path, ray_cluster):
-    from test_sead_training import GROUP, PROMPTS, _config, _trainer
+    from tests.helpers.sead_training_run import GROUP, PROMPTS, make_trainer, training_config
 
     url, _ = llm_simulator
-    config = _config(warm_model_path, tmp_path, [url], 2, ("rollout_loop.config.user_sim.max_tokens=128",
-                                                          "rollout_loop.config.user_sim.timeout_s=120",
-                                                          "trainer.save_freq=-1"))
-    trainer, pool = _trainer(config)
+    config = training_config(warm_model_path, tmp_path, [url], 2, ("rollout_loop.config.user_sim.max_tokens=128",
+                                                                   "rollout_loop.config.user_sim.timeout_s=120",
+                                                                   "trainer.save_freq=-1"))
+    trainer, pool = make_trainer(config)
     try:
         trainer.init_workers()
         trainer.fit()

@@ -20,10 +20,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers.repo import COMPACT_SYSTEM_PROMPT, SCENARIO_PATH
+from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.sead_training_run import GROUP, PROMPTS, STEPS, make_trainer, training_config
 
 SCENARIO = SCENARIO_PATH
-STEPS, PROMPTS, GROUP = 2, 4, 4
 
 
 @pytest.fixture()
@@ -37,52 +37,6 @@ def sims(tmp_path):
         yield servers, urls
     finally:
         servers.stop_all()
-
-
-def _prompt_files(out: Path) -> tuple[Path, Path]:
-    from llm_agent.scenario import load_scenario
-    from utils.create_prompt_data import prompt_rows, random_profiles, write_rows
-
-    scenario = load_scenario(SCENARIO)
-    paths = []
-    for split, n, seed in (("train", 16, 0), ("test", 4, 1)):
-        rows = prompt_rows(scenario, random_profiles(scenario, n, seed), split)
-        for row in rows:
-            row["prompt"] = [{"role": "system", "content": COMPACT_SYSTEM_PROMPT}, dict(row["prompt"][1])]
-        paths.append(write_rows(rows, out / f"{split}.parquet"))
-    return paths[0], paths[1]
-
-
-def _config(model: str, out: Path, urls: list[str], steps: int, extra: tuple[str, ...] = ()):
-    from verl.trainer.config_schema import compose_config
-
-    train, test = _prompt_files(out / "data")
-    loop = "rollout_loop.config"
-    return compose_config([
-        f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={test}",
-        "data.max_prompt_length=96", "data.max_response_length=512", f"data.train_batch_size={PROMPTS}",
-        f"actor_rollout_ref.rollout.n={GROUP}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-        f"trainer.total_training_steps={steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
-        "trainer.logger=[jsonl]", f"trainer.default_local_dir={out / 'ckpt'}", f"trainer.log_dir={out / 'logs'}",
-        "trainer.val_before_train=false", f"trainer.test_freq={STEPS}", "trainer.save_freq=1",
-        f"{loop}.scenario={SCENARIO}", f"{loop}.max_turns=4", f"{loop}.max_tokens_per_turn=96",
-        f"{loop}.max_user_tokens=64", f"{loop}.user_sim.urls='{','.join(urls)}'", f"{loop}.user_sim.timeout_s=10",
-        f"{loop}.cache.min_bucket_size=1", f"{loop}.rollout_log_path={out / 'rollouts.jsonl'}",
-        f"{loop}.val_metrics_path={out / 'val_metrics.jsonl'}", *extra,
-    ], config_name="sead_trainer")
-
-
-def _trainer(config):
-    from verl.single_controller.ray import RayResourcePool
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
-    from verl.utils.dataset import load_tokenizer
-    from verl.workers.fsdp_workers import ActorRolloutRefWorker
-
-    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
-    return RayPPOTrainer(config, tokenizer, {Role.ActorRollout: ActorRolloutRefWorker}, pool), pool
 
 
 def _largest_state_jumps(lines: list[dict]) -> tuple[int, int]:
@@ -159,10 +113,10 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
     from llm_agent.reward import compute_reward
 
     servers, urls = sims
-    config = _config(warm_model_path, tmp_path, urls, STEPS,
-                     ("rollout_loop.config.cache.stage_hit_rates={0:1.0,1:1.0,2:1.0,3:1.0}",))
+    config = training_config(warm_model_path, tmp_path, urls, STEPS,
+                             ("rollout_loop.config.cache.stage_hit_rates={0:1.0,1:1.0,2:1.0,3:1.0}",))
     _seed_cache(Path(config.rollout_loop.config.cache.path))
-    trainer, pool = _trainer(config)
+    trainer, pool = make_trainer(config)
     killed: list[float] = []
     try:
         trainer.init_workers()
@@ -231,7 +185,7 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
     state = json.loads((tmp_path / "ckpt" / f"global_step_{STEPS}" / "trainer_state.json").read_text())
     assert state["rollout_loop"]["controller"] == saved_controller
     assert saved_controller["updates"] == STEPS
-    resumed, pool = _trainer(_config(warm_model_path, tmp_path, [urls[0]], STEPS + 1))
+    resumed, pool = make_trainer(training_config(warm_model_path, tmp_path, [urls[0]], STEPS + 1))
     try:
         resumed.init_workers()
         resumed.load_checkpoint()
@@ -258,9 +212,10 @@ def test_sead_training_step_in_async_mode(warm_model_path, tmp_path, sims, ray_c
     rollout and the actor hold the same fp32 weights, so the mismatch is float noise and nothing is rejected (a
     log-prob put under the wrong token would be off by nats)."""
     _, urls = sims
-    config = _config(warm_model_path, tmp_path, urls, 1, ("rollout_loop.config.mode=async",
-                                                          "trainer.save_freq=-1", "trainer.test_freq=-1", *CORRECTION))
-    trainer, pool = _trainer(config)
+    config = training_config(warm_model_path, tmp_path, urls, 1, ("rollout_loop.config.mode=async",
+                                                                  "trainer.save_freq=-1", "trainer.test_freq=-1",
+                                                                  *CORRECTION))
+    trainer, pool = make_trainer(config)
     try:
         trainer.init_workers()
         trainer.fit()

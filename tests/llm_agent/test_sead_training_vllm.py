@@ -14,7 +14,9 @@ import json
 
 import pytest
 import torch
-from test_sead_training import PROMPTS, _config, _trainer
+
+from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.sead_training_run import PROMPTS, make_trainer, training_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -28,10 +30,9 @@ VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_nu
 @pytest.fixture()
 def sims(tmp_path):
     from tests.helpers.sim_servers import SimServers
-    from test_sead_training import SCENARIO
 
     servers = SimServers(tmp_path)
-    urls = [servers.start("--scenario", str(SCENARIO)) for _ in range(2)]
+    urls = [servers.start("--scenario", str(SCENARIO_PATH)) for _ in range(2)]
     try:
         servers.wait_ready(*urls)
         yield urls
@@ -69,9 +70,9 @@ def _run(model: str, out, urls: list[str], extra: list[str], resumed: bool = Fal
     right after the checkpoint was loaded: see `_engine_gap`; None when not resumed)."""
     from omegaconf import OmegaConf
 
-    config = _config(model, out, urls, STEPS)
+    config = training_config(model, out, urls, STEPS)
     config = OmegaConf.merge(config, OmegaConf.from_dotlist(VLLM + ["trainer.test_freq=-1"] + extra))
-    trainer, pool = _trainer(config)
+    trainer, pool = make_trainer(config)
     gaps = None
     try:
         trainer.init_workers()

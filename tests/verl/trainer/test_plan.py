@@ -11,6 +11,8 @@ from verl.trainer.config_schema import compose_config
 from verl.trainer.config_validation import build_config
 from verl.utils.memory_model import ModelShape
 
+from tests.helpers.plan_presets import P_14B, PRESET_GPU, QWEN25_14B, preset_phases, write_model_14b
+
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
              "tie_word_embeddings": False}
@@ -101,45 +103,14 @@ def test_fsdp1_generation_gathers_one_unit_at_a_time(model_7b):
     assert fsdp1["rollout"].memory["gathered units"] == fsdp1["old log-probs"].memory["gathered units"] < P_7B
 
 
-QWEN25_14B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
-              "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
-              "tie_word_embeddings": False}
-P_14B = 14_770_033_664
-# the GPU preset's keys (scripts/presets.sh) that shape the plan
-PRESET_GPU = ["data.train_batch_size=60", "actor_rollout_ref.rollout.n=8", "trainer.n_gpus_per_node=6",
-              "data.max_prompt_length=2048", "data.max_response_length=6144",
-              "actor_rollout_ref.actor.ppo_mini_batch_size=60", "actor_rollout_ref.actor.use_kl_loss=true",
-              "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-              "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
-              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
-              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768",
-              "actor_rollout_ref.ref.fsdp_config.param_offload=true", "actor_rollout_ref.rollout.name=vllm",
-              "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-              "actor_rollout_ref.rollout.gpu_memory_utilization=0.55", "actor_rollout_ref.rollout.enforce_eager=false",
-              "rollout_loop.config.max_turns=15", "rollout_loop.config.max_tokens_per_turn=256",
-              "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
-              "algorithm.rollout_correction.rollout_rs=turn_mean_k3",
-              "algorithm.rollout_correction.rollout_rs_threshold=0.01"]
-
-
 @pytest.fixture()
 def model_14b(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(QWEN25_14B))
-    return str(tmp_path)
-
-
-def _preset_phases(model_dir, extra=()):
-    cfg = build_config(compose_config([f"actor_rollout_ref.model.path={model_dir}", *PRESET_GPU, *extra],
-                                      "sead_trainer"))
-    setup = plan_mod.make_setup(cfg, ModelShape.from_model_dir(model_dir), None)
-    hw = plan_mod.Hardware()
-    return setup, hw, {p.name.split(" (")[0]: p for p in plan_mod.build_phases(setup, hw)}
+    return write_model_14b(tmp_path)
 
 
 def test_vllm_phase_holds_the_resident_actor_beside_the_engine_pool_and_counts_kv_tokens(model_14b):
     assert ModelShape.from_hf_config(QWEN25_14B).num_params() == P_14B
-    setup, hw, phases = _preset_phases(model_14b)
+    setup, hw, phases = preset_phases(model_14b)
     rollout = phases["rollout"]
     assert rollout.name == "rollout (vLLM)"
     # fp32 actor shards and AdamW moments stay; the reference's bf16 shards are offloaded outside its phase
@@ -159,39 +130,39 @@ def test_vllm_phase_holds_the_resident_actor_beside_the_engine_pool_and_counts_k
 
 
 def test_vllm_advice_names_the_engine_settings(model_14b):
-    setup, hw, phases = _preset_phases(model_14b)
+    setup, hw, phases = preset_phases(model_14b)
     advice = plan_mod.advise(setup, hw, list(phases.values()))
     kv = [a for a in advice if a.startswith("rollout (vLLM): the KV cache holds")]
     assert len(kv) == 1 and "optimizer_offload=true" in kv[0] and "max_num_seqs=" in kv[0]
     assert not any("micro_batch_size_per_gpu" in a for a in advice)  # HF generate's key is not the vLLM rollout's
     # an engine pool that cannot sit beside the actor: lower gpu_memory_utilization to what fits
-    setup, hw, phases = _preset_phases(model_14b, ["actor_rollout_ref.rollout.gpu_memory_utilization=0.9"])
+    setup, hw, phases = preset_phases(model_14b, ["actor_rollout_ref.rollout.gpu_memory_utilization=0.9"])
     assert phases["rollout"].total > hw.memory_bytes
     fix = [a for a in plan_mod.advise(setup, hw, list(phases.values())) if "does not fit beside" in a]
     util = float(fix[0].split("gpu_memory_utilization=")[1].split()[0])
-    setup, hw, phases = _preset_phases(model_14b, [f"actor_rollout_ref.rollout.gpu_memory_utilization={util}"])
+    setup, hw, phases = preset_phases(model_14b, [f"actor_rollout_ref.rollout.gpu_memory_utilization={util}"])
     assert phases["rollout"].total <= hw.memory_bytes
 
 
 def test_weight_sync_and_offload_phases(model_14b):
-    setup, hw, phases = _preset_phases(model_14b)
+    setup, hw, phases = preset_phases(model_14b)
     sync = phases["weight sync"]
     assert sync.memory["gathered units"] == 2 * 512 * 2**20  # two buckets' worth of full bf16 tensors
     assert sync.memory["vllm"] == pytest.approx(P_14B + plan_mod.VLLM_OTHER_BYTES + plan_mod.VLLM_CUDA_GRAPH_BYTES)
-    _, _, offloaded = _preset_phases(model_14b, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
+    _, _, offloaded = preset_phases(model_14b, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
     assert offloaded["rollout"].memory["optimizer"] == 0 and offloaded["update actor"].memory["optimizer"] > 0
     # a sleeping engine keeps its CUDA graphs; one that does not sleep keeps its whole pool
     assert phases["update actor"].memory["vllm"] == plan_mod.VLLM_OTHER_BYTES + plan_mod.VLLM_CUDA_GRAPH_BYTES
-    _, _, awake = _preset_phases(model_14b, ["actor_rollout_ref.rollout.free_cache_engine=false"])
+    _, _, awake = preset_phases(model_14b, ["actor_rollout_ref.rollout.free_cache_engine=false"])
     assert awake["update actor"].memory["vllm"] == pytest.approx(0.55 * 80e9)
 
 
 def test_the_presets_token_budget_update_fits_at_14b_with_the_bf16_logits(model_14b):
-    setup, hw, phases = _preset_phases(model_14b)
+    setup, hw, phases = preset_phases(model_14b)
     update = phases["update actor"]
     assert update.total <= hw.memory_bytes / 1.15  # the planner's 15% error, measured on CPU, fits too
     # one row of 8,192 tokens: the head's 6,145 response positions in bf16, kept and their gradient
-    _, _, one_row = _preset_phases(model_14b, ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192"])
+    _, _, one_row = preset_phases(model_14b, ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192"])
     head = 6145 * 152064 * 2
     chunk = min(6144 * 152064 * 4, 2**24 * 4)
     assert one_row["update actor"].memory["logits"] == 2 * head + 3 * chunk
@@ -204,13 +175,13 @@ def test_cli_prints_the_vllm_phase(model_14b, capsys):
 
 
 def test_rollout_correction_costs_the_engine_a_log_softmax_and_bypass_drops_the_old_log_prob_pass(model_14b):
-    setup, hw, phases = _preset_phases(model_14b)
-    without, _, _ = _preset_phases(model_14b, ["actor_rollout_ref.rollout.calculate_log_probs=false",
+    setup, hw, phases = preset_phases(model_14b)
+    without, _, _ = preset_phases(model_14b, ["actor_rollout_ref.rollout.calculate_log_probs=false",
                                                "algorithm.rollout_correction.rollout_is=null",
                                                "algorithm.rollout_correction.rollout_rs=null"])
     # the engine's log-probs: one more fp32 (max_num_seqs, vocab) tensor in the sampler
     extra = plan_mod.vllm_engine(setup, hw).activations - plan_mod.vllm_engine(without, hw).activations
     assert extra == pytest.approx(setup.cfg.actor_rollout_ref.rollout.max_num_seqs * 152064 * 4)
     assert "old log-probs" in phases
-    _, _, bypass = _preset_phases(model_14b, ["algorithm.rollout_correction.bypass_mode=true"])
+    _, _, bypass = preset_phases(model_14b, ["algorithm.rollout_correction.bypass_mode=true"])
     assert "old log-probs" not in bypass and list(bypass) == [name for name in phases if name != "old log-probs"]

@@ -4,12 +4,13 @@ profiler: tests/verl/utils/test_memory_model_lora.py)."""
 from __future__ import annotations
 
 import pytest
-from test_plan import P_14B, QWEN25_14B, _preset_phases, model_14b  # noqa: F401 (fixture)
 
 from verl.trainer import plan as plan_mod
 from verl.trainer.config_schema import ConfigError, compose_config
 from verl.trainer.config_validation import build_config
 from verl.utils.memory_model import ModelShape, pass_flops
+
+from tests.helpers.plan_presets import P_14B, QWEN25_14B, preset_phases, write_model_14b
 
 LORA_32 = ["actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=32"]
 # rank 32 on all seven linear layers of each of 48 layers: r x (in + out), in + out = q 10240, k 6144, v 6144,
@@ -17,8 +18,13 @@ LORA_32 = ["actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora
 ADAPTER_14B = 48 * 32 * (10240 + 6144 + 6144 + 10240 + 3 * 18944)
 
 
+@pytest.fixture()
+def model_14b(tmp_path):
+    return write_model_14b(tmp_path)
+
+
 def test_lora_states_are_hand_computed_and_the_reference_is_the_actor(model_14b):
-    setup, hw, phases = _preset_phases(model_14b, [*LORA_32, "trainer.n_gpus_per_node=2"])
+    setup, hw, phases = preset_phases(model_14b, [*LORA_32, "trainer.n_gpus_per_node=2"])
     assert setup.actor_lora.params == ADAPTER_14B == 137_625_600
     update = phases["update actor"]
     assert update.memory["weights"] == pytest.approx((2 * P_14B + 4 * ADAPTER_14B) / 2, rel=1e-6)  # bf16 base
@@ -26,7 +32,7 @@ def test_lora_states_are_hand_computed_and_the_reference_is_the_actor(model_14b)
     assert update.memory["gradients"] == pytest.approx(4 * ADAPTER_14B / 2, rel=1e-6)
     # no second copy of the base: the reference pass computes with the actor's own state
     assert phases["reference log-probs"].memory["weights"] == phases["old log-probs"].memory["weights"]
-    _, _, full = _preset_phases(model_14b, ["trainer.n_gpus_per_node=2"])
+    _, _, full = preset_phases(model_14b, ["trainer.n_gpus_per_node=2"])
     assert full["reference log-probs"].memory["weights"] > full["old log-probs"].memory["weights"]
     # the engine: bf16 weights over TP 2 plus one adapter slot for every linear layer at max_lora_rank 32
     engine = plan_mod.vllm_engine(setup, hw)
@@ -39,17 +45,17 @@ def test_lora_states_are_hand_computed_and_the_reference_is_the_actor(model_14b)
 
 
 def test_target_and_excluded_modules_and_merged_sync(model_14b):
-    setup, _, phases = _preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+    setup, _, phases = preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
                                                   "actor_rollout_ref.model.lora.merge=true"])
     assert setup.actor_lora.params == 48 * 32 * (10240 + 6144)
     assert phases["weight sync"].memory["gathered units"] == 2 * 512 * 2**20  # merged: every weight, in buckets
-    setup, _, _ = _preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.exclude_modules=[down_proj]"])
+    setup, _, _ = preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.exclude_modules=[down_proj]"])
     assert setup.actor_lora.params == ADAPTER_14B - 48 * 32 * 18944
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.target_modules: \['qkv_proj'\] name no linear "
                                           r"layer of the model's decoder layers"):
-        _preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.target_modules=[q_proj,qkv_proj]"])
+        preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.target_modules=[q_proj,qkv_proj]"])
     with pytest.raises(ConfigError, match="exclude_modules removes every target module"):
-        _preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.target_modules=[q_proj]",
+        preset_phases(model_14b, [*LORA_32, "actor_rollout_ref.model.target_modules=[q_proj]",
                                    "actor_rollout_ref.model.exclude_modules=[q_proj]"])
 
 

@@ -9,17 +9,16 @@ temporaries overlap; it is meant to say whether a configuration fits with a safe
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verl.utils.fsdp_utils import enable_activation_checkpointing
 from verl.utils.memory_model import ModelShape, forward_pass_peak, kv_cache_bytes, update_pass_peak
 from verl.utils.torch_functional import log_probs_and_entropy
 from verl.workers.batching import response_logits
+
+from tests.helpers.memory_profiling import measured_peak
+from tests.helpers.small_qwen import SMALL, small_inputs, small_model
 
 pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
 
@@ -32,8 +31,6 @@ QWEN25_05B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "
 LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
              "tie_word_embeddings": False, "attention_bias": False}
-SMALL = {"model_type": "qwen2", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
-         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
 TOLERANCE = 0.15
 
 
@@ -63,39 +60,16 @@ def test_config_errors_name_the_key(tmp_path):
         ModelShape.from_model_dir(tmp_path)
 
 
-def _measured_peak(fn, trace_path) -> int:
-    """The largest number of bytes allocated (since the start) while ``fn`` runs, from the profiler's events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    prof.export_chrome_trace(str(trace_path))
-    events = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    return max(e["args"]["Total Allocated"] for e in events)
-
-
-def _small_model(dtype: torch.dtype) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(**{k: v for k, v in SMALL.items() if k != "model_type"}, attn_implementation="sdpa")
-    return Qwen2ForCausalLM(config).to(dtype)
-
-
-def _inputs(rows: int, seq_len: int, padded: bool) -> dict[str, torch.Tensor]:
-    mask = torch.ones(rows, seq_len, dtype=torch.long)
-    if padded:
-        mask[0, :5] = 0
-    return {"input_ids": torch.randint(0, SMALL["vocab_size"], (rows, seq_len)), "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 def test_update_peak_matches_measurement(tmp_path, dtype, checkpointing, padded):
     rows, seq_len, response_len = 2, 96, 48
-    model = _small_model(dtype)
+    model = small_model(dtype)
     if checkpointing:
         enable_activation_checkpointing(model)
     model.train()
-    inputs = _inputs(rows, seq_len, padded)
+    inputs = small_inputs(rows, seq_len, padded)
 
     def micro_batch():
         logits = response_logits(model(**inputs, use_cache=False).logits, response_len)
@@ -103,7 +77,7 @@ def test_update_peak_matches_measurement(tmp_path, dtype, checkpointing, padded)
         (-log_probs.mean() - 0.01 * entropy.mean()).backward()
 
     micro_batch()  # the gradients exist from now on, as in every later micro-batch of a mini-batch
-    measured = _measured_peak(micro_batch, tmp_path / "trace.json")
+    measured = measured_peak(micro_batch, tmp_path / "trace.json")
     dtype_bytes = torch.finfo(dtype).bits // 8
     shape = ModelShape.from_hf_config(SMALL)
     # HF passes no mask to SDPA for an unpadded batch (K/V stay at the kv heads); a padded batch repeats them
@@ -114,23 +88,23 @@ def test_update_peak_matches_measurement(tmp_path, dtype, checkpointing, padded)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_peak_matches_measurement(tmp_path, dtype):
     rows, seq_len, response_len = 2, 96, 48
-    model = _small_model(dtype).eval()
-    inputs = _inputs(rows, seq_len, padded=True)
+    model = small_model(dtype).eval()
+    inputs = small_inputs(rows, seq_len, padded=True)
 
     @torch.no_grad()
     def log_prob_pass():
         logits = response_logits(model(**inputs, use_cache=False).logits, response_len)
         log_probs_and_entropy(logits, inputs["input_ids"][:, -response_len:], 1.2)
 
-    measured = _measured_peak(log_prob_pass, tmp_path / "trace.json")
+    measured = measured_peak(log_prob_pass, tmp_path / "trace.json")
     shape = ModelShape.from_hf_config(SMALL)
     expected = forward_pass_peak(shape, rows, seq_len, response_len, torch.finfo(dtype).bits // 8)
     assert measured == pytest.approx(expected.total, rel=TOLERANCE)
 
 
 def test_kv_cache_matches_generate(tmp_path):
-    model = _small_model(torch.float32).eval()
-    inputs = _inputs(2, 20, padded=False)
+    model = small_model(torch.float32).eval()
+    inputs = small_inputs(2, 20, padded=False)
     with torch.no_grad():
         out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=True)
     cache = out.past_key_values
@@ -143,8 +117,8 @@ def test_kv_cache_matches_generate(tmp_path):
 def test_saved_activations_per_layer_match_the_formula(dtype, padded):
     """The decoder stack's activations alone (no logits): the bytes of every distinct storage autograd saves."""
     rows, seq_len = 2, 96
-    model = _small_model(dtype).train()
-    inputs = _inputs(rows, seq_len, padded)
+    model = small_model(dtype).train()
+    inputs = small_inputs(rows, seq_len, padded)
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_memory_model import SMALL, _inputs, _measured_peak, _small_model
 
 from verl.utils.fsdp_utils import enable_activation_checkpointing
 from verl.utils.lora import LoraSettings, apply_lora
 from verl.utils.memory_model import ModelShape, update_pass_peak
 from verl.utils.torch_functional import log_probs_and_entropy
 from verl.workers.batching import response_logits
+
+from tests.helpers.memory_profiling import measured_peak
+from tests.helpers.small_qwen import SMALL, small_inputs, small_model
 
 
 @pytest.mark.parametrize("dtype, checkpointing, modules", [  # each setting both ways; the GPU preset's first
@@ -22,12 +24,12 @@ def test_lora_update_peak_is_a_close_upper_bound(tmp_path, dtype, checkpointing,
     """A rank-16 adapter computing in ``dtype`` (as FSDP's mixed precision runs it) on the small Qwen2: the profiler's
     peak of one micro-batch is at most the planner's and at least 80% of it."""
     rows, seq_len, response_len = 2, 96, 48
-    model = _small_model(dtype)
+    model = small_model(dtype)
     if checkpointing:
         enable_activation_checkpointing(model)
     model = apply_lora(model, LoraSettings(rank=16, alpha=16, target_modules=modules), "causal_lm", "m").to(dtype)
     model.train()
-    inputs = _inputs(rows, seq_len, padded=True)
+    inputs = small_inputs(rows, seq_len, padded=True)
 
     def micro_batch():
         logits = response_logits(model(**inputs, use_cache=False).logits, response_len)
@@ -35,7 +37,7 @@ def test_lora_update_peak_is_a_close_upper_bound(tmp_path, dtype, checkpointing,
         (-log_probs.mean() - 0.01 * entropy.mean()).backward()
 
     micro_batch()
-    measured = _measured_peak(micro_batch, tmp_path / "trace.json")
+    measured = measured_peak(micro_batch, tmp_path / "trace.json")
     shape, b = ModelShape.from_hf_config(SMALL), torch.finfo(dtype).bits // 8
     adapted = list(shape.linear_layers) if modules == "all-linear" else modules
     layers = 2 / shape.num_layers if checkpointing else 1

@@ -14,6 +14,7 @@ from verl.protocol import DataProto
 from verl.utils.fsdp_utils import full_state_dict
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
+from tests.helpers.hf_reference import hf_logprobs
 from tests.helpers.ppo_batch_helpers import (RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_ppo_batch,
                                              make_prompts)
 
@@ -127,17 +128,6 @@ def test_checkpoint_resume_is_exact_and_exports_hf(tiny_model_path, tmp_path, st
     assert metrics_resumed["actor/lr"] == metrics_first["actor/lr"] == [pytest.approx(2e-3 / 3)]
     for name, value in _params(resumed.actor.actor_module).items():
         assert torch.equal(value, expected[name]), name
-
-
-def hf_logprobs(model: torch.nn.Module, data: DataProto) -> torch.Tensor:
-    """Log-probs of the responses under a plain HF model (the reference for the worker's)."""
-    b = data.batch
-    with torch.no_grad():
-        logits = model(
-            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
-        ).logits
-    logits = logits[:, -RESPONSE_LEN - 1 : -1]
-    return torch.log_softmax(logits, -1).gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from peft import PeftModel
 from safetensors.torch import load_file
-from test_fsdp_workers import hf_logprobs
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from llm_agent.evaluation.local_agents import load_policy_model, resolve_model_dir
@@ -21,6 +20,7 @@ from verl.protocol import DataProto
 from verl.utils.fsdp_utils import full_state_dict
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
+from tests.helpers.hf_reference import hf_logprobs
 from tests.helpers.ppo_batch_helpers import (RESPONSE_LEN, actor_rollout_ref_config, critic_config, make_ppo_batch,
                                              make_prompts)
 
