@@ -1,6 +1,6 @@
 """The mistakes analysis (`analysis.analyze_by_split`'s result) as a short text a person reads in a terminal:
 per split the outcome counts, the CR, the hardest and easiest state combinations, the behaviour categories and
-where failed calls ended. Intervals are Wilson 95% intervals, written `[low, high]`."""
+where failed calls ended and why (their most common failure labels). Intervals are Wilson 95% intervals, written `[low, high]`."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -33,6 +33,11 @@ def _split_lines(name: str, a: Mapping[str, Any], top: int) -> list[str]:
     if failures["n"]:
         stages = "; ".join(f"{r['name']} {r['share']:.0%}" for r in failures["by_stage"][:top])
         lines.append(f"  {failures['n']} failed calls ended at (highest stage reached): {stages}")
+    labels = [row for row in (a.get("diagnosis") or {}).get("labels", ()) if row["dialogues"]]
+    if labels:
+        lines.append("  why they failed (share of failed calls with the label): "
+                     + "; ".join(f"{row['label']} {row['share']:.0%}"
+                                 for row in sorted(labels, key=lambda row: -row["share"])[:top]))
     return lines
 
 

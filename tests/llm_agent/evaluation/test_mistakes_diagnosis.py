@@ -64,10 +64,16 @@ def test_labels_stored_in_a_log_are_kept(scenario):
 def test_command_line_prints_the_diagnosis(tmp_path, capsys):
     path = tmp_path / "rollouts.jsonl"
     path.write_text("".join(json.dumps({"step": 1, "split": "train", **r}) + "\n" for r in records()))
-    assert analyze_mistakes.main([str(path)]) == 0
+    assert analyze_mistakes.main([str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    labels = {row["label"]: row["turns"] for row in out["splits"]["train"]["diagnosis"]["labels"]}
-    assert labels["doubt_unanswered"] == 3 and labels["format_error"] == 1
+    rows = {row["label"]: row for row in out["splits"]["train"]["diagnosis"]["labels"]}
+    assert rows["doubt_unanswered"]["turns"] == 3 and rows["format_error"]["turns"] == 1
+    # the default text summary names the labels of the failed calls with their shares
+    assert analyze_mistakes.main([str(path)]) == 0
+    why = [line for line in capsys.readouterr().out.splitlines() if "why they failed" in line]
+    assert len(why) == 1
+    for label in ("doubt_unanswered", "format_error"):
+        assert f"{label} {rows[label]['share']:.0%}" in why[0]
 
 
 def test_browser_data_carries_the_labels_of_every_turn(scenario):
