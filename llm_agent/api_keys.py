@@ -9,7 +9,9 @@ import os
 import stat
 from collections.abc import Mapping
 
-__all__ = ["ApiKeyError", "api_key", "command_line_refusal", "read_key_file"]
+__all__ = ["MAX_KEY_CHARS", "ApiKeyError", "api_key", "command_line_refusal", "read_key_file"]
+
+MAX_KEY_CHARS = 16384  # far above any service's key; a larger file is not read whole
 
 
 class ApiKeyError(ValueError):
@@ -18,25 +20,31 @@ class ApiKeyError(ValueError):
 
 def read_key_file(path: str | os.PathLike, option: str = "--api-key-file") -> str:
     """The key held in `path` (surrounding whitespace removed). ApiKeyError naming `option` and the file unless it
-    is a regular file, not a symbolic link, owned by the caller, with no group or other permission, and not empty."""
+    is a regular file, not a symbolic link, owned by the caller, with no group or other permission, not empty and
+    at most MAX_KEY_CHARS long."""
     path = os.fspath(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: opening a FIFO does not wait for a writer (it is then refused as not a regular file)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as err:
         raise ApiKeyError(f"{option} {path}: {err.strerror}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # checked on the descriptor: a directory cannot even be wrapped in a file
+        os.close(fd)
+        raise ApiKeyError(f"{option} {path} is not a regular file")
     with os.fdopen(fd, "r", encoding="utf-8") as fh:
-        info = os.fstat(fh.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ApiKeyError(f"{option} {path} is not a regular file")
         if info.st_uid != os.getuid():
             raise ApiKeyError(f"{option} {path} is owned by uid {info.st_uid}, not by you")
         if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ApiKeyError(f"{option} {path} has mode {stat.S_IMODE(info.st_mode):04o}; other users may read it: "
                               f"chmod 600 {path}")
         try:
-            key = fh.read().strip()
+            key = fh.read(MAX_KEY_CHARS + 1)
         except UnicodeDecodeError:
             raise ApiKeyError(f"{option} {path} is not UTF-8 text") from None
+    if len(key) > MAX_KEY_CHARS:
+        raise ApiKeyError(f"{option} {path} holds more than {MAX_KEY_CHARS} characters: not a key file")
+    key = key.strip()
     if not key:
         raise ApiKeyError(f"{option} {path} is empty")
     return key
