@@ -135,7 +135,8 @@ def test_gpu_preset_rehearsal_trains_checkpoints_and_resumes(tmp_path, warm_mode
         if "actor/pg_loss" in m:
             assert m["timing_s/weight_sync"] > 0 and m["actor/kl_loss"] >= 0
             # rollout correction on (the engine and the actor both fp32 here: float noise, nothing rejected)
-            assert 0 <= m["rollout/kl_k3"] < 1e-4 and m["rollout_corr/rollout_rs_masked_fraction"] == 0
+            # (k3 >= 0 in exact arithmetic; float noise leaves it within 1e-4 of 0 on either side)
+            assert abs(m["rollout/kl_k3"]) < 1e-4 and m["rollout_corr/rollout_rs_masked_fraction"] == 0
     ckpts = outputs / "checkpoints" / experiment
     assert (ckpts / "global_step_1" / "actor" / "model.safetensors").is_file()  # the last step of launch 1
     exported = AutoModelForCausalLM.from_pretrained(ckpts / "global_step_2" / "actor")
