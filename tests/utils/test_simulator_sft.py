@@ -148,7 +148,6 @@ def test_tiny_fingerprint_follows_the_recipe(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.extended
 def test_cli_exports_a_model_the_hf_backend_serves_and_the_tiny_simulator_is_reused(tiny_model_path, tmp_path):
     out = tmp_path / "sim"
     proc = subprocess.run([sys.executable, "-m", "utils.simulator_sft", "--model", tiny_model_path, "--out", str(out),

@@ -120,7 +120,6 @@ def test_rows_without_loss_tokens_are_refused(tiny_model_path, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.extended
 def test_two_fsdp_ranks_train_the_same_weights_as_one_process(tiny_model_path, tmp_path):
     args = ["-m", "utils.simulator_sft", "--model", tiny_model_path, "--scripted", "3", "--max-turns", "3",
             "--steps", "3", "--lr", "5e-3", "--batch-size", "4", "--max-length", "4096", "--warmup-steps", "1"]
