@@ -3,14 +3,17 @@
     python -m utils.check_simulators http://127.0.0.1:5000,http://127.0.0.1:5001 [--timeout 5]
 
 Each comma-separated base URL (what `USER_SIM_URLS` and `rollout_loop.config.user_sim.urls` hold) must answer
-`GET <url>/health` with 200 within the timeout; exit status 0 when all do, 2 naming every one that does not.
+`GET <url>/health` with 200 within the timeout; exit status 0 when all do, 2 naming every one that does not
+(by host:port: a user name or password in a URL is never printed).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from llm_agent.user_sim.client.wire import instance_name
 from llm_agent.user_sim.processes import health_ok
 
 
@@ -21,20 +24,31 @@ def dead_simulators(urls: list[str], timeout_s: float) -> list[str]:
     return [url for url, ok in zip(urls, alive) if not ok]
 
 
+def _timeout(text: str) -> float:
+    """A finite number of seconds above 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: 0 when every simulator answers, else 2 and the dead URLs on stderr."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("urls", help="comma-separated simulator base URLs")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds each /health may take")
+    parser.add_argument("--timeout", type=_timeout, default=5.0, help="seconds each /health may take")
     args = parser.parse_args(argv)
     urls = [url.strip() for url in args.urls.split(",") if url.strip()]
     dead = dead_simulators(urls, args.timeout)
     if dead:
-        print(f"user simulator(s) not answering GET /health within {args.timeout:g} s: {', '.join(dead)} "
-              f"(USER_SIM_URLS={args.urls}); start them (scripts/start_user_sims.sh) or unset USER_SIM_URLS to let "
-              f"this script start scripted ones", file=sys.stderr)
+        print(f"user simulator(s) of USER_SIM_URLS not answering GET /health within {args.timeout:g} s: "
+              f"{', '.join(map(instance_name, dead))}; start them (scripts/start_user_sims.sh) or unset USER_SIM_URLS "
+              f"to let this script start scripted ones", file=sys.stderr)
         return 2
-    print(f"user simulators answering: {', '.join(urls)}")
+    print(f"user simulators answering: {', '.join(map(instance_name, urls))}")
     return 0
 
 

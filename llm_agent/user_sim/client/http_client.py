@@ -126,11 +126,11 @@ class UserSimClient(SimulatorClient):
                                                    f"{self._configured_model!r} (rollout_loop.config.user_sim.model)")
                 served[inst.name] = self._configured_model or ids[0]
             except AttemptError as exc:
-                problems.append(f"{inst.url}: {exc}")
+                problems.append(f"{inst.name}: {exc}")
             except ResponseTooLarge as exc:
-                problems.append(f"{inst.url}: {exc}")
+                problems.append(f"{inst.name}: {exc}")
             except (aiohttp.ClientError, TimeoutError) as exc:
-                problems.append(f"{inst.url}: unreachable ({type(exc).__name__}: {exc})")
+                problems.append(f"{inst.name}: unreachable ({type(exc).__name__}: {exc})")
         if problems:
             raise SimulatorCheckError("user simulator check failed for " + "; ".join(problems))
         return served

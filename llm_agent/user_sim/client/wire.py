@@ -51,9 +51,10 @@ def parse_urls(urls: str | list[str]) -> list[str]:
 
 
 def instance_name(url: str) -> str:
-    """The instance's label in replies and metrics: host:port, plus the path when the URL has one."""
+    """The instance's label in replies, metrics and messages: host:port, plus the path when the URL has one; never
+    the user name or password a URL may carry."""
     parts = urlsplit(url)
-    return parts.netloc + parts.path
+    return parts.netloc.rpartition("@")[2] + parts.path
 
 
 def raise_for_status(response: HTTPReply) -> None:
