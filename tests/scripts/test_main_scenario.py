@@ -130,9 +130,11 @@ def test_a_new_scenario_gets_its_own_experiment_and_prompt_and_a_draft_beside_it
 
 def test_a_dead_simulator_url_is_reported_before_anything_is_built(tmp_path):
     port = free_port()
-    done, wall = main_sh(tmp_path, USER_SIM_URLS=f"http://127.0.0.1:{port}")
+    done, wall = main_sh(tmp_path, USER_SIM_URLS=f"http://sim-user:s3cret-token@127.0.0.1:{port}")
     assert done.returncode == 2
-    assert f"not answering GET /health within 5 s: http://127.0.0.1:{port}" in done.stderr
+    # the instance is named by host:port; the URL's credentials are never printed
+    assert f"not answering GET /health within 5 s: 127.0.0.1:{port}" in done.stderr
+    assert "s3cret-token" not in done.stdout + done.stderr
     assert not (tmp_path / "outputs").exists() and wall < 30, wall
 
 
