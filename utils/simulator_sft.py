@@ -25,8 +25,8 @@ torchrun launch) and exported as a Hugging Face model directory with its tokeniz
 `USER_SIM_MODEL=DIR`. `--tiny` builds the CI's simulator: a tiny Qwen2 model (utils/make_tiny_model.py, the
 scenario tags as whole tokens; kept in `DIR/base/`) trained on scripted calls with a fixed recipe, reused while the
 recipe, the scenario files and the code that makes it are unchanged (a fingerprint in `simulator_sft.json`).
-Two recipes: `full` (TinyRecipe, graded in BENCHMARKS.md) and `quick` (QUICK_RECIPE, the `vllm` test's: a twelfth
-of the training sequences).
+Two recipes: `full` (TinyRecipe, graded in BENCHMARKS.md) and `quick` (QUICK_RECIPE, the `vllm` test's: 64 calls
+and 100 steps, minutes to make).
 """
 from __future__ import annotations
 
@@ -168,18 +168,18 @@ class TinyRecipe:
     spec: TinyModelSpec = TinyModelSpec(vocab_size=2048, hidden_size=128, intermediate_size=256,
                                         num_hidden_layers=2, num_attention_heads=4, tag_tokens=True,
                                         user_tag_tokens=True)
-    n_calls: int = 1500
+    n_calls: int = 2500
     quality_mix: dict[str, float] = field(default_factory=lambda: {"good": 0.5, "evasive": 0.25, "bad": 0.25})
     reply_format: str = "canonical"
     max_turns: int = 10
     max_length: int = 2048
-    sft: SFTConfig = SFTConfig(steps=600, lr=3e-3, batch_size=8, seed=0, warmup_steps=20, lr_schedule="cosine",
+    sft: SFTConfig = SFTConfig(steps=1000, lr=3e-3, batch_size=8, seed=0, warmup_steps=20, lr_schedule="cosine",
                                min_lr_ratio=0.1)
     number_weight: float = 5.0
     seed: int = 0
 
 
-# The `vllm` test's simulator: a twelfth of TinyRecipe's training sequences (minutes on a loaded 2-core box). It follows
+# The `vllm` test's simulator: 64 calls and 100 steps of 4 (minutes on a loaded 2-core box). It follows
 # the tag protocol on most turns, not all: the loop's re-requests run, and the card's figures are TinyRecipe's.
 QUICK_RECIPE = TinyRecipe(n_calls=64, sft=SFTConfig(steps=100, lr=3e-3, batch_size=4, seed=0, warmup_steps=10,
                                                     lr_schedule="cosine", min_lr_ratio=0.1))
