@@ -4,7 +4,8 @@
 
 Each comma-separated base URL (what `USER_SIM_URLS` and `rollout_loop.config.user_sim.urls` hold) must answer
 `GET <url>/health` with 200 within the timeout; exit status 0 when all do, 2 naming every one that does not
-(by host:port: a user name or password in a URL is never printed).
+(by host:port). A URL carrying a user name or password is refused (exit 2) without repeating it: the token
+belongs in $SEAD_USER_SIM_API_KEY.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from llm_agent.user_sim.client.wire import instance_name
+from llm_agent.user_sim.client.wire import instance_name, parse_urls
 from llm_agent.user_sim.processes import health_ok
 
 
@@ -22,6 +23,14 @@ def dead_simulators(urls: list[str], timeout_s: float) -> list[str]:
     with ThreadPoolExecutor(max_workers=min(len(urls), 16) or 1) as pool:
         alive = list(pool.map(lambda url: health_ok(url, timeout_s), urls))
     return [url for url, ok in zip(urls, alive) if not ok]
+
+
+def _urls(text: str) -> list[str]:
+    """The comma-separated base URLs, checked and normalised (argparse type)."""
+    try:
+        return parse_urls(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _timeout(text: str) -> float:
@@ -38,17 +47,16 @@ def _timeout(text: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: 0 when every simulator answers, else 2 and the dead URLs on stderr."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("urls", help="comma-separated simulator base URLs")
+    parser.add_argument("urls", type=_urls, help="comma-separated simulator base URLs")
     parser.add_argument("--timeout", type=_timeout, default=5.0, help="seconds each /health may take")
     args = parser.parse_args(argv)
-    urls = [url.strip() for url in args.urls.split(",") if url.strip()]
-    dead = dead_simulators(urls, args.timeout)
+    dead = dead_simulators(args.urls, args.timeout)
     if dead:
         print(f"user simulator(s) of USER_SIM_URLS not answering GET /health within {args.timeout:g} s: "
               f"{', '.join(map(instance_name, dead))}; start them (scripts/start_user_sims.sh) or unset USER_SIM_URLS "
               f"to let this script start scripted ones", file=sys.stderr)
         return 2
-    print(f"user simulators answering: {', '.join(map(instance_name, urls))}")
+    print(f"user simulators answering: {', '.join(map(instance_name, args.urls))}")
     return 0
 
 

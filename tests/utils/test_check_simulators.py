@@ -1,5 +1,5 @@
-"""utils.check_simulators: exit 0 when every simulator answers /health, 2 naming the dead ones by host:port (never
-the credentials a URL carries); a timeout that is not a finite positive number is refused."""
+"""utils.check_simulators: exit 0 when every simulator answers /health, 2 naming the dead ones by host:port; a URL
+carrying credentials (without repeating them) and a timeout that is not a finite positive number are refused."""
 from __future__ import annotations
 
 import threading
@@ -38,12 +38,20 @@ def test_all_answering_exits_0(alive_url, capsys):
     assert alive_url.split("//")[1] in capsys.readouterr().out
 
 
-def test_dead_ones_are_named_by_host_and_port_without_credentials(alive_url, capsys):
+def test_dead_ones_are_named_by_host_and_port(alive_url, capsys):
     dead_host = f"127.0.0.1:{free_port()}"
-    assert main([f"{alive_url},http://ops:hunter2-secret@{dead_host}", "--timeout", "2"]) == 2
+    assert main([f"{alive_url}/v1/,http://{dead_host}", "--timeout", "2"]) == 2
     err = capsys.readouterr().err
     assert dead_host in err and alive_url.split("//")[1] not in err
-    assert "hunter2" not in err and "ops:" not in err
+
+
+def test_a_url_carrying_credentials_is_refused_before_any_request(alive_url, capsys):
+    host = alive_url.split("//")[1]
+    with pytest.raises(SystemExit) as exc:
+        main([f"{alive_url},http://ops:hunter2-secret@{host}/x", "--timeout", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "SEAD_USER_SIM_API_KEY" in err and "hunter2" not in err and "ops:" not in err
 
 
 @pytest.mark.parametrize("timeout", ["nan", "inf", "-1", "0", "soon"])

@@ -27,7 +27,9 @@ def parse_urls(urls: str | list[str]) -> list[str]:
 
     Blank entries (a trailing comma) are skipped; whitespace, trailing '/' and a '/v1' suffix are removed, so
     `http://h:5000/v1/` and `http://h:5000` name the same instance. Raises ValueError on a malformed or
-    repeated URL, naming its position.
+    repeated URL, naming its position, and on one that carries a user name or password (a URL travels on command
+    lines and into configs and logs: the simulators' token belongs in $SEAD_USER_SIM_API_KEY); that error never
+    repeats the credentials.
     """
     items = urls.split(",") if isinstance(urls, str) else list(urls)
     parsed: list[str] = []
@@ -36,6 +38,11 @@ def parse_urls(urls: str | list[str]) -> list[str]:
             raise ValueError(f"user-simulator url #{position} must be a string, got {raw!r}")
         if not raw.strip():
             continue
+        if "@" in raw:
+            shown = _without_credentials(raw.strip())
+            raise ValueError(f"user-simulator url #{position} {shown!r} carries a user name or password: give the "
+                             "simulators' token in $SEAD_USER_SIM_API_KEY instead (a URL reaches command lines, "
+                             "configs and logs)")
         url = raw.strip().rstrip("/")
         if url.endswith("/v1"):
             url = url[: -len("/v1")]
@@ -50,11 +57,17 @@ def parse_urls(urls: str | list[str]) -> list[str]:
     return parsed
 
 
+def _without_credentials(text: str) -> str:
+    """`text` with everything before its last '@' (after a leading `scheme://`) replaced by a placeholder."""
+    scheme, sep, _ = text.partition("//")
+    prefix = scheme + sep if sep and "@" not in scheme else ""
+    return f"{prefix}<credentials removed>@{text.rpartition('@')[2]}"
+
+
 def instance_name(url: str) -> str:
-    """The instance's label in replies, metrics and messages: host:port, plus the path when the URL has one; never
-    the user name or password a URL may carry."""
+    """The instance's label in replies, metrics and messages: host:port, plus the path when the URL has one."""
     parts = urlsplit(url)
-    return parts.netloc.rpartition("@")[2] + parts.path
+    return parts.netloc + parts.path
 
 
 def raise_for_status(response: HTTPReply) -> None:

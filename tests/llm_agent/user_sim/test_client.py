@@ -105,6 +105,17 @@ def test_parse_urls_comma_string_and_lists():
         assert client.instances == ["127.0.0.1:5000", "127.0.0.1:5001"]
 
 
+@pytest.mark.parametrize("url", ["http://sim-user:s3cret@127.0.0.1:5000", "https://s3cret@sim.example/v1",
+                                 "sim-user:s3cret@127.0.0.1:5000", "http://sim-user:pa/s3cret@host:1"])
+def test_a_url_carrying_credentials_is_refused_without_repeating_them(url):
+    refusal = r"#1 '.*<credentials removed>@.*' carries a user name or password.*SEAD_USER_SIM_API_KEY"
+    with pytest.raises(ValueError, match=refusal) as err:
+        parse_urls(f"http://127.0.0.1:4999,{url}")
+    assert "s3cret" not in str(err.value) and "sim-user" not in str(err.value)
+    with pytest.raises(ValueError, match="SEAD_USER_SIM_API_KEY"):
+        UserSimClient(url)
+
+
 def test_bad_arguments_are_rejected_with_the_field_name():
     with pytest.raises(ValueError, match=r"messages\[1\]\['content'\]"):
         TurnRequest("x", [{"role": "system", "content": "hi"}, {"role": "user", "content": None}])
