@@ -118,7 +118,7 @@ def test_killing_one_of_two_simulators_loses_no_dialogue(tok, scenario, test_fil
 def _evaluate_cmd(model, test_file, out):
     return [sys.executable, str(REPO / "for_evaluation" / "evaluate.py"), "--agent", f"warm={model}", "--engine",
             "hf", "--test-file", test_file, "--out", str(out), "--max-turns", "3", "--max-tokens-per-turn", "48",
-            "--max-response-length", "400", "--chunk-size", "2", "--n-resamples", "50", "--num-sims", "2"]
+            "--max-response-length", "400", "--chunk-size", "1", "--n-resamples", "50", "--num-sims", "2"]
 
 
 @pytest.mark.slow
@@ -131,17 +131,20 @@ def test_evaluate_cli_on_a_trainer_checkpoint_is_resumed_after_a_kill(warm_model
     log = dialogues_path(out, "warm")
     first = subprocess.Popen(_evaluate_cmd(checkpoint, test_file, out), cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # one dialogue per chunk (a fraction of a second each): interrupted as soon as the first is logged, 7 chunks
+    # before the end, a margin a poller woken late on a loaded box still keeps (with 2 per chunk it once lost the race)
     deadline = time.monotonic() + 240
-    while not (log.exists() and len(log.read_text().splitlines()) >= 2) and first.poll() is None:
+    while not (log.exists() and log.read_text().count("\n") >= 1):
+        assert first.poll() is None, "the evaluation ended before its first dialogue was seen"
         assert time.monotonic() < deadline, "no chunk finished in 240 s"
-        time.sleep(0.1)
+        time.sleep(0.01)
     first.send_signal(signal.SIGINT)
     text = first.communicate(timeout=60)[0]
     assert "scripted simulators" in text, text[-3000:]
     pids = [int(p) for p in re.findall(r"\d+", re.search(r"scripted simulators: .*\(PIDs \[(.*)\]\)", text).group(1))]
     assert all(not os.path.exists(f"/proc/{pid}") for pid in pids), "the started simulators must be stopped"
     done_before = lines(log)
-    assert 2 <= len(done_before) < 8, "the interrupt came after the first chunk and before the end"
+    assert 1 <= len(done_before) < 8, "the interrupt came after the first chunk and before the end"
 
     second = subprocess.run(_evaluate_cmd(checkpoint, test_file, out), cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
