@@ -27,6 +27,7 @@ from verl.trainer.cli_overrides import check_overrides
 from verl.trainer.config_schema import ConfigError, PPOTrainerConfig, compose_config
 from verl.trainer.config_validation import build_config, validate_config
 from verl.trainer.plan_lora import LoraPlan, lora_plan, vllm_adapter_slot_bytes
+from verl.trainer.plan_passes import sync_transient_bytes, update_pass_peak
 from verl.utils import memory_model as mm
 
 GB = 1e9
@@ -314,7 +315,7 @@ def vllm_rollout_phase(s: Setup, hw: Hardware) -> Phase:
 
 def weight_sync_phase(s: Setup, hw: Hardware) -> Phase:
     """After each actor update: the engine's weights awake (KV cache asleep) while bucket after bucket of the
-    actor's gathered weights (about twice a bucket alive) is loaded into them."""
+    actor's gathered weights is loaded into them (:func:`verl.trainer.plan_passes.sync_transient_bytes`)."""
     engine = vllm_engine(s, hw)
     rollout = s.cfg.actor_rollout_ref.rollout
     phase = Phase("weight sync (vLLM)", _resident(s, "sync"))
@@ -322,13 +323,13 @@ def weight_sync_phase(s: Setup, hw: Hardware) -> Phase:
     phase.memory["vllm"] = float(residual + (engine.weights if rollout.free_cache_engine else 0.0))
     if s.serves_adapter:  # the base wakes from host memory (level-1 sleep); the adapter arrives whole
         adapter = s.actor_lora.params * s.compute_bytes
-        phase.memory["gathered units"] = float(adapter)
+        phase.memory["gathered units"] = float(sync_transient_bytes(s))
         wake = engine.weights / (hw.host_gbps * 1e9) if rollout.free_cache_engine else 0.0
         phase.seconds = wake + adapter / (hw.hbm_tbps * 1e12)
         phase.notes.append(f"LoRA: the engine keeps the base (in host memory while it sleeps) and receives the "
                            f"adapter, {adapter / 1e6:.0f} MB, after every update")
         return phase
-    phase.memory["gathered units"] = 2.0 * rollout.update_weights_bucket_megabytes * 2**20
+    phase.memory["gathered units"] = float(sync_transient_bytes(s))
     phase.seconds = s.actor.num_params() * s.compute_bytes / (hw.hbm_tbps * 1e12)  # at least one pass over the bytes
     return phase
 
@@ -382,25 +383,16 @@ def update_phase(s: Setup, hw: Hardware, model: str, micro: int, checkpointing: 
     b = _dtype_bytes(s.cfg.critic.fsdp_config.param_dtype) if critic else s.compute_bytes
     dynamic, budget = _update_dynamic(s, model)
     mb = s.micro(micro, dynamic, budget if max_token_len is None else max_token_len)
-    attn = s.cfg.actor_rollout_ref.model.attn_implementation
-    peak = mm.update_pass_peak(shape, mb.rows, mb.seq_len, mb.response_len, b, checkpointing,
-                               repeat_kv=attn != "flash_attention_2", head_positions=mb.response_len + 1)
-    if critic:  # the value head's output is one number per position
-        peak = mm.PassPeak(activations=peak.activations, logits=mb.rows * mb.seq_len * mm.FP32)
+    peak = update_pass_peak(s, model, mb, b, checkpointing, states[model].gathered)
     lora = s.lora(model)
-    if lora is not None:  # the adapters' rank-r intermediates: of every layer, or with checkpointing one recomputed
-        per_token = shape.lora_intermediate_bytes_per_token(lora.settings.rank, lora.modules, b)
-        layers = 2 / shape.num_layers if checkpointing else 1
-        peak = mm.PassPeak(activations=int(peak.activations + mb.rows * mb.seq_len * per_token * layers),
-                           logits=peak.logits)
     phase = Phase(f"update {model}" + (" (checkpointing)" if checkpointing else ""),
                   {**_resident(s, f"update {model}"), **_vllm_resident(s, hw)})
     phase.memory["gradients"] = float(states[model].grads)
     step = ADAMW_STEP_TEMPORARIES * states[model].grads  # about one float32 copy of the trained shard
-    pass_bytes = states[model].gathered + peak.total
-    phase.memory["gathered units"] = float(states[model].gathered) if pass_bytes >= step else 0.0
-    phase.memory["activations"] = float(peak.activations) if pass_bytes >= step else float(step)
-    phase.memory["logits"] = float(peak.logits) if pass_bytes >= step else 0.0
+    pass_wins = peak.total >= step
+    phase.memory["gathered units"] = float(peak.gathered) if pass_wins else 0.0
+    phase.memory["activations"] = float(peak.activations) if pass_wins else float(step)
+    phase.memory["logits"] = float(peak.logits) if pass_wins else 0.0
     flops = mm.training_flops(shape, s.rows_per_gpu, s.seq_len, checkpointing, critic, _head_positions(s, critic),
                               lora.params if lora is not None else 0)
     phase.seconds = flops / (hw.bf16_tflops * 1e12 * hw.mfu)

@@ -270,6 +270,7 @@ def build_fsdp_model(
     lora: LoraSettings | None = None,
     lora_task: str = "causal_lm",
     lora_where: str = "model",
+    load_weights: bool = True,
 ) -> torch.nn.Module:
     """Load ``auto_cls.from_pretrained(model_path)`` with parameters in ``master_dtype`` and shard it.
 
@@ -283,9 +284,14 @@ def build_fsdp_model(
     shards from rank 0 (:func:`broadcast_from_rank0`). With ``fsdp`` (FSDP1) every rank loads the full model.
     ``fsdp_config`` supplies ``param_dtype`` (auto | fp32 | bf16) and ``reshard_after_forward``;
     ``config_overrides`` are set on the HF config before the model is built (e.g. ``num_labels``);
-    ``attn_implementation`` is resolved by :func:`resolve_attn_implementation`.
+    ``attn_implementation`` is resolved by :func:`resolve_attn_implementation`. ``load_weights=False`` builds the
+    same sharded model without reading any weights (the directory needs only ``config.json``): every rank shards a
+    meta-device skeleton and materialises its shards uninitialised (the memory trace runs it under fake tensors,
+    :mod:`verl.trainer.trace_preset`).
     """
     check_strategy(strategy, "strategy")
+    if not load_weights and strategy != "fsdp2":
+        raise ValueError("load_weights=False needs the fsdp2 strategy (FSDP1 shards weights it has loaded)")
     if not os.path.isdir(model_path):
         raise FileNotFoundError(f"model.path={model_path!r} is not a local directory (nothing is downloaded)")
     hf_config = AutoConfig.from_pretrained(model_path)
@@ -294,15 +300,16 @@ def build_fsdp_model(
     param_dtype = resolve_param_dtype(fsdp_config.get("param_dtype", "auto"), mesh.device_type)
     attn = resolve_attn_implementation(attn_implementation, mesh.device_type, param_dtype)
     torch.manual_seed(seed)
-    rank0_only = strategy == "fsdp2" and dist.get_world_size() > 1
-    on_meta = rank0_only and dist.get_rank() != 0
+    rank0_only = strategy == "fsdp2" and dist.get_world_size() > 1 and load_weights
+    on_meta = not load_weights or (rank0_only and dist.get_rank() != 0)
     model = _load_weights(auto_cls, model_path, hf_config, master_dtype, attn, on_meta)
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     if lora is not None:
         if strategy != "fsdp2":
             raise ValueError(f"{lora_where}.lora_rank needs the fsdp2 strategy, got {strategy!r}")
-        model = apply_lora(model, lora, lora_task, lora_where)
+        with torch.device("meta") if on_meta else contextlib.nullcontext():  # the adapter of a skeleton too
+            model = apply_lora(model, lora, lora_task, lora_where)
     full_state = model.state_dict() if rank0_only and not on_meta else {}
     reshard = bool(fsdp_config.get("reshard_after_forward", True))
     logger.info("%s-wrapping %s from %s (param_dtype=%s, master_dtype=%s, attention %s)", strategy,
@@ -311,7 +318,9 @@ def build_fsdp_model(
         return apply_fsdp1(model, mesh.device_type, param_dtype, reshard_after_forward=reshard)
     model = apply_fsdp2(model, mesh, param_dtype, reshard_after_forward=reshard)
     device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
-    if rank0_only:
+    if not load_weights:
+        model.to_empty(device=device)
+    elif rank0_only:
         broadcast_from_rank0(model, full_state, device)
     if lora is not None:
         settle_fsdp_root(model, device)

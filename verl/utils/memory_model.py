@@ -170,15 +170,35 @@ CHUNK_TEMPORARIES = {"forward": 2, "backward": 3}
 
 @dataclass(frozen=True)
 class PassPeak:
-    """Bytes of one micro-batch's pass at its peak: autograd-held activations and logits (incl. temporaries)."""
+    """Bytes of one micro-batch's pass at its peak: autograd-held activations and logits (incl. temporaries), and
+    the FSDP units gathered at that moment when the model of the pass counts them."""
 
     activations: int
     logits: int
+    gathered: int = 0
 
     @property
     def total(self) -> int:
-        """activations + logits."""
-        return self.activations + self.logits
+        """activations + logits + gathered."""
+        return self.activations + self.logits + self.gathered
+
+
+@dataclass(frozen=True)
+class UpdateTerms:
+    """The parts of one micro-batch's forward + backward that its peak is made of.
+
+    ``kept``: what the decoder stack keeps for the backward pass (every layer's activations, or with checkpointing
+    each layer's input); ``edges``: the final norm's and the embedding's saved tensors; ``layer_backward``: one
+    decoder layer's backward beyond ``kept`` (with checkpointing its recomputed activations, and one SwiGLU-wide
+    gradient either way); ``logits``: the logits in training (:func:`logits_bytes`); ``logits_grad``: the head
+    output's gradient alone (what is left of the logits while the head's backward runs).
+    """
+
+    kept: int
+    edges: int
+    layer_backward: int
+    logits: int
+    logits_grad: int
 
 
 def logits_bytes(
@@ -204,34 +224,45 @@ def update_pass_peak(
     shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, checkpointing: bool,
     repeat_kv: bool = True, head_positions: int | None = None,
 ) -> PassPeak:
-    """Peak of a forward + backward pass of one micro-batch (gradients and weights not included).
+    """Peak of a forward + backward pass of one micro-batch (gradients and weights not included): the logits'
+    backward, while the decoder stack keeps what it saved, or the first decoder layer's backward (with
+    checkpointing: that layer recomputed), whichever is larger (:class:`UpdateTerms`)."""
+    terms = update_terms(shape, rows, seq_len, response_len, dtype_bytes, checkpointing, repeat_kv, head_positions)
+    held = terms.kept + terms.edges
+    if terms.logits >= terms.layer_backward:
+        return PassPeak(activations=held, logits=terms.logits)
+    return PassPeak(activations=held + terms.layer_backward, logits=0)
 
-    Without checkpointing every layer's activations are still held while the logits' backward runs. With it
-    each layer keeps only its input; the peak is then either the logits' backward or one layer recomputed
-    together with its gradients, whichever is larger.
-    """
+
+def update_terms(
+    shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, checkpointing: bool,
+    repeat_kv: bool = True, head_positions: int | None = None,
+) -> UpdateTerms:
+    """The :class:`UpdateTerms` of ``rows`` sequences of ``seq_len`` tokens (``head_positions`` through the head)."""
     tokens = rows * seq_len
     h, b = shape.hidden_size, dtype_bytes
-    edges = tokens * (FP32 * h + 3 * b * h)  # final norm (fp32 copy, normed, cast) and the embedding output
     per_layer = tokens * shape.activation_bytes_per_token(b, repeat_kv)
-    logits = logits_bytes(shape, rows, seq_len, response_len, b, True, head_positions)
-    if not checkpointing:
-        return PassPeak(activations=shape.num_layers * per_layer + edges, logits=logits)
-    inputs = shape.num_layers * tokens * b * h + edges
-    recompute = 2 * per_layer
-    if logits >= recompute:
-        return PassPeak(activations=inputs, logits=logits)
-    return PassPeak(activations=inputs + recompute, logits=0)
+    swiglu_grad = tokens * shape.intermediate_size * b
+    positions = tokens if head_positions is None else head_positions
+    return UpdateTerms(
+        kept=shape.num_layers * (tokens * b * h if checkpointing else per_layer),
+        edges=tokens * (FP32 * h + 3 * b * h),  # final norm (fp32 copy, normed, cast) and the embedding output
+        layer_backward=(per_layer if checkpointing else 0) + swiglu_grad,
+        logits=logits_bytes(shape, rows, seq_len, response_len, b, True, head_positions),
+        logits_grad=positions * shape.vocab_size * b,
+    )  # fmt: skip
 
 
 def forward_pass_peak(
     shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, with_logits: bool = True,
     head_positions: int | None = None,
 ) -> PassPeak:
-    """Peak of a no-grad forward of one micro-batch (log-probs or values): one layer's transients or the logits."""
+    """Peak of a no-grad forward of one micro-batch (log-probs or values): one layer's transients or the logits,
+    beside the hidden states (and the head's input, the rows of the positions it runs on)."""
     layer = rows * seq_len * shape.forward_transient_bytes_per_token(dtype_bytes)
     logits = logits_bytes(shape, rows, seq_len, response_len, dtype_bytes, False, head_positions) if with_logits else 0
-    hidden = rows * seq_len * dtype_bytes * shape.hidden_size
+    head_input = (head_positions if head_positions is not None and with_logits else 0) * shape.hidden_size
+    hidden = (rows * seq_len * shape.hidden_size + head_input) * dtype_bytes
     if logits >= layer:
         return PassPeak(activations=hidden, logits=logits)
     return PassPeak(activations=hidden + layer, logits=0)
@@ -261,19 +292,21 @@ def sharded_state(
     shape: ModelShape, world: int, compute_bytes: int, master_bytes: int, trainable: bool, value_head: bool = False,
     separate_embedding_units: bool = False,
 ) -> ShardedState:
-    """Sharded master weights, gradients and AdamW state, and the peak of gathered units during a pass.
+    """Sharded master weights, gradients and AdamW state, and the peak of gathered units during a forward pass.
 
-    ``gathered`` is two decoder layers (current + prefetched) in the compute dtype, plus the root unit (embedding,
-    final norm, head) held for the whole pass unless embedding and head are their own units
-    (``separate_embedding_units``), in which case the larger of the two is counted.
+    ``gathered``, in the compute dtype: FSDP1 holds two decoder layers (current + prefetched) and the root unit
+    (embedding, final norm, head) for the whole pass; FSDP2 with embedding and head as units of their own
+    (``separate_embedding_units``) holds the unit being computed twice, its parameters and the all-gather buffer
+    they were copied out of (kept until the next unit's copy-out), so twice the largest unit, plus the root (final
+    norm, a value head).
     """
     total = shape.num_params(value_head)
     head = shape.hidden_size + 1 if value_head else shape.head_params
     if separate_embedding_units:
-        root = max(shape.embedding_params, head) + shape.hidden_size
+        unit = max(shape.layer_params, shape.embedding_params, 0 if value_head else head)
+        gathered = (2 * unit + shape.hidden_size + (head if value_head else 0)) * compute_bytes
     else:
-        root = shape.embedding_params + head + shape.hidden_size
-    gathered = (2 * shape.layer_params + root) * compute_bytes
+        gathered = (2 * shape.layer_params + shape.embedding_params + head + shape.hidden_size) * compute_bytes
     params = total * master_bytes // world
     grads = total * FP32 // world if trainable else 0
     optimizer = 2 * total * FP32 // world if trainable else 0

@@ -107,12 +107,13 @@ def packed_sdpa_attention(
         raise ValueError(f"packed attention expects one packed row, got a batch of {query.shape[0]}")
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("packed attention does not support sliding-window layers; use flash_attention_2")
-    if int(cu_seqlens[-1]) != query.shape[2]:
-        raise ValueError(f"cu_seq_lens_q ends at {int(cu_seqlens[-1])} but the packed row has {query.shape[2]} tokens")
-    if query.is_cuda and query.dtype in _VARLEN_DTYPES and dropout == 0.0:
+    if query.is_cuda and query.dtype in _VARLEN_DTYPES and dropout == 0.0:  # no host sync per layer
         max_len = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
         return varlen_causal_attention(query, key, value, cu_seqlens.to(torch.int32), max_len, scaling), None
-    return _per_sequence_sdpa(query, key, value, cu_seqlens.tolist(), scaling, dropout), None
+    bounds = cu_seqlens.tolist()
+    if bounds[-1] != query.shape[2]:
+        raise ValueError(f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {query.shape[2]} tokens")
+    return _per_sequence_sdpa(query, key, value, bounds, scaling, dropout), None
 
 
 def packed_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

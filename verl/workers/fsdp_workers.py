@@ -17,18 +17,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers import AutoTokenizer
 
 from verl.protocol import DataProto
 from verl.single_controller.base import Dispatch, Worker, register
 from verl.utils.device import empty_cache, get_device_name
 from verl.utils.fsdp_offload import FSDPOffloader
-from verl.utils.fsdp_utils import build_fsdp_model, check_strategy, create_device_mesh, resolve_param_dtype
+from verl.utils.fsdp_utils import check_strategy, create_device_mesh
 from verl.utils.lora import LoraSettings, adapters_disabled
 from verl.utils.shm_model import model_dir
 from verl.utils.optim import build_lr_scheduler, build_optimizer
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
+from verl.workers.fsdp_models import (build_actor_module, build_critic_module, build_reference_module, compute_dtype,
+                                      model_seed, trainable_parameters)
 from verl.workers.fsdp_checkpoint import FSDPCheckpointManager
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.logprob_mismatch import logprob_mismatch_metrics
@@ -37,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 ROLLOUT_NAMES = ("hf", "vllm")
-DEFAULT_SEED = 42
 
 
 def _resolved_copy(config: DictConfig, where: str) -> DictConfig:
@@ -69,12 +70,6 @@ def _load_tokenizer(model_cfg: DictConfig, model_path: str) -> Any:
     shared-memory copy)."""
     path = model_cfg.get("tokenizer_path", None) or model_path
     return AutoTokenizer.from_pretrained(path, padding_side="left")
-
-
-def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters the optimizer updates: all of a fully trained model's, a LoRA model's adapter (and value
-    head) only."""
-    return [p for p in module.parameters() if p.requires_grad]
 
 
 class ActorRolloutRefWorker(Worker):
@@ -143,30 +138,17 @@ class ActorRolloutRefWorker(Worker):
                 "actor_rollout_ref.actor.ppo_mini_batch_size",
             )  # fmt: skip
             actor_cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
-        seed = int(cfg.actor.get("seed", DEFAULT_SEED))
-        compute_dtype = resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
-                                            mesh.device_type)
-        model_args = {
-            "model_path": model_path,
-            "mesh": mesh,
-            "fsdp_config": cfg.actor.get("fsdp_config", {}),
-            "seed": seed,
-            "attn_implementation": cfg.model.get("attn_implementation", "auto"),
-            "strategy": cfg.actor.get("strategy", "fsdp2"),
-        }
+        seed = model_seed(cfg.actor)
+        dtype = compute_dtype(cfg.actor, mesh.device_type)
         if self._is_actor or self._is_rollout:
             gradient_checkpointing = self._is_actor and bool(cfg.model.get("enable_gradient_checkpointing", False))
-            module = build_fsdp_model(  # a LoRA model's frozen base in the compute dtype, else fp32 master weights
-                AutoModelForCausalLM, gradient_checkpointing=gradient_checkpointing, lora=self.lora,
-                master_dtype=compute_dtype if self.lora else torch.float32, lora_where="actor_rollout_ref.model",
-                **model_args,
-            )  # fmt: skip
+            module = build_actor_module(cfg, mesh, model_path, self.lora, gradient_checkpointing)
             optimizer = None
             if self._is_actor:
-                optimizer = build_optimizer(_trainable(module), cfg.actor.optim)
+                optimizer = build_optimizer(trainable_parameters(module), cfg.actor.optim)
                 self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim)
                 self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
-                                                                export_dtype=compute_dtype,
+                                                                export_dtype=dtype,
                                                                 timeout_s=cfg.get("checkpoint_timeout", 3600),
                                                                 base_model_path=cfg.model.path)
             self.actor = DataParallelPPOActor(actor_cfg, module, optimizer)
@@ -180,8 +162,7 @@ class ActorRolloutRefWorker(Worker):
                 self.rollout = self._build_rollout(module, model_path)
             self.actor_offload.offload()
         if self._is_ref and self.lora is None:  # frozen: kept in the compute dtype (bf16 on CUDA), no fp32 master
-            ref_module = build_fsdp_model(AutoModelForCausalLM, master_dtype=compute_dtype, **model_args)
-            ref_module.requires_grad_(False)
+            ref_module = build_reference_module(cfg, mesh, model_path)
             self.ref_policy = DataParallelPPOActor(actor_cfg, ref_module)
             ref_param_offload = cfg.ref.get("fsdp_config", {}).get("param_offload", False)
             self.ref_offload = FSDPOffloader(ref_module, None, ref_param_offload, False,
@@ -199,8 +180,7 @@ class ActorRolloutRefWorker(Worker):
 
         dtype = cfg.rollout.get("dtype", "auto")
         if dtype == "auto":  # the actor's compute dtype, so rollout and training see the same numbers
-            dtype = str(resolve_param_dtype(cfg.actor.get("fsdp_config", {}).get("param_dtype", "auto"),
-                                            get_device_name())).removeprefix("torch.")
+            dtype = str(compute_dtype(cfg.actor, get_device_name())).removeprefix("torch.")
         rollout = vLLMRollout(model_path, cfg.rollout, dtype, get_device_name(),
                               tokenizer_path=cfg.model.get("tokenizer_path", None), lora=self.lora)
         self._sync_rollout_weights(rollout)
@@ -397,27 +377,12 @@ class CriticWorker(Worker):
                 cfg.ppo_mini_batch_size, cfg.get("rollout_n", 1), self.world_size, "critic.ppo_mini_batch_size"
             )
             critic_cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
-        seed = int(cfg.get("seed", DEFAULT_SEED))
-        compute_dtype = resolve_param_dtype(cfg.get("fsdp_config", {}).get("param_dtype", "auto"), mesh.device_type)
-        module = build_fsdp_model(
-            AutoModelForTokenClassification,
-            model_path=model_path,
-            mesh=mesh,
-            fsdp_config=cfg.get("fsdp_config", {}),
-            seed=seed,
-            attn_implementation=cfg.model.get("attn_implementation", "auto"),
-            gradient_checkpointing=bool(cfg.model.get("enable_gradient_checkpointing", False)),
-            config_overrides={"num_labels": 1, "classifier_dropout": 0.0},
-            strategy=cfg.get("strategy", "fsdp2"),
-            master_dtype=compute_dtype if self.lora else torch.float32,
-            lora=self.lora,
-            lora_task="token_cls",
-            lora_where="critic.model",
-        )
-        optimizer = build_optimizer(_trainable(module), cfg.optim)
+        seed = model_seed(cfg)
+        module = build_critic_module(cfg, mesh, model_path, self.lora)
+        optimizer = build_optimizer(trainable_parameters(module), cfg.optim)
         self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
         self.checkpoint_manager = FSDPCheckpointManager(module, optimizer, self.lr_scheduler, self.tokenizer,
-                                                        export_dtype=compute_dtype,
+                                                        export_dtype=compute_dtype(cfg, mesh.device_type),
                                                         timeout_s=cfg.get("checkpoint_timeout", 3600),
                                                         base_model_path=cfg.model.path)
         self.critic = DataParallelPPOCritic(critic_cfg, module, optimizer)

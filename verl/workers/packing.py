@@ -91,8 +91,17 @@ def packed_log_probs(
     """
     responses = micro["responses"]
     packed = pack_batch(micro["input_ids"], micro["attention_mask"], micro["position_ids"], responses.size(-1))
+    return packed_forward_log_probs(module, packed, responses[packed.scored], temperature, calculate_entropy,
+                                    entropy_grad)
+
+
+def packed_forward_log_probs(
+    module: torch.nn.Module, packed: PackedBatch, labels: torch.Tensor, temperature: float, calculate_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward of :func:`packed_log_probs` on a packed row; ``labels`` (K,) are its scored response tokens."""
     output = module(**packed.model_kwargs(), logits_to_keep=packed.logit_index)
-    log_probs, entropy = log_probs_and_entropy(output.logits[0], responses[packed.scored], temperature)  # (K,)
+    log_probs, entropy = log_probs_and_entropy(output.logits[0], labels, temperature)  # (K,)
     if not calculate_entropy:
         return packed.to_response_layout(log_probs), None
     entropy = entropy if entropy_grad else entropy.detach()
@@ -104,6 +113,11 @@ def packed_values(module: torch.nn.Module, micro: TensorDict) -> torch.Tensor:
     (one scalar per position), zeroed outside ``response_mask``."""
     response_mask = micro["response_mask"]
     packed = pack_batch(micro["input_ids"], micro["attention_mask"], micro["position_ids"], response_mask.size(-1))
-    output = module(**packed.model_kwargs())
-    values = packed.to_response_layout(output.logits[0, packed.logit_index, 0].float())
+    values = packed_forward_values(module, packed)
     return values * response_mask.to(values.dtype)
+
+
+def packed_forward_values(module: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
+    """The forward of :func:`packed_values` on a packed row: values (bs, R), 0 on unscored positions."""
+    output = module(**packed.model_kwargs())
+    return packed.to_response_layout(output.logits[0, packed.logit_index, 0].float())

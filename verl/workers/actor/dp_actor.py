@@ -36,6 +36,26 @@ UPDATE_KEYS = MODEL_INPUT_KEYS + ("response_mask", "old_log_probs", "advantages"
 OPTIONAL_UPDATE_KEYS = ("rollout_is_weights", AGENT_TURN_IDS)  # used when the batch has them (rollout correction)
 
 
+def padded_log_probs(
+    module: torch.nn.Module, micro: TensorDict, temperature: float, calculate_entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (bs, R) of ``micro['responses']`` (and entropies) from one forward of the padded micro-batch: the
+    head runs on the last R + 1 positions only (those predicting responses)."""
+    responses = micro["responses"]
+    output = module(
+        input_ids=micro["input_ids"],
+        attention_mask=micro["attention_mask"],
+        position_ids=micro["position_ids"],
+        use_cache=False,
+        logits_to_keep=responses.size(-1) + 1,
+    )
+    logits = response_logits(output.logits, responses.size(-1))
+    log_probs, entropy = log_probs_and_entropy(logits, responses, temperature)
+    if not calculate_entropy:
+        return log_probs, None
+    return log_probs, entropy if entropy_grad else entropy.detach()
+
+
 class DataParallelPPOActor:
     """PPO actor over one data-parallel shard of the batch (veRL's ``DataParallelPPOActor``).
 
@@ -81,19 +101,7 @@ class DataParallelPPOActor:
         """
         if self.use_remove_padding:
             return packed_log_probs(self.actor_module, micro, temperature, calculate_entropy, entropy_grad)
-        responses = micro["responses"]
-        output = self.actor_module(
-            input_ids=micro["input_ids"],
-            attention_mask=micro["attention_mask"],
-            position_ids=micro["position_ids"],
-            use_cache=False,
-            logits_to_keep=responses.size(-1) + 1,  # the head runs on the positions predicting responses only
-        )
-        logits = response_logits(output.logits, responses.size(-1))
-        log_probs, entropy = log_probs_and_entropy(logits, responses, temperature)
-        if not calculate_entropy:
-            return log_probs, None
-        return log_probs, entropy if entropy_grad else entropy.detach()
+        return padded_log_probs(self.actor_module, micro, temperature, calculate_entropy, entropy_grad)
 
     @torch.no_grad()
     def compute_log_prob(

@@ -33,6 +33,20 @@ MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", 
 UPDATE_KEYS = MODEL_INPUT_KEYS + ("values", "returns")
 
 
+def padded_values(module: torch.nn.Module, micro: TensorDict) -> torch.Tensor:
+    """Values (bs, R) of the states preceding each response token from one forward of the padded micro-batch,
+    zeroed outside ``response_mask``."""
+    response_length = micro["responses"].size(-1)
+    output = module(
+        input_ids=micro["input_ids"],
+        attention_mask=micro["attention_mask"],
+        position_ids=micro["position_ids"],
+        use_cache=False,
+    )
+    values = output.logits[:, -response_length - 1 : -1, 0].float()
+    return values * micro["response_mask"].to(values.dtype)
+
+
 class DataParallelPPOCritic:
     """PPO critic over one data-parallel shard of the batch (veRL's ``DataParallelPPOCritic``).
 
@@ -67,15 +81,7 @@ class DataParallelPPOCritic:
         """Values (bs, R) of the states preceding each response token, zeroed outside ``response_mask``."""
         if self.use_remove_padding:
             return packed_values(self.critic_module, micro)
-        response_length = micro["responses"].size(-1)
-        output = self.critic_module(
-            input_ids=micro["input_ids"],
-            attention_mask=micro["attention_mask"],
-            position_ids=micro["position_ids"],
-            use_cache=False,
-        )
-        values = output.logits[:, -response_length - 1 : -1, 0].float()
-        return values * micro["response_mask"].to(values.dtype)
+        return padded_values(self.critic_module, micro)
 
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> torch.Tensor:

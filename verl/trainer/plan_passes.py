@@ -1,0 +1,50 @@
+"""The planner's update pass and weight sync: one micro-batch's forward + backward at its peak moment, and the
+bytes the weight sync holds beside the actor, from the memory model (:mod:`verl.utils.memory_model`) and FSDP2's
+units and buffers (:mod:`verl.utils.memory_model_fsdp`), as the full-size trace measures them
+(``python -m verl.trainer.trace_preset``)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from verl.utils import memory_model as mm
+from verl.utils.memory_model_fsdp import FsdpUnits, fsdp2_update_peak, parameter_rows, sync_peak_bytes
+
+if TYPE_CHECKING:
+    from verl.trainer.plan import MicroBatch, Setup
+
+
+def update_pass_peak(s: Setup, model: str, mb: MicroBatch, compute_bytes: int, checkpointing: bool,
+                     fsdp1_gathered: int) -> mm.PassPeak:
+    """The peak of one update micro-batch of ``model`` (actor or critic), FSDP's gathered units included: FSDP2's
+    moments, or FSDP1's ``fsdp1_gathered`` (two layers and the root) beside the pass's peak."""
+    critic = model == "critic"
+    shape, lora = (s.critic, s.critic_lora) if critic else (s.actor, s.actor_lora)
+    attn = s.cfg.actor_rollout_ref.model.attn_implementation
+    terms = mm.update_terms(shape, mb.rows, mb.seq_len, mb.response_len, compute_bytes, checkpointing,
+                            repeat_kv=attn != "flash_attention_2", head_positions=mb.response_len + 1)
+    tokens = mb.rows * mb.seq_len
+    if critic:  # the value head's output is one number per position
+        terms = dataclasses.replace(terms, logits=tokens * mm.FP32, logits_grad=tokens * mm.FP32)
+    if lora is not None:  # the adapters' rank-r intermediates: of every layer, or with checkpointing one recomputed
+        adapters = tokens * shape.lora_intermediate_bytes_per_token(lora.settings.rank, lora.modules, compute_bytes)
+        terms = (dataclasses.replace(terms, layer_backward=terms.layer_backward + adapters // shape.num_layers)
+                 if checkpointing else dataclasses.replace(terms, kept=terms.kept + adapters))
+    strategy = (s.cfg.critic if critic else s.cfg.actor_rollout_ref.actor).strategy
+    if strategy != "fsdp2":
+        held = terms.kept + terms.edges
+        peak = (mm.PassPeak(held, terms.logits) if terms.logits >= terms.layer_backward
+                else mm.PassPeak(held + terms.layer_backward, 0))
+        return dataclasses.replace(peak, gathered=fsdp1_gathered)
+    units = FsdpUnits.of(shape, value_head=critic, adapter_params=lora.params if lora is not None else 0)
+    return fsdp2_update_peak(terms, units, compute_bytes, trained=lora is None)
+
+
+def sync_transient_bytes(s: Setup) -> int:
+    """What the actor's side of the weight sync holds at its peak: its buckets gathered in the rollout dtype and
+    copied out (the adapter's factors alone, held whole, when the engine serves the adapter)."""
+    bucket = int(s.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20)
+    if s.serves_adapter:
+        rows = parameter_rows(s.actor, s.actor_lora.settings.rank, s.actor_lora.modules)
+        return sync_peak_bytes(rows, s.world, s.compute_bytes, bucket, hold_all=True)
+    return sync_peak_bytes(parameter_rows(s.actor), s.world, s.compute_bytes, bucket, hold_all=False)
