@@ -17,6 +17,7 @@ P_14B = 14_770_033_664
 PRESET_GPU = ["data.train_batch_size=60", "actor_rollout_ref.rollout.n=8", "trainer.n_gpus_per_node=6",
               "data.max_prompt_length=2048", "data.max_response_length=6144",
               "actor_rollout_ref.actor.ppo_mini_batch_size=60", "actor_rollout_ref.actor.use_kl_loss=true",
+              "actor_rollout_ref.actor.entropy_coeff=0.001",
               "actor_rollout_ref.model.enable_gradient_checkpointing=true",
               "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",

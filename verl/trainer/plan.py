@@ -27,7 +27,7 @@ from verl.trainer.cli_overrides import check_overrides
 from verl.trainer.config_schema import ConfigError, PPOTrainerConfig, compose_config
 from verl.trainer.config_validation import build_config, validate_config
 from verl.trainer.plan_lora import LoraPlan, lora_plan, vllm_adapter_slot_bytes
-from verl.trainer.plan_passes import sync_transient_bytes, update_pass_peak
+from verl.trainer.plan_passes import sync_transient_bytes, update_pass_moments
 from verl.utils import memory_model as mm
 
 GB = 1e9
@@ -65,6 +65,7 @@ class Phase:
     memory: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    moments: list[mm.PassPeak] = field(default_factory=list)  # a pass's candidate peaks; ``memory`` has the largest
 
     @property
     def total(self) -> float:
@@ -118,12 +119,12 @@ class Setup:
         """Whether the policy generates with the colocated vLLM engine."""
         return self.cfg.actor_rollout_ref.rollout.name == "vllm"
 
-    def micro(self, rows: int, dynamic: bool, max_token_len: int) -> MicroBatch:
+    def micro(self, rows: int, dynamic: bool, max_token_len: int, packed: bool = True) -> MicroBatch:
         """A pass's largest micro-batch: ``rows`` full-length rows, or (``dynamic``) a packed row of
-        ``max_token_len`` tokens with the full rows' share of response tokens."""
-        if not dynamic:
-            return MicroBatch(rows, self.seq_len, self.response_len)
-        return MicroBatch(1, max_token_len, max_token_len * self.response_len // self.seq_len)
+        ``max_token_len`` tokens with the full rows' share of response tokens (padded: the full rows it holds)."""
+        if dynamic and packed:
+            return MicroBatch(1, max_token_len, max_token_len * self.response_len // self.seq_len)
+        return MicroBatch(max(1, max_token_len // self.seq_len) if dynamic else rows, self.seq_len, self.response_len)
 
 
 def _dtype_bytes(param_dtype: str) -> int:
@@ -344,14 +345,13 @@ def forward_phase(s: Setup, hw: Hardware, name: str, model: str, micro: int, max
     shape = s.critic if critic else s.actor
     b = _dtype_bytes(s.cfg.critic.fsdp_config.param_dtype) if critic else s.compute_bytes
     dynamic, budget = _forward_dynamic(s, model)
-    mb = s.micro(micro, dynamic, budget if max_token_len is None else max_token_len)
-    peak = mm.forward_pass_peak(shape, mb.rows, mb.seq_len, mb.response_len, b, with_logits=not critic,
-                                head_positions=mb.response_len + 1)  # the actor's head sees response positions only
+    mb = s.micro(micro, dynamic, budget if max_token_len is None else max_token_len, _packed(s, model))
+    fsdp2 = (s.cfg.critic if critic else s.cfg.actor_rollout_ref.actor).strategy == "fsdp2"
+    moments = mm.forward_pass_moments(shape, mb.rows, mb.seq_len, mb.response_len, b, with_logits=not critic,
+                                      head_positions=mb.response_len + 1,  # per row: the head on responses
+                                      gathered=states[_state_of(s, model)].gathered, released_before_logits=fsdp2)
     phase = Phase(name, {**_resident(s, {"actor": "old", "ref": "ref", "critic": "values"}[model]),
-                         **_vllm_resident(s, hw)})
-    phase.memory["gathered units"] = float(states[_state_of(s, model)].gathered)
-    phase.memory["activations"] = float(peak.activations)
-    phase.memory["logits"] = float(peak.logits)
+                         **_vllm_resident(s, hw), **_transient(mm.largest(moments))}, moments=moments)
     phase.seconds = _time_forward(s, hw, shape, critic)
     return phase
 
@@ -363,6 +363,17 @@ def _forward_dynamic(s: Setup, model: str) -> tuple[bool, int]:
         return c.use_dynamic_bsz, c.forward_max_token_len_per_gpu
     section = a.ref if model == "ref" else a.rollout
     return section.log_prob_use_dynamic_bsz, section.log_prob_max_token_len_per_gpu
+
+
+def _transient(peak: mm.PassPeak) -> dict[str, float]:
+    """A pass's items at its peak."""
+    return {"gathered units": float(peak.gathered), "activations": float(peak.activations),
+            "logits": float(peak.logits)}
+
+
+def _packed(s: Setup, model: str) -> bool:
+    """Whether a model's forwards run on packed rows (``use_remove_padding``)."""
+    return (s.cfg.critic if model == "critic" else s.cfg.actor_rollout_ref).model.use_remove_padding
 
 
 def _update_dynamic(s: Setup, model: str) -> tuple[bool, int]:
@@ -382,17 +393,14 @@ def update_phase(s: Setup, hw: Hardware, model: str, micro: int, checkpointing: 
     shape = s.critic if critic else s.actor
     b = _dtype_bytes(s.cfg.critic.fsdp_config.param_dtype) if critic else s.compute_bytes
     dynamic, budget = _update_dynamic(s, model)
-    mb = s.micro(micro, dynamic, budget if max_token_len is None else max_token_len)
-    peak = update_pass_peak(s, model, mb, b, checkpointing, states[model].gathered)
-    lora = s.lora(model)
-    phase = Phase(f"update {model}" + (" (checkpointing)" if checkpointing else ""),
-                  {**_resident(s, f"update {model}"), **_vllm_resident(s, hw)})
-    phase.memory["gradients"] = float(states[model].grads)
+    mb = s.micro(micro, dynamic, budget if max_token_len is None else max_token_len, _packed(s, model))
     step = ADAMW_STEP_TEMPORARIES * states[model].grads  # about one float32 copy of the trained shard
-    pass_wins = peak.total >= step
-    phase.memory["gathered units"] = float(peak.gathered) if pass_wins else 0.0
-    phase.memory["activations"] = float(peak.activations) if pass_wins else float(step)
-    phase.memory["logits"] = float(peak.logits) if pass_wins else 0.0
+    moments = [*update_pass_moments(s, model, mb, b, checkpointing, states[model].gathered),
+               mm.PassPeak(step, 0, 0, "the optimizer step")]
+    phase = Phase(f"update {model}" + (" (checkpointing)" if checkpointing else ""),
+                  {**_resident(s, f"update {model}"), **_vllm_resident(s, hw), "gradients": float(states[model].grads),
+                   **_transient(mm.largest(moments))}, moments=moments)
+    lora = s.lora(model)
     flops = mm.training_flops(shape, s.rows_per_gpu, s.seq_len, checkpointing, critic, _head_positions(s, critic),
                               lora.params if lora is not None else 0)
     phase.seconds = flops / (hw.bf16_tflops * 1e12 * hw.mfu)

@@ -8,21 +8,24 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from verl.utils import memory_model as mm
-from verl.utils.memory_model_fsdp import FsdpUnits, fsdp2_update_peak, parameter_rows, sync_peak_bytes
+from verl.utils.memory_model_fsdp import FsdpUnits, fsdp2_update_moments, parameter_rows, sync_peak_bytes
 
 if TYPE_CHECKING:
     from verl.trainer.plan import MicroBatch, Setup
 
 
-def update_pass_peak(s: Setup, model: str, mb: MicroBatch, compute_bytes: int, checkpointing: bool,
-                     fsdp1_gathered: int) -> mm.PassPeak:
-    """The peak of one update micro-batch of ``model`` (actor or critic), FSDP's gathered units included: FSDP2's
-    moments, or FSDP1's ``fsdp1_gathered`` (two layers and the root) beside the pass's peak."""
+def update_pass_moments(s: Setup, model: str, mb: MicroBatch, compute_bytes: int, checkpointing: bool,
+                        fsdp1_gathered: int) -> list[mm.PassPeak]:
+    """The moments one update micro-batch of ``model`` (actor or critic) may peak at, FSDP's gathered units
+    included: FSDP2's (:func:`verl.utils.memory_model_fsdp.fsdp2_update_moments`), or the model's with FSDP1's
+    ``fsdp1_gathered`` (two layers and the root) held throughout."""
     critic = model == "critic"
     shape, lora = (s.critic, s.critic_lora) if critic else (s.actor, s.actor_lora)
     attn = s.cfg.actor_rollout_ref.model.attn_implementation
+    entropy_grad = not critic and s.cfg.actor_rollout_ref.actor.entropy_coeff != 0
     terms = mm.update_terms(shape, mb.rows, mb.seq_len, mb.response_len, compute_bytes, checkpointing,
-                            repeat_kv=attn != "flash_attention_2", head_positions=mb.response_len + 1)
+                            repeat_kv=attn != "flash_attention_2", head_positions=mb.response_len + 1,
+                            entropy_grad=entropy_grad, frozen_base=lora is not None)
     tokens = mb.rows * mb.seq_len
     if critic:  # the value head's output is one number per position
         terms = dataclasses.replace(terms, logits=tokens * mm.FP32, logits_grad=tokens * mm.FP32)
@@ -33,11 +36,10 @@ def update_pass_peak(s: Setup, model: str, mb: MicroBatch, compute_bytes: int, c
     strategy = (s.cfg.critic if critic else s.cfg.actor_rollout_ref.actor).strategy
     if strategy != "fsdp2":
         held = terms.kept + terms.edges
-        peak = (mm.PassPeak(held, terms.logits) if terms.logits >= terms.layer_backward
-                else mm.PassPeak(held + terms.layer_backward, 0))
-        return dataclasses.replace(peak, gathered=fsdp1_gathered)
+        return [mm.PassPeak(held, terms.logits, fsdp1_gathered, mm.LOGITS_BACKWARD),
+                mm.PassPeak(held + terms.layer_backward, 0, fsdp1_gathered, mm.LAYER_BACKWARD)]
     units = FsdpUnits.of(shape, value_head=critic, adapter_params=lora.params if lora is not None else 0)
-    return fsdp2_update_peak(terms, units, compute_bytes, trained=lora is None)
+    return fsdp2_update_moments(terms, units, compute_bytes, trained=lora is None)
 
 
 def sync_transient_bytes(s: Setup) -> int:

@@ -120,7 +120,8 @@ def trace_preset(overrides: list[str], config_name: str = "ppo_trainer",
         models = build_models(mesh, actor_cfg, critic_cfg, model_path, cfg.need_reference, critic_path)
         with trace:
             trace_step(trace, models, settings, bool(cfg.actor_rollout_ref.model.use_remove_padding))
-    return TraceResult(setup, trace, settings, plan_phases, compare(setup, trace, settings, plan_phases))
+    report = compare(setup, trace, settings.received, plan_phases, settings.weight_dtype)
+    return TraceResult(setup, trace, settings, plan_phases, report)
 
 
 def main(argv: list[str] | None = None) -> None:

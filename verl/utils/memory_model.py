@@ -162,10 +162,13 @@ class ModelShape:
         return self.num_layers * len(set(modules)) * rank * dtype_bytes
 
 
+LOGITS_BACKWARD, HEAD_BACKWARD, LAYER_BACKWARD = "the logits' backward", "the head's backward", "the first layer's backward"
 LOGPROB_CHUNK_BYTES = 2**24 * FP32  # one (rows, vocab) fp32 chunk of verl.utils.torch_functional's log-prob
-# float32 chunks alive at once in the chunked log-softmax: forward (scaled logits, probabilities), backward (the
-# same and the chunk's gradient); measured on CPU (tests/verl/utils/test_memory_model.py)
-CHUNK_TEMPORARIES = {"forward": 2, "backward": 3}
+# chunks alive at once in the chunked log-softmax, in float32 chunks, when it runs several (a single chunk holds one
+# fewer in the backward pass): forward (the scaled logits, probabilities, their product and its masked copy, and the
+# bool mask: a quarter), backward (the same, the chunk's gradient, the previous chunk's last temporaries; two more
+# when the entropy is in the loss); counted by the full-size trace (python -m verl.trainer.trace_preset)
+CHUNK_TEMPORARIES = {"forward": 4.25, "backward": 5, "backward with entropy": 7}
 
 
 @dataclass(frozen=True)
@@ -176,11 +179,17 @@ class PassPeak:
     activations: int
     logits: int
     gathered: int = 0
+    moment: str = ""  # when in the pass
 
     @property
     def total(self) -> int:
         """activations + logits + gathered."""
         return self.activations + self.logits + self.gathered
+
+
+def largest(moments: list[PassPeak]) -> PassPeak:
+    """The moment holding the most bytes."""
+    return max(moments, key=lambda peak: peak.total)
 
 
 @dataclass(frozen=True)
@@ -203,69 +212,90 @@ class UpdateTerms:
 
 def logits_bytes(
     shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, training: bool,
-    head_positions: int | None = None,
+    head_positions: int | None = None, entropy_grad: bool = False,
 ) -> int:
     """Peak bytes of the logits of one micro-batch.
 
-    The head produces ``head_positions`` (default every position) in the compute dtype; the log-prob and entropy
-    read them in float32 chunks of at most :data:`LOGPROB_CHUNK_BYTES` (``response_len`` positions' worth when
-    smaller), a few of them alive at once (:data:`CHUNK_TEMPORARIES`). In training the head's output is kept for
-    the backward pass, which writes its gradient (the same size and dtype) one chunk at a time.
+    The head produces ``head_positions`` of each row (default every position) in the compute dtype; the log-prob and entropy
+    read them in float32 chunks of at most :data:`LOGPROB_CHUNK_BYTES`, within one row (a padded row's responses are
+    not contiguous with the next row's; a packed micro-batch is one row), a few of them alive at once
+    (:data:`CHUNK_TEMPORARIES`). In training the head's output is kept for the backward pass, which writes its
+    gradient (the same size and dtype) one chunk at a time (more temporaries with ``entropy_grad``: the entropy in
+    the loss).
     """
     positions = seq_len if head_positions is None else head_positions
     head_out = rows * positions * shape.vocab_size * dtype_bytes
-    chunk = min(rows * response_len * shape.vocab_size * FP32, LOGPROB_CHUNK_BYTES)
+    chunk = min(response_len * shape.vocab_size * FP32, LOGPROB_CHUNK_BYTES)
     if training:
-        return 2 * head_out + CHUNK_TEMPORARIES["backward"] * chunk
-    return head_out + CHUNK_TEMPORARIES["forward"] * chunk
+        chunks = CHUNK_TEMPORARIES["backward with entropy" if entropy_grad else "backward"]
+        if rows == 1 and response_len * shape.vocab_size * FP32 <= LOGPROB_CHUNK_BYTES:
+            chunks -= 1  # a single chunk: no temporaries left from the one before
+        return int(2 * head_out + chunks * chunk)
+    return int(head_out + CHUNK_TEMPORARIES["forward"] * chunk)
 
 
 def update_pass_peak(
     shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, checkpointing: bool,
-    repeat_kv: bool = True, head_positions: int | None = None,
+    repeat_kv: bool = True, head_positions: int | None = None, entropy_grad: bool = False,
 ) -> PassPeak:
     """Peak of a forward + backward pass of one micro-batch (gradients and weights not included): the logits'
     backward, while the decoder stack keeps what it saved, or the first decoder layer's backward (with
     checkpointing: that layer recomputed), whichever is larger (:class:`UpdateTerms`)."""
-    terms = update_terms(shape, rows, seq_len, response_len, dtype_bytes, checkpointing, repeat_kv, head_positions)
+    terms = update_terms(shape, rows, seq_len, response_len, dtype_bytes, checkpointing, repeat_kv, head_positions,
+                         entropy_grad)
     held = terms.kept + terms.edges
-    if terms.logits >= terms.layer_backward:
-        return PassPeak(activations=held, logits=terms.logits)
-    return PassPeak(activations=held + terms.layer_backward, logits=0)
+    return largest([PassPeak(held, terms.logits, moment=LOGITS_BACKWARD),
+                    PassPeak(held + terms.layer_backward, 0, moment=LAYER_BACKWARD)])
 
 
 def update_terms(
     shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, checkpointing: bool,
-    repeat_kv: bool = True, head_positions: int | None = None,
+    repeat_kv: bool = True, head_positions: int | None = None, entropy_grad: bool = False, frozen_base: bool = False,
 ) -> UpdateTerms:
-    """The :class:`UpdateTerms` of ``rows`` sequences of ``seq_len`` tokens (``head_positions`` through the head)."""
+    """The :class:`UpdateTerms` of ``rows`` sequences of ``seq_len`` tokens (``head_positions`` of each through the
+    head, default all); a ``frozen_base`` (LoRA) final norm keeps no normed output for its weight's gradient."""
     tokens = rows * seq_len
     h, b = shape.hidden_size, dtype_bytes
     per_layer = tokens * shape.activation_bytes_per_token(b, repeat_kv)
     swiglu_grad = tokens * shape.intermediate_size * b
-    positions = tokens if head_positions is None else head_positions
+    positions = rows * (seq_len if head_positions is None else head_positions)
     return UpdateTerms(
         kept=shape.num_layers * (tokens * b * h if checkpointing else per_layer),
-        edges=tokens * (FP32 * h + 3 * b * h),  # final norm (fp32 copy, normed, cast) and the embedding output
+        edges=tokens * (FP32 + (0 if frozen_base else 2 * b)) * h,  # the final norm's fp32 copy, normed output, cast
         layer_backward=(per_layer if checkpointing else 0) + swiglu_grad,
-        logits=logits_bytes(shape, rows, seq_len, response_len, b, True, head_positions),
+        logits=logits_bytes(shape, rows, seq_len, response_len, b, True, head_positions, entropy_grad),
         logits_grad=positions * shape.vocab_size * b,
     )  # fmt: skip
 
 
 def forward_pass_peak(
     shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, with_logits: bool = True,
-    head_positions: int | None = None,
+    head_positions: int | None = None, gathered: int = 0, released_before_logits: bool = False,
 ) -> PassPeak:
-    """Peak of a no-grad forward of one micro-batch (log-probs or values): one layer's transients or the logits,
-    beside the hidden states (and the head's input, the rows of the positions it runs on)."""
+    """The largest of :func:`forward_pass_moments`."""
+    return largest(forward_pass_moments(shape, rows, seq_len, response_len, dtype_bytes, with_logits,
+                                        head_positions, gathered, released_before_logits))
+
+
+def forward_pass_moments(
+    shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, with_logits: bool = True,
+    head_positions: int | None = None, gathered: int = 0, released_before_logits: bool = False,
+) -> list[PassPeak]:
+    """Peak of a no-grad forward of one micro-batch (log-probs or values): one layer's transients or the head's
+    output beside the hidden states (and the head's input, the rows of the positions it runs on), or the head's
+    output alone with the log-softmax's chunks, whichever is largest. ``gathered``: the FSDP units held meanwhile, all of them
+    gone before the log-softmax with ``released_before_logits`` (FSDP2 reshards at the end of the forward)."""
     layer = rows * seq_len * shape.forward_transient_bytes_per_token(dtype_bytes)
-    logits = logits_bytes(shape, rows, seq_len, response_len, dtype_bytes, False, head_positions) if with_logits else 0
-    head_input = (head_positions if head_positions is not None and with_logits else 0) * shape.hidden_size
-    hidden = (rows * seq_len * shape.hidden_size + head_input) * dtype_bytes
-    if logits >= layer:
-        return PassPeak(activations=hidden, logits=logits)
-    return PassPeak(activations=hidden + layer, logits=0)
+    positions = rows * (seq_len if head_positions is None else head_positions)  # through the head
+    hidden = (rows * seq_len + (positions if head_positions is not None and with_logits else 0)) \
+        * shape.hidden_size * dtype_bytes
+    moments = [PassPeak(hidden + layer, 0, gathered, "a decoder layer")]
+    if with_logits:
+        logits = logits_bytes(shape, rows, seq_len, response_len, dtype_bytes, False, head_positions)
+        head_out = positions * shape.vocab_size * dtype_bytes
+        moments += [PassPeak(hidden, head_out, gathered, "the head"),  # the log-softmax runs once the forward returned
+                    PassPeak(0, logits, 0 if released_before_logits else gathered, "the log-softmax")]
+    return moments
 
 
 def kv_cache_bytes(shape: ModelShape, rows: int, context_len: int, dtype_bytes: int) -> int:

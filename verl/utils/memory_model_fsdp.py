@@ -10,8 +10,9 @@ What FSDP2 (torch 2.11-2.13) keeps alive, as the full-size trace measured it (``
 * backward: a unit's unsharded parameters, the next unit prefetched, the unsharded gradients of the unit, and the
   previous unit's reduce-scatter input (its full gradient in float32, the reduce dtype), freed only at the next
   reduce-scatter. The peak of an update pass is then the logits' backward (nothing gathered), the head's backward
-  (the head gathered with its gradient) or the first decoder layer's backward (the head's float32 reduce-scatter
-  buffer beside two layers and one weight's gradient), whichever holds most (:func:`fsdp2_update_peak`).
+  (the head gathered with its gradient), the first decoder layer's backward (the head's float32 reduce-scatter
+  buffer beside two layers and one weight's gradient) or the second's (the first layer's buffer instead, which is
+  larger when a layer outweighs the head), whichever holds most (:func:`fsdp2_update_moments`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from verl.utils.memory_model import FP32, ModelShape, PassPeak, UpdateTerms
+from verl.utils.memory_model import (FP32, HEAD_BACKWARD, LAYER_BACKWARD, LOGITS_BACKWARD, ModelShape, PassPeak,
+                                     UpdateTerms)
+
+SECOND_LAYER_BACKWARD = "the second layer's backward"
 
 
 @dataclass(frozen=True)
@@ -58,21 +62,24 @@ class FsdpUnits:
         return self.layers * self.layer + self.embedding + self.head + self.root
 
 
-def fsdp2_update_peak(terms: UpdateTerms, units: FsdpUnits, compute_bytes: int, trained: bool) -> PassPeak:
-    """The peak moment of one micro-batch's forward + backward under FSDP2 (module docstring): the logits'
-    backward, the head's backward or the first decoder layer's backward, with what FSDP2 holds gathered at each.
-    ``trained``: every weight is trained (False: a LoRA model, whose frozen weights get no gradient and whose
-    head and embedding units reduce-scatter nothing)."""
+def fsdp2_update_moments(terms: UpdateTerms, units: FsdpUnits, compute_bytes: int, trained: bool) -> list[PassPeak]:
+    """The moments of one micro-batch's forward + backward under FSDP2 that may be its peak (module docstring): the
+    logits' backward, the head's backward and a first decoder layer's backward, with what FSDP2 holds gathered at
+    each. ``trained``: every weight is trained (False: a LoRA model, whose frozen weights get no gradient and
+    whose head and embedding units reduce-scatter nothing)."""
     b = compute_bytes
     held = terms.kept + terms.edges
     root = units.root * b
     head_backward = (units.head * (2 if trained else 1) + units.layer) * b + root
-    first_layer = (units.head * FP32 if trained else 0) + 2 * units.layer * b + root
-    if trained:
-        first_layer += units.largest_weight * b
-    moments = [PassPeak(held, terms.logits, root), PassPeak(held, terms.logits_grad, head_backward),
-               PassPeak(held + terms.layer_backward, 0, first_layer)]
-    return max(moments, key=lambda peak: peak.total)
+    in_layer = 2 * units.layer * b + root + (units.largest_weight * b if trained else 0)
+    moments = [PassPeak(held, terms.logits, root, LOGITS_BACKWARD),
+               PassPeak(held, terms.logits_grad, head_backward, HEAD_BACKWARD),
+               PassPeak(held + terms.layer_backward, 0, in_layer + (units.head * FP32 if trained else 0),
+                        LAYER_BACKWARD)]
+    if trained:  # the second layer's backward: the first layer's reduce-scatter buffer, one layer's saved tensors gone
+        moments.append(PassPeak(held - terms.kept // max(units.layers, 1) + terms.layer_backward, 0,
+                                in_layer + units.layer * FP32, SECOND_LAYER_BACKWARD))
+    return moments
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def _row_blocks(logits: torch.Tensor) -> list[torch.Tensor]:
         return [logits]
     try:
         return [logits.view(-1, logits.shape[-1])]
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # a strided view of several rows (fake tensors raise ValueError)
         return [block for sub in logits.unbind(0) for block in _row_blocks(sub)]
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from verl.trainer import plan as plan_mod
 from verl.trainer.config_schema import compose_config
 from verl.trainer.config_validation import build_config
-from verl.utils.memory_model import ModelShape
+from verl.utils.memory_model import ModelShape, update_terms
 
 from tests.helpers.plan_presets import P_14B, PRESET_GPU, QWEN25_14B, preset_phases, write_model_14b
 
@@ -147,7 +148,14 @@ def test_vllm_advice_names_the_engine_settings(model_14b):
 def test_weight_sync_and_offload_phases(model_14b):
     setup, hw, phases = preset_phases(model_14b)
     sync = phases["weight sync"]
-    assert sync.memory["gathered units"] == 2 * 512 * 2**20  # two buckets' worth of full bf16 tensors
+    # the embedding is a bucket of its own whose gathered buffer its yielded tensor keeps while the next bucket (layer
+    # 0's q/k/v/o with biases, gate and up: 409 MB of the 512 MiB) is padded to 6 equal shards, concatenated,
+    # gathered and copied out (the bf16 shards twice, the gathered buffer, the copies)
+    params = [(5120, 5120), (5120, 1), (1024, 5120), (1024, 1), (1024, 5120), (1024, 1), (5120, 5120),
+              (13824, 5120), (13824, 5120)]
+    padded = sum(math.ceil(rows / 6) * 6 * cols for rows, cols in params) * 2
+    full = sum(rows * cols for rows, cols in params) * 2
+    assert sync.memory["gathered units"] == 152064 * 5120 * 2 + 2 * padded // 6 + padded + full
     assert sync.memory["vllm"] == pytest.approx(P_14B + plan_mod.VLLM_OTHER_BYTES + plan_mod.VLLM_CUDA_GRAPH_BYTES)
     _, _, offloaded = preset_phases(model_14b, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
     assert offloaded["rollout"].memory["optimizer"] == 0 and offloaded["update actor"].memory["optimizer"] > 0
@@ -161,11 +169,12 @@ def test_the_presets_token_budget_update_fits_at_14b_with_the_bf16_logits(model_
     setup, hw, phases = preset_phases(model_14b)
     update = phases["update actor"]
     assert update.total <= hw.memory_bytes / 1.15  # the planner's 15% error, measured on CPU, fits too
-    # one row of 8,192 tokens: the head's 6,145 response positions in bf16, kept and their gradient
-    _, _, one_row = preset_phases(model_14b, ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192"])
+    # one row of 8,192 tokens: the head's 6,145 response positions in bf16, kept and their gradient, and five fp32
+    # chunks of the log-softmax's backward
     head = 6145 * 152064 * 2
     chunk = min(6144 * 152064 * 4, 2**24 * 4)
-    assert one_row["update actor"].memory["logits"] == 2 * head + 3 * chunk
+    terms = update_terms(setup.actor, 1, 8192, 6144, 2, True, head_positions=6145)
+    assert terms.logits == 2 * head + 5 * chunk and terms.logits_grad == head
 
 
 def test_cli_prints_the_vllm_phase(model_14b, capsys):

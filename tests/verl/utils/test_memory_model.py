@@ -81,7 +81,8 @@ def test_update_peak_matches_measurement(tmp_path, dtype, checkpointing, padded)
     dtype_bytes = torch.finfo(dtype).bits // 8
     shape = ModelShape.from_hf_config(SMALL)
     # HF passes no mask to SDPA for an unpadded batch (K/V stay at the kv heads); a padded batch repeats them
-    expected = update_pass_peak(shape, rows, seq_len, response_len, dtype_bytes, checkpointing, repeat_kv=padded)
+    expected = update_pass_peak(shape, rows, seq_len, response_len, dtype_bytes, checkpointing, repeat_kv=padded,
+                                entropy_grad=True)
     assert measured == pytest.approx(expected.total, rel=TOLERANCE)
 
 

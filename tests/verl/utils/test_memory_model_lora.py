@@ -9,8 +9,7 @@ import torch
 from verl.utils.fsdp_utils import enable_activation_checkpointing
 from verl.utils.lora import LoraSettings, apply_lora
 from verl.utils.memory_model import ModelShape, update_pass_peak
-from verl.utils.torch_functional import log_probs_and_entropy
-from verl.workers.batching import response_logits
+from verl.workers.actor.dp_actor import padded_log_probs
 
 from tests.helpers.memory_profiling import measured_peak
 from tests.helpers.small_qwen import SMALL, small_inputs, small_model
@@ -31,16 +30,18 @@ def test_lora_update_peak_is_a_close_upper_bound(tmp_path, dtype, checkpointing,
     model.train()
     inputs = small_inputs(rows, seq_len, padded=True)
 
-    def micro_batch():
-        logits = response_logits(model(**inputs, use_cache=False).logits, response_len)
-        log_probs, entropy = log_probs_and_entropy(logits, inputs["input_ids"][:, -response_len:], 1.2)
+    micro = {**inputs, "responses": inputs["input_ids"][:, -response_len:]}
+
+    def micro_batch():  # the actor's padded forward: the head on the last R + 1 positions only
+        log_probs, entropy = padded_log_probs(model, micro, 1.2, calculate_entropy=True, entropy_grad=True)
         (-log_probs.mean() - 0.01 * entropy.mean()).backward()
 
     micro_batch()
     measured = measured_peak(micro_batch, tmp_path / "trace.json")
     shape, b = ModelShape.from_hf_config(SMALL), torch.finfo(dtype).bits // 8
     adapted = list(shape.linear_layers) if modules == "all-linear" else modules
-    layers = 2 / shape.num_layers if checkpointing else 1
-    expected = (update_pass_peak(shape, rows, seq_len, response_len, b, checkpointing, repeat_kv=True).total
+    layers = 1 / shape.num_layers if checkpointing else 1  # one layer recomputed at a time
+    expected = (update_pass_peak(shape, rows, seq_len, response_len, b, checkpointing, repeat_kv=True,
+                                 head_positions=response_len + 1, entropy_grad=True).total
                 + rows * seq_len * shape.lora_intermediate_bytes_per_token(16, adapted, b) * layers)
     assert 0.8 * expected <= measured <= expected
