@@ -9,7 +9,8 @@
 # changed (run it from the vLLM environment: PATH=$PWD/.venv-vllm/bin:$PATH PRESET=rehearsal bash scripts/main.sh). PRINT_CONFIG_ONLY=1 (or --dry-run as the first argument) prints the preset
 # and the trainer command, then exits without building, starting or training anything; --plan (the first argument)
 # prints the preset, then `python -m verl.trainer.plan`'s memory and time plan of that trainer command (the model's
-# config.json must exist; vLLM need not be installed).
+# config.json must exist; vLLM need not be installed); --trace prints the preset, then `python -m
+# verl.trainer.trace_preset`'s full-size trace of one step of that command on CPU beside the plan (a minute or two).
 #
 # First the scenario is checked (utils/check_scenario.py: it loads, its behaviour categories have rules), and
 # running simulators named in USER_SIM_URLS must answer: errors come in seconds, before anything is built.
@@ -49,6 +50,7 @@ DRY_RUN=${PRINT_CONFIG_ONLY:-0}
 PLAN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 if [[ "${1:-}" == "--plan" ]]; then DRY_RUN=1; PLAN=1; shift; fi
+if [[ "${1:-}" == "--trace" ]]; then DRY_RUN=1; PLAN=trace; shift; fi
 PYTHON=${PYTHON:-python}
 OUTPUT_DIR=${OUTPUT_DIR:-outputs}
 MODEL_PATH=${MODEL_PATH:-}
@@ -219,6 +221,8 @@ if [[ "$DRY_RUN" == 1 ]]; then
     head=5; if [[ "${TRAIN_CMD[0]}" == env ]]; then head=7; fi  # [env CUDA_VISIBLE_DEVICES=...] python -m ...
     if [[ "$PLAN" == 1 ]]; then  # the memory and time plan of exactly this trainer command
         exec "$PYTHON" -m verl.trainer.plan --config-name sead_trainer "${TRAIN_CMD[@]:head}"
+    elif [[ "$PLAN" == trace ]]; then  # one step of exactly this trainer command traced at full size, beside the plan
+        exec "$PYTHON" -m verl.trainer.trace_preset --config-name sead_trainer "${TRAIN_CMD[@]:head}"
     fi
     [[ -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]] || echo "trainer environment: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"
     echo "trainer command:"

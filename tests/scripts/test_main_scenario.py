@@ -168,3 +168,19 @@ def test_plan_plans_the_preset_it_would_run(tmp_path):
     # the GPU preset's engine: vLLM, TP 2 at 55% of each of its 6 GPUs (no vLLM installed here)
     assert "28 layers" in done.stdout and "6 GPUs of 80 GB" in done.stdout and "weight sync (vLLM)" in done.stdout
     assert "vLLM engine (TP 2): pool 44.0 GB per GPU (gpu_memory_utilization 0.55)" in done.stdout
+
+
+@pytest.mark.slow
+def test_trace_traces_the_preset_it_would_run(tmp_path):
+    model = tmp_path / "agent"  # the trace reads only the model's config.json: a four-layer Qwen2.5
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 4096,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    done, _ = main_sh(tmp_path, "--trace", MODEL_PATH=str(model), USER_SIM_MODEL="/models/sim")
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert done.stdout.startswith("preset: gpu (MODEL_PATH is set)")
+    # the preset's keys reach the trace: 6 ranks, the vLLM weight sync, the reference, token budgets of 32,768
+    assert "rank 1 of 6" in done.stdout and "weight sync: 51 tensors" in done.stdout
+    assert "reference log-probs" in done.stdout and "trace and plan agree within 10% on every line item" in done.stdout

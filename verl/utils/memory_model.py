@@ -287,13 +287,13 @@ def forward_pass_moments(
     gone before the log-softmax with ``released_before_logits`` (FSDP2 reshards at the end of the forward)."""
     layer = rows * seq_len * shape.forward_transient_bytes_per_token(dtype_bytes)
     positions = rows * (seq_len if head_positions is None else head_positions)  # through the head
-    hidden = (rows * seq_len + (positions if head_positions is not None and with_logits else 0)) \
-        * shape.hidden_size * dtype_bytes
+    hidden = rows * seq_len * shape.hidden_size * dtype_bytes
+    head_input = positions * shape.hidden_size * dtype_bytes if head_positions is not None else 0
     moments = [PassPeak(hidden + layer, 0, gathered, "a decoder layer")]
     if with_logits:
         logits = logits_bytes(shape, rows, seq_len, response_len, dtype_bytes, False, head_positions)
         head_out = positions * shape.vocab_size * dtype_bytes
-        moments += [PassPeak(hidden, head_out, gathered, "the head"),  # the log-softmax runs once the forward returned
+        moments += [PassPeak(hidden + head_input, head_out, gathered, "the head"),  # the log-softmax: after the forward
                     PassPeak(0, logits, 0 if released_before_logits else gathered, "the log-softmax")]
     return moments
 
