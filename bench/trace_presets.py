@@ -32,7 +32,8 @@ def preset_keys(model_dir: Path, preset: str) -> list[str]:
     done = subprocess.run(["bash", str(REPO / "scripts" / "main.sh"), "--dry-run"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120, check=True)
     lines = done.stdout.splitlines()
-    words = shlex.split(" ".join(line.strip().removesuffix("\\") for line in lines[lines.index("trainer command:") + 1:]))
+    command = lines[lines.index("trainer command:") + 1:]
+    words = shlex.split(" ".join(line.strip().removesuffix("\\") for line in command))
     start = words.index("verl.trainer.main_ppo") + 3  # python -m verl.trainer.main_ppo --config-name sead_trainer
     return words[start:]
 

@@ -98,8 +98,9 @@ _sead_cpu_preset() {
 # sead_trainer.yaml's 2,048 tokens. Checkpoints keep the HF export only in the last one (a 14B fp32 export is
 # ~56 GB; `python -m verl.model_merger` exports any other later). As the original: padding-free forwards and the
 # reference model's parameters offloaded. Micro-batches by a token budget: 16,384 tokens (2 full dialogues) per
-# actor update micro-batch, 32,768 per log-prob forward (`python -m verl.trainer.plan` at 14B: update 61.3 GB, 47.8
-# GB for the reference pass: both fit 80 GB with the planner's 15% error to spare; README "GPU box"). The policy
+# actor update micro-batch, 32,768 per log-prob forward (`python -m verl.trainer.plan` at 14B: update 59.4 GB, 48.3
+# GB for the reference pass: both fit 80 GB with the planner's 15% error to spare, and the full-size trace, `--trace`,
+# agrees with the planner within 10%; README "GPU box"). The policy
 # generates with vLLM: TP 2 engines colocated with the FSDP actor, 55% of each GPU while awake (at 14B the planner
 # gives 74.6 of 80 GB with the actor's resident state beside it), CUDA graphs, asleep during training (level 2),
 # weights synced in buckets. Rollout correction (README "Rollout correction"): the engine's log-probs of every
@@ -155,8 +156,8 @@ actor_rollout_ref.rollout.free_cache_engine=true"
 # The GPU preset training a LoRA adapter (rank 32, alpha 32, on every linear layer of the decoder) on a frozen bf16
 # base instead of every weight, on 2 policy GPUs: the reference is the actor with its adapter disabled and the vLLM
 # engine (one of TP 2) keeps the base and receives the adapter after every update. `python -m verl.trainer.plan`
-# at 14B: the engine at 0.7 of each GPU (393,298 KV tokens) beside the actor's 16.7 GB is the peak, 72.7 GB; the
-# actor update 37.8 GB (README "LoRA"). lr 1e-5: an adapter takes larger steps than full fine-tuning's 1e-6 (not
+# at 14B: the engine at 0.7 of each GPU (391,714 KV tokens) beside the actor's 16.7 GB is the peak, 72.7 GB; the
+# actor update 34.9 GB (README "LoRA"). lr 1e-5: an adapter takes larger steps than full fine-tuning's 1e-6 (not
 # tuned on a GPU yet).
 declare -gA SEAD_LORA_VALUES=([LORA_RANK]=32 [LORA_ALPHA]=32 [LR]=1e-5 [N_GPUS]=2 [ROLLOUT_GPU_MEM]=0.7)
 _sead_gpu_lora_preset() {

@@ -2,13 +2,15 @@
 config's largest micro-batch, under a :class:`~verl.utils.memory_trace.MemoryTrace`.
 
 Each pass runs the workers' own forward (:func:`verl.workers.packing.packed_forward_log_probs` on one packed row,
-or :func:`verl.workers.actor.dp_actor.padded_log_probs` on padded rows; the critic's values alike), the update
-adds the clipped PPO loss with the configured entropy bonus and KL loss (``verl.trainer.ppo.core_algos``: its
-tensors are (rows, responses) floats), the backward pass, gradient clipping and the AdamW step; the weight sync
-runs :func:`verl.workers.rollout.vllm_rollout.sync_actor_weights` into :class:`RecordingEngine`. The offload keys
+or :func:`verl.workers.actor.dp_actor.padded_log_probs` on padded rows; the critic's values alike); the update adds
+the clipped PPO loss with the configured entropy bonus and KL loss (the critic's: the clipped value loss;
+``verl.trainer.ppo.core_algos``, tensors of (rows, responses) floats), the backward pass, gradient clipping and the
+AdamW step; the weight sync runs :func:`verl.workers.rollout.vllm_rollout.sync_actor_weights` into
+:class:`RecordingEngine`. The offload keys
 decide which models' parameters and optimizer states count as on the GPU in a phase, as the workers' ``on_device``
 blocks move them. Data-dependent steps (packing a padded batch, the global token counts, reading the gradient
-norm) cannot run on fake tensors: the micro-batch is built packed, the counts are the micro-batch's own.
+norm) cannot run on fake tensors: the micro-batch is built in its layout (one packed row, or padded rows), the
+loss's token counts are the micro-batch's own and the norm is not read.
 """
 
 from __future__ import annotations
@@ -243,8 +245,10 @@ def trace_step(trace: MemoryTrace, models: TracedModels, settings: StepSettings,
         _earlier_micro_batches(trace, models.critic, settings.critic_accumulate)
         with _on_device(trace, models, settings, "critic", update=True), trace.phase("update critic"):
             values = critic_values(models.critic, settings.critic_update)
-            _step(trace, models.critic, models.critic_optimizer, (values.float() ** 2).mean(),
-                  settings.critic_section.get("grad_clip", None))
+            zeros, mask = torch.zeros_like(values), torch.ones_like(values)
+            loss, _ = core_algos.compute_value_loss(values, zeros, zeros, mask,
+                                                    float(settings.critic_section.get("cliprange_value", 0.5)))
+            _step(trace, models.critic, models.critic_optimizer, loss, settings.critic_section.get("grad_clip", None))
     models.actor.train()
     _earlier_micro_batches(trace, models.actor, settings.accumulate)
     section, shape = settings.actor_section, settings.update

@@ -119,7 +119,8 @@ def _planned_collectives(s: planner.Setup, phase: str) -> dict[tuple[str, str], 
         lora = s.actor_lora if s.serves_adapter else None
         rows = parameter_rows(s.actor, lora.settings.rank, lora.modules) if lora else parameter_rows(s.actor)
         buckets = sync_buckets(rows, s.world, s.compute_bytes, int(rollout.update_weights_bucket_megabytes * 2**20))
-        return {("all_gather", dtype_name_of(s.compute_bytes)): (len(buckets), sum(map(sum, buckets)) * s.compute_bytes)}
+        total = sum(map(sum, buckets)) * s.compute_bytes
+        return {("all_gather", dtype_name_of(s.compute_bytes)): (len(buckets), total)}
     model = _MODEL_OF[phase]
     critic = model == "critic"
     shape, lora = (s.critic, s.critic_lora) if critic else (s.actor, s.actor_lora)
@@ -211,6 +212,7 @@ def compare(s: planner.Setup, trace: MemoryTrace, received: list[tuple[str, int]
         limit = s.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
         report.notes.append(
             f"weight sync: {len(received)} tensors, {sum(n for _, n in received) / GB:.2f} GB in "
-            f"{dtype_name(weight_dtype)}, in {len(sizes)} buckets of {sizes[0] / 2**20:.0f}-{sizes[-1] / 2**20:.0f} MiB "
+            f"{dtype_name(weight_dtype)}, in {len(sizes)} buckets of {sizes[0] / 2**20:.0f}-"
+            f"{sizes[-1] / 2**20:.0f} MiB "
             f"(update_weights_bucket_megabytes {limit:g}; a larger tensor is a bucket of its own)")
     return report

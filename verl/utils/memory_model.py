@@ -5,12 +5,14 @@ Every number is in bytes (memory) or FLOPs and derives from the HF ``config.json
 * Parameters are counted exactly from the shape (Qwen2 / Llama / Mistral decoder layers: attention with optional
   q/k/v bias, SwiGLU MLP, two RMSNorms per layer, untied or tied head).
 * FSDP2 keeps fp32 master shards (4 B/param / world), fp32 sharded gradients during an update and AdamW's two fp32
-  moments (8 B/param / world); a unit being computed is gathered in the compute dtype (the current and the
-  prefetched next layer, plus the root unit for the whole pass when embeddings/head are not their own units).
+  moments (8 B/param / world); what it holds gathered (in the compute dtype) and its reduce-scatter buffers (in
+  float32) at each moment of a pass: :mod:`verl.utils.memory_model_fsdp`.
 * Activations are the tensors autograd saves per token and decoder layer (HF eager modules, SDPA/flash
   attention, no dropout): two RMSNorms (fp32 copy + normed output + its cast), the rotated q/k, v, the
-  attention output (also the output projection's input) and its log-sum-exp, and four SwiGLU intermediates. With gradient checkpointing only each
-  layer's input is saved, plus one layer recomputed in the backward pass.
+  attention output (also the output projection's input) and its log-sum-exp, and four SwiGLU intermediates. With
+  gradient checkpointing only each layer's input is saved, plus one layer recomputed in the backward pass. A
+  pass's peak is the largest of its moments (:class:`PassPeak`): a no-grad forward's layer, head or log-softmax;
+  an update's logits' backward or first layer's backward.
 * Logits: the head's output (the positions that predict response tokens) in the compute dtype, kept as it is for
   the backward pass, its gradient (same size and dtype) and a few float32 chunks of the chunked log-softmax.
 * KV cache of HF generation: 2 x layers x kv_heads x head_dim per token in the compute dtype.
@@ -23,7 +25,9 @@ Every number is in bytes (memory) or FLOPs and derives from the HF ``config.json
   the full model's plus each adapter's rank-r intermediate (an upper bound: a frozen layer that is not adapted
   keeps no input for its weight's gradient).
 
-The CPU tests (tests/verl/utils/test_memory_model.py) check these against peaks measured with the torch profiler.
+The CPU tests (tests/verl/utils/test_memory_model.py) check these against peaks measured with the torch profiler;
+the full-size trace (``python -m verl.trainer.trace_preset``, tests/verl/trainer/test_trace_preset.py) holds the
+planner built on them to what one step of the GPU presets allocates at 7B and 14B.
 """
 
 from __future__ import annotations
@@ -162,7 +166,8 @@ class ModelShape:
         return self.num_layers * len(set(modules)) * rank * dtype_bytes
 
 
-LOGITS_BACKWARD, HEAD_BACKWARD, LAYER_BACKWARD = "the logits' backward", "the head's backward", "the first layer's backward"
+LOGITS_BACKWARD, HEAD_BACKWARD = "the logits' backward", "the head's backward"  # moments of an update pass
+LAYER_BACKWARD = "the first layer's backward"
 LOGPROB_CHUNK_BYTES = 2**24 * FP32  # one (rows, vocab) fp32 chunk of verl.utils.torch_functional's log-prob
 # chunks alive at once in the chunked log-softmax, in float32 chunks, when it runs several (a single chunk holds one
 # fewer in the backward pass): forward (the scaled logits, probabilities, their product and its masked copy, and the
@@ -216,8 +221,8 @@ def logits_bytes(
 ) -> int:
     """Peak bytes of the logits of one micro-batch.
 
-    The head produces ``head_positions`` of each row (default every position) in the compute dtype; the log-prob and entropy
-    read them in float32 chunks of at most :data:`LOGPROB_CHUNK_BYTES`, within one row (a padded row's responses are
+    The head produces ``head_positions`` of each row (default every position) in the compute dtype; the log-prob
+    and entropy read them in float32 chunks of at most :data:`LOGPROB_CHUNK_BYTES`, within one row (a padded row's responses are
     not contiguous with the next row's; a packed micro-batch is one row), a few of them alive at once
     (:data:`CHUNK_TEMPORARIES`). In training the head's output is kept for the backward pass, which writes its
     gradient (the same size and dtype) one chunk at a time (more temporaries with ``entropy_grad``: the entropy in
@@ -281,10 +286,10 @@ def forward_pass_moments(
     shape: ModelShape, rows: int, seq_len: int, response_len: int, dtype_bytes: int, with_logits: bool = True,
     head_positions: int | None = None, gathered: int = 0, released_before_logits: bool = False,
 ) -> list[PassPeak]:
-    """Peak of a no-grad forward of one micro-batch (log-probs or values): one layer's transients or the head's
-    output beside the hidden states (and the head's input, the rows of the positions it runs on), or the head's
-    output alone with the log-softmax's chunks, whichever is largest. ``gathered``: the FSDP units held meanwhile, all of them
-    gone before the log-softmax with ``released_before_logits`` (FSDP2 reshards at the end of the forward)."""
+    """The moments a no-grad forward of one micro-batch (log-probs or values) may peak at: one layer's transients,
+    or the head's output, beside the hidden states (and the head's input, the rows of the positions it runs on),
+    or the head's output alone with the log-softmax's chunks. ``gathered``: the FSDP units held meanwhile, all of
+    them gone before the log-softmax with ``released_before_logits`` (FSDP2 reshards at the end of the forward)."""
     layer = rows * seq_len * shape.forward_transient_bytes_per_token(dtype_bytes)
     positions = rows * (seq_len if head_positions is None else head_positions)  # through the head
     hidden = rows * seq_len * shape.hidden_size * dtype_bytes
