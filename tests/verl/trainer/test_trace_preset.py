@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import verl.utils.fsdp_utils as fsdp_utils
 import verl.workers.fsdp_models as fsdp_models
+from verl.trainer.trace_models import fake_world
 from verl.trainer.trace_preset import main, trace_preset
 from verl.utils.memory_trace import GATHERED, GRADIENTS, WEIGHTS
 
@@ -48,10 +50,6 @@ def _agrees(result):
     assert not result.report.differences, result.report.format()
 
 
-def _dtype_bytes(phase, category):
-    return phase.dtypes[category]
-
-
 @pytest.mark.slow
 def test_qwen25_7b_full_fine_tuning_on_6_ranks_agrees_with_the_planner():
     result = _trace(MODELS / "qwen2.5-7b-instruct")
@@ -59,10 +57,10 @@ def test_qwen25_7b_full_fine_tuning_on_6_ranks_agrees_with_the_planner():
     trace, params = result.trace, 7_615_616_512
     assert [p.name for p in trace.phases] == ["old log-probs", "reference log-probs", "update actor", "weight sync"]
     # rank 1's shards: the actor's fp32 master weights, the reference's bf16 copy (offloaded outside its phase)
-    assert _dtype_bytes(trace["reference log-probs"], WEIGHTS) == pytest.approx(
+    assert trace["reference log-probs"].dtypes[WEIGHTS] == pytest.approx(
         {"fp32": 4 * params / 6, "bf16": 2 * params / 6}, rel=0.01)
-    assert set(_dtype_bytes(trace["update actor"], WEIGHTS)) == {"fp32"}
-    assert _dtype_bytes(trace["update actor"], GRADIENTS) == pytest.approx({"fp32": 4 * params / 6}, rel=0.01)
+    assert set(trace["update actor"].dtypes[WEIGHTS]) == {"fp32"}
+    assert trace["update actor"].dtypes[GRADIENTS] == pytest.approx({"fp32": 4 * params / 6}, rel=0.01)
     # FSDP2 gathers every unit once per forward (28 layers, embedding, head, root) and reduce-scatters fp32 gradients
     counts = trace["update actor"].collective_counts()
     assert sum(n for c, n in counts.items() if c.kind == "all_gather" and c.dtype == "bf16") == 2 * 31
@@ -77,7 +75,7 @@ def test_qwen25_14b_full_fine_tuning_on_6_ranks_agrees_with_the_planner():
     result = _trace(MODELS / "qwen2.5-14b-instruct")
     _agrees(result)
     update = result.trace["update actor"]
-    assert set(_dtype_bytes(update, GATHERED)) <= {"bf16", "fp32"}  # gathered bf16, reduce-scatter buffers fp32
+    assert set(update.dtypes[GATHERED]) <= {"bf16", "fp32"}  # gathered bf16, reduce-scatter buffers fp32
     assert update.total > result.trace["old log-probs"].total
 
 
@@ -87,7 +85,7 @@ def test_qwen25_14b_lora_on_2_ranks_agrees_with_the_planner():
     _agrees(result)
     trace, adapter = result.trace, 48 * 32 * (10240 + 6144 + 6144 + 10240 + 3 * 18944)
     # the frozen base in bf16 beside the fp32 adapter; the reference pass is the actor's (no second copy)
-    assert _dtype_bytes(trace["update actor"], WEIGHTS)["fp32"] == pytest.approx(4 * adapter / 2, rel=0.01)
+    assert trace["update actor"].dtypes[WEIGHTS]["fp32"] == pytest.approx(4 * adapter / 2, rel=0.01)
     assert trace["reference log-probs"].peak[WEIGHTS] == trace["old log-probs"].peak[WEIGHTS]
     counts = trace["update actor"].collective_counts()
     assert sum(n for c, n in counts.items() if c.kind == "reduce_scatter") == 48  # the layers' adapters only
@@ -121,11 +119,9 @@ def test_a_decoder_layer_left_unwrapped_is_caught(small_model, monkeypatch):
 
 @pytest.mark.oldest
 def test_a_reference_left_in_fp32_is_caught(small_model, monkeypatch):
-    compute = fsdp_models.compute_dtype
-    monkeypatch.setattr(fsdp_models, "compute_dtype", lambda section, device: torch.float32)
+    monkeypatch.setattr(fsdp_models, "compute_dtype", lambda section, device: torch.float32)  # no bf16 master
     differences = _trace(small_model, *SMALL_SHAPES).report.differences
     assert any(d.startswith("reference log-probs: weights planned") for d in differences), differences
-    assert compute is not fsdp_models.compute_dtype
 
 
 @pytest.mark.oldest
@@ -152,3 +148,10 @@ def test_cli_prints_the_report_and_exits_1_on_a_difference(small_model, monkeypa
     assert exc.value.code == 1 and "line item(s) differ" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="config.json"):
         main(["actor_rollout_ref.model.path=/nonexistent"])
+
+
+@pytest.mark.oldest
+def test_a_weightless_build_needs_fsdp2(small_model):
+    with fake_world(2) as mesh, pytest.raises(ValueError, match="load_weights=False needs the fsdp2 strategy"):
+        fsdp_utils.build_fsdp_model(AutoModelForCausalLM, str(small_model), mesh, {}, seed=1, strategy="fsdp",
+                                    load_weights=False)
