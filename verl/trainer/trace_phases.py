@@ -218,15 +218,18 @@ def _step(trace: MemoryTrace, module: torch.nn.Module, optimizer: torch.optim.Op
     optimizer.zero_grad(set_to_none=True)
 
 
-def trace_step(trace: MemoryTrace, models: TracedModels, settings: StepSettings, packed: bool) -> None:
+def trace_step(trace: MemoryTrace, models: TracedModels, settings: StepSettings) -> None:
     """Run one step's phases under ``trace`` (active): old and reference log-probs, the critic's values and
     update, the actor's update and the weight sync; each phase's peak lands in ``trace.phases``."""
     for name, (params, optim) in _states(models).items():
         trace.track(params, WEIGHTS)
         trace.track(optim, OPTIMIZER)
-    for module in (models.actor, models.reference, models.critic):
-        if module is not None and packed:
-            enable_packed_attention(module, "model.use_remove_padding")
+    actor_key, critic_key = "actor_rollout_ref.model.use_remove_padding", "critic.model.use_remove_padding"
+    for module, shape, key in ((models.actor, settings.update, actor_key),
+                               (models.reference, settings.ref_log_prob, actor_key),
+                               (models.critic, settings.critic_update, critic_key)):
+        if module is not None and shape.packed:  # as the workers' actor and critic switch them
+            enable_packed_attention(module, key)
     with torch.no_grad():
         models.actor.eval()
         with _on_device(trace, models, settings, "actor"), trace.phase("old log-probs"):

@@ -17,7 +17,7 @@ cache and the CUDA contexts are the planner's alone.
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -32,6 +32,7 @@ from verl.trainer.trace_models import build_models, fake_world, worker_section
 from verl.trainer.trace_phases import MicroBatchShape, StepSettings, micro_batch_shape, trace_step
 from verl.trainer.trace_report import TOLERANCE, TraceReport, compare
 from verl.utils import memory_model as mm
+from verl.utils.logging_setup import configure_logging
 from verl.utils.memory_trace import MemoryTrace
 
 
@@ -119,7 +120,7 @@ def trace_preset(overrides: list[str], config_name: str = "ppo_trainer",
     with fake_world(setup.world) as mesh:
         models = build_models(mesh, actor_cfg, critic_cfg, model_path, cfg.need_reference, critic_path)
         with trace:
-            trace_step(trace, models, settings, bool(cfg.actor_rollout_ref.model.use_remove_padding))
+            trace_step(trace, models, settings)
     report = compare(setup, trace, settings.received, plan_phases, settings.weight_dtype)
     return TraceResult(setup, trace, settings, plan_phases, report)
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-name", default="ppo_trainer", help="ppo_trainer | sead_trainer")
     args, overrides = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    configure_logging(os.environ.get("SEAD_LOG_LEVEL") or "WARNING")  # the report is the output
     try:
         base = OmegaConf.to_container(compose_config([], args.config_name), resolve=False)
         result = trace_preset(check_overrides(overrides, base=base), args.config_name)
