@@ -219,8 +219,8 @@ sead_check_iterations
 if (( ITERATIONS <= 1 )) && [[ " ${ARGS[*]} " != *" trainer.resume_mode=disable "* ]]; then
     _total=$STEPS
     for _arg in "${ARGS[@]}"; do [[ "$_arg" != trainer.total_training_steps=* ]] || _total=${_arg#*=}; done
-    _done=$(find "$CKPT_DIR" -maxdepth 1 -name 'global_step_*' 2> /dev/null | sed -n 's/.*global_step_\([0-9]*\)$/\1/p' \
-            | sort -n | tail -n 1)
+    _done=$( { find "$CKPT_DIR" -maxdepth 1 -name 'global_step_*' 2> /dev/null || true; } \
+            | sed -n 's/.*global_step_\([0-9]*\)$/\1/p' | sort -n | tail -n 1)
     if [[ -n "$_done" && "$_total" =~ ^[0-9]+$ ]] && (( _done >= _total )); then
         echo "WARNING: nothing to train: $CKPT_DIR already holds step $_done and STEPS=$_total is the" \
              "total number of steps, not the steps to add: the run would resume there and train nothing." \
