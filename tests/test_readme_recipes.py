@@ -231,6 +231,8 @@ def test_runnable_doc_blocks_run_in_a_fresh_clone(tmp_path):
 
 
 @pytest.mark.extended
+@pytest.mark.processes
+@pytest.mark.slow
 def test_slow_doc_blocks_run_in_a_fresh_clone(tmp_path):
     blocks = _runnable("slow")
     failures = run_blocks(blocks, fresh_clone(tmp_path / "clone"), timeout=1200)
