@@ -29,7 +29,7 @@ from verl.trainer.config_validation import load_config
 from verl.utils.checkpoint import save_trainer_state
 from verl.utils.run_config import save_run_config
 
-from tests.helpers.doc_blocks import DocBlock, doc_blocks, inventory, tested_by
+from tests.helpers.doc_blocks import DocBlock, doc_blocks, inventory, block_driven_by
 from tests.helpers.repo import COMPACT_SYSTEM_PROMPT, REPO, SCENARIO_PATH
 
 # the CPU demo's settings (scripts/presets.sh, scripts/main.sh): the README's command must not override them
@@ -48,7 +48,7 @@ CLEARED = ("PYTHON", "PRESET", "MODEL_PATH", "OUTPUT_DIR", "STEPS", "SCENARIO", 
 
 def recipe_commands(test_id: str) -> list[list[str]]:
     """The commands of the block marked as driven by `test_id`, split into words."""
-    return [shlex.split(command, comments=True) for command in tested_by(test_id).commands()]
+    return [shlex.split(command, comments=True) for command in block_driven_by(test_id).commands()]
 
 
 def demo_checkpoint(root, model_path, step, experiment):
@@ -114,7 +114,7 @@ def test_the_run_inspection_recipe_runs_as_written(tmp_path, monkeypatch, capsys
     for name in [*runs, "cpu_demo_outbound_ad_trial"]:  # the demo's run last: the latest one
         write_run(outputs, name, scenario, steps=4, n_dialogues=40)
     evaluations = [part for c in commands for part in c if part.endswith("_dialogues.jsonl")]
-    assert evaluations == [tested_by(EVALUATION_TEST).commands()[-1].split()[-1]]  # the evaluation's own file
+    assert evaluations == [block_driven_by(EVALUATION_TEST).commands()[-1].split()[-1]]  # the evaluation's own file
     dialogues = synthetic_dialogues(scenario, 20, seed=4, steps=1)
     for d in dialogues:
         d["split"] = "eval"

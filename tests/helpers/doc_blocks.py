@@ -92,7 +92,7 @@ def doc_blocks(repo: Path = REPO) -> list[DocBlock]:
     return out
 
 
-def tested_by(test_id: str, repo: Path = REPO) -> DocBlock:
+def block_driven_by(test_id: str, repo: Path = REPO) -> DocBlock:
     """The one block marked `<!-- commands: test: TEST_ID -->`."""
     matches = [b for b in doc_blocks(repo) if b.kind == "test" and b.note == test_id]
     if len(matches) != 1:

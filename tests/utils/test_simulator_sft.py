@@ -189,7 +189,8 @@ def test_the_help_names_no_model_directory_it_does_not_show_how_to_make():
 
     import utils.simulator_sft as module
 
-    text = module.__doc__.split("\n\n")[0]  # the usage lines
+    text = "\n".join(line for line in module.__doc__.splitlines() if line.startswith("    "))  # the usage lines
+    assert "--model" in text
     for model in re.findall(r"--model (\S+)", text):
         if not model.startswith("/"):  # /models/...: the user's own
             made = text.index(f"--out {model}") if f"--out {model}" in text else -1

@@ -19,7 +19,6 @@ import pytest
 
 from verl.trainer.config_schema import ConfigError
 from verl.trainer.ppo.trainer_checkpoint import check_same_model
-from verl.utils.content_digest import SAMPLE_BYTES, model_fingerprint
 from verl.utils.run_config import load_run_config
 
 
@@ -68,6 +67,8 @@ def _model_dir(path: Path, weights: bytes) -> Path:
 
 
 def test_the_fingerprint_is_the_weights_not_the_path(tmp_path):
+    from verl.utils.content_digest import SAMPLE_BYTES, model_fingerprint
+
     big = bytes(range(256)) * (4 * SAMPLE_BYTES // 256)  # 4 MiB: sampled at its start, middle and end
     model = _model_dir(tmp_path / "a" / "warm", big)
     fingerprint = model_fingerprint(model)
@@ -109,6 +110,7 @@ def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path
     from verl.tasks.repeat_letter import make_dataset
     from verl.trainer.config_schema import compose_config
     from verl.trainer.main_ppo import run_ppo
+    from verl.utils.content_digest import model_fingerprint
 
     data, out = tmp_path / "data", tmp_path / "run"
     make_dataset(data, train_size=16, val_size=4, seed=0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics, compute_rollout_rejection_mask
-from verl.utils.torch_functional import k3_divergence
 from verl.workers.rollout.logprob_mismatch import logprob_mismatch_by_turn, logprob_mismatch_metrics
 
 
@@ -25,6 +24,8 @@ def _tiny_gap(rows: int = 4, width: int = 64) -> tuple[torch.Tensor, torch.Tenso
 
 
 def test_k3_divergence_is_nonnegative_and_exact_to_float_precision():
+    from verl.utils.torch_functional import k3_divergence
+
     l64 = torch.cat([torch.linspace(-1e-7, 1e-7, 2001, dtype=torch.float64),
                      torch.linspace(-3.0, 3.0, 601, dtype=torch.float64)])
     exact = torch.expm1(l64) - l64  # float64 reference
