@@ -79,6 +79,9 @@ def signal_report(steps: Sequence[Mapping[str, Any]]) -> str | None:
     if outcome is not None:
         what, advice = OUTCOME_ADVICE[outcome]
         text += f"; every training dialogue {what}: {advice}"
+    elif all(step.get("dialogue/completion_rate") == 0.0 for step in steps):
+        text += ("; no training dialogue completed (each hung up, gave up or timed out): start from a model that "
+                 "completes calls sometimes, or allow longer calls (MAX_TURNS)")
     return text
 
 

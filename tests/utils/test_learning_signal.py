@@ -35,6 +35,12 @@ def test_some_or_all_steps_with_a_signal(tmp_path, capsys):
     assert signal_report(mixed) == ("note: 1 of 2 training steps had no learning signal (every advantage 0: the "
                                     "samples of each prompt group got equal rewards)")
     assert signal_report([{"critic/advantages/nonzero_frac": 0.7}]) is None and signal_report([]) is None
+    # the rehearsal's outcome mix: hang-ups and timeouts, no completion
+    ended = [{"critic/advantages/nonzero_frac": 0.0, "dialogue/completion_rate": 0.0, "dialogue/hang_up_rate": h,
+              "dialogue/timeout_rate": 1.0 - h} for h in (0.75, 0.25)]
+    assert signal_report(ended).endswith("no training dialogue completed (each hung up, gave up or timed out): "
+                                         "start from a model that completes calls sometimes, or allow longer calls "
+                                         "(MAX_TURNS)")
     # logs from before the fraction was logged: the advantages' max and min
     older = tmp_path / "older.jsonl"
     _write(older, [{"step": 1, "critic/advantages/max": 0.0, "critic/advantages/min": 0.0, **TIMED_OUT}])
