@@ -103,6 +103,7 @@ def _run_main(command: list[str]) -> str:
     return module.__name__
 
 
+@pytest.mark.slow  # 80 s on a loaded 2-core box: every figure drawn three times, two reports
 def test_the_run_inspection_recipe_runs_as_written(tmp_path, monkeypatch, capsys):
     from llm_agent.scenario import load_scenario
     from tests.helpers.report_fixtures import synthetic_dialogues, write_run
@@ -112,7 +113,7 @@ def test_the_run_inspection_recipe_runs_as_written(tmp_path, monkeypatch, capsys
     outputs = tmp_path / "outputs"
     runs = sorted({part.split("/")[2] for c in commands for part in c if part.startswith("outputs/logs/")})
     for name in [*runs, "cpu_demo_outbound_ad_trial"]:  # the demo's run last: the latest one
-        write_run(outputs, name, scenario, steps=4, n_dialogues=40)
+        write_run(outputs, name, scenario, steps=2, n_dialogues=20)
     evaluations = [part for c in commands for part in c if part.endswith("_dialogues.jsonl")]
     assert evaluations == [block_driven_by(EVALUATION_TEST).commands()[-1].split()[-1]]  # the evaluation's own file
     dialogues = synthetic_dialogues(scenario, 20, seed=4, steps=1)
