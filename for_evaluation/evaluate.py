@@ -1,7 +1,7 @@
 """Evaluate agents on the fixed test set against user simulators; resumable.
 
     python for_evaluation/evaluate.py --agent rl=outputs/checkpoints/cpu_demo_outbound_ad_trial \\
-        --out outputs/evaluation/cpu_demo_outbound_ad_trial
+        --out outputs/eval/cpu_demo_outbound_ad_trial
     python for_evaluation/evaluate.py --agent sft=models/sft --agent rl=ckpts/global_step_200 \\
         --agent gpt=https://api.example.com --tokenizer models/sft --agent-model gpt-4o-mini \\
         --test-file data/test.parquet --user-sim-urls http://127.0.0.1:5000,http://127.0.0.1:5001
@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--agent", action="append", required=True, metavar="[NAME=]SPEC", help="agent to evaluate (repeatable)")
     p.add_argument("--test-file", default=None, help=f"test parquet ({CHECKPOINT}required)")
     p.add_argument("--scenario", default=None, help=f"scenario YAML ({CHECKPOINT}the default scenario)")
-    p.add_argument("--out", default="outputs/evaluation", help="output directory")
+    p.add_argument("--out", default="outputs/eval", help="output directory (its own: the trainer's validation "
+                   "metrics are under outputs/evaluation/)")
     p.add_argument("--user-sim-urls", default=None, help="running simulators (comma-separated base URLs)")
     p.add_argument("--num-sims", type=int, default=2, help="scripted simulators to start without --user-sim-urls")
     p.add_argument("--max-dialogues", type=int, default=1000, help="first N test profiles")

@@ -2,7 +2,7 @@
 
     python for_evaluation/report.py                                    # the latest run under outputs/
     python for_evaluation/report.py outputs/logs/cpu_demo_outbound_ad_trial --out /tmp/cpu_demo_outbound_ad_trial.html
-    python for_evaluation/report.py outputs/evaluation/cpu_demo_outbound_ad_trial/rl_dialogues.jsonl
+    python for_evaluation/report.py outputs/eval/cpu_demo_outbound_ad_trial/rl_dialogues.jsonl
 
 The report is one self-contained file (nothing is loaded from the network; open it from disk). It prints its
 path. Default location: `<root>/reports/<experiment>.html` for a run, `<dir>/<name>_report.html` beside an

@@ -11,7 +11,8 @@ profiles and agent turns for every simulator) with the rollout loop's decoding s
 re-requested as the loop does. A file of logged dialogues (a rollout log or an evaluation's dialogues) is graded
 turn by turn instead. Either way each reply is checked against the scripted persona answering the same request
 (llm_agent/simulator_report). Prints the metrics side by side with `--card` files given, writes the card as
-JSON (`--out`, default outputs/simulator_reports/<name>.json) and, with `--html`, a page of all cards; the run
+JSON (`--out`, default outputs/simulator_reports/<name>.json; a log's card is named after its run and split, so
+two runs' cards do not overwrite each other) and, with `--html`, a page of all cards; the run
 report shows cards with `python -m for_evaluation.report ... --simulator-card FILE`.
 """
 from __future__ import annotations
@@ -96,6 +97,14 @@ def _log_card(args: argparse.Namespace, scenario: Any, name: str) -> dict[str, A
                       max_jump=args.max_jump)
 
 
+def log_card_name(dialogues: str, split: str | None) -> str:
+    """A log's card name: the run's (a rollout log `<root>/rollouts/<run>/rollouts.jsonl` is named after `<run>`,
+    an evaluation's `<name>_dialogues.jsonl` after `<name>`), with the split when one is chosen."""
+    path = Path(dialogues)
+    name = path.parent.name if path.stem == "rollouts" and path.parent.name else path.stem
+    return f"{name}_{split}" if split else name
+
+
 def cards_table(cards: list[dict[str, Any]]) -> str:
     """The cards' metrics side by side as text: value [low, high] per card."""
     def cell(value: Any) -> str:
@@ -121,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             raise SystemExit(f"--card {path}: {exc}") from None
     if args.user_sim_urls or args.scripted or args.dialogues:
-        name = args.name or ("scripted" if args.scripted else Path(args.dialogues).stem if args.dialogues
-                             else args.model or "endpoint")
+        name = args.name or ("scripted" if args.scripted else log_card_name(args.dialogues, args.split)
+                             if args.dialogues else args.model or "endpoint")
         try:
             card = _log_card(args, scenario, name) if args.dialogues else _live_card(args, scenario, name)
         except (OSError, ValueError) as exc:

@@ -3,6 +3,7 @@
     python -m utils.simulator_sft --model /models/Qwen2.5-7B-Instruct --out outputs/sim_sft \\
         --rollouts outputs/rollouts/<run>/rollouts.jsonl [--split train] --steps 600 --lr 1e-5 ...
     torchrun --nproc_per_node 8 -m utils.simulator_sft ...            # FSDP2 over 8 GPUs (bf16, checkpointing)
+    python -m utils.make_tiny_model --user-tag-tokens --out outputs/tiny_sim_base     # a small base to try it on
     python -m utils.simulator_sft --model outputs/tiny_sim_base --out outputs/sim_sft --scripted 400 --steps 300
     python -m utils.simulator_sft --tiny [full|quick] --out outputs/tiny_simulator    # the CI simulator (cached)
 

@@ -12,8 +12,13 @@ A LoRA checkpoint (``adapter_config.json`` in ``--local_dir``; its adapter from 
 without that export, from ``sharded_state/``) is exported merged by default: the base model (``--base_model``, else
 the adapter config's ``base_model_name_or_path``) with W + alpha / r * B @ A in every adapted layer (PEFT's
 ``merge_and_unload``), loadable with ``AutoModelForCausalLM.from_pretrained``; with ``--adapter_only`` as the
-adapter alone in PEFT's format (``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load it), in float32
-unless ``--dtype`` says otherwise.
+adapter alone in PEFT's format (``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load it).
+
+Exports keep the training dtype unless ``--dtype`` asks for another: the checkpoint's own (float32 master) weights,
+a LoRA model merged in float32. A narrower ``--dtype`` halves the files but rounds every weight: a small adapter's
+whole change can vanish in bf16's rounding of the merged weights, so a merged LoRA export in bf16 or fp16 measures
+that rounding against the adapter's change and warns when it is not small. The weight files get the mode the
+umask gives the files beside them.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from verl.utils.file_modes import weights_like_the_rest
 from verl.utils.fsdp_utils import SHARDED_STATE_DIR
 from verl.utils.lora import (ADAPTER_NAME, ADAPTER_WEIGHTS_FILE, is_adapter_dir, read_adapter_config, save_adapter)
 
@@ -127,13 +133,40 @@ def merged_lora_model(local_dir: str | Path, dtype: torch.dtype = torch.float32,
     if result.unexpected_keys or missing:
         raise ValueError(f"{local}: the adapter does not fit its base model {base}: unexpected "
                          f"{sorted(result.unexpected_keys)[:4]}, missing {sorted(missing)[:4]}")
+    if dtype.itemsize < 4:
+        _warn_if_rounding_erases(peft_model, dtype, local)
     return peft_model.merge_and_unload().to(dtype)
+
+
+def adapter_rounding(peft_model: torch.nn.Module, dtype: torch.dtype) -> float:
+    """How much casting the merged weights W + dW to `dtype` moves them, relative to the adapter's own change:
+    ||cast(W + dW) - (W + dW)|| / ||dW|| over every adapted layer (Frobenius norms; inf for a zero adapter)."""
+    from peft.tuners.lora import LoraLayer
+
+    moved = change = 0.0
+    with torch.no_grad():
+        for module in peft_model.modules():
+            if isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A:
+                delta = module.get_delta_weight(ADAPTER_NAME).float()
+                merged = module.get_base_layer().weight.float() + delta
+                moved += float((merged.to(dtype).float() - merged).square().sum())
+                change += float(delta.square().sum())
+    return moved ** 0.5 / change ** 0.5 if change > 0 else float("inf")
+
+
+def _warn_if_rounding_erases(peft_model: torch.nn.Module, dtype: torch.dtype, local: Path) -> None:
+    ratio = adapter_rounding(peft_model, dtype)
+    if ratio > 0.1:
+        logger.warning("%s: casting the merged weights to %s moves them by %.2f times the adapter's whole change "
+                       "(||rounding|| / ||dW||): the export blurs what the adapter learnt; export in float32 (the "
+                       "default) or the adapter alone (--adapter_only)", local, dtype, ratio)
 
 
 def merge(local_dir: str | Path, target_dir: str | Path, dtype: str | None = None, adapter_only: bool = False,
           base_model: str | Path | None = None) -> Path:
-    """Write the HF model of checkpoint directory `local_dir` to `target_dir` in `dtype` (default bf16; a LoRA
-    checkpoint: merged, or with `adapter_only` its adapter, in float32 by default); returns target_dir."""
+    """Write the HF model of checkpoint directory `local_dir` to `target_dir` in `dtype` (default: the training
+    dtype, the weights as the checkpoint holds them; a LoRA checkpoint merged in float32, or with `adapter_only`
+    its adapter as saved); returns target_dir."""
     from transformers import AutoConfig
 
     if dtype is not None and dtype not in DTYPES:
@@ -143,7 +176,7 @@ def merge(local_dir: str | Path, target_dir: str | Path, dtype: str | None = Non
     if adapter_only and not lora:
         raise ValueError(f"--adapter_only: {local} holds no LoRA adapter (adapter_config.json)")
     if lora:
-        cast_to = DTYPES[dtype or ("fp32" if adapter_only else "bf16")]
+        cast_to = DTYPES[dtype or "fp32"]
         if adapter_only:
             config, tensors = load_adapter(local, base_model)
             save_adapter(target, {k: v.to(cast_to) if v.is_floating_point() else v for k, v in tensors.items()},
@@ -157,7 +190,7 @@ def merge(local_dir: str | Path, target_dir: str | Path, dtype: str | None = Non
     else:
         if not (local / "config.json").is_file():
             raise FileNotFoundError(f"{local / 'config.json'} is missing: cannot tell which model to build")
-        cast_to = DTYPES[dtype or "bf16"]
+        cast_to = DTYPES[dtype] if dtype else None  # None: as trained (the float32 master weights)
         config = AutoConfig.from_pretrained(local)
         weights = load_model_state(local)
         with torch.device("meta"):
@@ -167,14 +200,15 @@ def merge(local_dir: str | Path, target_dir: str | Path, dtype: str | None = Non
         if missing or unexpected:
             raise ValueError(f"{local}: the sharded state does not match config.json's model: missing "
                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        cast = {k: v.to(cast_to) if v.is_floating_point() else v for k, v in weights.items()}
+        cast = {k: v.to(cast_to) if cast_to is not None and v.is_floating_point() else v for k, v in weights.items()}
         target.mkdir(parents=True, exist_ok=True)
         skeleton.save_pretrained(str(target), state_dict=cast, safe_serialization=True)
         written = len(cast)
+    weights_like_the_rest(target)
     for name in _TOKENIZER_FILES:
         if (local / name).is_file():
             shutil.copy2(local / name, target / name)
-    logger.info("wrote %s (%d tensors, %s%s) from %s", target, written, cast_to,
+    logger.info("wrote %s (%d tensors, %s%s) from %s", target, written, cast_to or "the training dtype",
                 ", LoRA adapter" if adapter_only else ", LoRA merged" if lora else "", local)
     return target
 
@@ -185,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--local_dir", required=True, help="a checkpoint's actor/ (or critic/) directory")
     parser.add_argument("--target_dir", required=True, help="where to write the HF model")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                        help="dtype of the exported weights (default bf16; a LoRA adapter alone: fp32)")
+                        help="dtype of the exported weights (default: the training dtype, as the checkpoint holds "
+                             "them; a merged LoRA model: fp32)")
     parser.add_argument("--adapter_only", action="store_true",
                         help="a LoRA checkpoint: write the adapter alone (PEFT format) instead of the merged model")
     parser.add_argument("--base_model", default=None,

@@ -40,6 +40,7 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, GenerationConfig
 
+from verl.utils.file_modes import weights_like_the_rest
 from verl.utils.lora import LoraSettings, apply_lora
 
 logger = logging.getLogger(__name__)
@@ -365,6 +366,7 @@ def save_hf_pretrained(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
     with torch.device("meta"):
         skeleton = hf_cls._from_config(model.config)
     skeleton.save_pretrained(str(path), state_dict=state_dict, safe_serialization=True)
+    weights_like_the_rest(path)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(str(path))

@@ -9,9 +9,11 @@ RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the r
 (:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint; a checkpoint
 whose trainer state is unreadable, lacks a key, holds an impossible value (a step that is not its directory's,
 a negative position, a non-finite KL coefficient) or a corrupt RNG state is named and skipped for the newest
-valid one (``resume_mode=auto``) or refused (``resume_path``). Resuming a
-checkpoint whose recorded model path differs from the configured one is an error unless
-``trainer.resume_from_other_model=true``; one whose recorded run inputs (:func:`run_inputs`: the tokenizer's
+valid one (``resume_mode=auto``) or refused (``resume_path``). The model a checkpoint was trained from is
+recorded by path and by content (:func:`verl.utils.content_digest.model_fingerprint`): resuming one whose model
+has other weights now (another path, or the same path rebuilt underneath it) is an error unless
+``trainer.resume_from_other_model=true``, while the same weights at another path (a moved checkout) resume; one
+whose recorded run inputs (:func:`run_inputs`: the tokenizer's
 vocabulary and the scenario file's content, as SHA-256) differ from this run's is always an error that names what
 changed, since its weights and cache mean other tokens or another task.
 """
@@ -40,6 +42,7 @@ from verl.utils.checkpoint import (
     save_trainer_state,
     set_rng_state,
 )
+from verl.utils.content_digest import model_fingerprint
 from verl.utils.run_config import save_run_config
 
 logger = logging.getLogger(__name__)
@@ -118,6 +121,7 @@ class TrainerCheckpoints:
                  run_config: Mapping[str, Any] | None = None) -> None:
         self.config = trainer
         self.model_path = model_path
+        self.model_fingerprint = model_fingerprint(model_path)
         self.inputs = dict(inputs or {})
         self.run_config = run_config
         self.root = Path(trainer.default_local_dir).resolve()  # workers may run in another directory
@@ -141,6 +145,7 @@ class TrainerCheckpoints:
             "rng": get_rng_state(),
             "rollout_loop": None if loop_state is None else dict(loop_state),
             "model_path": self.model_path,
+            "model_fingerprint": self.model_fingerprint,
             "run_inputs": self.inputs,
         })
         if self.run_config is not None:
@@ -171,7 +176,8 @@ class TrainerCheckpoints:
         path = self.to_resume()
         if path is not None:
             state = load_trainer_state(path)
-            check_same_model(path, state, self.model_path, self.config.resume_from_other_model)
+            check_same_model(path, state, self.model_path, self.config.resume_from_other_model,
+                             self.model_fingerprint)
             check_same_inputs(path, state, self.inputs)
 
     def load(self, parts: CheckpointedParts) -> Optional[tuple[Path, int]]:
@@ -182,7 +188,7 @@ class TrainerCheckpoints:
             return None
         state = load_trainer_state(path)
         check_trainer_state(path, state)
-        check_same_model(path, state, self.model_path, self.config.resume_from_other_model)
+        check_same_model(path, state, self.model_path, self.config.resume_from_other_model, self.model_fingerprint)
         check_same_inputs(path, state, self.inputs)
         parts.actor_rollout_wg.load_checkpoint(str(path / "actor"))
         if parts.critic_wg is not None:
@@ -201,21 +207,42 @@ class TrainerCheckpoints:
         return path, step
 
 
-def check_same_model(path: Path, state: dict[str, Any], model_path: str, allow_other: bool) -> None:
+def nothing_to_train(step: int, total: int) -> str:
+    """What a run resumed at ``step`` with ``trainer.total_training_steps=total <= step`` is told."""
+    return (f"nothing to train: the checkpoint resumed is at step {step} and trainer.total_training_steps={total} is "
+            f"the total number of steps, not the steps to add; set it above {step} to train on (e.g. {step + total} "
+            f"for {total} more steps), or trainer.resume_mode=disable to start over")
+
+
+def check_same_model(path: Path, state: dict[str, Any], model_path: str, allow_other: bool,
+                     fingerprint: Optional[str] = None) -> None:
     """Refuse to resume checkpoint ``path`` (its trainer ``state``) when it was trained from another model than
-    ``model_path``, unless ``allow_other``; a checkpoint that predates the record resumes with a warning."""
-    recorded = state.get("model_path")
+    this run's (``model_path`` and its content ``fingerprint``), unless ``allow_other``. Both recorded fingerprints
+    known: the content decides (the same weights at another path resume: a moved checkout; other weights at the
+    same path do not: the model was rebuilt underneath the checkpoint); else the path does. A checkpoint that
+    records neither resumes with a warning."""
+    recorded, recorded_print = state.get("model_path"), state.get("model_fingerprint")
     if recorded is None:
         logger.warning("%s does not record the model it was trained from (an older checkpoint); resuming it for "
                        "actor_rollout_ref.model.path=%s", path, model_path)
-    elif recorded != model_path:
-        if not allow_other:
-            raise ConfigError(
-                f"checkpoint {path} was trained from actor_rollout_ref.model.path={recorded!r}, but this run's "
-                f"model is {model_path!r}; use another trainer.experiment_name / trainer.default_local_dir for a "
-                f"new run, or set trainer.resume_from_other_model=true to resume it anyway")
-        logger.warning("resuming %s (trained from %s) for actor_rollout_ref.model.path=%s, as "
-                       "trainer.resume_from_other_model=true allows", path, recorded, model_path)
+        return
+    by_content = recorded_print is not None and fingerprint is not None
+    if (recorded_print == fingerprint) if by_content else (recorded == model_path):
+        if recorded != model_path:
+            logger.info("resuming %s, trained from %s: the same weights as actor_rollout_ref.model.path=%s", path,
+                        recorded, model_path)
+        return
+    if recorded == model_path:
+        why = (f"checkpoint {path} was trained from actor_rollout_ref.model.path={recorded!r}, whose weights have "
+               "changed since (the model was rebuilt or replaced there): its reference policy and the base it "
+               "trained on are gone")
+    else:
+        why = (f"checkpoint {path} was trained from actor_rollout_ref.model.path={recorded!r}, but this run's model "
+               f"is {model_path!r}" + (" (other weights)" if by_content else ""))
+    if not allow_other:
+        raise ConfigError(f"{why}; use another trainer.experiment_name / trainer.default_local_dir for a new run, or "
+                          "set trainer.resume_from_other_model=true to resume it anyway")
+    logger.warning("%s; resuming it as trainer.resume_from_other_model=true allows", why)
 
 
 _INPUT_NAMES = {"tokenizer": "tokenizer (its vocabulary)", "scenario": f"scenario ({SCENARIO_KEY}'s content)"}
