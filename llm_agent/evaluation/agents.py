@@ -31,6 +31,7 @@ from llm_agent.rollout.chat_layout import ChatLayout
 from llm_agent.scenario import Scenario
 from verl.protocol import DataProto
 from verl.utils.dataset import load_tokenizer
+from verl.utils.text_tokens import encode_text
 from verl.workers.batching import select_batch
 from verl.workers.rollout.hf_rollout import PROMPT_KEYS, generation_tensors
 
@@ -112,7 +113,7 @@ class OpenAIChatAgent:
         self.requests += len(answers)
         rows = []
         for text, finish in answers:
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = encode_text(self.tokenizer, text)  # the endpoint's text: control-token text stays text
             rows.append(ids[:length] if finish == "length" or len(ids) >= length else ids + [eos_id])
         responses = torch.tensor([ids + [pad] * (length - len(ids)) for ids in rows], dtype=input_ids.dtype)
         tensors = generation_tensors(input_ids, mask, batch["position_ids"], responses, eos, pad)

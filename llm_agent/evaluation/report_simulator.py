@@ -23,6 +23,7 @@ METRIC_NOTES = {
     "rerequest_rate": "turns that needed a re-request",
     "rerequests_per_turn": "re-requests per turn",
     "failed_rate": "turns with no acceptable reply",
+    "control_text_rate": "turns with a reply holding chat-template control text (<|im_start|>, </s>, ...)",
     "format_valid_rate": "the reply used is in the exact tag protocol",
     "jump_within_limits_rate": "state moved within the scenario's per-turn limits",
     "direction_consistent_rate": "no dimension moved against the agent's turn",

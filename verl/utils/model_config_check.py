@@ -62,7 +62,8 @@ def model_class(config: Any) -> type:
     names = getattr(config, "architectures", None) or []
     name = names[0] if isinstance(names, (list, tuple)) and names else None
     cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and hasattr(cls, "config_class")
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+            and getattr(cls, "config_class", None) is not None
             and cls.__name__ == name):
         raise ValueError(f"config.json names no transformers model class in 'architectures' ({str(names)[:200]})")
     return cls

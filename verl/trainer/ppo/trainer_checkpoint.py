@@ -161,12 +161,13 @@ class TrainerCheckpoints:
         return final
 
     def check(self, path: Path, state: dict[str, Any]) -> None:
-        """ValueError unless checkpoint ``path`` (its trainer ``state``) can be resumed by this run: its state
-        (:func:`check_trainer_state`, with this run's prompt loader) and its files, verified against its manifest
-        and the manifest digest the run recorded for it (:mod:`verl.utils.checkpoint_manifest`)."""
-        check_trainer_state(path, state, self.loader)
+        """ValueError unless checkpoint ``path`` (its trainer ``state``) can be resumed by this run: its files,
+        verified against its manifest and the manifest digest the run recorded for it
+        (:mod:`verl.utils.checkpoint_manifest`), and its state (:func:`check_trainer_state`, with this run's prompt
+        loader)."""
         verify_checkpoint(path, self.config.trust_checkpoint, flag="trainer.trust_checkpoint=true",
                           expected_digest=recorded_digest(path))
+        check_trainer_state(path, state, self.loader)
 
     def to_resume(self) -> Optional[Path]:
         """The checkpoint ``trainer.resume_mode`` selects (None: start from scratch), checked by :meth:`check`
