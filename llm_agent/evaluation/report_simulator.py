@@ -8,11 +8,11 @@ report's stylesheet. Every value from a card is escaped.
 from __future__ import annotations
 
 import datetime
-import html
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
+from llm_agent.evaluation.page_text import esc as _esc
 from llm_agent.simulator_report.card import METRIC_KEYS
 
 __all__ = ["METRIC_NOTES", "render_simulator_page", "simulator_html"]
@@ -37,10 +37,6 @@ METRIC_NOTES = {
     "distinct_2": "distinct word pairs per word pair",
     "unique_reply_rate": "distinct replies per reply",
 }
-
-
-def _esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def _num(value: Any) -> str:
