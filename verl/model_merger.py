@@ -40,8 +40,8 @@ from verl.utils.safe_dcp import load_dcp, read_dcp_metadata
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTYPES", "TRUST_FLAG", "checkpoint_tensors", "load_adapter", "load_model_state", "load_model_weights",
-           "merge", "merged_lora_model", "read_tensors"]
+__all__ = ["DTYPES", "TRUST_FLAG", "checkpoint_tensors", "load_adapter", "load_model_weights", "merge",
+           "merged_lora_model", "read_tensors"]
 
 TRUST_FLAG = "--trust_checkpoint"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -82,13 +82,6 @@ def read_tensors(local_dir: str | Path, tensors: Mapping[str, tuple[torch.Size, 
     return model
 
 
-def load_model_state(local_dir: str | Path, trust_unverified: bool = False, flag: str = TRUST_FLAG
-                     ) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model weights of `local_dir/sharded_state`: :func:`checkpoint_tensors`, then
-    :func:`read_tensors`."""
-    return read_tensors(local_dir, checkpoint_tensors(local_dir, trust_unverified, flag))
-
-
 def load_model_weights(local_dir: str | Path, trust_unverified: bool = False, flag: str = TRUST_FLAG
                        ) -> tuple[Any, torch.nn.Module, dict[str, torch.Tensor]]:
     """(config, its model on the meta device, the weights) of a full-weights checkpoint: config.json is checked
@@ -124,7 +117,7 @@ def _peft_skeleton(local: Path, config: dict[str, Any], base_model: str | Path |
 def load_adapter(local_dir: str | Path, base_model: str | Path | None = None, trust_unverified: bool = False,
                  flag: str = TRUST_FLAG) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(adapter config, adapter tensors under PEFT's saved names) of a LoRA checkpoint or adapter directory (a
-    checkpoint's `sharded_state/` read as :func:`load_model_state` reads it)."""
+    checkpoint's `sharded_state/` verified and read by :func:`checkpoint_tensors` and :func:`read_tensors`)."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 

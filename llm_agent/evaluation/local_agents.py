@@ -10,10 +10,12 @@ drives them exactly as it drives the trainer's policy, with the same sampling se
   policy's weights streamed in memory by `fsdp_weight_stream`); token ids in, token ids out.
 
 The weights come from the directory's HF export (`save_pretrained` files) or, for a checkpoint saved without one
-(`trainer.save_hf_model=last|never`), from its `sharded_state/` read by `verl.model_merger.load_model_state`; no
+(`trainer.save_hf_model=last|never`), from its `sharded_state/` read by `verl.model_merger.load_model_weights`; no
 export is written. A LoRA checkpoint or adapter directory (`adapter_config.json`: a LoRA run's `actor/`, or
 `python -m verl.model_merger --adapter_only`'s output) is its base model with the adapter merged in
-(`verl.model_merger.merged_lora_model`). `pick_engine("auto")` is vLLM when it is importable, HF otherwise.
+(`verl.model_merger.merged_lora_model`). A trainer checkpoint is verified against its manifest first and its
+sharded state read without running code (docs/checkpoints.md; `--trust-checkpoint` opens one without a manifest).
+`pick_engine("auto")` is vLLM when it is importable, HF otherwise.
 """
 from __future__ import annotations
 

@@ -186,6 +186,9 @@ def verify_checkpoint(directory: str | os.PathLike, trust_unverified: bool = Fal
     if not path.is_file() or path.is_symlink():
         if not root.is_dir():
             raise CheckpointTrustError(f"checkpoint {root} is not a directory")
+        if expected_digest is not None:
+            raise CheckpointTrustError(f"checkpoint {root} has no {MANIFEST_FILE}, but the run that wrote it recorded "
+                                       "one: it was removed after the save")
         if trust_unverified:
             logger.warning("opening checkpoint %s without a manifest (%s given): its files are not verified", root,
                            flag or "trusted")

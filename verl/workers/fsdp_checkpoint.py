@@ -139,10 +139,13 @@ class FSDPCheckpointManager:
         logger.info("rank %d saved checkpoint to %s", self._rank(), path)
 
     def _write_manifest(self, path: Path, group: dist.ProcessGroup | None) -> None:
-        """Rank 0 writes ``checkpoint_manifest.json`` of ``path``; the ranks hash a share of its files each."""
-        names = manifest_files(path)
+        """Rank 0 writes ``checkpoint_manifest.json`` of ``path``; the ranks hash a share of its files each (the
+        list is rank 0's, so a rank whose view of the directory lags cannot make the shares disagree)."""
+        listing = [manifest_files(path) if self._rank() == 0 else None]
         world = dist.get_world_size() if group is not None else 1
-        digests = [hash_files(path, names[self._rank()::world])]
+        if group is not None:
+            dist.broadcast_object_list(listing, src=0, group=group)
+        digests = [hash_files(path, listing[0][self._rank()::world])]
         if group is not None:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, digests[0], group=group)

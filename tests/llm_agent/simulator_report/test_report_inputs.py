@@ -122,7 +122,7 @@ def test_a_failing_endpoint_check_is_one_line_and_closes_the_client(tmp_path):
 @pytest.mark.parametrize("url, message", [
     ('http://127.0.0.1:5000/"x', "contains a quote"), ("http://127.0.0.1:99999", "port in 1-65535"),
     ("http://127.0.0.1:5000\r\nHost: evil", "contains a carriage return"), ("ftp://127.0.0.1:21", "http(s)"),
-    ("http://127.0.0.1:5000/?token=s3cret", "query string"),
+    ("http://127.0.0.1:5000/?token=s3cret", "query string"), ("http://127.0.0.1:5000/a b", "contains a space"),
 ])
 def test_check_simulators_refuses_what_the_client_refuses(url, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -119,3 +119,10 @@ def test_an_interrupted_resave_restores_the_old_copy_and_its_record(tmp_path, mo
     final = step_dir(tmp_path, 1)
     assert (final / "actor" / "sharded_state" / ".metadata").read_text() == "old"
     assert verify_checkpoint(final, expected_digest=recorded_digest(final)) is True
+
+
+def test_a_removed_manifest_is_caught_by_the_runs_record_even_when_trusted(tmp_path):
+    final = _save(tmp_path, 1)
+    (final / MANIFEST_FILE).unlink()
+    with pytest.raises(CheckpointTrustError, match="the run that wrote it recorded one: it was removed"):
+        verify_checkpoint(final, trust_unverified=True, expected_digest=recorded_digest(final))

@@ -7,9 +7,11 @@ RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the r
 ``rollout_loop/`` where the rollout-loop plug-in keeps files of its own (its ``save_checkpoint(dir)`` /
 ``load_checkpoint(dir)`` hooks). It is written into ``global_step_N.partial``, fsynced and committed by a rename
 (:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint; a checkpoint
-whose trainer state is unreadable, lacks a key, holds an impossible value (a step that is not its directory's,
-a negative position, a non-finite KL coefficient) or a corrupt RNG state is named and skipped for the newest
-valid one (``resume_mode=auto``) or refused (``resume_path``). Resuming a
+whose files differ from its manifest (or from the digest the run recorded for it), that has no manifest (unless
+``trainer.trust_checkpoint``), whose trainer state is unreadable, lacks a key, holds an impossible value (a step
+that is not its directory's, a negative position, a non-finite KL coefficient, prompt-loader settings other than
+this run's) or a corrupt RNG state is named and skipped for the newest valid one (``resume_mode=auto``) or refused
+(``resume_path``), before any worker starts (docs/checkpoints.md). Resuming a
 checkpoint whose recorded model path differs from the configured one is an error unless
 ``trainer.resume_from_other_model=true``; one whose recorded run inputs (:func:`run_inputs`: the tokenizer's
 vocabulary and the scenario file's content, as SHA-256) differ from this run's is always an error that names what
