@@ -145,6 +145,7 @@ def _edit_config(actor: Path, **changes) -> None:
     ({"hidden_size": 10**9}, r"lm_head.weight is \[1024, 64\] in the checkpoint, \[1024, 1000000000\] in the model"),
     ({"vocab_size": 10**12}, "the weights do not match config.json's model"),
     ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000 is impossible for a checkpoint of 27 tensors"),
+    ({"num_hidden_layers": 28}, "num_hidden_layers=28 is impossible for a checkpoint of 27 tensors"),
     ({"architectures": "Qwen2ForCausalLM"}, "'architectures' must be a list"),
     ({"architectures": [123]}, "'architectures' must be a list"),
     ({"architectures": ["os.system"]}, "names no transformers model class"),

@@ -103,14 +103,13 @@ def _base_dir(local: Path, config: dict[str, Any], base_model: str | Path | None
     return base
 
 
-def _peft_skeleton(local: Path, config: dict[str, Any], base_model: str | Path | None, n_tensors: int
-                   ) -> torch.nn.Module:
-    """A PEFT model of the checkpoint's shape on the meta device (names only); `n_tensors` bounds its layers."""
+def _peft_skeleton(local: Path, config: dict[str, Any], base_model: str | Path | None) -> torch.nn.Module:
+    """A PEFT model of the checkpoint's shape on the meta device (names only)."""
     from peft import LoraConfig, get_peft_model
 
     own = (local / "config.json").is_file()  # a checkpoint's actor/ holds its base model's config
     source = local if own else _base_dir(local, config, base_model)
-    skeleton = meta_model(read_model_config(source, n_tensors), source)
+    skeleton = meta_model(read_model_config(source), source)  # an adapter's tensors need not cover every layer
     return get_peft_model(skeleton, LoraConfig.from_pretrained(str(local)))
 
 
@@ -126,7 +125,7 @@ def load_adapter(local_dir: str | Path, base_model: str | Path | None = None, tr
     if (local / ADAPTER_WEIGHTS_FILE).is_file():
         return config, load_file(str(local / ADAPTER_WEIGHTS_FILE))
     shapes = checkpoint_tensors(local, trust_unverified, flag)
-    skeleton = _peft_skeleton(local, config, base_model, len(shapes))
+    skeleton = _peft_skeleton(local, config, base_model)
     expected = {name: tuple(value.shape) for name, value in skeleton.state_dict().items() if name in shapes}
     state = read_tensors(local, shapes, expected)
     tensors = get_peft_model_state_dict(skeleton, state_dict=state, adapter_name=ADAPTER_NAME,

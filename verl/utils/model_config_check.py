@@ -4,7 +4,8 @@ A checkpoint's ``config.json`` says which transformers class to build and how la
 made to build a model of 10^9 hidden units or to import anything its ``architectures`` names. Here the file is
 decoded within size and nesting limits, ``architectures`` must name a transformers model class, a model is built
 on the meta device only (nothing allocated) with no more layers than the checkpoint has tensors, and the weights
-found must have exactly the names and shapes of that model before any of them is read. Every refusal is one
+found must have exactly the names and shapes of that model before any of them is read (a LoRA adapter's, of the
+names it has). Every refusal is one
 ValueError naming the directory.
 """
 from __future__ import annotations
@@ -21,12 +22,13 @@ from verl.utils.untrusted import UntrustedInputError, load_json
 __all__ = ["check_shapes", "meta_model", "model_class", "read_model_config"]
 
 MAX_CONFIG_BYTES = 4 << 20  # a model config is a few KB
+MAX_LAYERS = 1024  # the deepest released models have under 200
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
 def read_model_config(directory: str | os.PathLike, n_tensors: int | None = None) -> Any:
     """The transformers config of `directory`/config.json, checked as the module docstring says (`n_tensors`: the
-    tensors of the checkpoint it describes, an upper bound of its layers)."""
+    tensors of the checkpoint of its full weights, an upper bound of its layers; else at most MAX_LAYERS)."""
     from transformers import AutoConfig
 
     path = Path(directory) / "config.json"
@@ -42,11 +44,12 @@ def read_model_config(directory: str | os.PathLike, n_tensors: int | None = None
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise ValueError(f"{path}: 'architectures' must be a list naming a transformers model class, got "
                          f"{str(names)[:200]}")
+    most = MAX_LAYERS if n_tensors is None else min(n_tensors, MAX_LAYERS)
     for key in _LAYER_KEYS:
         value = raw.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
-                                  or (n_tensors is not None and value > n_tensors)):
-            raise ValueError(f"{path}: {key}={str(value)[:50]} is impossible for a checkpoint of {n_tensors} tensors")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
+            of = f"a checkpoint of {n_tensors} tensors" if n_tensors is not None else "a model"
+            raise ValueError(f"{path}: {key}={str(value)[:50]} is impossible for {of} (at most {most} layers)")
     try:
         config = AutoConfig.from_pretrained(str(directory))
     except Exception as exc:  # noqa: BLE001  (transformers raises many kinds for a config it cannot use)

@@ -81,11 +81,12 @@ def test_a_template_that_rewrites_content_holding_control_text_is_refused(tok):
 def test_a_budget_cuts_or_drops_without_tokenising_the_rest(tok, monkeypatch):
     messages = [{"role": "user", "content": "word " * 200_000}]
     text = _render(tok, messages)
+    expected = tok(text, add_special_tokens=False)["input_ids"][:64]
     seen = []
     real = tok.__class__.__call__
     monkeypatch.setattr(tok.__class__, "__call__", lambda self, t, **kw: seen.append(len(t)) or real(self, t, **kw))
     ids, _ = tokenize_chat(tok, messages, [(text, 0)], max_tokens=64)
-    assert len(ids) == 64 and ids == tok(text, add_special_tokens=False)["input_ids"][:64]
+    assert ids == expected
     assert max(seen) <= 65 * max_token_chars(tok), "only the budget's worth of text is tokenised"
     assert tokenize_chat(tok, messages, [(text, 0)], max_tokens=64, cut=False) is None
 
