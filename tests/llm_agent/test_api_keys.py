@@ -122,7 +122,7 @@ def test_the_simulator_commands_refuse_abbreviations_without_repeating_values(mo
             parse_start(["--api-key-f", SECRET], {})
         assert "unknown option(s) --api-key-f" in str(err.value) and SECRET not in str(err.value)
         return
-    with pytest.raises(SystemExit):
-        importlib.import_module(module).parse_args(["--api-k", SECRET])
+    with pytest.raises(SystemExit):  # before: --api-key-f read the file named SECRET and printed its name
+        importlib.import_module(module).parse_args(["--api-key-f", SECRET])
     err = capsys.readouterr().err
-    assert "--api-k" in err and SECRET not in err
+    assert "unrecognized option(s) --api-key-f" in err and SECRET not in err
