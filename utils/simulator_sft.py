@@ -7,20 +7,20 @@
     python -m utils.simulator_sft --tiny [full|quick] --out outputs/tiny_simulator    # the CI simulator (cached)
 
 Training examples are simulator requests and their replies: exactly the chat messages the rollout loop's client
-sends (the persona, then the dialogue so far) followed by the simulator's tagged reply. They come from rollout
-logs or evaluation dialogues (`--rollouts`: every simulator turn, re-rendered as the loop sent it; cached turns
-and failed ones are left out) and/or from a dedicated run of scripted calls (`--scripted N`: scripted agents of
+sends (the persona, then the dialogue so far) followed by the simulator's tagged reply. They come from rollout logs
+or evaluation dialogues (`--rollouts`: every simulator turn, re-rendered as the loop sent it; cached turns and
+failed ones are left out) and/or from a dedicated run of scripted calls (`--scripted N`: scripted agents of
 `--quality-mix` against the scenario's scripted persona, its replies as written, think tag included). An example
-that cannot fit `--max-length` tokens is dropped first, by its length in characters, before it is checked,
-rendered or tokenised (`too_long`; ingestion is linear in the logs' size: BENCHMARKS.md). Only replies that pass
-the simulator report card's checks are kept (exact tag protocol, no control-token text such as `<|im_start|>`,
-state jumps within the scenario's limits, no state moving against the agent's turn:
-llm_agent/simulator_report/checks.py); the counts of what was dropped and why go to `simulator_sft.json`. Message
-text becomes tokens by the one rule for outside text (`verl.utils.text_tokens`: special tokens split). The loss is on the reply tokens only (`--number-weight`
-weighs the reply's number tokens, the states and the status, above its words). When a reply is
-exactly what the next request shows as the simulator's earlier turn (logged replies are; `--reply-format
-canonical` makes scripted ones so), a dialogue's examples share one sequence with the loss on each kept reply,
-which is the same objective at a fraction of the tokens.
+that cannot fit `--max-length` tokens is dropped first, by its length in characters, before it is checked, rendered
+or tokenised (`too_long`; ingestion is linear in the logs' size: BENCHMARKS.md). Only replies that pass the
+simulator report card's checks are kept (exact tag protocol, no control-token text such as `<|im_start|>`, state
+jumps within the scenario's limits, no state moving against the agent's turn: llm_agent/simulator_report/checks.py);
+the counts of what was dropped and why go to `simulator_sft.json`. Message text becomes tokens by the one rule for
+outside text (`verl.utils.text_tokens`: special tokens split). The loss is on the reply tokens only
+(`--number-weight` weighs the reply's number tokens, the states and the status, above its words). When a reply is
+exactly what the next request shows as the simulator's earlier turn (logged replies are; `--reply-format canonical`
+makes scripted ones so), a dialogue's examples share one sequence with the loss on each kept reply, which is the
+same objective at a fraction of the tokens.
 
 The model is trained by `verl.trainer.fsdp_sft_trainer.train_sft` (one process, or FSDP2 over the ranks of a
 torchrun launch) and exported as a Hugging Face model directory with its tokenizer, which

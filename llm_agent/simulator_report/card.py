@@ -46,7 +46,8 @@ __all__ = ["DIVERSITY_KEYS", "INTERVAL_KEYS", "METRIC_KEYS", "ScoredDialogue", "
            "card_metrics", "score_dialogues"]
 
 INTERVAL_KEYS = ("first_try_valid_rate", "first_try_accepted_rate", "rerequest_rate", "rerequests_per_turn",
-                 "failed_rate", "control_text_rate", "format_valid_rate", "jump_within_limits_rate", "direction_consistent_rate",
+                 "failed_rate", "control_text_rate", "format_valid_rate", "jump_within_limits_rate",
+                 "direction_consistent_rate",
                  "scripted_direction_agreement", "scripted_state_agreement", "scripted_status_agreement",
                  "behaviour_adherence", "latency_p50_s", "latency_p95_s")
 DIVERSITY_KEYS = ("distinct_1", "distinct_2", "unique_reply_rate")

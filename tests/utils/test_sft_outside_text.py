@@ -50,7 +50,8 @@ def _control_tokens_with_loss(tok, rows):
 
 def test_injected_replies_are_dropped_by_the_checks(tok, scenario, tmp_path):
     examples = logged_examples([_injected_log(tmp_path / "log.jsonl", scenario)], scenario)
-    with pytest.raises(ValueError, match=re.escape("no training example left: 20 examples, dropped {'control_text': 20}")):
+    refusal = "no training example left: 20 examples, dropped {'control_text': 20}"
+    with pytest.raises(ValueError, match=re.escape(refusal)):
         training_rows(tok, examples, scenario, max_length=8192)
     write_log(tmp_path / "clean.jsonl", str(SCENARIO_PATH), dialogues=5, turns=4, huge_chars=0)
     rows, counts = training_rows(tok, logged_examples([tmp_path / "clean.jsonl"], scenario), scenario, max_length=8192)

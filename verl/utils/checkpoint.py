@@ -13,9 +13,9 @@ A checkpoint is written into ``global_step_N.partial`` (:func:`begin_checkpoint`
 the commit point), then rewrites the tracker file via write-temp + ``os.replace`` and applies retention, which
 never removes the checkpoint just written. Before the rename it writes the step's manifest
 (:mod:`verl.utils.checkpoint_manifest`) and records its SHA-256 in the root's ``manifest_digests.json``: the run's
-own record of what it wrote, outside the step directory (:func:`recorded_digest`). Every file and directory of the checkpoint is fsynced
-before that rename, so after a power loss a committed checkpoint never holds torn weights. A run killed at any
-moment therefore leaves either the previous or the new checkpoint as the latest complete one, and a checkpoint
+own record of what it wrote, outside the step directory (:func:`recorded_digest`). Every file and directory of the
+checkpoint is fsynced before that rename, so after a power loss a committed checkpoint never holds torn weights.
+A run killed at any moment therefore leaves either the previous or the new checkpoint as the latest complete one, and a checkpoint
 whose ``trainer_state.json`` cannot be read is skipped on resume in favour of the newest valid one (with a
 warning naming it). Re-saving an existing step first moves the old directory to
 ``global_step_N.replaced``; a kill between the two renames is repaired by :func:`remove_partial_checkpoints`,
@@ -183,8 +183,8 @@ def find_latest_checkpoint(root: PathLike, check: Optional[StateCheck] = None) -
     even if an older run left higher steps in the same directory), else the newest complete checkpoint (the
     tracker is missing, or the run was killed between the commit rename and the tracker update). A candidate
     whose trainer state cannot be read or fails ``check(directory, state)`` (default: an integer global_step;
-    raising ValueError, e.g. files that differ from the checkpoint's manifest) is skipped with a warning naming it and why, and the next one is tried: older steps of
-    the tracked run first, newest first.
+    raising ValueError, e.g. files that differ from the checkpoint's manifest) is skipped with a warning naming it
+    and why, and the next one is tried: older steps of the tracked run first, newest first.
     """
     root = Path(root)
     checkpoints = list_checkpoints(root)

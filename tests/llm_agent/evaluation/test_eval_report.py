@@ -186,7 +186,8 @@ def test_every_string_on_the_pages_is_bounded(tmp_path, scenario):
     assert max(map(len, re.findall("x+", page))) == MAX_PAGE_STRING  # every copy of every field cut
     assert len(page) < 20 * MAX_PAGE_STRING + len(_baseline_page(tmp_path, scenario, small))
     data = _embedded(page)
-    assert data["dialogues"][3]["t"][0]["ur"] == huge[:MAX_PAGE_STRING] + f"… [{len(huge) - MAX_PAGE_STRING} more characters cut]"
+    marker = f"… [{len(huge) - MAX_PAGE_STRING} more characters cut]"
+    assert data["dialogues"][3]["t"][0]["ur"] == huge[:MAX_PAGE_STRING] + marker
 
 
 def _baseline_page(tmp_path, scenario, out) -> str:
