@@ -4,9 +4,10 @@ DCP's ``.metadata`` is a pickle, and its default load planner unpickles non-tens
 ``weights_only=False``: both run whatever code the writer chose. :class:`SafeFileSystemReader` parses
 ``.metadata`` with an unpickler that can only build the classes DCP's metadata is made of (its dataclasses,
 ``torch.Size``, dtypes, the layout lookup, paths) and checks what it read against the directory before anything
-is allocated or read: storage items in plain files of the directory (no ``../``, no links, no transforms) and
-within their sizes, each a stored (uncompressed) zip archive, tensors tiled by their chunks with every chunk's
-bytes present on disk. So a tensor can claim no more memory than the checkpoint's files hold.
+is allocated or read: storage items in plain files of the directory (no ``../``, no links, no transforms),
+within their sizes and not overlapping, each a stored (uncompressed) zip archive, tensors tiled by their chunks
+with every chunk's bytes present on disk. So a tensor can claim no more memory than the checkpoint's files hold,
+and the checks cost one pass over the metadata and each item's zip directory.
 :class:`SafeLoadPlanner` reads the non-tensor items with ``torch.load(weights_only=True)``; tensors are read by
 torch with ``weights_only=True`` already. Anything refused is a :class:`CheckpointFormatError`, one line.
 """
@@ -187,11 +188,16 @@ class _Validator:
                                         f"{math.prod(size)} elements")
 
     def _archives(self) -> None:
-        """Every storage item is a stored zip archive (torch.save's) no larger unpacked than its bytes."""
+        """Storage items do not overlap (so no byte is parsed or read twice), and each is a stored zip archive
+        (torch.save's) no larger unpacked than its bytes."""
         by_file: dict[str, list[Any]] = {}
         for info in self.metadata.storage_data.values():
             by_file.setdefault(info.relative_path, []).append(info)
         for name, infos in by_file.items():
+            infos.sort(key=lambda info: info.offset)
+            for before, after in zip(infos, infos[1:]):
+                if after.offset < before.offset + max(before.length, 1):
+                    raise CheckpointFormatError(f"has items overlapping at byte {after.offset} of {name}")
             with open(self.directory / name, "rb") as fh:
                 for info in infos:
                     try:
