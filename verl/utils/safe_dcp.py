@@ -20,6 +20,7 @@ import os
 import pickle
 import re
 import stat
+import warnings
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -269,8 +270,10 @@ def load_dcp(state: Mapping[str, Any], directory: str | os.PathLike,
     (`alone`: in this process only); a refused or unreadable checkpoint is one CheckpointFormatError."""
     metadata = read_dcp_metadata(directory)  # on every rank: a refusal is the same everywhere, before any collective
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(directory), metadata), planner=SafeLoadPlanner(),
-                 process_group=process_group, no_dist=alone)
+        with warnings.catch_warnings():  # alone, DCP's "assuming a single process" is what was asked for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(directory), metadata), planner=SafeLoadPlanner(),
+                     process_group=process_group, no_dist=alone)
     except CheckpointFormatError:
         raise
     except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001  (DCP wraps every rank's failure in one)
