@@ -31,7 +31,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from llm_agent.api_keys import api_key, command_line_refusal
+from llm_agent.api_keys import KeySafeArgumentParser, api_key, command_line_refusal
 from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, ENGINES
 
 CHECKPOINT = "default: the checkpoint's training config, else "  # help text of the settings a checkpoint gives
@@ -43,7 +43,7 @@ AGENT_KEY_ENV = "SEAD_AGENT_API_KEY"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring). Settings left None are resolved by `resolve_settings`."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = KeySafeArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--agent", action="append", required=True, metavar="[NAME=]SPEC", help="agent to evaluate (repeatable)")
     p.add_argument("--test-file", default=None, help=f"test parquet ({CHECKPOINT}required)")
@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="how a model/checkpoint agent generates: the trainer's vLLMRollout (vllm) or HFRollout (hf); "
                         "auto = vllm when it is installed")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="open checkpoint agents that have no checkpoint_manifest.json (from elsewhere, or saved before "
+                        "manifests): only if you trust where they came from (docs/checkpoints.md)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="rows per generate() of a local model (hf)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM's share of the GPU (vllm)")
     p.add_argument("--retry-errors", action="store_true", help="rerun dialogues whose last run ended in error")
@@ -151,7 +154,8 @@ def run(args: argparse.Namespace) -> list[Path]:
               + ", ".join(f"{name}={values[name]}" for name in from_checkpoint))
     local = LocalEngineOptions(engine=engine, micro_batch_size=args.micro_batch_size,
                                max_model_len=settings.max_prompt_length + settings.max_response_length,
-                               gpu_memory_utilization=args.gpu_memory_utilization)
+                               gpu_memory_utilization=args.gpu_memory_utilization,
+                               trust_checkpoint=args.trust_checkpoint)
     sims = None
     if args.user_sim_urls:
         urls = parse_urls(args.user_sim_urls)

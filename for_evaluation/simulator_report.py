@@ -30,6 +30,8 @@ from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.simulator_report import (PROBE_SEED, ProbeSampling, build_card, build_probe_set, dialogues_from_log,
                                         run_probes)
 from llm_agent.simulator_report.card import METRIC_KEYS
+from llm_agent.simulator_report.card_file import read_card
+from llm_agent.user_sim.client.wire import SimulatorCheckError
 
 logger = logging.getLogger("simulator_report")
 
@@ -77,9 +79,10 @@ def _live_card(args: argparse.Namespace, scenario: Any, name: str) -> dict[str, 
         client, source = InProcessUserSim(scenario, seed=args.seed), {"kind": "scripted (in process)"}
     else:
         client = UserSimClient(args.user_sim_urls, model=args.model, timeout_s=args.timeout)
-        served = client.check_instances()
-        source = {"kind": "endpoint", "urls": args.user_sim_urls, "model": ",".join(sorted(set(served.values())))}
-    with client:
+        source = {"kind": "endpoint", "instances": ",".join(client.instances)}
+    with client:  # closed on every path, a failed check included
+        if not args.scripted:
+            source["model"] = ",".join(sorted(set(client.check_instances().values())))
         dialogues = run_probes(client, probes, scenario, sampling, args.concurrency)
     source.update({"sampling": vars(sampling), "probes": probes.describe()})
     return build_card(dialogues, scenario, name, source, n_resamples=args.bootstrap, seed=args.seed,
@@ -107,10 +110,13 @@ def log_card_name(dialogues: str, split: str | None) -> str:
 
 def cards_table(cards: list[dict[str, Any]]) -> str:
     """The cards' metrics side by side as text: value [low, high] per card."""
+    def number(value: Any) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
     def cell(value: Any) -> str:
         if isinstance(value, dict):
-            return f"{value['value']:.3f} [{value['low']:.3f}, {value['high']:.3f}]"
-        return "-" if value is None else f"{value:.3f}"
+            return f"{number(value.get('value'))} [{number(value.get('low'))}, {number(value.get('high'))}]"
+        return number(value)
 
     names = [str(c.get("name")) for c in cards]
     rows = [["metric", *names]] + [[key, *(cell(c["metrics"].get(key)) for c in cards)] for key in METRIC_KEYS]
@@ -126,15 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     cards = []
     for path in args.card:
         try:
-            cards.append(json.loads(Path(path).read_text(encoding="utf-8")))
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"--card {path}: {exc}") from None
+            cards.append(read_card(path))
+        except ValueError as exc:
+            raise SystemExit(f"--card: {exc}") from None
     if args.user_sim_urls or args.scripted or args.dialogues:
         name = args.name or ("scripted" if args.scripted else log_card_name(args.dialogues, args.split)
                              if args.dialogues else args.model or "endpoint")
         try:
             card = _log_card(args, scenario, name) if args.dialogues else _live_card(args, scenario, name)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, SimulatorCheckError) as exc:
             raise SystemExit(f"simulator report: {exc}") from None
         out = Path(args.out or Path("outputs") / "simulator_reports" / f"{name}.json")
         out.parent.mkdir(parents=True, exist_ok=True)

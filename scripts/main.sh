@@ -57,10 +57,9 @@ OUTPUT_DIR=${OUTPUT_DIR:-outputs}
 MODEL_PATH=${MODEL_PATH:-}
 USER_SIM_MODEL=${USER_SIM_MODEL:-}
 USER_SIM_URLS=${USER_SIM_URLS:-}
-if [[ "$USER_SIM_URLS" == *@* ]]; then  # it would reach command lines and logs; not echoed here either
-    echo "USER_SIM_URLS: a URL carries a user name or password; give the simulators' token in" \
-         "SEAD_USER_SIM_API_KEY instead" >&2
-    exit 2
+if [[ -n "$USER_SIM_URLS" ]]; then  # checked as the client checks them, --dry-run too; read from the environment,
+    # as a refused URL may carry a credential that must reach no command line (nor this script's output)
+    USER_SIM_URLS="$USER_SIM_URLS" "$PYTHON" -m utils.check_simulators --syntax-only >/dev/null || exit 2
 fi
 # The scenario first, in about a second, before anything is built or started: it must load, and every behaviour
 # category of its library needs a rule in the controller's rule table (utils/check_scenario.py; a name such as

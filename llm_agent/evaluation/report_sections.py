@@ -5,7 +5,6 @@ Every value from the data is escaped; the fragments hold no script and reference
 from __future__ import annotations
 
 import base64
-import html
 import io
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from llm_agent.evaluation.defaults import MIN_SMOOTH_POINTS
+from llm_agent.evaluation.page_text import esc as _esc
 from llm_agent.metrics import METRIC_KEYS, NOT_AVAILABLE
 
 __all__ = ["analysis_html", "cr_by_state_caption", "metrics_html", "plots_html"]
@@ -28,10 +28,6 @@ PLOT_CAPTIONS = {
     "cache_hit_rate_by_stage": "User-response cache hit rate (hits / eligible lookups) per SOP stage; dashed: the "
                                "configured target.",
 }
-
-
-def _esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def _num(value: Any, digits: int = 3) -> str:

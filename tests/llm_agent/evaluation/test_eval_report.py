@@ -9,6 +9,7 @@ import pytest
 
 from for_evaluation import report as report_cli
 from llm_agent.evaluation.browser_data import embed_json
+from llm_agent.evaluation.page_text import MAX_PAGE_STRING
 from llm_agent.evaluation.plots import FIGURE_NAMES
 from llm_agent.evaluation.report import build_report, default_report_path, dialogue_groups
 from llm_agent.evaluation.run_data import resolve_run
@@ -182,3 +183,37 @@ def test_an_undefined_metric_is_na_in_the_metrics_table():
     att_row = page.split("<code>att</code>", 1)[1].split("</tr>", 1)[0]
     assert att_row.count("n/a") == 2 and "None" not in page  # an interval of nothing, and a value left out
     assert "2.500 <span" in page.split("<code>adt</code>", 1)[1]
+
+
+def test_every_string_on_the_pages_is_bounded(tmp_path, scenario):
+    huge = "x" * (4 * MAX_PAGE_STRING) + "QQ-FIELD-END-QQ"
+    path = tmp_path / "rl_dialogues.jsonl"
+    dialogues = synthetic_dialogues(scenario, 10, seed=3, steps=1)
+    for d in dialogues:
+        d["split"] = "test"
+    dialogues[3]["turns"][0]["user_reply"] = huge
+    dialogues[4]["error"] = huge
+    dialogues[5]["profile"]["behaviors"] = [{"category": huge, "behavior": huge}]
+    path.write_text("".join(json.dumps(d) + "\n" for d in dialogues))
+    card = {"name": huge, "metrics": {}, "source": {"kind": huge}, "examples": {"x": [{"reply": huge}]}}
+    (tmp_path / "card.json").write_text(json.dumps(card))
+    small = tmp_path / "small.html"
+    assert report_cli.main([str(path), "--bootstrap", "0", "--out", str(tmp_path / "page.html"),
+                            "--simulator-card", str(tmp_path / "card.json")]) == 0
+    page = (tmp_path / "page.html").read_text()
+    assert "QQ-FIELD-END-QQ" not in page and f"… [{len(huge) - MAX_PAGE_STRING} more characters cut]" in page
+    assert max(map(len, re.findall("x+", page))) == MAX_PAGE_STRING  # every copy of every field cut
+    assert len(page) < 20 * MAX_PAGE_STRING + len(_baseline_page(tmp_path, scenario, small))
+    data = _embedded(page)
+    marker = f"… [{len(huge) - MAX_PAGE_STRING} more characters cut]"
+    assert data["dialogues"][3]["t"][0]["ur"] == huge[:MAX_PAGE_STRING] + marker
+
+
+def _baseline_page(tmp_path, scenario, out) -> str:
+    path = tmp_path / "clean_dialogues.jsonl"
+    dialogues = synthetic_dialogues(scenario, 10, seed=3, steps=1)
+    for d in dialogues:
+        d["split"] = "test"
+    path.write_text("".join(json.dumps(d) + "\n" for d in dialogues))
+    assert report_cli.main([str(path), "--bootstrap", "0", "--out", str(out)]) == 0
+    return out.read_text()

@@ -157,8 +157,14 @@ def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path
     state = json.loads(older.read_text())
     del state["model_path"], state["model_fingerprint"]  # what a checkpoint written before the records holds
     older.write_text(json.dumps(state))
+    for manifest in (older.parent / "checkpoint_manifest.json", older.parent / "actor" / "checkpoint_manifest.json",
+                     out / "ckpt" / "manifest_digests.json"):
+        manifest.unlink()  # ... and before checkpoints had manifests: opened only when trusted
+    with pytest.raises(ConfigError, match="has no checkpoint_manifest.json .* trainer.trust_checkpoint=true"):
+        run_ppo(compose_config(_overrides(model_a, data, out, 4, "trainer.resume_mode=resume_path",
+                                          f"trainer.resume_from_path={older.parent}")))
     with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo.trainer_checkpoint"):
-        run_ppo(compose_config(_overrides(model_a, data, out, 4)))
+        run_ppo(compose_config(_overrides(model_a, data, out, 4, "trainer.trust_checkpoint=true")))
     assert _trained_steps(out, 4) == [4]
     assert any("does not record the model it was trained from" in r.getMessage() for r in caplog.records)
 

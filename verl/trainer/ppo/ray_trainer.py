@@ -173,7 +173,8 @@ class RayPPOTrainer:
         self.checkpoints = TrainerCheckpoints(self.typed.trainer,
                                               str(Path(self.typed.actor_rollout_ref.model.path).resolve()),
                                               run_inputs(tokenizer, OmegaConf.select(self.config, SCENARIO_KEY)),
-                                              run_config=OmegaConf.to_container(self.config, resolve=True))
+                                              run_config=OmegaConf.to_container(self.config, resolve=True),
+                                              loader=self.train_loader.state_dict())
         self.global_steps = 0
         self.actor_rollout_wg: Optional[RayWorkerGroup] = None
         self.critic_wg: Optional[RayWorkerGroup] = None

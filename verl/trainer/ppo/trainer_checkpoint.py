@@ -7,9 +7,11 @@ RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the r
 ``rollout_loop/`` where the rollout-loop plug-in keeps files of its own (its ``save_checkpoint(dir)`` /
 ``load_checkpoint(dir)`` hooks). It is written into ``global_step_N.partial``, fsynced and committed by a rename
 (:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint; a checkpoint
-whose trainer state is unreadable, lacks a key, holds an impossible value (a step that is not its directory's,
-a negative position, a non-finite KL coefficient) or a corrupt RNG state is named and skipped for the newest
-valid one (``resume_mode=auto``) or refused (``resume_path``). The model a checkpoint was trained from is
+whose files differ from its manifest (or from the digest the run recorded for it), that has no manifest (unless
+``trainer.trust_checkpoint``), whose trainer state is unreadable, lacks a key, holds an impossible value (a step
+that is not its directory's, a negative position, a non-finite KL coefficient, prompt-loader settings other than
+this run's) or a corrupt RNG state is named and skipped for the newest valid one (``resume_mode=auto``) or refused
+(``resume_path``), before any worker starts (docs/checkpoints.md). The model a checkpoint was trained from is
 recorded by path and by content (:func:`verl.utils.content_digest.model_fingerprint`): resuming one whose model
 has other weights now (another path, or the same path rebuilt underneath it) is an error unless
 ``trainer.resume_from_other_model=true``, while the same weights at another path (a moved checkout) resume; one
@@ -37,17 +39,20 @@ from verl.utils.checkpoint import (
     commit_checkpoint,
     find_latest_checkpoint,
     get_rng_state,
+    recorded_digest,
     load_trainer_state,
     remove_partial_checkpoints,
     save_trainer_state,
     set_rng_state,
 )
+from verl.utils.checkpoint_manifest import verify_checkpoint
 from verl.utils.content_digest import model_fingerprint
 from verl.utils.run_config import save_run_config
 
 logger = logging.getLogger(__name__)
 
 LOOP_DIR = "rollout_loop"  # the rollout-loop plug-in's own files inside global_step_N/
+LOADER_SETTINGS = ("seed", "batch_size", "num_samples", "shuffle")  # a resumed prompt loader must match these
 REQUIRED_STATE = {"global_step": int, "dataloader": dict, "kl_ctrl_value": (int, float), "rng": dict}
 DATALOADER_POSITION = ("epoch", "batch_index")  # what the prompt loader resumes from
 SCENARIO_KEY = "rollout_loop.config.scenario"  # the dialogue task's scenario file (absent for other tasks)
@@ -71,10 +76,11 @@ def run_inputs(tokenizer: Any, scenario: Optional[str]) -> dict[str, str]:
     return out
 
 
-def check_trainer_state(path: Path, state: dict[str, Any]) -> None:
+def check_trainer_state(path: Path, state: dict[str, Any], loader: Optional[Mapping[str, int]] = None) -> None:
     """Raise ValueError naming ``path/trainer_state.json`` and the key unless ``state`` can be resumed from:
     every required key with its type, a ``global_step`` equal to the directory's step, a dataloader position
-    of non-negative integers, a finite non-negative KL coefficient and a restorable RNG state."""
+    of non-negative integers (and, given this run's prompt ``loader`` settings, its seed, batch size, data size
+    and shuffle equal to them), a finite non-negative KL coefficient and a restorable RNG state."""
     where = Path(path) / STATE_FILE
     for key, kind in REQUIRED_STATE.items():
         if key not in state:
@@ -89,6 +95,11 @@ def check_trainer_state(path: Path, state: dict[str, Any]) -> None:
         value = state["dataloader"].get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{where}: 'dataloader.{key}' must be an integer >= 0, got {value!r}")
+    for key, expected in (loader or {}).items():
+        value = state["dataloader"].get(key)
+        if key in state["dataloader"] and (isinstance(value, bool) or not isinstance(value, int) or value != expected):
+            raise ValueError(f"{where}: 'dataloader.{key}' is {value!r}, this run's prompt loader has {expected!r} "
+                             "(the training data or data.* config changed, or the file was edited)")
     if not math.isfinite(state["kl_ctrl_value"]) or state["kl_ctrl_value"] < 0:
         raise ValueError(f"{where}: 'kl_ctrl_value' must be a finite number >= 0, got {state['kl_ctrl_value']!r}")
     try:
@@ -118,13 +129,15 @@ class TrainerCheckpoints:
     """
 
     def __init__(self, trainer: TrainerConfig, model_path: str, inputs: Mapping[str, str] | None = None,
-                 run_config: Mapping[str, Any] | None = None) -> None:
+                 run_config: Mapping[str, Any] | None = None, loader: Mapping[str, int] | None = None) -> None:
         self.config = trainer
         self.model_path = model_path
         self.model_fingerprint = model_fingerprint(model_path)
         self.inputs = dict(inputs or {})
         self.run_config = run_config
+        self.loader = {k: v for k, v in (loader or {}).items() if k in LOADER_SETTINGS}
         self.root = Path(trainer.default_local_dir).resolve()  # workers may run in another directory
+        self._chosen: Optional[tuple[Optional[Path]]] = None
 
     def save(self, step: int, total_steps: int, parts: CheckpointedParts) -> Path:
         """Write ``global_step_<step>`` atomically: worker states, then trainer_state.json, then the commit
@@ -154,21 +167,41 @@ class TrainerCheckpoints:
         logger.info("saved checkpoint %s", final)
         return final
 
+    def check(self, path: Path, state: dict[str, Any]) -> None:
+        """ValueError unless checkpoint ``path`` (its trainer ``state``) can be resumed by this run: its files,
+        verified against its manifest and the manifest digest the run recorded for it
+        (:mod:`verl.utils.checkpoint_manifest`), and its state (:func:`check_trainer_state`, with this run's prompt
+        loader)."""
+        verify_checkpoint(path, self.config.trust_checkpoint, flag="trainer.trust_checkpoint=true",
+                          expected_digest=recorded_digest(path))
+        check_trainer_state(path, state, self.loader)
+
     def to_resume(self) -> Optional[Path]:
-        """The checkpoint ``trainer.resume_mode`` selects (None: start from scratch); leftovers are cleaned up."""
+        """The checkpoint ``trainer.resume_mode`` selects (None: start from scratch), checked by :meth:`check`
+        once (later calls return the same); leftovers are cleaned up. ConfigError when none can be resumed."""
+        if self._chosen is None:
+            self._chosen = (self._choose(),)
+        return self._chosen[0]
+
+    def _choose(self) -> Optional[Path]:
         if self.config.resume_mode == "disable":
             return None
         remove_partial_checkpoints(self.root)
         if self.config.resume_mode == "auto":
-            path = find_latest_checkpoint(self.root, check=check_trainer_state)
+            try:
+                path = find_latest_checkpoint(self.root, check=self.check)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
             if path is None:
                 logger.info("no checkpoint under %s: training from scratch", self.root)
             return path
         path = Path(self.config.resume_from_path).resolve()
         if not (path / STATE_FILE).is_file():
-            raise FileNotFoundError(f"trainer.resume_from_path={str(path)!r} is not a complete checkpoint "
-                                    f"(no {STATE_FILE})")
-        check_trainer_state(path, load_trainer_state(path))
+            raise ConfigError(f"trainer.resume_from_path={str(path)!r} is not a complete checkpoint (no {STATE_FILE})")
+        try:
+            self.check(path, load_trainer_state(path))
+        except ValueError as exc:
+            raise ConfigError(f"trainer.resume_from_path: {exc}") from None
         return path
 
     def check_resume_model(self) -> None:
@@ -187,7 +220,6 @@ class TrainerCheckpoints:
         if path is None:
             return None
         state = load_trainer_state(path)
-        check_trainer_state(path, state)
         check_same_model(path, state, self.model_path, self.config.resume_from_other_model, self.model_fingerprint)
         check_same_inputs(path, state, self.inputs)
         parts.actor_rollout_wg.load_checkpoint(str(path / "actor"))
