@@ -383,7 +383,7 @@ def test_gae_run_trains_critic_uses_reference_kl_validates_and_saves(tiny_model_
     assert (first / "actor" / "sharded_state").is_dir() and not (first / "actor" / "model.safetensors").exists()
     assert not (first / "critic" / "model.safetensors").exists()
     ckpt = tmp_path / "ckpt" / "global_step_2"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["actor", "critic", "trainer_config.json", "trainer_state.json"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["actor", "checkpoint_manifest.json", "critic", "trainer_config.json", "trainer_state.json"]
     from verl.utils.run_config import load_run_config
 
     assert load_run_config(ckpt).select("algorithm.adv_estimator") == "gae"  # the run's own config, kept with it
