@@ -131,10 +131,12 @@ def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length
 
 
 def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: list[list[dict]], steps: int,
-                     lr: float, batch_size: int = 8, seed: int = 0, max_length: int = 1024) -> Path:
+                     lr: float, batch_size: int = 8, seed: int = 0, max_length: int = 1024,
+                     lr_schedule: str = "constant") -> Path:
     """Fine-tune the local causal LM at `model_path` on `dialogues`, loss on assistant tokens only.
 
-    `verl.trainer.fsdp_sft_trainer.train_sft` with AdamW at a constant `lr` (gradient norm clipped to 1), `steps`
+    `verl.trainer.fsdp_sft_trainer.train_sft` with AdamW at `lr`, constant or decayed by `lr_schedule`
+    ("cosine": to 0 at the last step; gradient norm clipped to 1), `steps`
     updates of `batch_size` transcripts drawn epoch by epoch in a seeded shuffled order; the loss is the mean over
     all assistant tokens of the batch. Model and tokenizer are written to `out_dir` with save_pretrained, plus
     `sft_log.json` (per-step loss, settings, wall time). Returns `out_dir`.
@@ -154,7 +156,7 @@ def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: lis
         encoded.append(row)
     if not encoded:
         raise ValueError(f"no dialogue keeps an assistant token within max_length={max_length}")
-    config = SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    config = SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed, lr_schedule=lr_schedule)
     return train_sft(model_path, encoded, out_dir, config,
                      extra_log={"max_length": max_length, "n_dialogues": len(encoded)})
 
