@@ -70,6 +70,7 @@ def _evaluate(name, agent, tok, scenario, test_file, out):
             agent.close()
 
 
+@pytest.mark.numerics  # two engines' kernels must agree on every greedy argmax
 def test_vllm_and_hf_agents_hold_identical_greedy_dialogues(warm_model_path, checkpoint_root, tok, scenario,
                                                              test_file, tmp_path):
     hf = HFRolloutAgent(warm_model_path)
