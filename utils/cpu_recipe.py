@@ -22,6 +22,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +35,7 @@ from utils.make_tiny_model import TinyModelSpec
 logger = logging.getLogger(__name__)
 
 WARM_KEY_FILE = "warm_start_key.txt"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,8 @@ class CpuRecipe:
     sft_lr: float = 3e-3
     sft_lr_schedule: str = "constant"  # or cosine (to 0 at the last step)
     sft_batch_size: int = 8
-    sft_threads: int = 1  # torch threads of the warm start (its float bits depend on it: part of the recipe)
+    sft_micro_batch_size: int = 1  # one transcript per forward: no padding, the causal attention's fast path
+    sft_ranks: int = 2  # FSDP2 processes of the warm start (torchrun, gloo; its float bits depend on it)
     # GRPO with the completion-only reward
     steps: int = 4
     prompts_per_step: int = 8
@@ -105,7 +111,8 @@ def warm_start_key(recipe: CpuRecipe, scenario: str | Path, seed: int, system_pr
     scenario file's content, the system prompt and the step count (no path)."""
     what = {"model": asdict(recipe.model_spec), "dialogues": recipe.sft_dialogues, "mix": recipe.sft_mix,
             "steps": steps, "lr": recipe.sft_lr, "schedule": recipe.sft_lr_schedule,
-            "batch_size": recipe.sft_batch_size, "threads": recipe.sft_threads,
+            "batch_size": recipe.sft_batch_size, "micro_batch_size": recipe.sft_micro_batch_size,
+            "ranks": recipe.sft_ranks,
             "max_turns": recipe.max_turns, "max_length": recipe.sft_max_length, "seed": seed,
             "system_prompt": system_prompt,
             "scenario_sha256": hashlib.sha256(Path(scenario).read_bytes()).hexdigest()}
@@ -117,10 +124,8 @@ def build_warm_model(out: str | Path, scenario: str | Path, system_prompt: str, 
     """The recipe's model under `out`: `tiny_model` (random weights, the scenario's tags as tokens) and, unless
     `steps` (default the recipe's) is 0, `tiny_model_warm` fine-tuned on scripted calls. Each is reused when it
     was made from the same inputs. Returns the model to train."""
-    import torch
-
     from utils.make_tiny_model import build_tiny_model
-    from utils.sft_warm_start import scripted_dialogues, sft_on_dialogues
+    from utils.sft_warm_start import scripted_dialogues
 
     out = Path(out)
     steps = recipe.sft_steps if steps is None else steps
@@ -133,17 +138,24 @@ def build_warm_model(out: str | Path, scenario: str | Path, system_prompt: str, 
     base_stamp = (base / "tiny_model_fingerprint.txt").read_text()
     if stamp.exists() and stamp.read_text() == f"{key}\n{base_stamp}":
         return warm
-    logger.info("warm start: %d SFT steps on %d scripted calls (%s)", steps, recipe.sft_dialogues,
-                ", ".join(f"{q} {w:g}" for q, w in recipe.sft_mix.items()))
+    logger.info("warm start: %d SFT steps on %d scripted calls (%s) over %d ranks", steps, recipe.sft_dialogues,
+                ", ".join(f"{q} {w:g}" for q, w in recipe.sft_mix.items()), recipe.sft_ranks)
     dialogues = scripted_dialogues(scenario, recipe.sft_dialogues, recipe.sft_mix, seed=seed,
                                    max_turns=recipe.max_turns, system_prompt=system_prompt)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.sft_threads)
-    try:
-        sft_on_dialogues(base, warm, dialogues, steps=steps, lr=recipe.sft_lr, batch_size=recipe.sft_batch_size,
-                         seed=seed, max_length=recipe.sft_max_length, lr_schedule=recipe.sft_lr_schedule)
-    finally:
-        torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="warm_start_") as tmp:
+        transcripts = Path(tmp) / "transcripts.jsonl"
+        transcripts.write_text("".join(json.dumps(d) + "\n" for d in dialogues), encoding="utf-8")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={recipe.sft_ranks}", "-m", "utils.sft_warm_start", "--model", str(base),
+                   "--out", str(warm), "--dialogues", str(transcripts), "--steps", str(steps),
+                   "--lr", repr(recipe.sft_lr), "--lr-schedule", recipe.sft_lr_schedule,
+                   "--batch-size", str(recipe.sft_batch_size), "--micro-batch-size", str(recipe.sft_micro_batch_size),
+                   "--seed", str(seed), "--max-length", str(recipe.sft_max_length)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+        if done.returncode != 0:
+            raise RuntimeError(f"the warm start's SFT failed (exit {done.returncode}): {' '.join(command[:8])} ...")
     stamp.write_text(f"{key}\n{base_stamp}")
     return warm
 
