@@ -103,9 +103,9 @@ def _optimizer(module: torch.nn.Module, optim_cfg: Any) -> torch.optim.Optimizer
 def build_models(mesh: DeviceMesh, actor_cfg: DictConfig, critic_cfg: DictConfig | None, model_path: str,
                  need_reference: bool, critic_path: str | None = None) -> TracedModels:
     """The workers' models on the traced rank (inside :func:`fake_world`, on its ``mesh``): the actor and its
-    optimizer, the reference when ``need_reference`` and the actor trains every weight (a LoRA actor is its own reference), and
-    the critic with its optimizer when ``critic_cfg`` is given (from ``critic_path``, default ``model_path``).
-    ``actor_cfg`` / ``critic_cfg`` come from :func:`worker_section`."""
+    optimizer, the reference when ``need_reference`` and the actor trains every weight (a LoRA actor is its own
+    reference), and the critic with its optimizer when ``critic_cfg`` is given (from ``critic_path``, default
+    ``model_path``). ``actor_cfg`` / ``critic_cfg`` come from :func:`worker_section`."""
     lora = LoraSettings.from_model_config(actor_cfg.model, "actor_rollout_ref.model")
     checkpointing = bool(actor_cfg.model.get("enable_gradient_checkpointing", False))
     actor = build_actor_module(actor_cfg, mesh, model_path, lora, checkpointing, load_weights=False)

@@ -286,10 +286,9 @@ def build_fsdp_model(
     shards from rank 0 (:func:`broadcast_from_rank0`). With ``fsdp`` (FSDP1) every rank loads the full model.
     ``fsdp_config`` supplies ``param_dtype`` (auto | fp32 | bf16) and ``reshard_after_forward``;
     ``config_overrides`` are set on the HF config before the model is built (e.g. ``num_labels``);
-    ``attn_implementation`` is resolved by :func:`resolve_attn_implementation`. ``load_weights=False`` builds the
-    same sharded model without reading any weights (the directory needs only ``config.json``): every rank shards a
-    meta-device skeleton and materialises its shards uninitialised (the memory trace runs it under fake tensors,
-    :mod:`verl.trainer.trace_preset`).
+    ``attn_implementation`` is resolved by :func:`resolve_attn_implementation`. ``load_weights=False`` reads only
+    ``config.json``: every rank shards a meta-device skeleton and materialises its shards uninitialised (the memory
+    trace, :mod:`verl.trainer.trace_preset`, runs it under fake tensors).
     """
     check_strategy(strategy, "strategy")
     if not load_weights and strategy != "fsdp2":

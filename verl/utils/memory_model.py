@@ -222,8 +222,8 @@ def logits_bytes(
     """Peak bytes of the logits of one micro-batch.
 
     The head produces ``head_positions`` of each row (default every position) in the compute dtype; the log-prob
-    and entropy read them in float32 chunks of at most :data:`LOGPROB_CHUNK_BYTES`, within one row (a padded row's responses are
-    not contiguous with the next row's; a packed micro-batch is one row), a few of them alive at once
+    and entropy read them in float32 chunks of at most :data:`LOGPROB_CHUNK_BYTES`, within one row (a padded row's
+    responses are not contiguous with the next row's; a packed micro-batch is one row), a few of them alive at once
     (:data:`CHUNK_TEMPORARIES`). In training the head's output is kept for the backward pass, which writes its
     gradient (the same size and dtype) one chunk at a time (more temporaries with ``entropy_grad``: the entropy in
     the loss).

@@ -98,8 +98,10 @@ def test_qwen25_14b_lora_on_2_ranks_agrees_with_the_planner():
     ["actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.model.enable_gradient_checkpointing=false",
      "actor_rollout_ref.ref.fsdp_config.param_offload=false"],
     [*LORA_PRESET, "actor_rollout_ref.model.lora_rank=8"],
-    ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true", "actor_rollout_ref.rollout.name=hf"],
-], ids=["preset", "padded-no-checkpointing", "lora", "critic-hf"])
+    # the critic packs its rows while the actor pads them: each model switches its own attention
+    ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true", "actor_rollout_ref.rollout.name=hf",
+     "actor_rollout_ref.model.use_remove_padding=false"],
+], ids=["preset", "padded-no-checkpointing", "lora", "packed-critic-padded-actor-hf"])
 def test_small_model_agrees_with_the_planner(small_model, extra):
     result = _trace(small_model, *SMALL_SHAPES, *extra)
     _agrees(result)
