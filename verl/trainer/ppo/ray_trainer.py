@@ -5,9 +5,10 @@ plug-in, a :class:`~verl.trainer.ppo.plugins.RolloutLoop`; single-turn by defaul
 plug-in -> (with ``algorithm.filter_groups``: drop the groups without a signal and generate more prompt batches
 until the train batch is full; see :mod:`verl.trainer.ppo.trainer_rollout`) -> balance rows across DP ranks
 (``DataProto.reorder`` moves every per-row field together) -> old log-probs (or, in rollout-correction bypass
-mode, the rollout's) -> reference log-probs -> values -> KL in reward -> rollout correction
-(:mod:`verl.trainer.ppo.trainer_rollout_corr`) -> advantages (driver; then ``algorithm.diagnosis_reweight`` scales
-those of labelled turns) -> critic update -> actor update -> metrics (with the rollout's ``rollout/*``);
+mode, the rollout's) -> reference log-probs -> values -> KL in reward -> the advantage step
+(:mod:`verl.trainer.ppo.trainer_advantage`: rollout correction, then advantages and ``algorithm.diagnosis_reweight``
+on the dialogues as sampled, then the rejected tokens leave the loss, :mod:`verl.trainer.ppo.rollout_rejection`)
+-> critic update -> actor update -> metrics (with the rollout's ``rollout/*``);
 validation every ``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`). The
 trainer is composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and
 scoring) and :class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (save and resume).

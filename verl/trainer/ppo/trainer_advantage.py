@@ -1,5 +1,7 @@
-"""The driver's advantage step of a training step: rollout correction (decoupled mode), the advantage estimator
-and the diagnosis reweighting, on a batch that holds its rewards, log-probs and (for a critic) values."""
+"""The driver's advantage step of a training step: rollout correction (decoupled mode), then the advantage
+estimator and the diagnosis reweighting on the dialogue as sampled, then the rejection
+(:mod:`verl.trainer.ppo.rollout_rejection`), on a batch that holds its rewards, log-probs and (for a critic)
+values."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -9,10 +11,11 @@ from verl.trainer.config_schema import AlgorithmConfig
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.diagnosis_reweight import reweight_advantages
 from verl.trainer.ppo.estimator_inputs import estimator_inputs
+from verl.trainer.ppo.rollout_rejection import credit_then_reject
 from verl.trainer.ppo.trainer_rollout import compute_response_mask
 from verl.trainer.ppo.trainer_rollout_corr import correct_batch
 
-__all__ = ["advantage_step", "compute_advantage"]
+__all__ = ["advantage_step", "assign_credit", "compute_advantage"]
 
 
 def compute_advantage(data: DataProto, adv_estimator: str, gamma: float = 1.0, lam: float = 1.0,
@@ -48,15 +51,25 @@ def compute_advantage(data: DataProto, adv_estimator: str, gamma: float = 1.0, l
     return data
 
 
-def advantage_step(batch: DataProto, algorithm: AlgorithmConfig, num_repeat: int = 1) -> dict[str, float]:
-    """Rollout correction (when the batch has ``rollout_log_probs``), advantages and returns, and the diagnosis
-    reweighting, in place on ``batch`` (with ``token_level_rewards``); returns their metrics."""
-    metrics: dict[str, float] = {}
-    if "rollout_log_probs" in batch.batch.keys():  # decoupled mode: weights, rejection, metrics
-        metrics.update(correct_batch(batch, algorithm.rollout_correction))
+def assign_credit(batch: DataProto, algorithm: AlgorithmConfig, num_repeat: int = 1) -> dict[str, float]:
+    """Advantages and returns by ``algorithm.adv_estimator``, then the diagnosis reweighting when enabled, in place;
+    returns the reweighting's metrics."""
     compute_advantage(batch, algorithm.adv_estimator, algorithm.gamma, algorithm.lam, num_repeat=num_repeat,
                       norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo, config=algorithm)
     diagnosis = algorithm.diagnosis_reweight
-    if diagnosis.enable:
-        metrics.update(reweight_advantages(batch, diagnosis.weights, diagnosis.apply_to))
+    if not diagnosis.enable:
+        return {}
+    return reweight_advantages(batch, diagnosis.weights, diagnosis.apply_to)
+
+
+def advantage_step(batch: DataProto, algorithm: AlgorithmConfig, num_repeat: int = 1) -> dict[str, float]:
+    """Rollout correction (when the batch has ``rollout_log_probs``: weights, metrics, the rejection mask), then
+    :func:`assign_credit` and the rejection by the rule of :mod:`verl.trainer.ppo.rollout_rejection`, in place on
+    ``batch`` (with ``token_level_rewards``); returns the metrics."""
+    metrics: dict[str, float] = {}
+    kept = None
+    if "rollout_log_probs" in batch.batch.keys():  # decoupled mode
+        corr_metrics, kept = correct_batch(batch, algorithm.rollout_correction)
+        metrics.update(corr_metrics)
+    metrics.update(credit_then_reject(batch, kept, lambda b: assign_credit(b, algorithm, num_repeat)))
     return metrics
