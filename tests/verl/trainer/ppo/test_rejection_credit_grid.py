@@ -5,9 +5,9 @@ assigned to the dialogue as sampled, then the rejected tokens leave the loss.
 
 Per cell, the trainer's advantage step (``advantage_step``: decoupled correction, estimator, reweighting) is
 checked token by token (mask, turn ids, advantages, the returns of the kept tokens, IS weights, rewards and
-per-turn signals left as sampled), and the actor's loss on its output (one mini-batch per cell, learning rate 0 so every cell sees the
-same policy) against the reference loss: the kept tokens' -A * w over their count, the old log-probs being the
-policy's own (a float64 HF forward), so the ratio is 1 up to rounding.
+per-turn signals left as sampled), and the actor's loss on its output (one mini-batch per cell, learning rate 0
+so every cell sees the same policy) against the reference loss: the kept tokens' -A * w over their count, the
+old log-probs being the policy's own (a float64 HF forward), so the ratio is 1 up to rounding.
 """
 from __future__ import annotations
 
@@ -222,6 +222,7 @@ def actor_losses(tiny_model_path, steps) -> dict:
     return {packed: _actor_losses(tiny_model_path, steps, packed) for packed in (False, True)}
 
 
+@pytest.mark.slow  # the actor's pass over every cell: ~50 s of CPU
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("estimator,option,diagnosis", CELLS)
 def test_actor_loss_counts_only_kept_tokens_with_credit_from_the_sampled_dialogue(
