@@ -22,7 +22,8 @@ profiles, so the runs of one seed validate on the same users and pair up by prof
 
 Per run: the validation CR curve, the first validation step with CR >= `--target` (None when never) and the CR
 at `--at-step`; per option and seed, the calls paired with GRPO's at `--at-step` (gained, lost, two-sided exact
-sign test), or with the `--reference` option's. A run whose result file exists is not run again (delete it to rerun); `--table-only` only tabulates.
+sign test), or with the `--reference` option's. A run whose result file exists is not run again (delete it to
+rerun); `--table-only` only tabulates.
 Writes `--out` (JSON) and prints the side-by-side table.
 """
 from __future__ import annotations

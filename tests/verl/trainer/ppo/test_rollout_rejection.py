@@ -30,8 +30,8 @@ def test_a_rejected_last_token_still_delivers_the_outcome_to_its_dialogue():
     """Issue 35's example: turn-level GAE (gamma = lam = 1, values 0) gives every agent token the return 1.0; token
     rejection of row 0's last token (k3 of a log-ratio of 2: 4.39) must not turn its other returns into 0."""
     batch = _dialogue(2.0)
-    algorithm = AlgorithmConfig(adv_estimator="turn_gae", gamma=1.0, lam=1.0, rollout_correction=RolloutCorrectionConfig(
-        rollout_rs="token_k3", rollout_rs_threshold=0.5))
+    correction = RolloutCorrectionConfig(rollout_rs="token_k3", rollout_rs_threshold=0.5)
+    algorithm = AlgorithmConfig(adv_estimator="turn_gae", gamma=1.0, lam=1.0, rollout_correction=correction)
     metrics = advantage_step(batch, algorithm)
     b = batch.batch
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 8)
