@@ -18,7 +18,10 @@ profiles, so the runs of one seed validate on the same users and pair up by prof
   lr `--critic-lr`) with the same per-turn reward added to the outcome;
 - `diagnosis`: GRPO plus `algorithm.diagnosis_reweight` weighting every failure label of the scenario by
   `--label-weight`, `apply_to=negative` (the labelled turns of failed calls are pushed down harder);
-- `diagnosis_all`: the same weights with `apply_to=all` (a labelled turn's positive advantage is scaled too).
+- `diagnosis_all`: the same weights with `apply_to=all` (a labelled turn's positive advantage is scaled too;
+  with the completion-only reward a labelled (failed) call never has one, so this is `diagnosis` exactly);
+- `mixed_diagnosis`, `mixed_diagnosis_all`: `turn_mixed` with the reweighting (`negative`, `all`): the turn term
+  can give a failed call's turn a positive advantage, which only `all` scales.
 
 Per run: the validation CR curve, the first validation step with CR >= `--target` (None when never) and the CR
 at `--at-step`; per option and seed, the calls paired with GRPO's at `--at-step` (gained, lost, two-sided exact
@@ -42,7 +45,8 @@ from bench.learning_stats import sign_test_one_sided, val_outcomes
 from bench.results import write_result
 
 REPO = Path(__file__).resolve().parents[1]
-OPTIONS = ("grpo", "turn_mixed", "turn_gae", "diagnosis", "diagnosis_all")
+OPTIONS = ("grpo", "turn_mixed", "turn_gae", "diagnosis", "diagnosis_all", "mixed_diagnosis",
+           "mixed_diagnosis_all")
 LABELS = ("doubt_unanswered", "false_claim", "premature_push", "hang_up_after_drop", "format_error", "timeout_loop",
           "truncated")
 logger = logging.getLogger("bench.turn_credit_learning")
@@ -59,7 +63,9 @@ def option_args(option: str, args: argparse.Namespace) -> list[str]:
         return ["--adv-estimator", "turn_gae", "--critic-lr", str(args.critic_lr), "--turn-weights", "state_change=1.0"]
     if option in ("diagnosis", "diagnosis_all"):
         return ["--diagnosis-weights", ",".join(f"{label}={args.label_weight}" for label in LABELS),
-                "--diagnosis-apply-to", "negative" if option == "diagnosis" else "all"]
+                "--diagnosis-apply-to", "all" if option.endswith("_all") else "negative"]
+    if option in ("mixed_diagnosis", "mixed_diagnosis_all"):
+        return option_args("turn_mixed", args) + option_args(option.replace("mixed_", ""), args)
     raise ValueError(f"unknown option {option!r} (one of {OPTIONS})")
 
 
