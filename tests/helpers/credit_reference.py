@@ -1,7 +1,7 @@
 """An independent float64 reference of credit assignment for the tests: every advantage estimator, the diagnosis
 reweighting, and the rule that joins them to rollout rejection, as plain Python loops over rows, turns and tokens
 (no torch maths). Written from the definitions: veRL's estimators (core_algos), docs/turn_level_credit.md, and the
-rule of docs/turn_level_credit.md ("Rollout rejection"): credit is assigned to the dialogue as sampled, then the
+rule of docs/turn_level_credit.md ("With rollout rejection"): credit is assigned to the dialogue as sampled, then the
 rejected tokens leave the loss.
 
 Inputs are nested lists of floats (rows x positions) or tensors (converted); ``mask`` is the sampled
