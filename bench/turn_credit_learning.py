@@ -116,16 +116,17 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"\nValidation CR (greedy, fixed test profiles of the seed); steps to CR >= {args.target} (validation every "
           f"{args.test_freq} steps, '>{args.steps}' = not reached); CR at step {args.at_step}; paired with {ref} at "
           f"step {args.at_step} (gained/lost, two-sided exact sign test)")
-    print(f"{'seed':>4} | {'option':>13} | {'steps to ' + str(args.target):>12} | {'CR@' + str(args.at_step):>6} | "
-          f"{'vs ' + ref:>16} | curve")
+    width = max([len("option")] + [len(row["option"]) for row in rows])
+    target, at = f"steps to {args.target}", f"CR@{args.at_step}"
+    print(f"{'seed':>4} | {'option':>{width}} | {target:>12} | {at:>6} | {'vs ' + ref:>16} | curve")
     for row in rows:
         steps = row["steps_to_target"]
         paired = row.get("paired_with_reference")
         vs = f"+{paired['gained']}/-{paired['lost']} p={paired['p_two_sided']:.2g}" if paired else ""
         cr = f"{row['cr_at_step']:.3f}" if row["cr_at_step"] is not None else "-"
         curve = " ".join(f"{s}:{cr_:.2f}" for s, cr_ in row["val_curve"])
-        print(f"{row['seed']:>4} | {row['option']:>13} | {steps if steps is not None else '>' + str(args.steps):>12} | "
-              f"{cr:>6} | {vs:>16} | {curve}")
+        reached = steps if steps is not None else f">{args.steps}"
+        print(f"{row['seed']:>4} | {row['option']:>{width}} | {reached:>12} | {cr:>6} | {vs:>16} | {curve}")
 
 
 def main(argv: list[str] | None = None) -> None:
