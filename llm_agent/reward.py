@@ -51,13 +51,14 @@ from llm_agent.metrics import (claimed_done, dimension_values, paired_errors, ra
                                record_label, record_outcome, record_turns, records_from_batch)
 from llm_agent.scenario import STATE_DIMS, Scenario, load_scenario
 from verl.protocol import DataProto
+from verl.trainer.ppo.plugins import BatchOutputs, declare_outputs
 from verl.trainer.ppo.turn_layout import TURN_LABELS, TURN_SCORES
 from verl.utils.agent_turns import agent_turn_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPONENTS", "DEFAULT_TURN_WEIGHTS", "DEFAULT_WEIGHTS", "REWARD_KEYS", "TURN_COMPONENTS", "compute_reward",
-           "raw_components", "raw_turn_components", "resolve_turn_weights", "resolve_weights"]
+__all__ = ["COMPONENTS", "DEFAULT_TURN_WEIGHTS", "DEFAULT_WEIGHTS", "REWARD_KEYS", "TURN_COMPONENTS", "batch_outputs",
+           "compute_reward", "raw_components", "raw_turn_components", "resolve_turn_weights", "resolve_weights"]
 
 COMPONENTS: tuple[str, ...] = ("completion", "state_transition", "profile_accuracy", "false_positive",
                                "turn_efficiency", "format")
@@ -162,6 +163,17 @@ def _turn_ends(data: DataProto) -> tuple[torch.Tensor, list[int]]:
     return ends, counts.tolist()
 
 
+def batch_outputs(kwargs: Mapping[str, Any]) -> BatchOutputs:
+    """What `compute_reward` writes with `reward.kwargs` `kwargs`: the failure labels always, the per-turn rewards
+    when a turn weight is non-zero (a bad weight is a ValueError naming its key)."""
+    per_turn = any(value != 0.0 for value in resolve_turn_weights(kwargs.get("turn_weights")).values())
+    names = ", ".join(f"reward.kwargs.turn_weights.{name}" for name in TURN_COMPONENTS)
+    return BatchOutputs(written=frozenset({TURN_LABELS, *([TURN_SCORES] if per_turn else [])}),
+                        enabled_by={TURN_SCORES: f"one of {names} is non-zero (all 0 by default), e.g. "
+                                                 "reward.kwargs.turn_weights.state_change=1.0"})
+
+
+@declare_outputs(batch_outputs)
 def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
                    weights: Mapping[str, Any] | None = None,
                    turn_efficiency_max_turns: int | None = None,

@@ -37,11 +37,14 @@
 # port; 5000 vLLM), SCENARIO (a path or a shipped scenario's name; python -m llm_agent.scenario prints the
 # default; one per run: a trainer override naming another is refused), WARM_START_STEPS (250, tiny model only),
 # AGENT_PROMPT_FILE (the agent's system prompt written into the prompt data; default the scenario's, for the tiny
-# model its agent.compact_prompt), OUTPUT_DIR (outputs), PYTHON.
+# model its agent.compact_prompt), OUTPUT_DIR (outputs), PYTHON (unset: `python` when it has the
+# project's packages, else the checkout's .venv, or .venv-vllm for the rehearsal; scripts/python_env.sh says which).
 # ITERATIONS=N (> 1) trains in iterations as the original SEAD did (train, analyse the mistakes, write the next
 # profiles, continue from the last checkpoint; rerun to resume): see scripts/iterations.sh for its variables.
 set -euo pipefail
+SEAD_CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
+source scripts/python_env.sh
 source scripts/presets.sh
 source scripts/iterations.sh
 
@@ -49,15 +52,14 @@ DRY_RUN=${PRINT_CONFIG_ONLY:-0}
 PLAN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 if [[ "${1:-}" == "--plan" ]]; then DRY_RUN=1; PLAN=1; shift; fi
-PYTHON=${PYTHON:-python}
+sead_find_python $([[ "${PRESET:-}" == rehearsal ]] && echo vllm)  # PYTHON unset: one with the project
 OUTPUT_DIR=${OUTPUT_DIR:-outputs}
 MODEL_PATH=${MODEL_PATH:-}
 USER_SIM_MODEL=${USER_SIM_MODEL:-}
 USER_SIM_URLS=${USER_SIM_URLS:-}
-if [[ "$USER_SIM_URLS" == *@* ]]; then  # it would reach command lines and logs; not echoed here either
-    echo "USER_SIM_URLS: a URL carries a user name or password; give the simulators' token in" \
-         "SEAD_USER_SIM_API_KEY instead" >&2
-    exit 2
+if [[ -n "$USER_SIM_URLS" ]]; then  # checked as the client checks them, --dry-run too; read from the environment,
+    # as a refused URL may carry a credential that must reach no command line (nor this script's output)
+    USER_SIM_URLS="$USER_SIM_URLS" "$PYTHON" -m utils.check_simulators --syntax-only >/dev/null || exit 2
 fi
 # The scenario first, in about a second, before anything is built or started: it must load, and every behaviour
 # category of its library needs a rule in the controller's rule table (utils/check_scenario.py; a name such as
@@ -201,8 +203,8 @@ if [[ "$TINY_DEMO" == 1 ]]; then  # the tiny model's system prompt: the scenario
     if [[ -n "${AGENT_PROMPT_FILE:-}" ]]; then COMPACT_PROMPT=$(cat "$AGENT_PROMPT_FILE"); fi
     echo "agent system prompt: $COMPACT_PROMPT"
 elif [[ ! -d "$MODEL_PATH" ]]; then
-    echo "warning: MODEL_PATH=$MODEL_PATH is not a directory on this machine: the trainer will fail to load it" \
-         "unless it is a model id your transformers can download" >&2
+    echo "warning: MODEL_PATH=$MODEL_PATH is not a directory on this machine: nothing is downloaded, the trainer" \
+         "loads a local model directory only, so the path must exist where the run starts" >&2
 fi
 if [[ "$DEVICE" == cuda && -z "$USER_SIM_MODEL" && -z "$USER_SIM_URLS" ]]; then
     echo "warning: USER_SIM_MODEL is not set: this GPU run's users are the scripted simulators on CPU (set" \
@@ -212,6 +214,19 @@ if [[ -n "$USER_SIM_URLS" && "$DRY_RUN" == 0 ]]; then  # before anything is buil
     "$PYTHON" -m utils.check_simulators "$USER_SIM_URLS" || exit 2
 fi
 sead_check_iterations
+# STEPS is the total number of steps: a checkpoint already at STEPS or beyond means this run would train nothing.
+if (( ITERATIONS <= 1 )) && [[ " ${ARGS[*]} " != *" trainer.resume_mode=disable "* ]]; then
+    _total=$STEPS
+    for _arg in "${ARGS[@]}"; do [[ "$_arg" != trainer.total_training_steps=* ]] || _total=${_arg#*=}; done
+    _done=$( { find "$CKPT_DIR" -maxdepth 1 -name 'global_step_*' 2> /dev/null || true; } \
+            | sed -n 's/.*global_step_\([0-9]*\)$/\1/p' | sort -n | tail -n 1)
+    if [[ -n "$_done" && "$_total" =~ ^[0-9]+$ ]] && (( _done >= _total )); then
+        echo "WARNING: nothing to train: $CKPT_DIR already holds step $_done and STEPS=$_total is the" \
+             "total number of steps, not the steps to add: the run would resume there and train nothing." \
+             "STEPS=$((_done + _total)) trains $_total more; another EXPERIMENT (or trainer.resume_mode=disable)" \
+             "starts anew" >&2
+    fi
+fi
 if [[ "$DRY_RUN" == 1 ]]; then
     USER_SIM_URLS=${USER_SIM_URLS:-<the $SIM_INSTANCES simulator(s) this script starts>}
     trainer_command
@@ -244,9 +259,9 @@ if [[ "$TINY_DEMO" == 1 ]]; then
                    --quality-mix evasive=0.65,good=0.35 --max-turns "$MAX_TURNS" --steps "$WARM_START_STEPS"
                    --lr 3e-3 --max-length 896 --system-prompt "$COMPACT_PROMPT")
         WARM_STAMP="$MODEL_PATH/warm_start_args.txt"  # a warm start made from other inputs is made again
-        WARM_KEY=$(printf '%s\n' "${WARM_ARGS[@]}" "scenario sha256 $(sha256sum < "$SCENARIO" | cut -d' ' -f1)")
-        if [[ ! -f "$MODEL_PATH/sft_log.json" || "$TINY/config.json" -nt "$MODEL_PATH/sft_log.json" \
-              || "$(cat "$WARM_STAMP" 2> /dev/null)" != "$WARM_KEY" ]]; then
+        # paths stand for their content (the tiny model, the scenario): moving or copying the checkout keeps it
+        WARM_KEY=$("$PYTHON" -m utils.content_key --output-flag=--out -- "${WARM_ARGS[@]}")
+        if [[ ! -f "$MODEL_PATH/sft_log.json" || "$(cat "$WARM_STAMP" 2> /dev/null)" != "$WARM_KEY" ]]; then
             echo "warm start: $WARM_START_STEPS SFT steps on scripted calls, a third of them good (a few minutes, once)"
             "$PYTHON" -m utils.sft_warm_start "${WARM_ARGS[@]}" > /dev/null
             printf '%s\n' "$WARM_KEY" > "$WARM_STAMP"
@@ -295,6 +310,7 @@ echo "validation metrics (one JSON line per validation): $VAL_METRICS"
 echo "rollout log (every dialogue of every step):        $ROLLOUT_LOG"
 echo "user-response cache:                              $CKPT_DIR/user_response_cache.jsonl"
 "$PYTHON" -m utils.val_summary "$VAL_METRICS" || true
+"$PYTHON" -m utils.learning_signal "$LOG_DIR/metrics.jsonl" || true  # says so when no step could learn
 REPORT=$("$PYTHON" -m for_evaluation.report "$LOG_DIR" --dialogues "$ROLLOUT_LOG" --scenario "$SCENARIO" \
     --out "$OUTPUT_DIR/reports/$EXPERIMENT.html")
 echo "report (plots, metrics, mistakes, dialogues; open in a browser): $REPORT"

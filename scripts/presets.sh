@@ -169,15 +169,20 @@ _sead_gpu_lora_preset() {
 
 # ------------------------------------------------------------------------------------- GPU preset rehearsal
 # The GPU preset on CPU: every value above except the device and the sizes below (2 CPU workers as one TP-2 vLLM
-# engine, 2 x 2 dialogues of 2 short turns, token budgets of about one and two rows, a checkpoint every step), so
-# that a key added to the GPU preset is rehearsed too. Without a MODEL_PATH it runs on the demo's tiny model.
+# engine, 2 x 2 dialogues of up to 6 short turns, token budgets of about one and two rows, a checkpoint every
+# step), so that a key added to the GPU preset is rehearsed too. 6 turns let a call end (the scripted persona's
+# shortest completed call takes 5 agent turns; with 2 every call timed out and the rehearsal could not learn);
+# whether it learns anything in 2 steps of 4 dialogues is chance: main.sh says after the run when no step had a
+# signal. Without a MODEL_PATH it runs on the demo's tiny model. Its experiment is rehearsal_<model dir>_<scenario>:
+# never a real run's checkpoints.
 declare -gA SEAD_REHEARSAL_SIZES=(
     [DEVICE]=cpu [N_GPUS]=2 [POLICY_GPUS]=none [STEPS]=2 [TRAIN_PROMPTS]=2 [ROLLOUT_N]=2 [MINI_BATCH]=2
-    [TRAIN_SAMPLES]=8 [TEST_SAMPLES]=2 [MAX_TURNS]=2 [MAX_TOKENS_PER_TURN]=64 [MAX_USER_TOKENS]=48
-    [RESPONSE_LENGTH]=256 [MAX_TOKEN_LEN]=512 [LOGPROB_MAX_TOKEN_LEN]=1024 [TEST_FREQ]=2 [SAVE_FREQ]=1
+    [TRAIN_SAMPLES]=8 [TEST_SAMPLES]=2 [MAX_TURNS]=6 [MAX_TOKENS_PER_TURN]=64 [MAX_USER_TOKENS]=48
+    [RESPONSE_LENGTH]=768 [MAX_TOKEN_LEN]=1024 [LOGPROB_MAX_TOKEN_LEN]=2048 [TEST_FREQ]=2 [SAVE_FREQ]=1
 )
 _sead_rehearsal_preset() {
     local name
+    _sead_default EXPERIMENT "rehearsal_$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")" rehearsal
     for name in "${!SEAD_REHEARSAL_SIZES[@]}"; do
         _sead_default "$name" "${SEAD_REHEARSAL_SIZES[$name]}" rehearsal
     done

@@ -26,11 +26,13 @@ from pathlib import Path
 
 from llm_agent.stand_ins.scripted_calls import AgentFactory, scripted_calls
 from verl.trainer.fsdp_sft_trainer import SFTConfig, SFTRow, train_sft
+from verl.utils.text_tokens import max_token_chars, may_fit, tokenize_chat
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 LOSS_ON = ("all", "last")
+OVERFLOWS = ("cut", "drop")
 
 
 def check_messages(messages: object, where: str) -> list[dict[str, str]]:
@@ -77,7 +79,7 @@ def _assistant_span(body: str, content: str, eos: str | None, index: int) -> tup
 
 
 def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length: int | None = None,
-                    loss_on: str | Collection[int] = "all") -> SFTRow:
+                    loss_on: str | Collection[int] = "all", overflow: str = "cut") -> SFTRow | None:
     """Render `messages` with the tokenizer's chat template and mark the assistant tokens that carry loss: every
     assistant message (`loss_on="all"`), only the last message, which must be an assistant one (`"last"`: a
     prompt and its answer, e.g. one simulator request and the simulator's reply), or the assistant messages at
@@ -87,9 +89,13 @@ def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length
     prompt, as the model sees it when it starts its turn) and the text including it. The marked span is the
     content plus the EOS marker the template writes right after it; role markers and everything else get mask
     0. Each piece is tokenised on its own, as the rollout loop appends tokens, so the mask never straddles a
-    token (with `"last"` the whole prompt is one piece, tokenised as a server tokenises it). Sequences longer
-    than `max_length` are cut at the end.
+    token (with `"last"` the whole prompt is one piece, tokenised as a server tokenises it); message text is
+    tokenised by the one rule for outside text (`verl.utils.text_tokens`: control-token text in a message is
+    never a control token). A sequence longer than `max_length` tokens is cut at the end (`overflow="cut"`) or
+    not encoded at all (`"drop"`: None); either way no more of it is rendered or tokenised than the budget needs.
     """
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"overflow must be one of {OVERFLOWS}, got {overflow!r}")
     messages = check_messages(list(messages), "transcript")
     if isinstance(loss_on, str):
         if loss_on not in LOSS_ON:
@@ -101,10 +107,16 @@ def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length
     bad = [i for i in marked if not 0 <= i < len(messages) or messages[i]["role"] != "assistant"]
     if bad:
         raise ValueError(f"transcript: loss_on={loss_on!r} marks message(s) {bad}, which are not assistant messages")
+    if max_length is not None and overflow == "drop" and not may_fit(tokenizer, (m["content"] for m in messages),
+                                                                      max_length):
+        return None
+    enough = None if max_length is None else (max_length + 1) * max_token_chars(tokenizer)  # chars past the cut
     eos = tokenizer.eos_token
     pieces: list[tuple[str, int]] = []
     covered = ""
     for i in marked:
+        if enough is not None and len(covered) > enough:
+            break
         head = _render(tokenizer, messages[:i], generation_prompt=True)
         pieces.append((_extend(head, covered, f"the messages before message {i}"), 0))
         body = _extend(_render(tokenizer, messages[: i + 1], generation_prompt=False), head,
@@ -112,22 +124,16 @@ def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length
         start, end = _assistant_span(body, messages[i]["content"], eos, i)
         pieces += [(body[:start], 0), (body[start:end], 1), (body[end:], 0)]
         covered = head + body
-    pieces.append((_extend(_render(tokenizer, messages, generation_prompt=False), covered, "the last messages"), 0))
+    if enough is None or len(covered) <= enough:
+        pieces.append((_extend(_render(tokenizer, messages, generation_prompt=False), covered, "the last messages"), 0))
     merged: list[tuple[str, int]] = []
     for text, flag in pieces:
         if merged and merged[-1][1] == flag:
             merged[-1] = (merged[-1][0] + text, flag)
         elif text:
             merged.append((text, flag))
-    ids: list[int] = []
-    mask: list[int] = []
-    for text, flag in merged:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += piece
-        mask += [flag] * len(piece)
-    if max_length is not None:
-        ids, mask = ids[:max_length], mask[:max_length]
-    return SFTRow(ids, mask)
+    encoded = tokenize_chat(tokenizer, messages, merged, max_tokens=max_length, cut=overflow == "cut")
+    return None if encoded is None else SFTRow(*encoded)
 
 
 def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: list[list[dict]], steps: int,

@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from llm_agent.evaluation.page_text import bounded
 from llm_agent.metrics import OUTCOMES
 from llm_agent.scenario import STATE_DIMS, Scenario
 
@@ -57,6 +58,7 @@ def browser_payload(records: Sequence[Mapping[str, Any]], scenario: Scenario | N
     """{"dims", "outcomes", "stages", "behaviors", "dialogues"}: everything the page's JavaScript needs.
 
     `stages` maps stage id to name (empty without a scenario). Records must hold `outcome`, `profile` and `turns`.
+    Every string is bounded (`page_text.bounded`: a huge logged field is cut with a marker).
     """
     behaviors: dict[tuple[str, str], int] = {}
     dialogues = []
@@ -77,10 +79,10 @@ def browser_payload(records: Sequence[Mapping[str, Any]], scenario: Scenario | N
             "lb": _labels(record.get("labels")),
             "t": [_turn(t) for t in record.get("turns") or [] if isinstance(t, Mapping)],
         })
-    return {"dims": list(STATE_DIMS), "outcomes": list(OUTCOMES),
-            "stages": {str(s.id): s.name for s in scenario.stages} if scenario is not None else {},
-            "behaviors": [{"category": c, "behavior": b} for (c, b) in behaviors],
-            "dialogues": dialogues}
+    return bounded({"dims": list(STATE_DIMS), "outcomes": list(OUTCOMES),
+                    "stages": {str(s.id): s.name for s in scenario.stages} if scenario is not None else {},
+                    "behaviors": [{"category": c, "behavior": b} for (c, b) in behaviors],
+                    "dialogues": dialogues})
 
 
 def embed_json(value: Any) -> str:

@@ -42,6 +42,7 @@ from llm_agent.rollout.dialogue import ChatMarkers, Dialogue, TokenBuffer
 from llm_agent.rollout.outcome import Outcome
 from llm_agent.scenario import AgentTurn, STATUS_COMPLETED, STATUS_ENDED, Scenario, UserProfile
 from llm_agent.user_sim.client import TurnFailure, TurnReply, TurnRequest, TurnResult, UserSimConfig
+from verl.utils.text_tokens import encode_text
 
 __all__ = ["DialogueEnv", "DialogueRules", "RequestSeeds", "Step", "stable_seed"]
 
@@ -260,7 +261,7 @@ class DialogueEnv:
                    sim_content: str | None) -> Step:
         """Record the user side of the last turn, decide whether the dialogue goes on, and append its tokens."""
         d, rules = self.dialogue, self.rules
-        ids = rules.tokenizer.encode(reply, add_special_tokens=False, split_special_tokens=True)
+        ids = encode_text(rules.tokenizer, reply)  # the one rule for outside text: control-token text stays text
         shown = reply
         if len(ids) > rules.max_user_tokens:
             ids = ids[:rules.max_user_tokens]

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from verl.utils.device import get_dist_backend, is_cuda_available
+from verl.utils.file_modes import weights_like_the_rest
 from verl.utils.optim import WARMUP_STYLES, lr_factor
 
 logger = logging.getLogger(__name__)
@@ -241,6 +242,7 @@ def _export(model: Any, tokenizer: Any, out: Path, config: SFTConfig, rt: _Runti
         model.save_pretrained(out, state_dict={k: v.to(dtype) for k, v in model.state_dict().items()})
     if rt.rank == 0:
         tokenizer.save_pretrained(out)
+        weights_like_the_rest(out)
 
 
 def train_sft(model_path: str | Path, rows: Sequence[SFTRow], out_dir: str | Path, config: SFTConfig,
