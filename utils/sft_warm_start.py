@@ -137,10 +137,12 @@ def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length
 
 
 def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: list[list[dict]], steps: int,
-                     lr: float, batch_size: int = 8, seed: int = 0, max_length: int = 1024) -> Path:
+                     lr: float, batch_size: int = 8, seed: int = 0, max_length: int = 1024,
+                     lr_schedule: str = "constant", micro_batch_size: int | None = None) -> Path:
     """Fine-tune the local causal LM at `model_path` on `dialogues`, loss on assistant tokens only.
 
-    `verl.trainer.fsdp_sft_trainer.train_sft` with AdamW at a constant `lr` (gradient norm clipped to 1), `steps`
+    `verl.trainer.fsdp_sft_trainer.train_sft` with AdamW at `lr`, constant or decayed by `lr_schedule`
+    ("cosine": to 0 at the last step; gradient norm clipped to 1), `steps`
     updates of `batch_size` transcripts drawn epoch by epoch in a seeded shuffled order; the loss is the mean over
     all assistant tokens of the batch. Model and tokenizer are written to `out_dir` with save_pretrained, plus
     `sft_log.json` (per-step loss, settings, wall time). Returns `out_dir`.
@@ -160,7 +162,8 @@ def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: lis
         encoded.append(row)
     if not encoded:
         raise ValueError(f"no dialogue keeps an assistant token within max_length={max_length}")
-    config = SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    config = SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed, lr_schedule=lr_schedule,
+                       micro_batch_size=micro_batch_size)
     return train_sft(model_path, encoded, out_dir, config,
                      extra_log={"max_length": max_length, "n_dialogues": len(encoded)})
 
@@ -246,6 +249,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     parser.add_argument("--batch-size", type=int, default=8, help="transcripts per step")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="transcripts per forward on one rank (default: the rank's whole share of a step)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="the learning rate: constant, or decayed to 0 at the last step")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data order and of the scripted calls")
     parser.add_argument("--max-length", type=int, default=1024, help="tokens kept per transcript")
     args = parser.parse_args(argv)
@@ -260,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     path = sft_on_dialogues(args.model, args.out, dialogues, steps=args.steps, lr=args.lr,
-                            batch_size=args.batch_size, seed=args.seed, max_length=args.max_length)
+                            batch_size=args.batch_size, seed=args.seed, max_length=args.max_length,
+                            lr_schedule=args.lr_schedule, micro_batch_size=args.micro_batch_size)
     print(path)
 
 

@@ -136,7 +136,7 @@ def test_gpu_preset_rehearsal_trains_checkpoints_and_resumes(tmp_path, warm_mode
     assert steps_logged == [1, 2], steps_logged  # step 2 trained by the resumed launch only
     for m in metrics:
         if "actor/pg_loss" in m:
-            assert m["timing_s/weight_sync"] > 0 and m["actor/kl_loss"] >= 0
+            assert m["timing_s/weight_sync"] > 0 and m["actor/kl_loss"] > -1e-6
             # rollout correction on (the engine and the actor both fp32 here: float noise, nothing rejected)
             # (k3 >= 0 in exact arithmetic; float noise leaves it within 1e-4 of 0 on either side)
             assert abs(m["rollout/kl_k3"]) < 1e-4 and m["rollout_corr/rollout_rs_masked_fraction"] == 0
