@@ -34,10 +34,10 @@
 # Environment besides the preset variables: PRESET, PRINT_CONFIG_ONLY, MODEL_PATH (the tiny model),
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
 # (1; 2 vLLM), SIM_MAX_MODEL_LEN (8192), SIM_GPU_MEMORY_UTILIZATION (0.9), SIM_EXTRA_ARGS (more vLLM flags),
-# SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free
-# port; 5000 vLLM), SCENARIO (a path or a shipped scenario's name; python -m llm_agent.scenario prints the
-# default; one per run: a trainer override naming another is refused), WARM_START_STEPS (the CPU recipe's, tiny
-# model only; 0 skips the warm start),
+# SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (unset:
+# free ports, one per instance; 5000 vLLM), SCENARIO (a path or a shipped scenario's name; python -m
+# llm_agent.scenario prints the default; one per run: a trainer override naming another is refused),
+# WARM_START_STEPS (the CPU recipe's, tiny model only; 0 skips the warm start),
 # AGENT_PROMPT_FILE (the agent's system prompt written into the prompt data; default the scenario's, for the tiny
 # model its agent.compact_prompt), OUTPUT_DIR (outputs), PYTHON (unset: `python` when it has the
 # project's packages, else the checkout's .venv, or .venv-vllm for the rehearsal; scripts/python_env.sh says which).
@@ -276,10 +276,15 @@ stop_sims() {
 }
 trap stop_sims EXIT
 if [[ -z "$USER_SIM_URLS" ]]; then
-    SIM_BASE_PORT=${SIM_BASE_PORT:-$([[ -n "$USER_SIM_MODEL" ]] && echo 5000 || "$PYTHON" -c \
-        'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
-    SIM_ARGS=(--num-instances "$SIM_INSTANCES" --base-port "$SIM_BASE_PORT" --scenario "$SCENARIO"
-              --run-dir "$RUN_DIR" --tp "$SIM_TP" ${SEED:+--seed "$SEED"})
+    if [[ -n "${SIM_BASE_PORT:-}" || -n "$USER_SIM_MODEL" ]]; then
+        SIM_PORT_ARGS=(--num-instances "$SIM_INSTANCES" --base-port "${SIM_BASE_PORT:-5000}")
+    else  # one free port per instance, all held at once (two instances never share one; base+1 may be taken)
+        SIM_PORT_ARGS=(--ports "$("$PYTHON" -c 'import socket, sys
+held = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in held: s.bind(("127.0.0.1", 0))
+print(",".join(str(s.getsockname()[1]) for s in held))' "$SIM_INSTANCES")")
+    fi
+    SIM_ARGS=("${SIM_PORT_ARGS[@]}" --scenario "$SCENARIO" --run-dir "$RUN_DIR" --tp "$SIM_TP" ${SEED:+--seed "$SEED"})
     if [[ -n "$USER_SIM_MODEL" ]]; then
         SIM_ARGS+=(--model "$USER_SIM_MODEL" --max-model-len "${SIM_MAX_MODEL_LEN:-8192}"
                    --gpu-memory-utilization "${SIM_GPU_MEMORY_UTILIZATION:-0.9}")
