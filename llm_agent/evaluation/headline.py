@@ -10,10 +10,10 @@ from __future__ import annotations
 import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from llm_agent.evaluation.analysis import before_after_groups, wilson_interval
-from llm_agent.metrics import NOT_AVAILABLE, record_label, record_outcome
+from llm_agent.metrics import NOT_AVAILABLE
+from llm_agent.rollout.dialogue_record import DialogueRecord
 
 __all__ = ["CRPoint", "cr_points", "headline_html"]
 
@@ -43,8 +43,8 @@ class CRPoint:
         return out
 
 
-def _from_dialogues(label: str, records: Sequence[Mapping[str, Any]]) -> CRPoint:
-    outcomes = [record_outcome(r, record_label(r, i)) for i, r in enumerate(records)]
+def _from_dialogues(label: str, records: Sequence[DialogueRecord]) -> CRPoint:
+    outcomes = [r.outcome for r in records]
     n = sum(o != "error" for o in outcomes)
     completed = sum(o == "completed" for o in outcomes)
     if n == 0:
@@ -52,7 +52,7 @@ def _from_dialogues(label: str, records: Sequence[Mapping[str, Any]]) -> CRPoint
     return CRPoint(label, completed / n, n, completed, wilson_interval(completed, n))
 
 
-def cr_points(dialogues: Sequence[Mapping[str, Any]] | None, val_rows: Sequence[Mapping[str, float]]
+def cr_points(dialogues: Sequence[DialogueRecord] | None, val_rows: Sequence[Mapping[str, float]]
               ) -> list[CRPoint]:
     """The headline's points, before then after (one point when there is nothing to compare); empty when the
     run has neither dialogues nor validation metrics."""

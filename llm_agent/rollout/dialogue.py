@@ -6,8 +6,8 @@ row's response tokens appended after them) plus, per response token, the loss ma
 engine's log-prob (B, R each), and per-row lengths, so building the next turn's left-padded generation batch is a
 single gather whose Python cost does not grow with the dialogue.
 `ChatMarkers` finds, once, the token pieces a chat template puts around a user turn. `Dialogue` is one row's
-record (turns, messages, the simulator's message list kept incrementally) and becomes the row's
-`non_tensor_batch` values.
+dialogue in progress (turns, messages, the simulator's message list kept incrementally); its `record()` is the
+row's `DialogueRecord`.
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
+from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
 from llm_agent.rollout.outcome import Outcome
-from llm_agent.scenario import AgentTurn, STATE_DIMS, UserProfile
+from llm_agent.scenario import AgentTurn, StateSchema, UserProfile
 from verl.utils.agent_turns import AGENT_TURN_IDS
 
 logger = logging.getLogger(__name__)
@@ -194,13 +195,9 @@ class TokenBuffer:
         return tensors
 
 
-def _state_or_none(state: dict[str, int | None] | None) -> dict[str, int | None] | None:
-    return None if state is None else {d: state.get(d) for d in STATE_DIMS}
-
-
 @dataclass
 class Dialogue:
-    """One row's dialogue: identity, profile, per-turn records, agent-side messages and the simulator's messages.
+    """One row's dialogue: identity, profile, turn records, agent-side messages and the simulator's messages.
 
     `sim_messages` is exactly `Scenario.render_user_messages(profile, turns)` for the turns so far, grown by one
     or two messages per turn instead of being re-rendered. `user_state` is the user's current state: the
@@ -213,8 +210,9 @@ class Dialogue:
     uid: str
     dialogue_id: str
     profile: UserProfile
+    schema: StateSchema
     sim_messages: list[dict[str, str]]
-    turns: list[dict[str, Any]] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     outcome: str | None = None
     error: str | None = None
@@ -227,7 +225,7 @@ class Dialogue:
 
     def __post_init__(self) -> None:
         if not self.user_state:
-            self.user_state = {d: getattr(self.profile, d) for d in STATE_DIMS}
+            self.user_state = dict(self.profile.state)
 
     @property
     def active(self) -> bool:
@@ -246,13 +244,14 @@ class Dialogue:
         self.outcome, self.error = Outcome(outcome).value, error
         self.ended_at = time.monotonic()
 
-    def add_agent_turn(self, text: str, turn: AgentTurn, spoken: str | None) -> dict[str, Any]:
-        """Record an agent turn (decoded text and parse); `spoken` is what the simulator hears of it, None when
-        the simulator does not hear it (a format error or an agent that ended the call)."""
-        record = {"agent_text": text, "agent_reply": turn.reply, "agent_stage": turn.stage,
-                  "agent_status": turn.status, "agent_state": _state_or_none(turn.state),
-                  "agent_format_ok": not turn.parse_error, "user_reply": None, "user_status": None,
-                  "user_state": None, "user_source": None, "user_error": None}
+    def add_agent_turn(self, text: str, turn: AgentTurn, spoken: str | None,
+                       policy_version: int | None = None) -> TurnRecord:
+        """Record an agent turn (decoded text and parse; the policy version that sampled it); `spoken` is what the
+        simulator hears of it, None when the simulator does not hear it (a format error or an agent that ended the
+        call)."""
+        record = TurnRecord(agent_text=text, agent_reply=turn.reply, agent_stage=turn.stage, agent_status=turn.status,
+                            agent_state=dict(turn.state), agent_format_ok=not turn.parse_error,
+                            policy_version=policy_version)
         self.turns.append(record)
         self.messages.append({"role": "assistant", "content": text})
         if spoken is not None:
@@ -264,17 +263,17 @@ class Dialogue:
         """Fill the last turn's user side; `shown` is the text the agent sees (possibly truncated) and
         `sim_content` the simulator's canonical own message (None when the simulator was not involved)."""
         record = self.turns[-1]
-        record.update(user_reply=reply, user_status=status, user_state=_state_or_none(state), user_source=source)
+        record.user_reply, record.user_status, record.user_source = reply, status, source
+        record.user_state = None if state is None else {d: state.get(d) for d in self.schema.names}
         if state is not None:
-            self.user_state.update({d: v for d, v in state.items() if d in STATE_DIMS and v is not None})
+            self.user_state.update({d: v for d, v in state.items() if d in self.schema.names and v is not None})
         self.messages.append({"role": "user", "content": shown})
         if sim_content is not None:
             self.sim_messages.append({"role": "assistant", "content": sim_content})
 
-    def record(self) -> dict[str, Any]:
-        """The row's per-dialogue `non_tensor_batch` values (spec keys, uid as given)."""
-        return {"dialogue_id": self.dialogue_id, "profile": self.profile.to_dict(),
-                "state_key": self.profile.state_key, "outcome": self.outcome, "num_turns": self.num_turns,
-                "turns": self.turns, "messages": self.messages, "cache_hits": self.cache_hits,
-                "format_errors": self.format_errors, "sim_retries": self.sim_retries, "error": self.error,
-                "sim_requests": self.sim_requests}
+    def record(self) -> DialogueRecord:
+        """The row's dialogue record (uid as given)."""
+        return DialogueRecord(dialogue_id=self.dialogue_id, outcome=self.outcome, turns=self.turns, uid=self.uid,
+                              profile=self.profile.to_dict(), state_key=self.schema.key(self.profile.state),
+                              messages=self.messages, cache_hits=self.cache_hits, format_errors=self.format_errors,
+                              sim_retries=self.sim_retries, error=self.error, sim_requests=self.sim_requests)

@@ -1,14 +1,14 @@
 """The agent side of a rollout turn: one `generate_sequences` call for some dialogues' contexts.
 
 `AgentBatches` builds, from the shared token buffer, the left-padded batch of the rows whose agent turn is due
-(padded to a multiple of the worker group's world size, with the decoding meta of the rollout and the per-turn
-limit); `GenerationCall.run` sends it and returns each row's `SampledTurn`: the ids it sampled and, when the
-engine computed them (`rollout.calculate_log_probs`), the engine's log-prob of each. The sync loop makes one call
-per turn, the async engine one per micro-batch. Both loops hand each row's turn to its `DialogueEnv.step`.
+(padded to a multiple of the engine's world size, with the decoding meta of the rollout and the per-turn limit);
+`GenerationCall.run` sends it to a `RolloutEngine` and returns each row's `SampledTurn`: the ids it sampled, the
+engine's log-prob of each when it computed them (`rollout.calculate_log_probs`), and the policy version that
+sampled. The sync loop makes one call per turn, the async engine one per micro-batch. Both loops hand each row's
+turn to its environment's `step`.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,17 +16,20 @@ import torch
 
 from llm_agent.rollout.dialogue import TokenBuffer
 from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl.workers.rollout.engine import RolloutEngine, output_policy_version
 
 __all__ = ["AgentBatches", "GenerationCall", "SampledTurn"]
 
 
 @dataclass(frozen=True)
 class SampledTurn:
-    """One row's agent turn as the engine sampled it: the token ids (eos included when sampled) and the engine's
-    log-prob of each (`rollout_log_probs`, aligned with `ids`; None when the engine did not compute them)."""
+    """One row's agent turn as the engine sampled it: the token ids (eos included when sampled), the engine's
+    log-prob of each (`rollout_log_probs`, aligned with `ids`; None when the engine did not compute them) and the
+    policy version that sampled them (None when not known)."""
 
     ids: torch.Tensor
     log_probs: torch.Tensor | None = None
+    policy_version: int | None = None
 
 
 class GenerationCall:
@@ -35,10 +38,12 @@ class GenerationCall:
     def __init__(self, rows: list[int], batch: DataProto, pad_size: int, response_length: int) -> None:
         self.rows, self.batch, self.pad_size, self.response_length = rows, batch, pad_size, response_length
 
-    def run(self, generate: Callable[[DataProto], DataProto]) -> list[SampledTurn]:
-        """Call `generate(batch)` (a worker group's `generate_sequences`); returns each row's sampled turn, in the
-        order of `rows`: its `responses` up to its sampled length, with its `rollout_log_probs` when present."""
-        out = unpad_dataproto(generate(self.batch), self.pad_size)
+    def run(self, engine: RolloutEngine) -> list[SampledTurn]:
+        """Generate the batch on `engine`; returns each row's sampled turn, in the order of `rows`: its `responses`
+        up to its sampled length, with its `rollout_log_probs` when present and the generation's policy version."""
+        generated = engine.generate_sequences(self.batch)
+        version = output_policy_version(generated, engine)
+        out = unpad_dataproto(generated, self.pad_size)
         responses = out.batch["responses"]
         if responses.size(0) != len(self.rows) or responses.size(1) > self.response_length:
             raise RuntimeError(f"generate_sequences returned responses of shape {tuple(responses.shape)} for "
@@ -48,7 +53,7 @@ class GenerationCall:
         if log_probs is not None and log_probs.shape != responses.shape:
             raise RuntimeError(f"generate_sequences returned rollout_log_probs of shape {tuple(log_probs.shape)} "
                                f"for responses of shape {tuple(responses.shape)}")
-        return [SampledTurn(responses[i, :n], None if log_probs is None else log_probs[i, :n])
+        return [SampledTurn(responses[i, :n], None if log_probs is None else log_probs[i, :n], version)
                 for i, n in enumerate(lengths)]
 
 

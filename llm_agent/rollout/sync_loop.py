@@ -1,7 +1,7 @@
 """The sync rollout loop (`rollout_loop.config.mode: sync`, the reference): turn-synchronous scheduling.
 
-Each turn, every active dialogue's context goes into one `generate_sequences` batch; each dialogue's environment
-takes its sampled turn (`DialogueEnv.step`), and the simulator requests of the turn go out as one
+Each turn, every active dialogue's context goes into one `generate_sequences` batch of the `RolloutEngine`; each
+dialogue's environment takes its sampled turn (`Environment.step`), and the simulator requests of the turn go out as one
 `SimulatorClient.complete` call, malformed replies re-requested together, until every dialogue's turn is
 complete. A dialogue with a slow simulator reply or a long agent turn holds up every other one, as in the
 original. The rules of a turn are the environment's, shared with the async loop.
@@ -9,46 +9,45 @@ original. The rules of a turn are the environment's, shared with the async loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from tqdm import tqdm
 
-from llm_agent.rollout.env import DialogueEnv
+from llm_agent.envs import Environment
 from llm_agent.rollout.generation_call import AgentBatches
 from llm_agent.rollout.pacing import BusyMeter
 from llm_agent.user_sim.client import SimulatorClient, TurnRequest
+from verl.workers.rollout.engine import RolloutEngine
 
 __all__ = ["run_turn_synchronous"]
 
 
-def run_turn_synchronous(envs: Sequence[DialogueEnv], worker_group: Any, batches: AgentBatches,
+def run_turn_synchronous(envs: Sequence[Environment], engine: RolloutEngine, batches: AgentBatches,
                          client: SimulatorClient, max_turns: int) -> tuple[list[BusyMeter], BusyMeter]:
     """Run every dialogue to its outcome, one turn of all active dialogues at a time; returns the engine's and the
     simulator's busy meters."""
-    engine, sim = BusyMeter(), BusyMeter()
-    world_size = int(getattr(worker_group, "world_size", 1))
+    busy, sim = BusyMeter(), BusyMeter()
     for _ in tqdm(range(max_turns), desc="dialogue turns", leave=False):
         active = [env for env in envs if env.active]
         if not active:
             break
-        call = batches([env.row for env in active], world_size)
-        engine.begin(len(active))
+        call = batches([env.row for env in active], engine.world_size)
+        busy.begin(len(active))
         try:
-            turns = call.run(worker_group.generate_sequences)
+            turns = call.run(engine)
         finally:
-            engine.end(len(active))
-        pending: list[tuple[DialogueEnv, TurnRequest]] = []
+            busy.end(len(active))
+        pending: list[tuple[Environment, TurnRequest]] = []
         for env, turn in zip(active, turns):
-            step = env.step(turn.ids, turn.log_probs)
+            step = env.step(turn)
             if step.request is not None:
                 pending.append((env, step.request))
         while pending:
             pending = _simulator_round(pending, client, sim)
-    return [engine], sim
+    return [busy], sim
 
 
-def _simulator_round(pending: list[tuple[DialogueEnv, TurnRequest]], client: SimulatorClient,
-                     sim: BusyMeter) -> list[tuple[DialogueEnv, TurnRequest]]:
+def _simulator_round(pending: list[tuple[Environment, TurnRequest]], client: SimulatorClient,
+                     sim: BusyMeter) -> list[tuple[Environment, TurnRequest]]:
     """Send every pending request in one batch and hand each answer to its dialogue; returns the re-requests."""
     requests = [request for _, request in pending]
     sim.begin(len(requests))

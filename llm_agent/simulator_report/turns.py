@@ -14,11 +14,11 @@ turn holds only the accepted reply, re-written canonically, so its first-try che
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from llm_agent.scenario import STATUS_ENDED, Scenario, Turn, UserProfile
+from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
+from llm_agent.scenario import Scenario, Turn, UserProfile
 
 __all__ = ["SimDialogue", "SimTurn", "dialogues_from_log"]
 
@@ -45,41 +45,40 @@ class SimDialogue:
     logged_rerequests: int | None = None
 
 
-def _heard_turns(scenario: Scenario, record: Mapping[str, Any]) -> Iterable[tuple[Turn, Turn | None, dict]]:
+def _heard_turns(scenario: Scenario, record: DialogueRecord) -> Iterable[tuple[Turn, Turn | None, TurnRecord]]:
     """(agent turn, user turn or None, the logged turn) for each agent turn the simulator heard."""
-    for turn in record.get("turns") or []:
-        source = turn.get("user_source")
+    for turn in record.turns:
+        source = turn.user_source
         if source == "format_error":
             continue
-        agent = scenario.parse_agent_output(turn.get("agent_text") or "")
+        agent = scenario.parse_agent_output(turn.agent_text or "")
         if source is None:
-            if turn.get("user_error") and turn.get("agent_status") != STATUS_ENDED:
+            if turn.user_error and turn.agent_status != scenario.statuses.ended:
                 yield agent, None, turn  # heard, but no acceptable answer came
             return
-        state = turn.get("user_state") or {}
-        canonical = scenario.format_user_output(turn.get("user_reply") or "", state, turn.get("user_status"))
+        canonical = scenario.format_user_output(turn.user_reply or "", turn.user_state or {}, turn.user_status)
         yield agent, scenario.parse_user_output(canonical), turn
 
 
-def dialogues_from_log(records: Sequence[Mapping[str, Any]], scenario: Scenario) -> list[SimDialogue]:
+def dialogues_from_log(records: Sequence[DialogueRecord], scenario: Scenario) -> list[SimDialogue]:
     """The simulator turns of logged dialogue records (rollout log or evaluation lines; see module docstring).
     ValueError names the record whose profile cannot be read."""
     dialogues = []
     for i, record in enumerate(records):
         try:
-            profile = UserProfile.from_dict(record.get("profile"))
+            profile = UserProfile.from_dict(record.profile)
+            scenario.check_profile(profile)
         except ValueError as exc:
-            raise ValueError(f"dialogue record {i} ({record.get('dialogue_id')!r}): {exc}") from None
-        dialogue = SimDialogue(str(record.get("dialogue_id", i)), profile,
-                               logged_rerequests=int(record.get("sim_retries") or 0))
+            raise ValueError(f"dialogue record {i} ({record.dialogue_id!r}): {exc}") from None
+        dialogue = SimDialogue(record.dialogue_id or str(i), profile, logged_rerequests=record.sim_retries)
         history: list[Turn] = []
         for agent, user, logged in _heard_turns(scenario, record):
             history.append(agent)
             if user is None:
                 dialogue.turns.append(SimTurn(scenario.render_user_messages(profile, history),
-                                              failure=str(logged.get("user_error")), first_try_known=False))
+                                              failure=str(logged.user_error), first_try_known=False))
                 break
-            if logged.get("user_source") == "simulator":
+            if logged.user_source == "simulator":
                 canonical = scenario.format_user_output(user.reply or "", user.state, user.status)
                 dialogue.turns.append(SimTurn(scenario.render_user_messages(profile, history), (canonical,),
                                               first_try_known=False))
