@@ -228,7 +228,7 @@ def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
         if per_turn:
             record.turn_rewards = scores
         if last[i] < 0:
-            unplaced.append(record.get("dialogue_id", i))
+            unplaced.append(record.dialogue_id or i)
             continue
         if turn_counts[i] != len(turns):
             raise ValueError(f"{where}: the record has {len(turns)} agent turns but its row's response has "

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers.repo import SCENARIO_PATH
 from tests.helpers.sead_training_run import GROUP, PROMPTS, STEPS, make_trainer, training_config
+from tests.helpers.gen_loop_helpers import column
 
 SCENARIO = SCENARIO_PATH
 
@@ -164,7 +165,7 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
         expected, _ = compute_reward(alone, None, **reward_kwargs)
         assert torch.equal(expected[0], scores[row]), f"row {row}"
         mask = batch.batch["response_mask"][row]
-        if batch.non_tensor_batch["outcome"][row] == "error":
+        if column(batch, "outcome")[row] == "error":
             assert mask.sum() == 0 and "/error/" in batch.non_tensor_batch["uid"][row]
         else:
             last = int(mask.nonzero().max())

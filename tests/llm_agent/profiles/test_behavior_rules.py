@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from llm_agent.profiles.rules import DEFAULT_RULES_PATH, load_rule_table, state_levels
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, Behavior, UserProfile, load_scenario, scenario_path
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, Behavior, load_scenario, scenario_path
+from tests.helpers.profiles import profile3
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
@@ -46,7 +47,7 @@ CASES = [
 @pytest.mark.parametrize("state, category, contradicts", CASES)
 def test_hand_worked_cases(state, category, contradicts):
     table = load_rule_table()
-    profile = UserProfile(*state, behaviors=(_b(category),))
+    profile = profile3(*state, behaviors=(_b(category),))
     assert bool(table.violations(profile, RANGES)) is contradicts
     assert (_b(category) in table.allowed(SCENARIO.behaviors, state, RANGES)) is (not contradicts)
 
@@ -71,7 +72,7 @@ def test_rule_sampling_never_violates_and_is_seeded():
         state = tuple(rng.randint(RANGES[d].min, RANGES[d].max) for d in ("cooperation", "emotion", "trust"))
         drawn = table.sample(SCENARIO.behaviors, state, RANGES, random.Random(7), 1, 3)
         assert 1 <= len(drawn) <= 3 and len(set(drawn)) == len(drawn)
-        assert not table.violations(UserProfile(*state, behaviors=tuple(drawn)), RANGES)
+        assert not table.violations(profile3(*state, behaviors=tuple(drawn)), RANGES)
         assert drawn == table.sample(SCENARIO.behaviors, state, RANGES, random.Random(7), 1, 3)
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, SCENARIO_DIR, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED,
-                                UserProfile, load_scenario, sample_behaviors)
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, SCENARIO_DIR, UserProfile, load_scenario, sample_behaviors
 from llm_agent.user_sim.server.backend import BackendInputError, SamplingParams
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
+from tests.helpers.profiles import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, profile3
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
@@ -130,7 +130,7 @@ def run_dialogue(backend: ScriptedPersonaBackend, profile: UserProfile, agent, s
 def sample_profile(seed: int) -> UserProfile:
     rng = random.Random(seed)
     c, e, t = rng.choice(SCENARIO.state_space())
-    return UserProfile(c, e, t, tuple(sample_behaviors(SCENARIO.behaviors, rng)))
+    return profile3(c, e, t, tuple(sample_behaviors(SCENARIO.behaviors, rng)))
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_every_outcome_is_reachable(backend):
 
 
 def test_completion_needs_every_step_in_order_and_a_confirmation(backend):
-    profile = UserProfile(4, 3, 5, ())
+    profile = profile3(4, 3, 5, ())
     status, dialogue = run_dialogue(backend, profile, GoodAgent(), seed=1)
     assert status == STATUS_COMPLETED
     replies = [t.reply for t in dialogue[1::2]]
@@ -179,7 +179,7 @@ def test_completion_needs_every_step_in_order_and_a_confirmation(backend):
 
 
 def test_hang_up_when_a_doubt_is_ignored_past_patience(backend):
-    profile = UserProfile(4, 3, 5, (next(b for b in SCENARIO.behaviors if b.category == "cost_concerns"),))
+    profile = profile3(4, 3, 5, (next(b for b in SCENARIO.behaviors if b.category == "cost_concerns"),))
     # Kind but evasive: empathy keeps the mood up, so only the patience rule can end the call.
     agent_lines = [INTRO, "I understand, that matters to you.", "No worries, I hear you.",
                    "Sorry, that makes sense.", "I get it, take your time.", "I know you're busy, of course."]
@@ -199,7 +199,7 @@ def test_hang_up_when_a_doubt_is_ignored_past_patience(backend):
 
 
 def test_hang_up_when_emotion_falls_to_the_floor(backend):
-    profile = UserProfile(4, 1, 5, ())
+    profile = profile3(4, 1, 5, ())
     status, dialogue = run_dialogue(backend, profile, BadAgent(), seed=0)
     assert status == STATUS_ENDED
     assert dialogue[-1].emotion == SCENARIO.state_ranges["emotion"].min or dialogue[-1].cooperation == 0
@@ -267,7 +267,7 @@ def test_prompt_tokens_counted_from_the_cache_equal_a_full_count(monkeypatch):
 
 
 def test_recorded_state_tags_override_the_replay(backend):
-    profile = UserProfile(2, 2, 2, ())
+    profile = profile3(2, 2, 2, ())
     dialogue = [SCENARIO.parse_agent_output(SCENARIO.format_agent_output(INTRO, 0, 0, {}))]
     messages = SCENARIO.render_user_messages(profile, dialogue)
     messages.append({"role": "assistant", "content": SCENARIO.format_user_output(
@@ -285,7 +285,7 @@ def test_recorded_state_tags_override_the_replay(backend):
     ("tool_role", "role 'tool'"),
 ])
 def test_bad_conversations_raise_backend_input_error(backend, messages, match):
-    persona = SCENARIO.render_user_prompt(UserProfile(2, 2, 2, ()))
+    persona = SCENARIO.render_user_prompt(profile3(2, 2, 2, ()))
     if messages == "persona_only":
         messages = [{"role": "system", "content": persona}]
     elif messages == "tool_role":
@@ -296,7 +296,7 @@ def test_bad_conversations_raise_backend_input_error(backend, messages, match):
 
 
 def test_max_tokens_truncates_with_finish_reason_length(backend):
-    messages = SCENARIO.render_user_messages(UserProfile(2, 2, 2, ()), [
+    messages = SCENARIO.render_user_messages(profile3(2, 2, 2, ()), [
         SCENARIO.parse_agent_output(SCENARIO.format_agent_output(INTRO, 0, 0, {}))])
     full = backend.complete(messages, SamplingParams(seed=0)).choices[0]
     short = backend.complete(messages, SamplingParams(seed=0, max_tokens=5)).choices[0]
@@ -338,7 +338,7 @@ def test_any_scenario_is_driven_by_its_data_alone(path):
         return dialogue
 
     top = {d: r.max for d, r in scenario.state_ranges.items()}
-    finished = play(UserProfile(top["cooperation"], top["emotion"], top["trust"], ()), oracle, seed=0)
+    finished = play(profile3(top["cooperation"], top["emotion"], top["trust"], ()), oracle, seed=0)
     assert finished[-1].status == STATUS_COMPLETED, [t.reply for t in finished]
 
     known = {line for lines in spec.lines.values() for line in lines}
@@ -351,7 +351,7 @@ def test_any_scenario_is_driven_by_its_data_alone(path):
     for seed in range(30):
         rng = random.Random(seed)
         c, e, t = rng.choice(scenario.state_space())
-        profile = UserProfile(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng)))
+        profile = profile3(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng)))
         texts = [" ".join(rng.sample(phrases, rng.randint(1, 4))) + "." for _ in range(12)]
         dialogue = play(profile, texts, seed)
         for user in dialogue[1::2]:
@@ -388,7 +388,7 @@ def test_a_repeated_keyword_soup_turn_never_completes(path):
     for seed in range(20):
         rng = random.Random(seed)
         c, e, t = rng.choice(scenario.state_space())
-        profile = UserProfile(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng)))
+        profile = profile3(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng)))
         dialogue: list = []
         for _ in range(12):
             user = _say(backend, scenario, profile, dialogue, soup, seed)
@@ -400,7 +400,7 @@ def test_a_repeated_keyword_soup_turn_never_completes(path):
 
 
 def test_an_overlong_or_stuffed_turn_counts_for_nothing(backend):
-    profile = UserProfile(4, 3, 5, ())
+    profile = profile3(4, 3, 5, ())
     padding = " ".join(["so"] * (SPEC.rules.max_words + 1))
     dialogue: list = []
     user = _say(backend, SCENARIO, profile, dialogue, f"{INTRO} {padding}")
@@ -416,7 +416,7 @@ def test_an_overlong_or_stuffed_turn_counts_for_nothing(backend):
 
 
 def test_two_steps_guided_in_one_turn_are_not_performed(backend):
-    profile = UserProfile(4, 3, 5, ())
+    profile = profile3(4, 3, 5, ())
     dialogue: list = []
     _say(backend, SCENARIO, profile, dialogue, INTRO)
     both = f"{STEP_GUIDES[0][0]} {STEP_GUIDES[1][0]}"
@@ -432,7 +432,7 @@ def test_two_steps_guided_in_one_turn_are_not_performed(backend):
 
 
 def test_repeating_any_earlier_turn_is_penalised(backend):
-    profile = UserProfile(4, 3, 5, ())
+    profile = profile3(4, 3, 5, ())
     effect = SPEC.effects["repetition"]
     assert effect["trust"] < 0 and effect["emotion"] < 0, "the shipped scenario penalises repetition"
     dialogue: list = []
@@ -468,8 +468,8 @@ def test_sounding_robotic_costs_completions(backend):
     plain = [run_dialogue(backend, sample_profile(s), GoodAgent(), seed=s)[0] for s in range(40)]
     robotic = [run_dialogue(backend, sample_profile(s), RoboticGoodAgent(), seed=s)[0] for s in range(40)]
     assert robotic.count(STATUS_COMPLETED) < plain.count(STATUS_COMPLETED) - 10, (plain, robotic)
-    status, dialogue = run_dialogue(backend, UserProfile(4, 3, 0, ()), GoodAgent(), seed=0)
+    status, dialogue = run_dialogue(backend, profile3(4, 3, 0, ()), GoodAgent(), seed=0)
     assert status == STATUS_COMPLETED, "trust 0 at the start is won back by the introduction"
-    status, dialogue = run_dialogue(backend, UserProfile(4, 3, 0, ()), RoboticGoodAgent(), seed=0, max_turns=6)
+    status, dialogue = run_dialogue(backend, profile3(4, 3, 0, ()), RoboticGoodAgent(), seed=0, max_turns=6)
     assert status != STATUS_COMPLETED
     assert any(t.reply in SPEC.lines["reluctant"] for t in dialogue[1::2]), "guided, but too distrustful to act"
