@@ -73,7 +73,11 @@ def append_lines(path: str, lines: Sequence[str]) -> None:
 
 
 class CacheWriter:
-    """One background thread writing a cache file in the order asked (see the module docstring)."""
+    """One background thread writing a cache file in the order asked, shared (reference counted) by the caches of
+    this process on that file, so a cache opened on it reads what another one queued (see the module docstring)."""
+
+    _shared: dict[str, tuple["CacheWriter", int]] = {}  # real path -> (writer, holders)
+    _guard = threading.Lock()
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -84,12 +88,39 @@ class CacheWriter:
         self._thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def acquire(cls, path: str) -> "CacheWriter":
+        """The writer of `path` (started for the first holder)."""
+        key = os.path.realpath(path)
+        with cls._guard:
+            writer, holders = cls._shared.get(key, (None, 0))
+            if writer is None:
+                writer = cls(path)
+            cls._shared[key] = (writer, holders + 1)
+            return writer
+
+    def release(self) -> None:
+        """Finish the queued writes; the last holder stops the thread (raises as `wait`)."""
+        key = os.path.realpath(self.path)
+        with self._guard:
+            writer, holders = self._shared[key]
+            if holders > 1:
+                self._shared[key] = (writer, holders - 1)
+            else:
+                del self._shared[key]
+        try:
+            self.wait()
+        finally:
+            if holders <= 1:
+                self._queue.put(None)
+                self._thread.join()
+
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             write, done = job
             try:
                 write()
-            except BaseException as exc:  # kept for the next wait(): the asker has moved on
+            except BaseException as exc:  # kept for the next check: the asker has moved on
                 logger.error("cache file %s: a background write failed: %r", self.path, exc)
                 with self._error_lock:
                     self._errors.append(exc)
@@ -120,14 +151,6 @@ class CacheWriter:
         self._queue.put((lambda: None, done))
         done.wait()
         self.check()
-
-    def close(self) -> None:
-        """Finish the queued writes and stop the thread (raises as `wait`)."""
-        try:
-            self.wait()
-        finally:
-            self._queue.put(None)
-            self._thread.join()
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,11 @@ rate the cache answers with a stored simulator reply instead of calling the simu
 - the file obeys the same size limits as memory: appends go to the file, and when it holds too many stale lines
   it is rewritten atomically (temp file in the same directory, fsync, ``os.replace``);
 - no disk write runs in the caller's thread (in async mode, the event loop every dialogue runs on): appends and
-  rewrites go, in order, to the cache's writer thread (`cache_file.CacheWriter`); `flush`, `save_snapshot`,
-  `restore_snapshot` and `close` return once the file holds everything before them, and a write that failed is
-  raised by the next call that writes (`add`, ...) as an OSError naming the file.
+  rewrites go, in order, to the cache's writer thread (`cache_file.CacheWriter`); `sync`, `flush`,
+  `save_snapshot`, `restore_snapshot` and `close` return once the file holds everything asked before them (the
+  rollout loop syncs at the end of every rollout call, so what a call stored is in the file when it returns, as
+  when the appends were made in line), and a write that failed is raised by the next `add` or sync as an OSError
+  naming the file.
 
 File format, one object per line: ``{"scenario", "stage", "reply", "state", "status", "ts"}``. Lines of other
 scenarios are kept verbatim; lines that cannot be read (corrupt, torn, too deeply nested, too long, another schema
@@ -83,18 +85,20 @@ class UserResponseCache:
         self._disk_lines = 0
         self._slack = max(16, config.max_total // 10)
         self._corrupt = 0
+        self._file_stale = False  # a background write failed: the next compaction rewrites the file from memory
         self._reset_counters()
         self._enabled = config.enabled and (config.default_hit_rate > 0 or any(config.stage_hit_rates.values()))
         self._file_lock: CacheFileLock | None = None
         self._writer: CacheWriter | None = None
         if self._enabled and config.path is not None:
             self._file_lock = CacheFileLock(config.path)
-            self._writer = CacheWriter(config.path)
+            self._writer = CacheWriter.acquire(config.path)
             self._release = weakref.finalize(self, _release, self._writer, self._file_lock)
             try:
+                self._writes_done()  # another cache of this process on the file may have writes queued
                 if os.path.exists(config.path):
                     self._load(config.path)
-                self._writer.wait()
+                self._writes_done()
             except BaseException:
                 self.close()
                 raise
@@ -210,7 +214,7 @@ class UserResponseCache:
         entry = Entry(0, time.time(), CachedReply(stage, clean_text(reply), state, 0))
         with self._lock:
             if self._writer is not None:
-                self._writer.check()
+                self._writes_done(wait=False)
             if entry.key() in self._keys.get(stage, ()):
                 return False
             if self._writer is not None:
@@ -250,8 +254,20 @@ class UserResponseCache:
                            "status": 0, "ts": entry.ts}, ensure_ascii=False)
 
     def _surplus(self) -> int:
-        """Lines in the file that memory no longer holds (evicted, duplicate, corrupt or blank lines)."""
+        """Lines in the file that memory no longer holds (evicted, duplicate, corrupt or blank lines); after a
+        failed write, more than any slack, so the next chance to compact rewrites the file."""
+        if self._file_stale:
+            return self._slack + 1
         return self._disk_lines - len(self._foreign) - self._size
+
+    def _writes_done(self, wait: bool = True) -> None:
+        """Raise a background write that failed (waiting for the queued ones first when `wait`); the file is then
+        marked stale, to be rewritten from memory at the next compaction."""
+        try:
+            self._writer.wait() if wait else self._writer.check()
+        except OSError:
+            self._file_stale = True
+            raise
 
     def _append(self, entry: Entry) -> None:
         """Queue one line's append to the file (the writer thread creates its directory)."""
@@ -263,7 +279,7 @@ class UserResponseCache:
         atomically (on an error the temp file is removed and the old file left as it was)."""
         entries = sorted((e for b in self._buckets.values() for e in b), key=lambda e: e.seq)
         self._writer.rewrite([*self._foreign, *(self._line(e) for e in entries)])
-        self._disk_lines = len(self._foreign) + len(entries)
+        self._disk_lines, self._file_stale = len(self._foreign) + len(entries), False
         logger.debug("compacting %s to %d lines", self.config.path, self._disk_lines)
 
     def save_snapshot(self, path: str | os.PathLike) -> int:
@@ -271,7 +287,7 @@ class UserResponseCache:
         every write before; returns their count."""
         with self._lock:
             if self._writer is not None:
-                self._writer.wait()
+                self._writes_done()
             entries = sorted((e for b in self._buckets.values() for e in b), key=lambda e: e.seq)
             atomic_write(os.fspath(path), [self._line(e) for e in entries])
             return len(entries)
@@ -289,7 +305,7 @@ class UserResponseCache:
                 self._insert(entry)
             if self._writer is not None:
                 self._compact()
-                self._writer.wait()
+                self._writes_done()
             logger.info("cache restored from %s: %d replies", path, self._size)
             return self._size
 
@@ -344,6 +360,12 @@ class UserResponseCache:
         if bad or self._surplus() > self._slack or (last is not None and not last.complete):
             self._compact()
 
+    def sync(self) -> None:
+        """Return once the file holds every write asked for so far (appends reach the OS; rewrites are fsynced);
+        raises a write that failed. Blocks: call it off the event loop."""
+        if self._writer is not None:
+            self._writes_done()
+
     def flush(self) -> None:
         """Compact the file whenever it holds more lines than memory (stale, duplicate or corrupt lines), and
         return once the file holds every write."""
@@ -351,7 +373,7 @@ class UserResponseCache:
             if self._writer is not None:
                 if self._surplus() > 0:
                     self._compact()
-                self._writer.wait()
+                self._writes_done()
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Lookups, eligible lookups, hits, hit rate (hits / eligible; left out when nothing was eligible: it is
@@ -380,6 +402,6 @@ class UserResponseCache:
 def _release(writer: CacheWriter, lock: CacheFileLock) -> None:
     """Finish the file's queued writes, then release its lock (a cache's `close`, or its finaliser)."""
     try:
-        writer.close()
+        writer.release()
     finally:
         lock.release()

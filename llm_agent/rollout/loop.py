@@ -147,6 +147,7 @@ class LLMGenerationManager(RolloutLoop):
             if self.cache is not None:
                 for env in envs:
                     self.cache.end_dialogue(env.dialogue_id)
+                self.cache.sync()  # what the call stored is in the file when it returns
         for env in envs:
             if env.active:
                 raise RuntimeError(f"dialogue {env.dialogue_id} has no outcome after {self.config.max_turns} turns")

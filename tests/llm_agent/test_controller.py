@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from llm_agent.controller import ControllerConfig, StateController, bound_weights, parse_state_key
+from llm_agent.controller import ControllerConfig, StateController, bound_weights
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from tests.helpers.profiles import DIMS
 
@@ -197,7 +197,7 @@ def test_sampled_profiles_in_range_with_valid_behaviours(scenario, allow_extreme
     for dim in DIMS:
         rng = scenario.state_ranges[dim]
         want = set(range(rng.min, rng.max + 1)) if allow_extremes else set(VALID[dim])
-        assert {getattr(p, dim) for p in profiles} == want
+        assert {p.state[dim] for p in profiles} == want
     counts = set()
     for p in profiles:
         scenario.check_profile(p)
@@ -222,7 +222,7 @@ def test_sampling_frequencies_match_weights(scenario):
         assert max(probs.values()) > 1.2 * min(probs.values())  # a non-uniform target
         observed = {}
         for p in profiles:
-            observed[str(getattr(p, dim))] = observed.get(str(getattr(p, dim)), 0) + 1
+            observed[str(p.state[dim])] = observed.get(str(p.state[dim]), 0) + 1
         assert chi_square(observed, probs, n) < 20.0  # df <= 3: p(chi2 > 16.3) = 0.001
 
 
@@ -241,12 +241,13 @@ def test_joint_mode_update_and_sampling(scenario):
     metrics = ctrl.metrics()
     for i, dim in enumerate(DIMS):
         for v in VALID[dim]:
-            marginal = sum(w for k, w in zip(combos, expected["joint"]) if parse_state_key(k)[i] == v)
+            marginal = sum(w for k, w in zip(combos, expected["joint"]) if int(k.split("-")[i][1:]) == v)
             assert metrics[f"controller/weight/{dim}={v}"] == pytest.approx(marginal, abs=1e-12)
     n = 24000
     observed = {}
     for p in ctrl.sample(n):
-        observed[p.state_key] = observed.get(p.state_key, 0) + 1
+        key = "c{cooperation}-e{emotion}-t{trust}".format(**p.state)
+        observed[key] = observed.get(key, 0) + 1
     assert chi_square(observed, ctrl.weights["joint"], n) < 60.0  # df 23: p(chi2 > 49.7) = 0.001
 
 

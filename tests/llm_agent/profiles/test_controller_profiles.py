@@ -41,13 +41,13 @@ def test_pool_source_draws_written_profiles_of_the_sampled_state(tmp_path):
     ctl.set_weights({"cooperation": {"1": 0.5, "2": 0.5, "3": 0.0}, "emotion": {"1": 1.0, "2": 0.0},
                      "trust": {"1": 0.5, "2": 0.5, "3": 0.0, "4": 0.0}})
     drawn = ctl.sample(400)
-    by_state = Counter(p.state_key for p in drawn)
+    by_state = Counter(SCENARIO.state_key(p.state) for p in drawn)
     hits = [p for p in drawn if p in written]
     pooled_states = {"c2-e1-t2", "c1-e1-t1"}
-    assert {p.state_key for p in hits} == pooled_states
+    assert {SCENARIO.state_key(p.state) for p in hits} == pooled_states
     assert len(hits) == sum(by_state[k] for k in pooled_states)  # a pooled state always gets a written profile
-    assert Counter(p for p in hits if p.state_key == "c2-e1-t2").keys() == set(written[:2])
-    misses = [p for p in drawn if p.state_key not in pooled_states]
+    assert Counter(p for p in hits if SCENARIO.state_key(p.state) == "c2-e1-t2").keys() == set(written[:2])
+    misses = [p for p in drawn if SCENARIO.state_key(p.state) not in pooled_states]
     assert misses and share_violating(misses) == 0.0  # the fallback is the rule filter
     assert ctl.metrics()["controller/pool_miss_rate"] == pytest.approx(len(misses) / 400)
     state = ctl.state_dict()

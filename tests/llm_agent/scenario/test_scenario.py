@@ -50,7 +50,7 @@ def test_shipped_scenarios_load_and_render(path):
         persona = sc.render_user_prompt(profile)
         assert "${" not in persona and "- -" not in persona
         assert all(f"\n- {b.behavior}\n" in persona for b in profile.behaviors)
-        assert f"cooperation {profile.cooperation} " in persona
+        assert f"cooperation {profile.state['cooperation']} " in persona
         for tag in sc.user_tags.tags.values():
             assert f"<{tag}>" in persona
 
@@ -161,11 +161,18 @@ def test_profile_roundtrip_and_state_key():
     b = (Behavior("cost_concerns", "Asks about fees."),)
     p = profile3(2, 1, 3, b)
     assert UserProfile.from_dict(p.to_dict()) == p
-    assert p.state_key == "c2-e1-t3" == profile3(2, 1, 3).state_key
+    sc = load_scenario(OUTBOUND)
+    assert sc.state_key(p.state) == "c2-e1-t3" == sc.state_key((2, 1, 3))
+    assert sc.state_schema.parse_key("c2-e1-t3") == (2, 1, 3) and sc.profile((2, 1, 3), b) == p
     assert p.to_dict() == {"cooperation": 2, "emotion": 1, "trust": 3,
                            "behaviors": [{"category": "cost_concerns", "behavior": "Asks about fees."}]}
-    with pytest.raises(ValueError, match="trust"):
-        UserProfile.from_dict({"cooperation": 1, "emotion": 1})
+    with pytest.raises(ValueError, match=r"missing \['trust'\]"):
+        sc.check_profile(UserProfile.from_dict({"cooperation": 1, "emotion": 1}))
+    with pytest.raises(ValueError, match=r"unknown \['mood'\]"):
+        sc.check_profile(UserProfile.from_dict({"cooperation": 1, "emotion": 1, "trust": 1, "mood": 2}))
+    for bad in ("c2-e1", "c2-e1-t3x", "e1-c2-t3", None):
+        with pytest.raises(ValueError, match="bad state_key"):
+            sc.state_schema.parse_key(bad)
     with pytest.raises(ValueError, match=r"behaviors\[0\]"):
         UserProfile.from_dict({"cooperation": 1, "emotion": 1, "trust": 1, "behaviors": [{"category": "x"}]})
     with pytest.raises(ValueError, match="int"):
@@ -259,7 +266,7 @@ def test_anti_stuffing_rules_and_overloaded_lines_are_optional(tmp_path, raw_out
     for key in ("rules.max_words", "rules.max_topics", "rules.act_min_trust", "lines.overloaded"):
         data = _mutate(data, f"scripted.{key}", _DELETE)
     spec = load_scenario(_write(tmp_path, data)).scripted
-    assert (spec.rules.max_words, spec.rules.max_topics, spec.rules.act_min_trust) == (60, 8, None)
+    assert (spec.rules.max_words, spec.rules.max_topics, spec.rules.act_min) == (60, 8, {"cooperation": 3})
     assert spec.lines["overloaded"] == spec.lines["confused"]
     shipped = load_scenario(OUTBOUND).scripted
     assert shipped.lines["overloaded"] != shipped.lines["confused"]
@@ -344,7 +351,7 @@ def test_new_scenario_with_other_tags_needs_no_code(tmp_path):
     assert "costs $5 (write $ for a literal dollar: ${x})." in prompt
     assert "<plan>...</plan>" in prompt and "<speak>...</speak>" in prompt
     turn = sc.parse_user_output("<say>Fine.</say><user_cooperation>3</user_cooperation><done>1</done>")
-    assert (turn.reply, turn.status, turn.cooperation) == ("Fine.", 1, 3)
+    assert (turn.reply, turn.status, turn.state["cooperation"]) == ("Fine.", 1, 3)
     agent = sc.parse_agent_output("<plan>calm them</plan><speak>Sorry about that.</speak><status>0</status>")
     assert (agent.reply, agent.think, agent.status) == ("Sorry about that.", "calm them", 0)
     msgs = sc.render_user_messages(profile3(2, 1, 2), [agent])

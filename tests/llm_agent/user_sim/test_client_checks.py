@@ -45,7 +45,7 @@ def test_start_up_check_names_each_dead_or_wrong_instance(servers):
 
 @pytest.mark.processes
 def test_a_restart_under_another_served_name_is_picked_up_unless_the_model_was_configured(servers, scenario):
-        from llm_agent.user_sim.client import TurnFailure
+    from llm_agent.user_sim.client import TurnFailure
 
     port = free_port()
     url = servers.start("--scenario", SCENARIO, "--served-model-name", "before", port=port)

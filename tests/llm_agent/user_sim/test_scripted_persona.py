@@ -119,7 +119,7 @@ def run_dialogue(backend: ScriptedPersonaBackend, profile: UserProfile, agent, s
         user = SCENARIO.parse_user_output(result.choices[0].text)
         assert user.well_formed, (user.flags, user.raw)
         for dim in ("cooperation", "emotion", "trust"):
-            assert SCENARIO.state_ranges[dim].contains(getattr(user, dim))
+            assert SCENARIO.state_ranges[dim].contains(user.state[dim])
         dialogue.append(user)
         user_reply = user.reply
         if user.status in (STATUS_COMPLETED, STATUS_ENDED):
@@ -202,7 +202,8 @@ def test_hang_up_when_emotion_falls_to_the_floor(backend):
     profile = profile3(4, 1, 5, ())
     status, dialogue = run_dialogue(backend, profile, BadAgent(), seed=0)
     assert status == STATUS_ENDED
-    assert dialogue[-1].emotion == SCENARIO.state_ranges["emotion"].min or dialogue[-1].cooperation == 0
+    last = dialogue[-1].state
+    assert last["emotion"] == SCENARIO.state_ranges["emotion"].min or last["cooperation"] == 0
     assert len(dialogue) == 2, "emotion 1 minus a pushy first turn reaches the floor at once"
 
 
@@ -215,7 +216,7 @@ def test_same_input_same_output_and_state_independent_of_wording(backend):
     again = [c.text for c in ScriptedPersonaBackend(SCENARIO, seed=0).complete(messages, params).choices]
     assert first == again
     parsed = [SCENARIO.parse_user_output(t) for t in first]
-    assert len({(p.cooperation, p.emotion, p.trust, p.status) for p in parsed}) == 1
+    assert len({(p.state["cooperation"], p.state["emotion"], p.state["trust"], p.status) for p in parsed}) == 1
     assert parsed[0].state == dialogue[-1].state, "replay recomputes the recorded state"
     greedy = backend.complete(messages, SamplingParams(n=2, seed=1, temperature=0.0)).choices
     assert greedy[0].text == greedy[1].text
@@ -275,7 +276,7 @@ def test_recorded_state_tags_override_the_replay(backend):
     messages.append({"role": "user", "content": STEP_GUIDES[0][0]})
     user = SCENARIO.parse_user_output(backend.complete(messages, SamplingParams(seed=0)).choices[0].text)
     assert user.reply in SPEC.steps[0].done, "cooperation 4 from the record lets the user act"
-    assert user.cooperation == 4
+    assert user.state["cooperation"] == 4
 
 
 @pytest.mark.parametrize("messages, match", [
@@ -405,14 +406,14 @@ def test_an_overlong_or_stuffed_turn_counts_for_nothing(backend):
     dialogue: list = []
     user = _say(backend, SCENARIO, profile, dialogue, f"{INTRO} {padding}")
     assert user.reply in SPEC.lines["overloaded"], "too long: the introduction is not taken in"
-    assert (user.cooperation, user.emotion) == (3, 2), "the overloaded effect applies"
+    assert (user.state["cooperation"], user.state["emotion"]) == (3, 2), "the overloaded effect applies"
     user = _say(backend, SCENARIO, profile, dialogue, INTRO)
     assert user.reply in SPEC.lines["greeting"], "the same introduction, short, is heard"
     stuffed = f"{STEP_GUIDES[0][0]} {_cue_soup(SCENARIO)}"
     assert len(stuffed.split()) <= 2 * SPEC.rules.max_words
-    before = user.cooperation
+    before = user.state["cooperation"]
     user = _say(backend, SCENARIO, profile, dialogue, stuffed)
-    assert user.reply in SPEC.lines["overloaded"] and user.cooperation == before - 1
+    assert user.reply in SPEC.lines["overloaded"] and user.state["cooperation"] == before - 1
 
 
 def test_two_steps_guided_in_one_turn_are_not_performed(backend):
@@ -441,7 +442,8 @@ def test_repeating_any_earlier_turn_is_penalised(backend):
     before = _say(backend, SCENARIO, profile, dialogue, "Good question, it's for your restaurant.")
     again = _say(backend, SCENARIO, profile, dialogue, PITCH.upper())  # the same words, two turns later
     assert "repetition" in again.think
-    assert again.trust == before.trust + effect["trust"] and again.emotion == before.emotion + effect["emotion"]
+    assert again.state["trust"] == before.state["trust"] + effect["trust"]
+    assert again.state["emotion"] == before.state["emotion"] + effect["emotion"]
 
 
 def test_repetition_check_cost_is_bounded():
@@ -464,7 +466,7 @@ def test_sounding_robotic_costs_completions(backend):
         def respond(self, user_reply):
             return "Kindly note: " + super().respond(user_reply)
 
-    assert SPEC.rules.act_min_trust is not None and SPEC.effects["robotic"]["trust"] < 0
+    assert SPEC.rules.act_min["trust"] > 0 and SPEC.effects["robotic"]["trust"] < 0
     plain = [run_dialogue(backend, sample_profile(s), GoodAgent(), seed=s)[0] for s in range(40)]
     robotic = [run_dialogue(backend, sample_profile(s), RoboticGoodAgent(), seed=s)[0] for s in range(40)]
     assert robotic.count(STATUS_COMPLETED) < plain.count(STATUS_COMPLETED) - 10, (plain, robotic)

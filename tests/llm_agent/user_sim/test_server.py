@@ -273,7 +273,7 @@ def test_scripted_server_answers_in_the_user_tag_protocol(scripted_server, scena
     assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
     parsed = [scenario.parse_user_output(c.message.content) for c in first.choices]
     assert all(p.well_formed and p.status == 0 for p in parsed)
-    assert len({(p.cooperation, p.emotion, p.trust) for p in parsed}) == 1
+    assert len({(p.state["cooperation"], p.state["emotion"], p.state["trust"]) for p in parsed}) == 1
     doubt_lines = scenario.scripted.categories[scenario.behaviors[0].category].doubt
     assert any(d in parsed[0].reply for d in doubt_lines), "the profile's first behaviour is raised"
     nobody = client.chat.completions.create(model=MODEL, messages=_persona_messages(scenario, "Hello there."))
