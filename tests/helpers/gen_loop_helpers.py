@@ -88,8 +88,9 @@ class ProgrammedPolicy(RolloutEngine):
         self.calls: list[dict] = []
         self.returned: dict[tuple[str, int], list[int]] = {}
 
-    def generate_sequences(self, data: DataProto) -> DataProto:
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Answer every row; asserts the batch is a multiple of world_size and left-padded."""
+        data = prompts
         assert len(data) % self.world_size == 0, f"{len(data)} rows for world size {self.world_size}"
         meta = data.meta_info
         length, eos, pad = meta["response_length"], meta["eos_token_id"], meta["pad_token_id"]

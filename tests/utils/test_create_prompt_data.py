@@ -27,7 +27,7 @@ def test_rows_hold_the_agent_prompt_and_in_range_profiles_without_extremes(tmp_p
         assert row["data_source"] == SCENARIO.name
         profile = UserProfile.from_dict(json.loads(row["user_profile"]))
         for dim, rng in SCENARIO.state_ranges.items():
-            assert rng.min < getattr(profile, dim) < rng.max, (dim, profile)
+            assert rng.min < profile.state[dim] < rng.max, (dim, profile)
         assert 1 <= len(profile.behaviors) <= 3
         assert all(b in SCENARIO.behaviors for b in profile.behaviors)
     assert [r["extra_info"]["index"] for r in test] == list(range(10))

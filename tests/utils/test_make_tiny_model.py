@@ -61,11 +61,13 @@ def test_tag_tokens_make_each_agent_tag_one_token_and_round_trip(tmp_path):
     assert model.config.hidden_size == 128 and model.config.vocab_size == len(tagged)
 
 
-def test_only_the_shipped_and_the_runs_own_scenarios_are_read(tmp_path):
-    """A run's new scenario (a tag of its own) reaches its tokenizer's tags; a broken draft beside it is never read."""
+def test_only_the_tokenizers_and_the_runs_own_scenarios_are_read(tmp_path):
+    """A run's new scenario (a tag of its own) reaches its tokenizer's tags; a broken draft beside it is never read,
+    and neither is a scenario shipped after the tokenizer's set was frozen (the support desk): shipping one changes
+    no existing tiny model."""
     import yaml
 
-    from llm_agent.scenario import DEFAULT_SCENARIO_PATH, SHIPPED_SCENARIO_PATHS
+    from llm_agent.scenario import DEFAULT_SCENARIO_PATH, SHIPPED_SCENARIO_PATHS, TOKENIZER_SCENARIO_PATHS, scenario_path
     from utils.make_tiny_model import scenario_corpus, scenario_files, scenario_tags
 
     data = yaml.safe_load(DEFAULT_SCENARIO_PATH.read_text(encoding="utf-8"))
@@ -75,7 +77,10 @@ def test_only_the_shipped_and_the_runs_own_scenarios_are_read(tmp_path):
     mine = tmp_path / "pizza_trial.yaml"
     mine.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     (tmp_path / "draft.yaml").write_text("name: [unfinished\n", encoding="utf-8")
-    assert scenario_files() == sorted(p.resolve() for p in SHIPPED_SCENARIO_PATHS)
+    assert scenario_files() == sorted(p.resolve() for p in TOKENIZER_SCENARIO_PATHS)
+    desk = scenario_path("support_desk")
+    assert desk in SHIPPED_SCENARIO_PATHS and desk.resolve() not in scenario_files()
+    assert desk.resolve() in scenario_files([desk])  # a run on it passes it, as a run's own
     assert scenario_files([mine]) == sorted([*scenario_files(), mine.resolve()])
     assert "<say>" not in scenario_tags() and {"<say>", "</say>"} <= set(scenario_tags([mine]))
     assert "  name: pizza_trial" not in scenario_corpus() and "name: pizza_trial" in scenario_corpus([mine])
