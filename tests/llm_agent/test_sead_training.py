@@ -143,6 +143,10 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
     lines = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     train = [line for line in lines if line["split"] == "train"]
     assert sorted(line["step"] for line in train) == [1] * 16 + [2] * 16
+    # the workers report the policy version that sampled each agent turn: the actor's updates so far
+    for step in (1, 2):
+        assert {t["policy_version"] for line in train if line["step"] == step for t in line["turns"]} == {step - 1}
+    assert {t["policy_version"] for line in lines if line["split"] == "val" for t in line["turns"]} == {STEPS}
     assert len({(line["step"], line["dialogue_id"]) for line in train}) == 32
     bad = [(line["dialogue_id"], line["outcome"]) for line in lines if not _outcome_matches_transcript(line)]
     assert bad == []

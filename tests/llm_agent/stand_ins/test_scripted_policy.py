@@ -22,7 +22,7 @@ from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from verl.protocol import DataProto
 from verl.utils.torch_functional import compute_position_id_with_mask
 from verl.workers.rollout.hf_rollout import HFRollout
-from tests.helpers.profiles import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, profile3
+from tests.helpers.profiles import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.yaml"))
@@ -55,8 +55,7 @@ def profiles(scenario, n: int) -> list[UserProfile]:
     out = []
     for seed in range(n):
         rng = random.Random(seed)
-        c, e, t = rng.choice(scenario.state_space())
-        out.append(profile3(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng))))
+        out.append(scenario.profile(rng.choice(scenario.state_space()), sample_behaviors(scenario.behaviors, rng)))
     return out
 
 

@@ -338,8 +338,8 @@ def test_any_scenario_is_driven_by_its_data_alone(path):
                 break
         return dialogue
 
-    top = {d: r.max for d, r in scenario.state_ranges.items()}
-    finished = play(profile3(top["cooperation"], top["emotion"], top["trust"], ()), oracle, seed=0)
+    best = {d.name: d.range.max if d.sign > 0 else d.range.min for d in scenario.state_schema.dimensions}
+    finished = play(UserProfile(best), oracle, seed=0)
     assert finished[-1].status == STATUS_COMPLETED, [t.reply for t in finished]
 
     known = {line for lines in spec.lines.values() for line in lines}
@@ -351,8 +351,7 @@ def test_any_scenario_is_driven_by_its_data_alone(path):
     outcomes = set()
     for seed in range(30):
         rng = random.Random(seed)
-        c, e, t = rng.choice(scenario.state_space())
-        profile = profile3(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng)))
+        profile = scenario.profile(rng.choice(scenario.state_space()), sample_behaviors(scenario.behaviors, rng))
         texts = [" ".join(rng.sample(phrases, rng.randint(1, 4))) + "." for _ in range(12)]
         dialogue = play(profile, texts, seed)
         for user in dialogue[1::2]:
@@ -388,8 +387,7 @@ def test_a_repeated_keyword_soup_turn_never_completes(path):
     outcomes = []
     for seed in range(20):
         rng = random.Random(seed)
-        c, e, t = rng.choice(scenario.state_space())
-        profile = profile3(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng)))
+        profile = scenario.profile(rng.choice(scenario.state_space()), sample_behaviors(scenario.behaviors, rng))
         dialogue: list = []
         for _ in range(12):
             user = _say(backend, scenario, profile, dialogue, soup, seed)
