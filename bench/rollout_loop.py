@@ -38,7 +38,7 @@ import torch
 from transformers import AutoTokenizer
 
 from bench.results import write_result
-from llm_agent.rollout.dialogue import ChatMarkers
+from llm_agent.envs import ChatMarkers
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.rollout.dialogue_record import records_from_batch
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario

@@ -27,7 +27,7 @@ scenario's). Each outcome has one handler below.
 
 Where later per-turn or per-token data goes: a turn's own fields go into its record (`Dialogue.add_agent_turn` /
 `add_user_turn`, one `TurnRecord` per agent turn); per-token data of the agent's sampled tokens
-comes back from `GenerationCall.run` beside the ids (as the engine's rollout log-probs do: `SampledTurn`), enters
+comes back from `TurnBatch.run` beside the ids (as the engine's rollout log-probs do: `SampledTurn`), enters
 `step` with them and is stored by `TokenBuffer.append_sampled` in a (B, R) tensor beside the loss mask (0 under
 user turns), which `TokenBuffer.final_tensors` returns with the others.
 """
@@ -35,27 +35,111 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from llm_agent.cache import CachedReply
-from llm_agent.envs.base import EnvContext, Environment, Step
-from llm_agent.rollout.dialogue import Dialogue, TokenBuffer
-from llm_agent.rollout.dialogue_record import DialogueRecord
-from llm_agent.rollout.generation_call import SampledTurn
+from llm_agent.envs.base import EnvContext, Environment, Step, TokenBuffer
+from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
 from llm_agent.rollout.outcome import Outcome
-from llm_agent.scenario import AgentTurn, UserProfile
+from llm_agent.scenario import AgentTurn, StateSchema, UserProfile
 from llm_agent.user_sim.client import TurnFailure, TurnReply, TurnRequest, TurnResult
+from verl.workers.rollout.engine import SampledTurn
 
-__all__ = ["DialogueEnv", "RequestSeeds", "stable_seed"]
+__all__ = ["Dialogue", "DialogueEnv", "RequestSeeds", "stable_seed"]
 
 
 def stable_seed(*parts: Any) -> int:
     """A 31-bit seed from the parts' text, identical across processes (unlike `hash`)."""
     digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+@dataclass
+class Dialogue:
+    """One row's dialogue: identity, profile, turn records, agent-side messages and the simulator's messages.
+
+    `sim_messages` is exactly `Scenario.render_user_messages(profile, turns)` for the turns so far, grown by one
+    or two messages per turn instead of being re-rendered. `user_state` is the user's current state: the
+    profile's initial state, then each dimension as the simulator last reported it (a cached turn keeps it).
+    `sim_retries` counts the extra simulator requests made for malformed replies, `sim_requests` every request
+    sent (cached turns send none); `ended_at` is the `time.monotonic()` reading when the outcome was set.
+    """
+
+    row: int
+    uid: str
+    dialogue_id: str
+    profile: UserProfile
+    schema: StateSchema
+    sim_messages: list[dict[str, str]]
+    turns: list[TurnRecord] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    outcome: str | None = None
+    error: str | None = None
+    cache_hits: int = 0
+    format_errors: int = 0
+    sim_retries: int = 0
+    sim_requests: int = 0
+    user_state: dict[str, int | None] = field(default_factory=dict)
+    ended_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.user_state:
+            self.user_state = dict(self.profile.state)
+
+    @property
+    def active(self) -> bool:
+        """True while no outcome is set."""
+        return self.outcome is None
+
+    @property
+    def num_turns(self) -> int:
+        """Agent turns generated so far."""
+        return len(self.turns)
+
+    def end(self, outcome: Outcome, error: str | None = None) -> None:
+        """Set the outcome (once; the record keeps its string) and, for `error`, the reason."""
+        if self.outcome is not None:
+            raise RuntimeError(f"dialogue {self.dialogue_id} already ended as {self.outcome}")
+        self.outcome, self.error = Outcome(outcome).value, error
+        self.ended_at = time.monotonic()
+
+    def add_agent_turn(self, text: str, turn: AgentTurn, spoken: str | None,
+                       policy_version: int | None = None) -> TurnRecord:
+        """Record an agent turn (decoded text and parse; the policy version that sampled it); `spoken` is what the
+        simulator hears of it, None when the simulator does not hear it (a format error or an agent that ended the
+        call)."""
+        record = TurnRecord(agent_text=text, agent_reply=turn.reply, agent_stage=turn.stage, agent_status=turn.status,
+                            agent_state=dict(turn.state), agent_format_ok=not turn.parse_error,
+                            policy_version=policy_version)
+        self.turns.append(record)
+        self.messages.append({"role": "assistant", "content": text})
+        if spoken is not None:
+            self.sim_messages.append({"role": "user", "content": spoken})
+        return record
+
+    def add_user_turn(self, reply: str, state: dict[str, int | None] | None, status: int | None, source: str,
+                      shown: str, sim_content: str | None) -> None:
+        """Fill the last turn's user side; `shown` is the text the agent sees (possibly truncated) and
+        `sim_content` the simulator's canonical own message (None when the simulator was not involved)."""
+        record = self.turns[-1]
+        record.user_reply, record.user_status, record.user_source = reply, status, source
+        record.user_state = None if state is None else {d: state.get(d) for d in self.schema.names}
+        if state is not None:
+            self.user_state.update({d: v for d, v in state.items() if d in self.schema.names and v is not None})
+        self.messages.append({"role": "user", "content": shown})
+        if sim_content is not None:
+            self.sim_messages.append({"role": "assistant", "content": sim_content})
+
+    def record(self) -> DialogueRecord:
+        """The row's dialogue record (uid as given)."""
+        return DialogueRecord(dialogue_id=self.dialogue_id, outcome=self.outcome, turns=self.turns, uid=self.uid,
+                              profile=self.profile.to_dict(), state_key=self.schema.key(self.profile.state),
+                              messages=self.messages, cache_hits=self.cache_hits, format_errors=self.format_errors,
+                              sim_retries=self.sim_retries, error=self.error, sim_requests=self.sim_requests)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from llm_agent.rollout.generation_call import GenerationCall, SampledTurn
 from llm_agent.rollout.pacing import BusyMeter
-from verl.workers.rollout.engine import RolloutEngine
+from verl.workers.rollout.engine import RolloutEngine, SampledTurn, TurnBatch
 
 __all__ = ["MicroBatchingEngine"]
 
@@ -35,11 +34,11 @@ class _Request:
 class MicroBatchingEngine:
     """Batches concurrent agent-turn requests per replica; see the module docstring.
 
-    `build_call(rows, world_size)` makes the `GenerationCall` of some buffer rows (on the event loop); the chosen
+    `build_call(rows, world_size)` makes the `TurnBatch` of some buffer rows (on the event loop); the chosen
     replica generates it in that replica's thread.
     """
 
-    def __init__(self, replicas: Sequence[RolloutEngine], build_call: Callable[[list[int], int], GenerationCall],
+    def __init__(self, replicas: Sequence[RolloutEngine], build_call: Callable[[list[int], int], TurnBatch],
                  batch_wait_ms: float, max_batch_size: int) -> None:
         if not replicas:
             raise ValueError("MicroBatchingEngine needs at least one replica")

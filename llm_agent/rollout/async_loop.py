@@ -18,10 +18,9 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from llm_agent.envs import Environment
+from llm_agent.envs import AgentBatches, Environment
 from llm_agent.rollout.async_engine import MicroBatchingEngine
 from llm_agent.rollout.config import AsyncRolloutConfig
-from llm_agent.rollout.generation_call import AgentBatches
 from llm_agent.rollout.pacing import BusyMeter
 from llm_agent.user_sim.client import SimulatorClient, TurnRequest, TurnResult
 from verl.workers.rollout.engine import RolloutEngine

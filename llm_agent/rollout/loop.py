@@ -4,7 +4,7 @@
 configs name it `llm_agent.generation.LLMGenerationManager`) and generates through a `RolloutEngine`. Per
 generation batch it gives every row a simulated user (`UserProfiles`), makes one environment per row (its kind from
 the row's `env_class` column, else `rollout_loop.config.env`; `llm_agent.envs`) and runs them to their outcomes
-with the sync scheduler (`sync_loop.py`: all active dialogues per turn) or the async one (`async_loop.py`: each
+with the sync scheduler (below: all active dialogues per turn) or the async one (`async_loop.py`: each
 dialogue at its own pace); the schedulers only schedule, so both modes give the same dialogues. Every dialogue is
 returned as one row: the generation tensors plus its `DialogueRecord` in `non_tensor_batch["dialogue"]` (see
 docs/rollout_loop.md). The trainer hooks update the state controller, guard the simulator error rate, write the
@@ -20,24 +20,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from tqdm import tqdm
+
 from llm_agent.cache import UserResponseCache
 from llm_agent.controller import StateController
 from llm_agent.diagnosis import annotate_record, diagnosis_metrics
-from llm_agent.envs import ENV_COLUMN, EnvContext, Environment, RequestSeeds, env_class
+from llm_agent.envs import (ENV_COLUMN, AgentBatches, ChatMarkers, EnvContext, Environment, RequestSeeds, TokenBuffer,
+                            env_class)
 from llm_agent.metrics import dialogue_metrics
 from llm_agent.rollout.async_loop import run_dialogues_async
 from llm_agent.rollout.config import ROOT_KEY, ConfigError, GenerationConfig
-from llm_agent.rollout.dialogue import ChatMarkers, TokenBuffer
 from llm_agent.rollout.dialogue_record import DIALOGUE_KEY, DialogueRecord, records_from_batch
-from llm_agent.rollout.generation_call import AgentBatches
 from llm_agent.rollout.outcome import Outcome
 from llm_agent.rollout.pacing import BusyMeter, pacing_metrics
 from llm_agent.rollout.records import append_jsonl, log_lines, object_column, prefixed
 from llm_agent.rollout.step_outcomes import StepOutcomes
-from llm_agent.rollout.sync_loop import run_turn_synchronous
 from llm_agent.rollout.user_profiles import UserProfiles
 from llm_agent.scenario import load_scenario
-from llm_agent.user_sim.client import SimulatorCheckError, SimulatorClient, UserSimClient
+from llm_agent.user_sim.client import SimulatorCheckError, SimulatorClient, TurnRequest, UserSimClient
 from verl.protocol import DataProto
 from verl.trainer.ppo.plugins import ConsoleMetric, RolloutLoop
 from verl.workers.rollout.engine import RolloutEngine
@@ -298,3 +298,47 @@ class LLMGenerationManager(RolloutLoop):
             self.client = None
         if self.cache is not None:
             self.cache.flush()
+
+
+def run_turn_synchronous(envs: Sequence[Environment], engine: RolloutEngine, batches: AgentBatches,
+                         client: SimulatorClient, max_turns: int) -> tuple[list[BusyMeter], BusyMeter]:
+    """Run every dialogue to its outcome, one turn of all active dialogues at a time; returns the engine's and the
+    simulator's busy meters."""
+    busy, sim = BusyMeter(), BusyMeter()
+    for _ in tqdm(range(max_turns), desc="dialogue turns", leave=False):
+        active = [env for env in envs if env.active]
+        if not active:
+            break
+        call = batches([env.row for env in active], engine.world_size)
+        busy.begin(len(active))
+        try:
+            turns = call.run(engine)
+        finally:
+            busy.end(len(active))
+        pending: list[tuple[Environment, TurnRequest]] = []
+        for env, turn in zip(active, turns):
+            step = env.step(turn)
+            if step.request is not None:
+                pending.append((env, step.request))
+        while pending:
+            pending = _simulator_round(pending, client, sim)
+    return [busy], sim
+
+
+def _simulator_round(pending: list[tuple[Environment, TurnRequest]], client: SimulatorClient,
+                     sim: BusyMeter) -> list[tuple[Environment, TurnRequest]]:
+    """Send every pending request in one batch and hand each answer to its dialogue; returns the re-requests."""
+    requests = [request for _, request in pending]
+    sim.begin(len(requests))
+    try:
+        results = client.complete(requests)
+    finally:
+        sim.end(len(requests))
+    if len(results) != len(requests):
+        raise RuntimeError(f"the simulator client answered {len(results)} of {len(requests)} requests")
+    again = []
+    for (env, _), result in zip(pending, results):
+        step = env.answer(result)
+        if step.request is not None:
+            again.append((env, step.request))
+    return again

@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.metrics import OUTCOMES
 from llm_agent.envs import DialogueEnv, EnvContext, RequestSeeds, Step
-from llm_agent.rollout.dialogue import ChatMarkers, TokenBuffer
-from llm_agent.rollout.generation_call import SampledTurn
+from llm_agent.envs import ChatMarkers, TokenBuffer
+from verl.workers.rollout.engine import SampledTurn
 from llm_agent.rollout.outcome import Outcome
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest, UserSimClient, UserSimConfig

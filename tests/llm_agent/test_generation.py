@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llm_agent.cache import CacheConfig, UserResponseCache
-from llm_agent.rollout.dialogue import TokenBuffer
+from llm_agent.envs import TokenBuffer
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.rollout.config import ConfigError, GenerationConfig
 from llm_agent.scenario import UserProfile

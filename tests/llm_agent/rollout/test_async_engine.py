@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from llm_agent.rollout.async_engine import MicroBatchingEngine
-from llm_agent.rollout.generation_call import SampledTurn
+from verl.workers.rollout.engine import SampledTurn
 from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.replicas import RankGroupReplica, WorkerGroupEngine
 from llm_agent.rollout.pacing import BusyMeter, pacing_metrics
 
 
 class FakeCall:
-    """A GenerationCall stand-in: answers row r with the single token r, of log-prob -r/2."""
+    """A TurnBatch stand-in: answers row r with the single token r, of log-prob -r/2."""
 
     def __init__(self, rows: list[int]) -> None:
         self.rows = rows

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llm_agent.rollout.config import ConfigError, GenerationConfig, MIN_AGENT_TURN_TOKENS, MIN_USER_TURN_TOKENS
-from llm_agent.rollout.dialogue import ChatMarkers
+from llm_agent.envs import ChatMarkers
 from llm_agent.scenario import SCENARIO_DIR, load_scenario
 
 from tests.helpers.repo import SCENARIO_PATH

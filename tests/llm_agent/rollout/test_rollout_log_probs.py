@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llm_agent.generation import LLMGenerationManager
-from llm_agent.rollout.dialogue import TokenBuffer
+from llm_agent.envs import TokenBuffer
 from verl.protocol import DataProto
 from verl.utils.agent_turns import AGENT_TURN_IDS, agent_turn_ids
 

@@ -8,14 +8,19 @@ group as seen from the driver (:class:`verl.workers.rollout.replicas.WorkerGroup
 in-worker engines ``HFRollout`` and ``vLLMRollout``, and the evaluation's agents (a local model, an
 OpenAI-compatible endpoint, the scripted stand-in). Callers type against this class and call its methods
 directly; nothing probes an engine for what it has (anchors: veRL's ``BaseRollout``, AReaL's ``InferenceEngine``).
+:class:`TurnBatch` runs one batch of turns on an engine and checks what comes back: one :class:`SampledTurn` per
+row (its ids, log-probs and policy version).
 """
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
-from verl.protocol import DataProto
+import torch
 
-__all__ = ["POLICY_VERSION", "RolloutEngine", "output_policy_version"]
+from verl.protocol import DataProto, unpad_dataproto
+
+__all__ = ["POLICY_VERSION", "RolloutEngine", "SampledTurn", "TurnBatch", "output_policy_version"]
 
 POLICY_VERSION = "policy_version"  # the meta_info key of a generation's policy version
 
@@ -55,6 +60,47 @@ class RolloutEngine(abc.ABC):
         """``output`` with ``meta_info["policy_version"]`` set to this engine's ``policy_version``."""
         output.meta_info[POLICY_VERSION] = int(self.policy_version)
         return output
+
+
+@dataclass(frozen=True)
+class SampledTurn:
+    """One row's turn as the engine sampled it: the token ids (eos included when sampled), the engine's log-prob of
+    each (`rollout_log_probs`, aligned with `ids`; None when the engine did not compute them) and the policy
+    version that sampled them (None when not known)."""
+
+    ids: torch.Tensor
+    log_probs: torch.Tensor | None = None
+    policy_version: int | None = None
+
+
+@dataclass(frozen=True)
+class TurnBatch:
+    """A batch of turns to generate: left-padded contexts (``batch``, padded to a multiple of the engine's world
+    size with ``pad_size`` rows) and the most tokens a turn may take (``response_length``)."""
+
+    batch: DataProto
+    pad_size: int
+    response_length: int
+
+    def run(self, engine: RolloutEngine) -> list[SampledTurn]:
+        """Generate the batch on ``engine``; each row's sampled turn, in row order: its ``responses`` up to its
+        sampled length, with its ``rollout_log_probs`` when present and the generation's policy version.
+        RuntimeError naming the engine when the output breaks the contract."""
+        generated = engine.generate_sequences(self.batch)
+        version = output_policy_version(generated, engine)
+        out = unpad_dataproto(generated, self.pad_size)
+        responses = out.batch["responses"]
+        rows = len(self.batch) - self.pad_size
+        if responses.size(0) != rows or responses.size(1) > self.response_length:
+            raise RuntimeError(f"{type(engine).__name__}.generate_sequences returned responses of shape "
+                               f"{tuple(responses.shape)} for {rows} rows and response_length {self.response_length}")
+        lengths = out.batch["attention_mask"][:, -responses.size(1):].sum(dim=1).tolist()
+        log_probs = out.batch["rollout_log_probs"] if "rollout_log_probs" in out.batch.keys() else None
+        if log_probs is not None and log_probs.shape != responses.shape:
+            raise RuntimeError(f"{type(engine).__name__}.generate_sequences returned rollout_log_probs of shape "
+                               f"{tuple(log_probs.shape)} for responses of shape {tuple(responses.shape)}")
+        return [SampledTurn(responses[i, :n], None if log_probs is None else log_probs[i, :n], version)
+                for i, n in enumerate(lengths)]
 
 
 def output_policy_version(output: DataProto, engine: RolloutEngine) -> int:
