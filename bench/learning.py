@@ -41,6 +41,7 @@ from bench.learning_check import controller_check, controller_table, valid_value
 from bench.learning_stats import paired_comparison
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.user_sim.processes import ServerSpec, SimulatorGroup
+from utils.cpu_recipe import CpuRecipe, build_warm_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,44 +53,25 @@ SCENARIO = DEFAULT_SCENARIO_PATH
 COMPACT_SYSTEM_PROMPT = load_scenario(SCENARIO).agent_compact_prompt
 
 
-@dataclass
-class LearningSettings:
-    """Everything that defines one learning run (the defaults are the benchmark's)."""
+@dataclass(frozen=True)
+class LearningSettings(CpuRecipe):
+    """Everything that defines one learning run: the CPU recipe (utils/cpu_recipe.py) run for 16 steps, and the
+    options other benchmarks vary (the defaults leave each off)."""
 
     seed: int = 0
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    layers: int = 2
-    heads: int = 4
-    vocab_size: int = 2048
-    sft_dialogues: int = 1024
-    sft_mix: dict[str, float] = field(default_factory=lambda: {"evasive": 0.65, "good": 0.35})
-    sft_steps: int = 600
-    sft_lr: float = 3e-3
-    sft_batch_size: int = 8
-    max_turns: int = 10
-    max_tokens_per_turn: int = 64
-    max_user_tokens: int = 48
-    max_response_length: int = 768
     steps: int = 16
-    prompts_per_step: int = 8
-    group_size: int = 8
-    lr: float = 2e-4
     lr_warmup_steps: int = 0
     lora_rank: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer instead of every weight
     lora_alpha: float = 16.0
-    ppo_mini_prompts: int = 4  # prompts per policy update (0: all of the step's, one update per step)
     ppo_epochs: int = 1
     filter_groups: bool = False  # dynamic sampling: drop groups whose dialogues all got the same reward
     kl_coef: float = 0.0  # low_var_kl loss to the warm start (0: no KL loss, no reference model)
     loss_agg_mode: str = "seq-mean-token-mean"
-    temperature: float = 0.7
-    train_samples: int = 256
-    test_samples: int = 64
     test_freq: int = 4
     val_temperature: float = 0.0  # 0: greedy validation; > 0: sampled, val_n calls per fixed profile
     val_n: int = 1
     sim_instances: int = 2
+    cache: bool = True  # the user-response cache, as in the demo
     adv_estimator: str = "grpo"  # grpo | turn_mixed | turn_gae (docs/turn_level_credit.md)
     turn_weight: float = 1.0  # algorithm.turn_mixed.turn_weight
     turn_weights: dict[str, float] = field(default_factory=dict)  # reward.kwargs.turn_weights (per-turn reward)
@@ -100,26 +82,17 @@ class LearningSettings:
 
 
 def warm_start(s: LearningSettings, work: Path) -> tuple[Path, float]:
-    """Build the small model and fine-tune it on the scripted mixture; returns (model dir, seconds)."""
-    from utils.make_tiny_model import TinyModelSpec, build_tiny_model
-    from utils.sft_warm_start import scripted_dialogues, sft_on_dialogues
-
+    """The recipe's small model fine-tuned on the scripted mixture (utils/cpu_recipe.py); returns (model dir,
+    seconds)."""
     started = time.monotonic()
-    spec = TinyModelSpec(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-                         num_hidden_layers=s.layers, num_attention_heads=s.heads, tag_tokens=True)
-    base = build_tiny_model(work / "base_model", seed=s.seed, spec=spec)
-    dialogues = scripted_dialogues(SCENARIO, s.sft_dialogues, s.sft_mix, seed=s.seed, max_turns=s.max_turns,
-                                   system_prompt=COMPACT_SYSTEM_PROMPT)
-    warm = sft_on_dialogues(base, work / "warm_model", dialogues, steps=s.sft_steps, lr=s.sft_lr,
-                            batch_size=s.sft_batch_size, seed=s.seed, max_length=s.max_response_length + 128)
+    warm = build_warm_model(work, SCENARIO, COMPACT_SYSTEM_PROMPT, seed=s.seed, recipe=s)
     return warm, time.monotonic() - started
 
 
 def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], work: Path, urls: str) -> list[str]:
     """The sead_trainer overrides of the GRPO run."""
     loop = "rollout_loop.config"
-    mini = s.ppo_mini_prompts or s.prompts_per_step
-    per_rank = mini * s.group_size // 2  # one micro-batch per rank: the model is small
+    per_rank = s.micro_batch_per_rank
     return [
         f"actor_rollout_ref.model.path={model}", f"data.train_files={data['train']}",
         f"data.val_files={data['test']}", "data.max_prompt_length=96",
@@ -127,7 +100,7 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         f"data.val_batch_size={s.test_samples}", f"data.seed={s.seed}",
         f"actor_rollout_ref.rollout.n={s.group_size}", f"actor_rollout_ref.rollout.temperature={s.temperature}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={per_rank}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}", f"actor_rollout_ref.actor.ppo_epochs={s.ppo_epochs}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={s.ppo_mini_prompts}", f"actor_rollout_ref.actor.ppo_epochs={s.ppo_epochs}",
         f"actor_rollout_ref.actor.optim.lr_warmup_steps={s.lr_warmup_steps}",
         f"algorithm.filter_groups.enable={s.filter_groups}", f"actor_rollout_ref.actor.use_kl_loss={s.kl_coef > 0}",
         "algorithm.filter_groups.max_num_gen_batches=4", f"actor_rollout_ref.actor.kl_loss_coef={s.kl_coef}",
@@ -135,7 +108,7 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={per_rank}", f"actor_rollout_ref.actor.optim.lr={s.lr}",
         f"actor_rollout_ref.actor.loss_agg_mode={s.loss_agg_mode}", f"actor_rollout_ref.actor.seed={s.seed}",
         f"actor_rollout_ref.model.lora_rank={s.lora_rank}", f"actor_rollout_ref.model.lora_alpha={s.lora_alpha}",
-        f"trainer.total_training_steps={s.steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
+        f"trainer.total_training_steps={s.steps}", f"trainer.n_gpus_per_node={s.workers}", "trainer.device=cpu",
         "trainer.logger=[jsonl]", f"trainer.default_local_dir={work / 'ckpt'}", f"trainer.log_dir={work / 'logs'}",
         f"actor_rollout_ref.rollout.val_kwargs.do_sample={s.val_temperature > 0}",
         f"actor_rollout_ref.rollout.val_kwargs.temperature={s.val_temperature or 1.0}",
@@ -144,7 +117,8 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         "trainer.resume_mode=disable", f"trainer.seed={s.seed}",
         f"{loop}.scenario={SCENARIO}", f"{loop}.seed={s.seed}", f"{loop}.max_turns={s.max_turns}",
         f"{loop}.max_tokens_per_turn={s.max_tokens_per_turn}", f"{loop}.max_user_tokens={s.max_user_tokens}",
-        f"{loop}.user_sim.urls='{urls}'", f"{loop}.cache.enabled=false", f"{loop}.controller.seed={s.seed}",
+        f"{loop}.user_sim.urls='{urls}'", f"{loop}.cache.enabled={s.cache}",
+        f"{loop}.cache.min_bucket_size={s.cache_min_bucket_size}", f"{loop}.controller.seed={s.seed}",
         f"{loop}.rollout_log_path={work / 'rollouts.jsonl'}", f"{loop}.val_metrics_path={work / 'val_metrics.jsonl'}",
         *turn_credit_overrides(s, per_rank),
         *s.overrides.split(),
@@ -197,7 +171,7 @@ def run_grpo(s: LearningSettings, model: Path, work: Path) -> float:
             config = compose_config(trainer_overrides(s, model, data, work, urls), config_name="sead_trainer")
             critic = s.adv_estimator in CRITIC_ESTIMATORS
             roles = {Role.ActorRollout: ActorRolloutRefWorker, **({Role.Critic: CriticWorker} if critic else {})}
-            pool = RayResourcePool([2], use_gpu=False, max_colocate_count=2 if critic else 1)
+            pool = RayResourcePool([s.workers], use_gpu=False, max_colocate_count=2 if critic else 1)
             trainer = RayPPOTrainer(config, load_tokenizer(str(model)), roles, pool)
             try:
                 trainer.init_workers()
@@ -262,6 +236,12 @@ def print_table(record: dict[str, Any]) -> None:
     print(controller_table(record["controller_check"]))
 
 
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     defaults = LearningSettings()
@@ -270,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(value, dict):
             parser.add_argument(f"--{name.replace('_', '-')}", default=",".join(f"{k}={v}" for k, v in value.items()),
                                 help="name=weight list (default %(default)s)")
+        elif isinstance(value, bool):
+            parser.add_argument(f"--{name.replace('_', '-')}", type=_boolean, default=value,
+                                help="true or false (default %(default)s)")
         else:
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
                                 help="default %(default)s")

@@ -3,7 +3,7 @@ the weights the state controller's rule would set (the original SEAD's analyze_c
 
     python for_evaluation/analyze_mistakes.py                     # the latest run under outputs/ (after make demo)
     python for_evaluation/analyze_mistakes.py outputs/logs/cpu_demo_outbound_ad_trial --split train --min-step 10
-    python for_evaluation/analyze_mistakes.py outputs/evaluation/cpu_demo_outbound_ad_trial/rl_dialogues.jsonl \\
+    python for_evaluation/analyze_mistakes.py outputs/eval/cpu_demo_outbound_ad_trial/rl_dialogues.jsonl \\
         --out rl_mistakes.json
 
 RUN_OR_DIALOGUES is a run (output root, log directory, rollouts.jsonl) or an evaluation's *_dialogues.jsonl;

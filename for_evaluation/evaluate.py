@@ -1,7 +1,7 @@
 """Evaluate agents on the fixed test set against user simulators; resumable.
 
     python for_evaluation/evaluate.py --agent rl=outputs/checkpoints/cpu_demo_outbound_ad_trial \\
-        --out outputs/evaluation/cpu_demo_outbound_ad_trial
+        --out outputs/eval/cpu_demo_outbound_ad_trial
     python for_evaluation/evaluate.py --agent sft=models/sft --agent rl=ckpts/global_step_200 \\
         --agent gpt=https://api.example.com --tokenizer models/sft --agent-model gpt-4o-mini \\
         --test-file data/test.parquet --user-sim-urls http://127.0.0.1:5000,http://127.0.0.1:5001
@@ -31,7 +31,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from llm_agent.api_keys import api_key, command_line_refusal
+from llm_agent.api_keys import KeySafeArgumentParser, api_key, command_line_refusal
 from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, ENGINES
 
 CHECKPOINT = "default: the checkpoint's training config, else "  # help text of the settings a checkpoint gives
@@ -43,12 +43,13 @@ AGENT_KEY_ENV = "SEAD_AGENT_API_KEY"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring). Settings left None are resolved by `resolve_settings`."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = KeySafeArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--agent", action="append", required=True, metavar="[NAME=]SPEC", help="agent to evaluate (repeatable)")
     p.add_argument("--test-file", default=None, help=f"test parquet ({CHECKPOINT}required)")
     p.add_argument("--scenario", default=None, help=f"scenario YAML ({CHECKPOINT}the default scenario)")
-    p.add_argument("--out", default="outputs/evaluation", help="output directory")
+    p.add_argument("--out", default="outputs/eval", help="output directory (its own: the trainer's validation "
+                   "metrics are under outputs/evaluation/)")
     p.add_argument("--user-sim-urls", default=None, help="running simulators (comma-separated base URLs)")
     p.add_argument("--num-sims", type=int, default=2, help="scripted simulators to start without --user-sim-urls")
     p.add_argument("--max-dialogues", type=int, default=1000, help="first N test profiles")
@@ -79,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="how a model/checkpoint agent generates: the trainer's vLLMRollout (vllm) or HFRollout (hf); "
                         "auto = vllm when it is installed")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="open checkpoint agents that have no checkpoint_manifest.json (from elsewhere, or saved before "
+                        "manifests): only if you trust where they came from (docs/checkpoints.md)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="rows per generate() of a local model (hf)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM's share of the GPU (vllm)")
     p.add_argument("--retry-errors", action="store_true", help="rerun dialogues whose last run ended in error")
@@ -150,7 +154,8 @@ def run(args: argparse.Namespace) -> list[Path]:
               + ", ".join(f"{name}={values[name]}" for name in from_checkpoint))
     local = LocalEngineOptions(engine=engine, micro_batch_size=args.micro_batch_size,
                                max_model_len=settings.max_prompt_length + settings.max_response_length,
-                               gpu_memory_utilization=args.gpu_memory_utilization)
+                               gpu_memory_utilization=args.gpu_memory_utilization,
+                               trust_checkpoint=args.trust_checkpoint)
     sims = None
     if args.user_sim_urls:
         urls = parse_urls(args.user_sim_urls)

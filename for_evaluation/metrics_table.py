@@ -1,10 +1,10 @@
 """The paper table: CR, FPR, SCR, ATT, ADT, UPA, EI, TI, CI of evaluated agents side by side with bootstrap 95%
 intervals and their cost per 1,000 dialogues, and a paired test of the CR difference between agents.
 
-    python for_evaluation/metrics_table.py outputs/evaluation/*_results.json
+    python for_evaluation/metrics_table.py outputs/eval/*_results.json
     python for_evaluation/metrics_table.py a_results.json b_dialogues.jsonl --format markdown
     python for_evaluation/metrics_table.py outputs/rollouts/cpu_demo_outbound_ad_trial/rollouts.jsonl --split val --scenario S.yaml
-    python for_evaluation/metrics_table.py outputs/evaluation/*_results.json --out-dir paper/   # all four formats
+    python for_evaluation/metrics_table.py outputs/eval/*_results.json --out-dir paper/   # all four formats
 
 Inputs: `<name>_results.json` files of for_evaluation/evaluate.py, their `<name>_dialogues.jsonl`, or a training
 run's `rollouts.jsonl` (default split: eval if present, else val; default step: the last). Metrics are recomputed

@@ -2,7 +2,7 @@
 
     python for_evaluation/report.py                                    # the latest run under outputs/
     python for_evaluation/report.py outputs/logs/cpu_demo_outbound_ad_trial --out /tmp/cpu_demo_outbound_ad_trial.html
-    python for_evaluation/report.py outputs/evaluation/cpu_demo_outbound_ad_trial/rl_dialogues.jsonl
+    python for_evaluation/report.py outputs/eval/cpu_demo_outbound_ad_trial/rl_dialogues.jsonl
 
 The report is one self-contained file (nothing is loaded from the network; open it from disk). It prints its
 path. Default location: `<root>/reports/<experiment>.html` for a run, `<dir>/<name>_report.html` beside an
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 from pathlib import Path
@@ -55,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_agent.evaluation.report import build_report
     from llm_agent.evaluation.run_data import find_latest_run, resolve_run
     from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
+    from llm_agent.simulator_report.card_file import read_card
 
     try:
         files = resolve_run(args.run) if args.run else find_latest_run(args.outputs)
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     cards = []
     for card in args.simulator_card:
         try:
-            cards.append(json.loads(Path(card).read_text(encoding="utf-8")))
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"--simulator-card {card}: {exc}") from None
+            cards.append(read_card(card))
+        except ValueError as exc:
+            raise SystemExit(f"--simulator-card: {exc}") from None
     path = build_report(files, load_scenario(args.scenario or DEFAULT_SCENARIO_PATH), args.out, smooth=args.smooth,
                         bootstrap=args.bootstrap, browser_limit=args.browser_limit, controller=controller,
                         simulator_cards=cards)

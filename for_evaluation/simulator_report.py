@@ -11,7 +11,8 @@ profiles and agent turns for every simulator) with the rollout loop's decoding s
 re-requested as the loop does. A file of logged dialogues (a rollout log or an evaluation's dialogues) is graded
 turn by turn instead. Either way each reply is checked against the scripted persona answering the same request
 (llm_agent/simulator_report). Prints the metrics side by side with `--card` files given, writes the card as
-JSON (`--out`, default outputs/simulator_reports/<name>.json) and, with `--html`, a page of all cards; the run
+JSON (`--out`, default outputs/simulator_reports/<name>.json; a log's card is named after its run and split, so
+two runs' cards do not overwrite each other) and, with `--html`, a page of all cards; the run
 report shows cards with `python -m for_evaluation.report ... --simulator-card FILE`.
 """
 from __future__ import annotations
@@ -29,6 +30,8 @@ from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.simulator_report import (PROBE_SEED, ProbeSampling, build_card, build_probe_set, dialogues_from_log,
                                         run_probes)
 from llm_agent.simulator_report.card import METRIC_KEYS
+from llm_agent.simulator_report.card_file import read_card
+from llm_agent.user_sim.client.wire import SimulatorCheckError
 
 logger = logging.getLogger("simulator_report")
 
@@ -76,9 +79,10 @@ def _live_card(args: argparse.Namespace, scenario: Any, name: str) -> dict[str, 
         client, source = InProcessUserSim(scenario, seed=args.seed), {"kind": "scripted (in process)"}
     else:
         client = UserSimClient(args.user_sim_urls, model=args.model, timeout_s=args.timeout)
-        served = client.check_instances()
-        source = {"kind": "endpoint", "urls": args.user_sim_urls, "model": ",".join(sorted(set(served.values())))}
-    with client:
+        source = {"kind": "endpoint", "instances": ",".join(client.instances)}
+    with client:  # closed on every path, a failed check included
+        if not args.scripted:
+            source["model"] = ",".join(sorted(set(client.check_instances().values())))
         dialogues = run_probes(client, probes, scenario, sampling, args.concurrency)
     source.update({"sampling": vars(sampling), "probes": probes.describe()})
     return build_card(dialogues, scenario, name, source, n_resamples=args.bootstrap, seed=args.seed,
@@ -96,12 +100,23 @@ def _log_card(args: argparse.Namespace, scenario: Any, name: str) -> dict[str, A
                       max_jump=args.max_jump)
 
 
+def log_card_name(dialogues: str, split: str | None) -> str:
+    """A log's card name: the run's (a rollout log `<root>/rollouts/<run>/rollouts.jsonl` is named after `<run>`,
+    an evaluation's `<name>_dialogues.jsonl` after `<name>`), with the split when one is chosen."""
+    path = Path(dialogues)
+    name = path.parent.name if path.stem == "rollouts" and path.parent.name else path.stem
+    return f"{name}_{split}" if split else name
+
+
 def cards_table(cards: list[dict[str, Any]]) -> str:
     """The cards' metrics side by side as text: value [low, high] per card."""
+    def number(value: Any) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
     def cell(value: Any) -> str:
         if isinstance(value, dict):
-            return f"{value['value']:.3f} [{value['low']:.3f}, {value['high']:.3f}]"
-        return "-" if value is None else f"{value:.3f}"
+            return f"{number(value.get('value'))} [{number(value.get('low'))}, {number(value.get('high'))}]"
+        return number(value)
 
     names = [str(c.get("name")) for c in cards]
     rows = [["metric", *names]] + [[key, *(cell(c["metrics"].get(key)) for c in cards)] for key in METRIC_KEYS]
@@ -117,15 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     cards = []
     for path in args.card:
         try:
-            cards.append(json.loads(Path(path).read_text(encoding="utf-8")))
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"--card {path}: {exc}") from None
+            cards.append(read_card(path))
+        except ValueError as exc:
+            raise SystemExit(f"--card: {exc}") from None
     if args.user_sim_urls or args.scripted or args.dialogues:
-        name = args.name or ("scripted" if args.scripted else Path(args.dialogues).stem if args.dialogues
-                             else args.model or "endpoint")
+        name = args.name or ("scripted" if args.scripted else log_card_name(args.dialogues, args.split)
+                             if args.dialogues else args.model or "endpoint")
         try:
             card = _log_card(args, scenario, name) if args.dialogues else _live_card(args, scenario, name)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, SimulatorCheckError) as exc:
             raise SystemExit(f"simulator report: {exc}") from None
         out = Path(args.out or Path("outputs") / "simulator_reports" / f"{name}.json")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ is over the N non-error records.
 
 A metric whose denominator is empty is *undefined* (ATT when no call completed, FPR when the agent never claimed
 success, every rate when all dialogues are errors, ...): `dialogue_metrics` leaves it out of its dict, so
-trackers and JSONL files never hold NaN or null, `metric_keys(scenario)` lists every key, and displays show `NOT_AVAILABLE`
+trackers and JSONL files never hold NaN or null, `metric_keys(scenario)` lists every key, and displays show
+`NOT_AVAILABLE`
 ("n/a"). A value is never NaN and never a 0 that stands for "nothing happened".
 
 - `n_dialogues` = number of records, errors included; `error_rate` = #error / n_dialogues
@@ -28,7 +29,8 @@ trackers and JSONL files never hold NaN or null, `metric_keys(scenario)` lists e
 - `stage_completeness` = share of dialogues whose reported stages skip none: every SOP stage before the highest
   one reached appears (a dialogue that reports no stage is incomplete)
 - `false_positive_rate` (FPR) = FP / (FP + TP): among dialogues where the agent claimed the task done (status
-  `completed` on its last turn: the loop lets the user answer a claim and ends the call after it), the share the user had
+  `completed` on its last turn: the loop lets the user answer a claim and ends the call after it), the share the user
+  had
   not confirmed (outcome not `completed`)
 - `format_error_rate` = sum format_errors / sum num_turns
 - `cache_hit_rate` = sum cache_hits / #user turns (turns whose user_source is "simulator" or "cache")
@@ -40,7 +42,8 @@ trackers and JSONL files never hold NaN or null, `metric_keys(scenario)` lists e
 
 A paired turn has every dimension present in both its `agent_state` (the agent's estimate) and its
 `user_state` (the state the user side reported after that agent turn; for a cached reply the dialogue's own
-state carried over, never the cached reply's tags). A simulator value of dimension d counts when the turn's `user_state` holds
+state carried over, never the cached reply's tags). A simulator value of dimension d counts when the turn's `user_state`
+holds
 a non-None d; the same per-dimension rule applies to the agent's estimates.
 
 Every metric is a ratio of sums over records (or a plain sum): `metric_parts` computes each record's numerator and

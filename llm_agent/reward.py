@@ -1,7 +1,8 @@
 """Dialogue rewards: the trainer's `reward.path=llm_agent.reward.compute_reward` plug-in.
 
 Each row's reward comes from that row's own `DialogueRecord` (the rollout loop's, in `non_tensor_batch`, never from
-`meta_info`), so it stays with its dialogue however the trainer reorders rows (balancing). The scalar goes on the row's last token with
+`meta_info`), so it stays with its dialogue however the trainer reorders rows (balancing). The scalar goes on the row's
+last token with
 `response_mask == 1` (the agent's last sampled token); error rows (all-zero mask) get no reward.
 
 Components, with `raw` the unit-weight value and the weighted value `w * raw` (ranges from the scenario's
@@ -52,13 +53,14 @@ from llm_agent.metrics import claimed_done, dimension_values, paired_errors, rec
 from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
 from llm_agent.scenario import Scenario, load_scenario
 from verl.protocol import DataProto
+from verl.trainer.ppo.plugins import BatchOutputs, declare_outputs
 from verl.trainer.ppo.turn_layout import TURN_LABELS, TURN_SCORES
 from verl.utils.agent_turns import agent_turn_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPONENTS", "DEFAULT_TURN_WEIGHTS", "DEFAULT_WEIGHTS", "TURN_COMPONENTS", "compute_reward",
-           "raw_components", "raw_turn_components", "resolve_turn_weights", "resolve_weights"]
+__all__ = ["COMPONENTS", "DEFAULT_TURN_WEIGHTS", "DEFAULT_WEIGHTS", "TURN_COMPONENTS", "batch_outputs",
+           "compute_reward", "raw_components", "raw_turn_components", "resolve_turn_weights", "resolve_weights"]
 
 COMPONENTS: tuple[str, ...] = ("completion", "state_transition", "profile_accuracy", "false_positive",
                                "turn_efficiency", "format")
@@ -155,6 +157,17 @@ def _turn_ends(data: DataProto) -> tuple[torch.Tensor, list[int]]:
     return ends, counts.tolist()
 
 
+def batch_outputs(kwargs: Mapping[str, Any]) -> BatchOutputs:
+    """What `compute_reward` writes with `reward.kwargs` `kwargs`: the failure labels always, the per-turn rewards
+    when a turn weight is non-zero (a bad weight is a ValueError naming its key)."""
+    per_turn = any(value != 0.0 for value in resolve_turn_weights(kwargs.get("turn_weights")).values())
+    names = ", ".join(f"reward.kwargs.turn_weights.{name}" for name in TURN_COMPONENTS)
+    return BatchOutputs(written=frozenset({TURN_LABELS, *([TURN_SCORES] if per_turn else [])}),
+                        enabled_by={TURN_SCORES: f"one of {names} is non-zero (all 0 by default), e.g. "
+                                                 "reward.kwargs.turn_weights.state_change=1.0"})
+
+
+@declare_outputs(batch_outputs)
 def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
                    weights: Mapping[str, Any] | None = None,
                    turn_efficiency_max_turns: int | None = None,
@@ -162,9 +175,9 @@ def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
     """Score every dialogue of `data` (a DataProto from the SEAD rollout loop); returns (rewards (B, R), metrics).
 
     `tokenizer` is part of the trainer's plug-in signature and unused (records are already parsed). `scenario`
-    is the scenario YAML path (the run's one `Scenario`: `load_scenario` parses a file once per process); `weights` overrides DEFAULT_WEIGHTS per component;
-    `turn_efficiency_max_turns` is required when the turn_efficiency weight is non-zero; `turn_weights` overrides
-    DEFAULT_TURN_WEIGHTS per per-turn component.
+    is the scenario YAML path (the run's one `Scenario`: `load_scenario` parses a file once per process);
+    `weights` overrides DEFAULT_WEIGHTS per component; `turn_efficiency_max_turns` is required when the
+    turn_efficiency weight is non-zero; `turn_weights` overrides DEFAULT_TURN_WEIGHTS per per-turn component.
 
     Metrics (the trainer logs them under `reward/`): `<name>` (weighted) and `raw/<name>` (unit weight) means over
     non-error rows for every component (raw turn_efficiency only when max_turns is known), and `total`; 0 when

@@ -10,9 +10,10 @@
 #
 # The dialogue training (the SEAD main job) is scripts/main.sh.
 set -euo pipefail
+SEAD_CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
-
-PYTHON=${PYTHON:-python}
+source scripts/python_env.sh
+sead_find_python  # PYTHON unset: `python` when it has the project, else the checkout's .venv
 OUTPUT_DIR=${OUTPUT_DIR:-outputs}
 MODEL_PATH=${MODEL_PATH:-}
 DATA_DIR=${DATA_DIR:-$OUTPUT_DIR/data/repeat_letter}

@@ -33,15 +33,19 @@
 # Environment besides the preset variables: PRESET, PRINT_CONFIG_ONLY, MODEL_PATH (the tiny model),
 # USER_SIM_MODEL (none: scripted simulators), USER_SIM_URLS, SIM_INSTANCES (2 scripted; 1 vLLM), SIM_TP
 # (1; 2 vLLM), SIM_MAX_MODEL_LEN (8192), SIM_GPU_MEMORY_UTILIZATION (0.9), SIM_EXTRA_ARGS (more vLLM flags),
-# SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (a free
-# port; 5000 vLLM), SCENARIO (a path or a shipped scenario's name; python -m llm_agent.scenario prints the
-# default; one per run: a trainer override naming another is refused), WARM_START_STEPS (250, tiny model only),
+# SIM_GPUS (6,7 vLLM; must not overlap POLICY_GPUS, the trainer's CUDA_VISIBLE_DEVICES), SIM_BASE_PORT (unset:
+# free ports, one per instance; 5000 vLLM), SCENARIO (a path or a shipped scenario's name; python -m
+# llm_agent.scenario prints the default; one per run: a trainer override naming another is refused),
+# WARM_START_STEPS (the CPU recipe's, tiny model only; 0 skips the warm start),
 # AGENT_PROMPT_FILE (the agent's system prompt written into the prompt data; default the scenario's, for the tiny
-# model its agent.compact_prompt), OUTPUT_DIR (outputs), PYTHON.
+# model its agent.compact_prompt), OUTPUT_DIR (outputs), PYTHON (unset: `python` when it has the
+# project's packages, else the checkout's .venv, or .venv-vllm for the rehearsal; scripts/python_env.sh says which).
 # ITERATIONS=N (> 1) trains in iterations as the original SEAD did (train, analyse the mistakes, write the next
 # profiles, continue from the last checkpoint; rerun to resume): see scripts/iterations.sh for its variables.
 set -euo pipefail
+SEAD_CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
+source scripts/python_env.sh
 source scripts/presets.sh
 source scripts/iterations.sh
 
@@ -49,15 +53,14 @@ DRY_RUN=${PRINT_CONFIG_ONLY:-0}
 PLAN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 if [[ "${1:-}" == "--plan" ]]; then DRY_RUN=1; PLAN=1; shift; fi
-PYTHON=${PYTHON:-python}
+sead_find_python $([[ "${PRESET:-}" == rehearsal ]] && echo vllm)  # PYTHON unset: one with the project
 OUTPUT_DIR=${OUTPUT_DIR:-outputs}
 MODEL_PATH=${MODEL_PATH:-}
 USER_SIM_MODEL=${USER_SIM_MODEL:-}
 USER_SIM_URLS=${USER_SIM_URLS:-}
-if [[ "$USER_SIM_URLS" == *@* ]]; then  # it would reach command lines and logs; not echoed here either
-    echo "USER_SIM_URLS: a URL carries a user name or password; give the simulators' token in" \
-         "SEAD_USER_SIM_API_KEY instead" >&2
-    exit 2
+if [[ -n "$USER_SIM_URLS" ]]; then  # checked as the client checks them, --dry-run too; read from the environment,
+    # as a refused URL may carry a credential that must reach no command line (nor this script's output)
+    USER_SIM_URLS="$USER_SIM_URLS" "$PYTHON" -m utils.check_simulators --syntax-only >/dev/null || exit 2
 fi
 # The scenario first, in about a second, before anything is built or started: it must load, and every behaviour
 # category of its library needs a rule in the controller's rule table (utils/check_scenario.py; a name such as
@@ -89,13 +92,13 @@ if [[ -n "$MODEL_PATH" ]]; then
 else                                 # the demo's tiny model (built below), warm-started unless WARM_START_STEPS=0
     PRESET=${PRESET:-cpu}; WHY=${WHY:-"no MODEL_PATH: the tiny demo model"}; TINY_DEMO=1
     DEMO_ARGS=(data.max_prompt_length=96)  # its compact agent prompt (the scenario's agent.compact_prompt)
-    WARM_START_STEPS=${WARM_START_STEPS:-250}
-    MODEL_PATH=$( (( WARM_START_STEPS > 0 )) && echo tiny_model_warm || echo tiny_model)  # its name, for the preset
+    WARM_START_STEPS=${WARM_START_STEPS:-}  # empty: the CPU recipe's; 0: no warm start
+    MODEL_PATH=$([[ "$WARM_START_STEPS" == 0 ]] && echo tiny_model || echo tiny_model_warm)  # its name, for the preset
 fi
 sead_apply_preset "$PRESET"
 # The demo's models are the experiment's own (its name includes the scenario), each rebuilt when what made it
-# changed (the tiny model's stamp: seed, shape, scenario texts; the warm start's: its arguments, the scenario's
-# content): another scenario's run never replaces or resumes them.
+# changed (utils/cpu_recipe.py: the recipe, the seed, the tag protocol; the warm start's also the scenario's
+# content, the system prompt and the turn limit): another scenario's run never replaces or resumes them.
 if [[ "$TINY_DEMO" == 1 ]]; then MODEL_PATH=$OUTPUT_DIR/models/$EXPERIMENT/$MODEL_PATH; fi
 if [[ -n "$USER_SIM_MODEL" ]]; then  # GPU box: one vLLM instance on GPUs 6,7 (TP 2) unless told otherwise
     SIM_INSTANCES=${SIM_INSTANCES:-1}; SIM_TP=${SIM_TP:-2}; SIM_GPUS=${SIM_GPUS:-6,7}
@@ -164,6 +167,8 @@ trainer_command() {
         actor_rollout_ref.actor.kl_loss_type="$KL_LOSS_TYPE"
         actor_rollout_ref.actor.kl_loss_coef="$KL_COEF"
         actor_rollout_ref.actor.entropy_coeff="$ENTROPY_COEFF"
+        ${SEED:+data.seed="$SEED" actor_rollout_ref.actor.seed="$SEED" trainer.seed="$SEED"}
+        ${SEED:+rollout_loop.config.seed="$SEED" rollout_loop.config.controller.seed="$SEED"}
         rollout_loop.config.scenario="$SCENARIO"
         rollout_loop.config.max_turns="$MAX_TURNS"
         rollout_loop.config.max_tokens_per_turn="$MAX_TOKENS_PER_TURN"
@@ -201,8 +206,8 @@ if [[ "$TINY_DEMO" == 1 ]]; then  # the tiny model's system prompt: the scenario
     if [[ -n "${AGENT_PROMPT_FILE:-}" ]]; then COMPACT_PROMPT=$(cat "$AGENT_PROMPT_FILE"); fi
     echo "agent system prompt: $COMPACT_PROMPT"
 elif [[ ! -d "$MODEL_PATH" ]]; then
-    echo "warning: MODEL_PATH=$MODEL_PATH is not a directory on this machine: the trainer will fail to load it" \
-         "unless it is a model id your transformers can download" >&2
+    echo "warning: MODEL_PATH=$MODEL_PATH is not a directory on this machine: nothing is downloaded, the trainer" \
+         "loads a local model directory only, so the path must exist where the run starts" >&2
 fi
 if [[ "$DEVICE" == cuda && -z "$USER_SIM_MODEL" && -z "$USER_SIM_URLS" ]]; then
     echo "warning: USER_SIM_MODEL is not set: this GPU run's users are the scripted simulators on CPU (set" \
@@ -212,6 +217,19 @@ if [[ -n "$USER_SIM_URLS" && "$DRY_RUN" == 0 ]]; then  # before anything is buil
     "$PYTHON" -m utils.check_simulators "$USER_SIM_URLS" || exit 2
 fi
 sead_check_iterations
+# STEPS is the total number of steps: a checkpoint already at STEPS or beyond means this run would train nothing.
+if (( ITERATIONS <= 1 )) && [[ " ${ARGS[*]} " != *" trainer.resume_mode=disable "* ]]; then
+    _total=$STEPS
+    for _arg in "${ARGS[@]}"; do [[ "$_arg" != trainer.total_training_steps=* ]] || _total=${_arg#*=}; done
+    _done=$( { find "$CKPT_DIR" -maxdepth 1 -name 'global_step_*' 2> /dev/null || true; } \
+            | sed -n 's/.*global_step_\([0-9]*\)$/\1/p' | sort -n | tail -n 1)
+    if [[ -n "$_done" && "$_total" =~ ^[0-9]+$ ]] && (( _done >= _total )); then
+        echo "WARNING: nothing to train: $CKPT_DIR already holds step $_done and STEPS=$_total is the" \
+             "total number of steps, not the steps to add: the run would resume there and train nothing." \
+             "STEPS=$((_done + _total)) trains $_total more; another EXPERIMENT (or trainer.resume_mode=disable)" \
+             "starts anew" >&2
+    fi
+fi
 if [[ "$DRY_RUN" == 1 ]]; then
     USER_SIM_URLS=${USER_SIM_URLS:-<the $SIM_INSTANCES simulator(s) this script starts>}
     trainer_command
@@ -237,24 +255,14 @@ PROMPT_ARGS=()
 if [[ -n "${AGENT_PROMPT_FILE:-}" ]]; then PROMPT_ARGS=(--system_prompt "$(cat "$AGENT_PROMPT_FILE")"); fi
 if [[ "$TINY_DEMO" == 1 ]]; then
     PROMPT_ARGS=(--system_prompt "$COMPACT_PROMPT")  # the scenario's full prompt is ~1300 tiny-model tokens
-    TINY=$("$PYTHON" -m utils.make_tiny_model --out "$OUTPUT_DIR/models/$EXPERIMENT/tiny_model" --hidden-size 128 \
-        --intermediate-size 256 --layers 2 --heads 4 --vocab-size 2048 --tag-tokens --scenario "$SCENARIO" | tail -n 1)
-    if (( WARM_START_STEPS > 0 )); then  # a random model never writes a tagged turn: give RL something to start from
-        WARM_ARGS=(--model "$TINY" --out "$MODEL_PATH" --scenario "$SCENARIO" --n-dialogues 1024
-                   --quality-mix evasive=0.65,good=0.35 --max-turns "$MAX_TURNS" --steps "$WARM_START_STEPS"
-                   --lr 3e-3 --max-length 896 --system-prompt "$COMPACT_PROMPT")
-        WARM_STAMP="$MODEL_PATH/warm_start_args.txt"  # a warm start made from other inputs is made again
-        WARM_KEY=$(printf '%s\n' "${WARM_ARGS[@]}" "scenario sha256 $(sha256sum < "$SCENARIO" | cut -d' ' -f1)")
-        if [[ ! -f "$MODEL_PATH/sft_log.json" || "$TINY/config.json" -nt "$MODEL_PATH/sft_log.json" \
-              || "$(cat "$WARM_STAMP" 2> /dev/null)" != "$WARM_KEY" ]]; then
-            echo "warm start: $WARM_START_STEPS SFT steps on scripted calls, a third of them good (a few minutes, once)"
-            "$PYTHON" -m utils.sft_warm_start "${WARM_ARGS[@]}" > /dev/null
-            printf '%s\n' "$WARM_KEY" > "$WARM_STAMP"
-        fi
-    fi
+    # a random model never writes a tagged turn: the recipe's warm start gives RL something to start from (a few
+    # minutes, once; reused while its inputs are unchanged)
+    "$PYTHON" -m utils.cpu_recipe warm-model --out "$(dirname "$MODEL_PATH")" --scenario "$SCENARIO" \
+        --system-prompt "$COMPACT_PROMPT" --seed "${SEED:-0}" --max-turns "$MAX_TURNS" \
+        ${WARM_START_STEPS:+--steps "$WARM_START_STEPS"} > /dev/null
 fi
 "$PYTHON" -m utils.create_prompt_data --scenario "$SCENARIO" --train_samples "$TRAIN_SAMPLES" \
-    --test_samples "$TEST_SAMPLES" --out_dir "$DATA_DIR" "${PROMPT_ARGS[@]}" > /dev/null
+    --test_samples "$TEST_SAMPLES" --out_dir "$DATA_DIR" ${SEED:+--seed "$SEED"} "${PROMPT_ARGS[@]}" > /dev/null
 
 STARTED_SIMS=0
 stop_sims() {
@@ -264,10 +272,15 @@ stop_sims() {
 }
 trap stop_sims EXIT
 if [[ -z "$USER_SIM_URLS" ]]; then
-    SIM_BASE_PORT=${SIM_BASE_PORT:-$([[ -n "$USER_SIM_MODEL" ]] && echo 5000 || "$PYTHON" -c \
-        'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
-    SIM_ARGS=(--num-instances "$SIM_INSTANCES" --base-port "$SIM_BASE_PORT" --scenario "$SCENARIO"
-              --run-dir "$RUN_DIR" --tp "$SIM_TP")
+    if [[ -n "${SIM_BASE_PORT:-}" || -n "$USER_SIM_MODEL" ]]; then
+        SIM_PORT_ARGS=(--num-instances "$SIM_INSTANCES" --base-port "${SIM_BASE_PORT:-5000}")
+    else  # one free port per instance, all held at once (two instances never share one; base+1 may be taken)
+        SIM_PORT_ARGS=(--ports "$("$PYTHON" -c 'import socket, sys
+held = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in held: s.bind(("127.0.0.1", 0))
+print(",".join(str(s.getsockname()[1]) for s in held))' "$SIM_INSTANCES")")
+    fi
+    SIM_ARGS=("${SIM_PORT_ARGS[@]}" --scenario "$SCENARIO" --run-dir "$RUN_DIR" --tp "$SIM_TP" ${SEED:+--seed "$SEED"})
     if [[ -n "$USER_SIM_MODEL" ]]; then
         SIM_ARGS+=(--model "$USER_SIM_MODEL" --max-model-len "${SIM_MAX_MODEL_LEN:-8192}"
                    --gpu-memory-utilization "${SIM_GPU_MEMORY_UTILIZATION:-0.9}")
@@ -295,6 +308,7 @@ echo "validation metrics (one JSON line per validation): $VAL_METRICS"
 echo "rollout log (every dialogue of every step):        $ROLLOUT_LOG"
 echo "user-response cache:                              $CKPT_DIR/user_response_cache.jsonl"
 "$PYTHON" -m utils.val_summary "$VAL_METRICS" || true
+"$PYTHON" -m utils.learning_signal "$LOG_DIR/metrics.jsonl" || true  # says so when no step could learn
 REPORT=$("$PYTHON" -m for_evaluation.report "$LOG_DIR" --dialogues "$ROLLOUT_LOG" --scenario "$SCENARIO" \
     --out "$OUTPUT_DIR/reports/$EXPERIMENT.html")
 echo "report (plots, metrics, mistakes, dialogues; open in a browser): $REPORT"

@@ -10,7 +10,7 @@
 # its own block below.
 
 # Every preset variable, in the order they are printed.
-SEAD_PRESET_VARS=(EXPERIMENT DEVICE N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS
+SEAD_PRESET_VARS=(EXPERIMENT SEED DEVICE N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS
                   MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE
                   KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH USE_DYNAMIC_BSZ
                   MAX_TOKEN_LEN LOGPROB_MAX_TOKEN_LEN TEST_FREQ SAVE_FREQ MAX_CKPT SAVE_HF_MODEL POLICY_GPUS
@@ -38,38 +38,28 @@ _sead_default() {
 }
 
 # ------------------------------------------------------------------------------------------------ CPU preset
-# The embedded demo: a small model (bench/learning.py's recipe: 0.5M parameters, the scenario's tags as whole
-# tokens, a compact agent prompt) warm-started on a mixture of scripted calls that complete and calls that
-# mostly do not, then 4 GRPO steps of 8 prompts x 8 dialogues (two policy updates of 4 prompts each, lr 2e-4) with
-# the completion-only reward, on 2 CPU workers: the CI-sized learning test's recipe
-# (tests/llm_agent/test_learning_cr.py). The policy generates with vLLM when the running Python has it (make
-# vllm-env), else with HF generate. Calls last up to 10 turns of 64 agent tokens within a 768-token budget, so a
-# call can complete; validation (64 fixed profiles, greedy) runs before training and after the last step. The
-# cache serves once a stage holds 2 replies (a few steps never fill 10).
+# The embedded demo: the CPU learning recipe (utils/cpu_recipe.py, also the CI learning test's and
+# bench/learning.py's; measured per seed and CPU float path in BENCHMARKS.md): a small model (0.5M parameters, the
+# scenario's tags as whole tokens, a compact agent prompt) warm-started on a mixture of scripted calls that complete
+# and calls that mostly do not, then a few GRPO steps with the completion-only reward on 2 CPU workers. Its
+# learning settings (steps, batch, lr, turn and token limits, the cache's bucket size) come from
+# `python -m utils.cpu_recipe preset`; the rest is here. SEED seeds everything (model, warm start, data, trainer,
+# controller, simulators). The policy generates with vLLM when the running Python has it (make vllm-env), else with
+# HF generate. Validation (64 fixed profiles, greedy) runs before training and after the last step.
 _sead_cpu_preset() {
+    local name value
     _sead_default EXPERIMENT "cpu_demo_$(basename "${SCENARIO%.*}")"
+    _sead_default SEED 0
     _sead_default DEVICE auto
-    _sead_default N_GPUS 2
-    _sead_default STEPS 4
-    _sead_default TRAIN_PROMPTS 8
-    _sead_default ROLLOUT_N 8
-    _sead_default MINI_BATCH 4
-    _sead_default TRAIN_SAMPLES 64
-    _sead_default TEST_SAMPLES 64
-    _sead_default MAX_TURNS 10
-    _sead_default MAX_TOKENS_PER_TURN 64
-    _sead_default MAX_USER_TOKENS 48
-    _sead_default RESPONSE_LENGTH 768
-    _sead_default LR 2e-4
+    while read -r name value; do
+        _sead_default "$name" "$value"
+    done < <("${PYTHON:-python}" -m utils.cpu_recipe preset)
     _sead_default LR_WARMUP_RATIO 0.0
     _sead_default USE_KL_LOSS false
     _sead_default KL_LOSS_TYPE low_var_kl
     _sead_default KL_COEF 0.001
     _sead_default ENTROPY_COEFF 0.0
-    _sead_default TEMPERATURE 0.7
     _sead_default GRAD_CKPT false
-    _sead_default MICRO_BATCH 4
-    _sead_default LOGPROB_MICRO_BATCH 8
     _sead_default USE_DYNAMIC_BSZ false
     _sead_default MAX_TOKEN_LEN ""
     _sead_default LOGPROB_MAX_TOKEN_LEN ""
@@ -84,7 +74,6 @@ _sead_cpu_preset() {
     _sead_default LORA_RANK ""
     _sead_default LORA_ALPHA ""
     _sead_default ROLLOUT_CORRECTION off
-    _sead_default PRESET_OVERRIDES "rollout_loop.config.cache.min_bucket_size=2"
 }
 
 # ------------------------------------------------------------------------------------------------ GPU preset
@@ -108,6 +97,7 @@ _sead_cpu_preset() {
 # left out of the loss (one bad turn, not the whole dialogue).
 _sead_gpu_preset() {
     _sead_default EXPERIMENT "$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")"
+    _sead_default SEED ""
     _sead_default DEVICE cuda
     _sead_default N_GPUS 6
     _sead_default STEPS 50
@@ -169,15 +159,20 @@ _sead_gpu_lora_preset() {
 
 # ------------------------------------------------------------------------------------- GPU preset rehearsal
 # The GPU preset on CPU: every value above except the device and the sizes below (2 CPU workers as one TP-2 vLLM
-# engine, 2 x 2 dialogues of 2 short turns, token budgets of about one and two rows, a checkpoint every step), so
-# that a key added to the GPU preset is rehearsed too. Without a MODEL_PATH it runs on the demo's tiny model.
+# engine, 2 x 2 dialogues of up to 6 short turns, token budgets of about one and two rows, a checkpoint every
+# step), so that a key added to the GPU preset is rehearsed too. 6 turns let a call end (the scripted persona's
+# shortest completed call takes 5 agent turns; with 2 every call timed out and the rehearsal could not learn);
+# whether it learns anything in 2 steps of 4 dialogues is chance: main.sh says after the run when no step had a
+# signal. Without a MODEL_PATH it runs on the demo's tiny model. Its experiment is rehearsal_<model dir>_<scenario>:
+# never a real run's checkpoints.
 declare -gA SEAD_REHEARSAL_SIZES=(
     [DEVICE]=cpu [N_GPUS]=2 [POLICY_GPUS]=none [STEPS]=2 [TRAIN_PROMPTS]=2 [ROLLOUT_N]=2 [MINI_BATCH]=2
-    [TRAIN_SAMPLES]=8 [TEST_SAMPLES]=2 [MAX_TURNS]=2 [MAX_TOKENS_PER_TURN]=64 [MAX_USER_TOKENS]=48
-    [RESPONSE_LENGTH]=256 [MAX_TOKEN_LEN]=512 [LOGPROB_MAX_TOKEN_LEN]=1024 [TEST_FREQ]=2 [SAVE_FREQ]=1
+    [TRAIN_SAMPLES]=8 [TEST_SAMPLES]=2 [MAX_TURNS]=6 [MAX_TOKENS_PER_TURN]=64 [MAX_USER_TOKENS]=48
+    [RESPONSE_LENGTH]=768 [MAX_TOKEN_LEN]=1024 [LOGPROB_MAX_TOKEN_LEN]=2048 [TEST_FREQ]=2 [SAVE_FREQ]=1
 )
 _sead_rehearsal_preset() {
     local name
+    _sead_default EXPERIMENT "rehearsal_$(basename "$MODEL_PATH")_$(basename "${SCENARIO%.*}")" rehearsal
     for name in "${!SEAD_REHEARSAL_SIZES[@]}"; do
         _sead_default "$name" "${SEAD_REHEARSAL_SIZES[$name]}" rehearsal
     done

@@ -10,7 +10,8 @@
 # MODEL, USER_SIM_BACKEND (vllm with a MODEL, scripted without), SCENARIO, RUN_DIR (outputs/run),
 # SERVED_MODEL_NAME (user-sim), API_KEY_FILE, HEALTH_TIMEOUT (600 s for vllm, 120 s otherwise), SEED (0; the same
 # for every instance, so any instance answers a given request identically and a retry elsewhere is consistent),
-# VLLM_PYTHON (.venv-vllm/bin/python), PYTHON (.venv/bin/python, else python3), MAX_MODEL_LEN (8192: the
+# VLLM_PYTHON (.venv-vllm/bin/python), PYTHON (scripts/python_env.sh: `python` when it has
+# the project, else the checkout's .venv), MAX_MODEL_LEN (8192: the
 # simulator's persona prompt plus a 15-turn call, well under a 14B model's 32k) and GPU_MEMORY_UTILIZATION (0.9;
 # the instance owns its GPUs) for vllm.
 #
@@ -33,11 +34,8 @@
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CALLER_DIR="$PWD"
-PYTHON="${PYTHON:-}"
-if [[ -z "$PYTHON" ]]; then
-  if [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
-elif [[ "$PYTHON" == */* && "$PYTHON" != /* ]]; then
-  PYTHON="$CALLER_DIR/$PYTHON"
-fi
+SEAD_CALLER_DIR="$PWD"
+source "$REPO_ROOT/scripts/python_env.sh"
+sead_find_python  # PYTHON unset: `python` when it has the project, else the checkout's .venv
 cd "$REPO_ROOT"   # python -m finds llm_agent here, whichever python runs it; paths stay relative to the caller
 exec "$PYTHON" -m llm_agent.user_sim.instances start --caller-dir "$CALLER_DIR" "$@"

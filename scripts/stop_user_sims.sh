@@ -3,7 +3,8 @@
 #
 #   scripts/stop_user_sims.sh [--run-dir DIR] [--ports P1,P2,...] [--grace SECONDS]
 #
-# Env: RUN_DIR (outputs/run), PORTS (default: every RUN_DIR/user_sim_*.pid), STOP_GRACE (20 s), PYTHON.
+# Env: RUN_DIR (outputs/run), PORTS (default: every RUN_DIR/user_sim_*.pid), STOP_GRACE (20 s), PYTHON (as
+# scripts/start_user_sims.sh).
 # For each PID file ("PID START_TICKS" of port P) the process is signalled only when it is verifiably ours: alive
 # with that start time (not a reused PID), owned by this user, and its command line is a simulator server with
 # --port P. Then SIGTERM, a wait of up to the grace period, and SIGKILL for the instance and its own descendants
@@ -14,11 +15,8 @@
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CALLER_DIR="$PWD"
-PYTHON="${PYTHON:-}"
-if [[ -z "$PYTHON" ]]; then
-  if [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
-elif [[ "$PYTHON" == */* && "$PYTHON" != /* ]]; then
-  PYTHON="$CALLER_DIR/$PYTHON"
-fi
+SEAD_CALLER_DIR="$PWD"
+source "$REPO_ROOT/scripts/python_env.sh"
+sead_find_python  # PYTHON unset: `python` when it has the project, else the checkout's .venv
 cd "$REPO_ROOT"
 exec "$PYTHON" -m llm_agent.user_sim.instances stop --caller-dir "$CALLER_DIR" "$@"

@@ -69,6 +69,18 @@ def pytest_runtest_call(item):
     return result
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After a run that included the documentation tests, list the README/docs command blocks CI does not run
+    (unmarked, `gpu`, `manual`; tests/helpers/doc_blocks.py)."""
+    ran = {report.nodeid.split("::")[0] for reports in terminalreporter.stats.values() for report in reports
+           if hasattr(report, "nodeid")}
+    if "tests/test_readme_recipes.py" in ran:
+        from tests.helpers.doc_blocks import doc_blocks, inventory
+
+        terminalreporter.write_sep("-", "documentation command blocks CI does not run (unmarked, gpu, manual)")
+        terminalreporter.write_line(inventory(doc_blocks()))
+
+
 @pytest.fixture()
 def ray_cluster():
     """A local Ray instance for one test (8 logical CPUs: placement needs slots, not cores)."""

@@ -50,7 +50,8 @@ def random_profiles(scenario: Scenario, n: int, seed: int, allow_extremes: bool 
     states = valid_states(scenario, allow_extremes)
     if not states:
         raise ValueError(f"scenario {scenario.name} has no state without an extreme value; use --allow_extremes")
-    return [scenario.profile(rng.choice(states), sample_behaviors(scenario.behaviors, rng, min_behaviors, max_behaviors))
+    return [scenario.profile(rng.choice(states),
+                             sample_behaviors(scenario.behaviors, rng, min_behaviors, max_behaviors))
             for _ in range(n)]
 
 

@@ -1,15 +1,17 @@
 """Build the tiny local model used by the tests and the CPU demo.
 
-A byte-level BPE tokenizer is trained locally (on the project's own scenario text and behaviour library when
-they exist, plus a built-in corpus) and saved with a ChatML chat template; a Qwen2-architecture causal LM with
-random weights (head_dim 32, the smallest size vLLM's CPU attention accepts) is initialised from a seed. Both
-are written with `save_pretrained`, so `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(dir)` load them.
-With `tag_tokens`, every scenario's agent tags (`<stage>`, `</stage>`, ...) become single tokens, so a
-tagged agent turn is about 40 tokens instead of 90 (cheaper to train and generate on a CPU); `user_tag_tokens`
-does the same for the user simulator's tags (a tiny simulator model). The scenarios read are the shipped ones
-(`TOKENIZER_SCENARIO_PATHS`, frozen: a scenario shipped since is not among them) plus those named with
-`--scenario` (a run's own): never the whole `format_prompt/` folder, so a draft there, or a newly shipped scenario,
-changes no one's tokenizer. Nothing is downloaded.
+A byte-level BPE tokenizer is trained locally on a fixed corpus (`assets/tiny_tokenizer_corpus.json`, word
+pieces and their counts, plus a built-in corpus drawn from the seed) and saved with a ChatML chat template; a
+Qwen2-architecture causal LM with random weights (head_dim 32, the smallest size vLLM's CPU attention accepts) is
+initialised from a seed. Both are written with `save_pretrained`, so `AutoTokenizer` /
+`AutoModelForCausalLM.from_pretrained(dir)` load them. The scenarios' wording never reaches the vocabulary, so
+editing a description, a prompt or a doubt line leaves the model's files byte-identical. With `tag_tokens`, every
+scenario's agent tags (`<stage>`, `</stage>`, ...) become single tokens, so a tagged agent turn is about 40 tokens
+instead of 90 (cheaper to train and generate on a CPU); `user_tag_tokens` does the same for the user simulator's
+tags (a tiny simulator model): only a change of the tag protocol changes the vocabulary. The tags read are those of
+`TOKENIZER_SCENARIO_PATHS` (the shipped scenarios, frozen: one shipped since, such as the support desk, is not
+among them) plus those of the scenarios named with `--scenario` (a run's own): never the whole `format_prompt/`
+folder, so a draft there, or a newly shipped scenario, changes no one's tokenizer. Nothing is downloaded.
 
     python -m utils.make_tiny_model --out outputs/tiny_model [--seed 0] [--vocab-size 1024] \
         [--hidden-size 64 --intermediate-size 128 --layers 2 --heads 2 --kv-heads 1 --tag-tokens] [--user-tag-tokens] \
@@ -29,7 +31,7 @@ from llm_agent.scenario import TOKENIZER_SCENARIO_PATHS
 
 logger = logging.getLogger(__name__)
 
-ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+CORPUS_PATH = Path(__file__).resolve().parents[1] / "assets" / "tiny_tokenizer_corpus.json"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -79,13 +81,10 @@ def scenario_files(extra: Sequence[str | Path] = ()) -> list[Path]:
     return sorted({Path(p).resolve() for p in (*TOKENIZER_SCENARIO_PATHS, *extra)})
 
 
-def scenario_corpus(extra: Sequence[str | Path] = ()) -> list[str]:
-    """Return the lines of the scenario YAMLs (`scenario_files(extra)`) and the behaviour library, in a stable
-    order."""
-    lines: list[str] = []
-    for path in scenario_files(extra) + sorted(ASSETS_DIR.glob("*.jsonl")):
-        lines.extend(line for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
-    return lines
+def fixed_corpus(path: Path = CORPUS_PATH) -> list[str]:
+    """The shipped corpus as training text: each word piece repeated as often as it was counted, in file order."""
+    pieces = json.loads(path.read_text(encoding="utf-8"))["pieces"]
+    return [piece for piece, count in pieces.items() for _ in range(count)]
 
 
 def scenario_tags(extra: Sequence[str | Path] = (), side: str = "agent") -> list[str]:
@@ -126,7 +125,8 @@ def build_tokenizer(corpus: list[str], vocab_size: int, whole_tokens: list[str] 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec = TinyModelSpec(),
                      scenarios: Sequence[str | Path] = ()) -> Path:
     """Write a tokenizer and a random-weight Qwen2 causal LM to `out_dir`, deterministically from `seed`; the
-    tokenizer learns the shipped scenarios and `scenarios` (their text, and their tags with `spec.tag_tokens`).
+    tokenizer learns the fixed corpus, and the tags of the shipped scenarios and `scenarios` as whole tokens with
+    `spec.tag_tokens` / `spec.user_tag_tokens`.
 
     Returns the directory. An existing build with the same seed, spec and corpus is reused as is.
     """
@@ -136,7 +136,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec = T
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
-    corpus = scenario_corpus(scenarios) + builtin_corpus(seed)
+    corpus = fixed_corpus() + builtin_corpus(seed)
     tags = ((scenario_tags(scenarios) if spec.tag_tokens else [])
             + (scenario_tags(scenarios, "user") if spec.user_tag_tokens else []))
     fingerprint = hashlib.sha256(
@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--tag-tokens", action="store_true", help="make every scenario agent tag one token")
     parser.add_argument("--user-tag-tokens", action="store_true", help="make every scenario user tag one token")
     parser.add_argument("--scenario", action="append", default=[],
-                        help="a scenario file to learn besides the shipped ones (repeatable)")
+                        help="a scenario file whose tags to learn besides the shipped ones' (repeatable)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     spec = TinyModelSpec(vocab_size=args.vocab_size, hidden_size=args.hidden_size,

@@ -26,11 +26,13 @@ from pathlib import Path
 
 from llm_agent.stand_ins.scripted_calls import AgentFactory, scripted_calls
 from verl.trainer.fsdp_sft_trainer import SFTConfig, SFTRow, train_sft
+from verl.utils.text_tokens import max_token_chars, may_fit, tokenize_chat
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 LOSS_ON = ("all", "last")
+OVERFLOWS = ("cut", "drop")
 
 
 def check_messages(messages: object, where: str) -> list[dict[str, str]]:
@@ -77,7 +79,7 @@ def _assistant_span(body: str, content: str, eos: str | None, index: int) -> tup
 
 
 def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length: int | None = None,
-                    loss_on: str | Collection[int] = "all") -> SFTRow:
+                    loss_on: str | Collection[int] = "all", overflow: str = "cut") -> SFTRow | None:
     """Render `messages` with the tokenizer's chat template and mark the assistant tokens that carry loss: every
     assistant message (`loss_on="all"`), only the last message, which must be an assistant one (`"last"`: a
     prompt and its answer, e.g. one simulator request and the simulator's reply), or the assistant messages at
@@ -87,9 +89,13 @@ def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length
     prompt, as the model sees it when it starts its turn) and the text including it. The marked span is the
     content plus the EOS marker the template writes right after it; role markers and everything else get mask
     0. Each piece is tokenised on its own, as the rollout loop appends tokens, so the mask never straddles a
-    token (with `"last"` the whole prompt is one piece, tokenised as a server tokenises it). Sequences longer
-    than `max_length` are cut at the end.
+    token (with `"last"` the whole prompt is one piece, tokenised as a server tokenises it); message text is
+    tokenised by the one rule for outside text (`verl.utils.text_tokens`: control-token text in a message is
+    never a control token). A sequence longer than `max_length` tokens is cut at the end (`overflow="cut"`) or
+    not encoded at all (`"drop"`: None); either way no more of it is rendered or tokenised than the budget needs.
     """
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"overflow must be one of {OVERFLOWS}, got {overflow!r}")
     messages = check_messages(list(messages), "transcript")
     if isinstance(loss_on, str):
         if loss_on not in LOSS_ON:
@@ -101,10 +107,16 @@ def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length
     bad = [i for i in marked if not 0 <= i < len(messages) or messages[i]["role"] != "assistant"]
     if bad:
         raise ValueError(f"transcript: loss_on={loss_on!r} marks message(s) {bad}, which are not assistant messages")
+    if max_length is not None and overflow == "drop" and not may_fit(tokenizer, (m["content"] for m in messages),
+                                                                      max_length):
+        return None
+    enough = None if max_length is None else (max_length + 1) * max_token_chars(tokenizer)  # chars past the cut
     eos = tokenizer.eos_token
     pieces: list[tuple[str, int]] = []
     covered = ""
     for i in marked:
+        if enough is not None and len(covered) > enough:
+            break
         head = _render(tokenizer, messages[:i], generation_prompt=True)
         pieces.append((_extend(head, covered, f"the messages before message {i}"), 0))
         body = _extend(_render(tokenizer, messages[: i + 1], generation_prompt=False), head,
@@ -112,29 +124,25 @@ def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length
         start, end = _assistant_span(body, messages[i]["content"], eos, i)
         pieces += [(body[:start], 0), (body[start:end], 1), (body[end:], 0)]
         covered = head + body
-    pieces.append((_extend(_render(tokenizer, messages, generation_prompt=False), covered, "the last messages"), 0))
+    if enough is None or len(covered) <= enough:
+        pieces.append((_extend(_render(tokenizer, messages, generation_prompt=False), covered, "the last messages"), 0))
     merged: list[tuple[str, int]] = []
     for text, flag in pieces:
         if merged and merged[-1][1] == flag:
             merged[-1] = (merged[-1][0] + text, flag)
         elif text:
             merged.append((text, flag))
-    ids: list[int] = []
-    mask: list[int] = []
-    for text, flag in merged:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += piece
-        mask += [flag] * len(piece)
-    if max_length is not None:
-        ids, mask = ids[:max_length], mask[:max_length]
-    return SFTRow(ids, mask)
+    encoded = tokenize_chat(tokenizer, messages, merged, max_tokens=max_length, cut=overflow == "cut")
+    return None if encoded is None else SFTRow(*encoded)
 
 
 def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: list[list[dict]], steps: int,
-                     lr: float, batch_size: int = 8, seed: int = 0, max_length: int = 1024) -> Path:
+                     lr: float, batch_size: int = 8, seed: int = 0, max_length: int = 1024,
+                     lr_schedule: str = "constant", micro_batch_size: int | None = None) -> Path:
     """Fine-tune the local causal LM at `model_path` on `dialogues`, loss on assistant tokens only.
 
-    `verl.trainer.fsdp_sft_trainer.train_sft` with AdamW at a constant `lr` (gradient norm clipped to 1), `steps`
+    `verl.trainer.fsdp_sft_trainer.train_sft` with AdamW at `lr`, constant or decayed by `lr_schedule`
+    ("cosine": to 0 at the last step; gradient norm clipped to 1), `steps`
     updates of `batch_size` transcripts drawn epoch by epoch in a seeded shuffled order; the loss is the mean over
     all assistant tokens of the batch. Model and tokenizer are written to `out_dir` with save_pretrained, plus
     `sft_log.json` (per-step loss, settings, wall time). Returns `out_dir`.
@@ -154,7 +162,8 @@ def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: lis
         encoded.append(row)
     if not encoded:
         raise ValueError(f"no dialogue keeps an assistant token within max_length={max_length}")
-    config = SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    config = SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed, lr_schedule=lr_schedule,
+                       micro_batch_size=micro_batch_size)
     return train_sft(model_path, encoded, out_dir, config,
                      extra_log={"max_length": max_length, "n_dialogues": len(encoded)})
 
@@ -240,6 +249,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     parser.add_argument("--batch-size", type=int, default=8, help="transcripts per step")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="transcripts per forward on one rank (default: the rank's whole share of a step)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="the learning rate: constant, or decayed to 0 at the last step")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data order and of the scripted calls")
     parser.add_argument("--max-length", type=int, default=1024, help="tokens kept per transcript")
     args = parser.parse_args(argv)
@@ -254,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     path = sft_on_dialogues(args.model, args.out, dialogues, steps=args.steps, lr=args.lr,
-                            batch_size=args.batch_size, seed=args.seed, max_length=args.max_length)
+                            batch_size=args.batch_size, seed=args.seed, max_length=args.max_length,
+                            lr_schedule=args.lr_schedule, micro_batch_size=args.micro_batch_size)
     print(path)
 
 

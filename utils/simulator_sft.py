@@ -3,21 +3,25 @@
     python -m utils.simulator_sft --model /models/Qwen2.5-7B-Instruct --out outputs/sim_sft \\
         --rollouts outputs/rollouts/<run>/rollouts.jsonl [--split train] --steps 600 --lr 1e-5 ...
     torchrun --nproc_per_node 8 -m utils.simulator_sft ...            # FSDP2 over 8 GPUs (bf16, checkpointing)
+    python -m utils.make_tiny_model --user-tag-tokens --out outputs/tiny_sim_base     # a small base to try it on
     python -m utils.simulator_sft --model outputs/tiny_sim_base --out outputs/sim_sft --scripted 400 --steps 300
     python -m utils.simulator_sft --tiny [full|quick] --out outputs/tiny_simulator    # the CI simulator (cached)
 
 Training examples are simulator requests and their replies: exactly the chat messages the rollout loop's client
-sends (the persona, then the dialogue so far) followed by the simulator's tagged reply. They come from rollout
-logs or evaluation dialogues (`--rollouts`: every simulator turn, re-rendered as the loop sent it; cached turns
-and failed ones are left out) and/or from a dedicated run of scripted calls (`--scripted N`: scripted agents of
-`--quality-mix` against the scenario's scripted persona, its replies as written, think tag included). Only
-replies that pass the simulator report card's checks are kept (exact tag protocol, state jumps within the
-scenario's limits, no state moving against the agent's turn: llm_agent/simulator_report/checks.py); the counts
-of what was dropped and why go to `simulator_sft.json`. The loss is on the reply tokens only (`--number-weight`
-weighs the reply's number tokens, the states and the status, above its words). When a reply is
-exactly what the next request shows as the simulator's earlier turn (logged replies are; `--reply-format
-canonical` makes scripted ones so), a dialogue's examples share one sequence with the loss on each kept reply,
-which is the same objective at a fraction of the tokens.
+sends (the persona, then the dialogue so far) followed by the simulator's tagged reply. They come from rollout logs
+or evaluation dialogues (`--rollouts`: every simulator turn, re-rendered as the loop sent it; cached turns and
+failed ones are left out) and/or from a dedicated run of scripted calls (`--scripted N`: scripted agents of
+`--quality-mix` against the scenario's scripted persona, its replies as written, think tag included). An example
+that cannot fit `--max-length` tokens is dropped first, by its length in characters, before it is checked, rendered
+or tokenised (`too_long`; ingestion is linear in the logs' size: BENCHMARKS.md). Only replies that pass the
+simulator report card's checks are kept (exact tag protocol, no control-token text such as `<|im_start|>`, state
+jumps within the scenario's limits, no state moving against the agent's turn: llm_agent/simulator_report/checks.py);
+the counts of what was dropped and why go to `simulator_sft.json`. Message text becomes tokens by the one rule for
+outside text (`verl.utils.text_tokens`: special tokens split). The loss is on the reply tokens only
+(`--number-weight` weighs the reply's number tokens, the states and the status, above its words). When a reply is
+exactly what the next request shows as the simulator's earlier turn (logged replies are; `--reply-format canonical`
+makes scripted ones so), a dialogue's examples share one sequence with the loss on each kept reply, which is the
+same objective at a fraction of the tokens.
 
 The model is trained by `verl.trainer.fsdp_sft_trainer.train_sft` (one process, or FSDP2 over the ranks of a
 torchrun launch) and exported as a Hugging Face model directory with its tokenizer, which
@@ -38,7 +42,7 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,6 +53,7 @@ from llm_agent.stand_ins.scripted_calls import scripted_calls
 from utils.make_tiny_model import TinyModelSpec, build_tiny_model
 from utils.sft_warm_start import encode_dialogue, parse_quality_mix
 from verl.trainer.fsdp_sft_trainer import SFTConfig, SFTRow, train_sft
+from verl.utils.text_tokens import control_texts, may_fit
 
 logger = logging.getLogger(__name__)
 
@@ -95,21 +100,30 @@ def canonical(scenario: Scenario, reply: str) -> str:
     return scenario.format_user_output(user.reply or "", user.state, user.status)
 
 
-def filter_examples(examples: Sequence[SimulatorExample], scenario: Scenario, max_jump: int | None = None
-                    ) -> tuple[list[SimulatorExample], Counter]:
-    """The examples whose reply passes the report card's checks, and the count of each reason for dropping one
-    (`not_format_valid`, `jump_over_limit`, `against_agent_turn`)."""
-    reference, checker = ScriptedReference(scenario), ReplyChecker(scenario, max_jump)
+def filter_examples(examples: Sequence[SimulatorExample], scenario: Scenario, max_jump: int | None = None,
+                    control_texts: Collection[str] = ()) -> tuple[list[SimulatorExample], Counter]:
+    """The examples whose reply passes the report card's checks (`control_texts`: the tokenizer's special tokens,
+    which no reply may hold), and the count of each reason for dropping one (`control_text`, `not_format_valid`,
+    `jump_over_limit`, `against_agent_turn`)."""
+    reference, checker = ScriptedReference(scenario), ReplyChecker(scenario, max_jump, control_texts)
     kept, dropped = [], Counter()
     for example in examples:
         check = checker.check(example.reply, reference.react(example.messages))
         if check.passes:
             kept.append(example)
             continue
-        reason = ("not_format_valid" if not check.format_valid else "jump_over_limit" if not check.jump_ok
-                  else "against_agent_turn")
+        reason = ("control_text" if check.control_text else "not_format_valid" if not check.format_valid
+                  else "jump_over_limit" if not check.jump_ok else "against_agent_turn")
         dropped[reason] += 1
     return kept, dropped
+
+
+def within_length(tokenizer, examples: Sequence[SimulatorExample], max_length: int
+                  ) -> tuple[list[SimulatorExample], int]:
+    """The examples whose request and reply may fit `max_length` tokens, and how many certainly do not (counted by
+    characters, `verl.utils.text_tokens.may_fit`: nothing is parsed, rendered or tokenised for those)."""
+    fitting = [e for e in examples if may_fit(tokenizer, [*(m["content"] for m in e.messages), e.reply], max_length)]
+    return fitting, len(examples) - len(fitting)
 
 
 def _chains(examples: Sequence[SimulatorExample]) -> list[tuple[list[dict[str, str]], list[int]]]:
@@ -145,16 +159,18 @@ def weigh_numbers(tokenizer, rows: Sequence[SFTRow], weight: float) -> list[SFTR
 def encode_examples(tokenizer, examples: Sequence[SimulatorExample], max_length: int
                     ) -> tuple[list[SFTRow], int]:
     """Training rows of `examples` (shared sequences where possible) and how many examples were dropped because
-    even alone they exceed `max_length` tokens (a request cut at its end would lose its reply)."""
+    even alone they exceed `max_length` tokens (a request cut at its end would lose its reply). No sequence is
+    rendered or tokenised past the budget (`encode_dialogue(overflow="drop")`), so the cost is linear in the
+    examples whatever their length."""
     rows, too_long = [], 0
     for messages, marked in _chains(examples):
-        row = encode_dialogue(tokenizer, messages, loss_on=marked)
-        if len(row.input_ids) <= max_length:
+        row = encode_dialogue(tokenizer, messages, max_length, loss_on=marked, overflow="drop")
+        if row is not None:
             rows.append(row)
             continue
         for index in marked:  # the shared sequence is too long: its examples one by one
-            alone = encode_dialogue(tokenizer, messages[:index + 1], loss_on="last")
-            if len(alone.input_ids) <= max_length:
+            alone = encode_dialogue(tokenizer, messages[:index + 1], max_length, loss_on="last", overflow="drop")
+            if alone is not None:
                 rows.append(alone)
             else:
                 too_long += 1
@@ -203,28 +219,37 @@ def tiny_fingerprint(recipe: TinyRecipe, scenario_path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def fine_tune(model: str | Path, out: str | Path, examples: Sequence[SimulatorExample], scenario: Scenario,
-              config: SFTConfig, max_length: int, reply_format: str = "raw", max_jump: int | None = None,
-              number_weight: float = 1.0, info: Mapping[str, object] | None = None) -> Path:
-    """Filter `examples`, encode them (loss on the replies, number tokens weighted by `number_weight`) and
-    fine-tune `model` into `out` (see the module docstring); `simulator_sft.json` in `out` records the counts and
-    `info`."""
-    from transformers import AutoTokenizer
-
+def training_rows(tokenizer, examples: Sequence[SimulatorExample], scenario: Scenario, max_length: int,
+                  reply_format: str = "raw", max_jump: int | None = None, number_weight: float = 1.0
+                  ) -> tuple[list[SFTRow], dict[str, object]]:
+    """The training rows of `examples` (too long ones dropped first, then the checks' filter, then encoding; see
+    the module docstring) and the counts of what was kept and dropped; ValueError when no row is left."""
     if reply_format not in REPLY_FORMATS:
         raise ValueError(f"reply_format must be one of {REPLY_FORMATS}, got {reply_format!r}")
-    kept, dropped = filter_examples(examples, scenario, max_jump)
+    fitting, too_long = within_length(tokenizer, examples, max_length)  # before anything else reads them
+    kept, dropped = filter_examples(fitting, scenario, max_jump, control_texts(tokenizer))
     if reply_format == "canonical":
         kept = [SimulatorExample(e.group, e.messages, canonical(scenario, e.reply)) for e in kept]
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    rows, too_long = encode_examples(tokenizer, kept, max_length)
+    rows, too_long_encoded = encode_examples(tokenizer, kept, max_length)
+    too_long += too_long_encoded
     rows = weigh_numbers(tokenizer, rows, number_weight)
     if not rows:
         raise ValueError(f"no training example left: {len(examples)} examples, dropped {dict(dropped)}, "
                          f"{too_long} longer than max_length={max_length}")
-    counts = {"examples": len(examples), "kept": len(kept) - too_long, "dropped": dict(dropped),
-              "too_long": too_long, "rows": len(rows), "tokens": sum(len(r.input_ids) for r in rows),
-              "reply_tokens": sum(sum(1 for m in r.loss_mask if m) for r in rows)}
+    return rows, {"examples": len(examples), "kept": len(kept) - too_long_encoded, "dropped": dict(dropped),
+                  "too_long": too_long, "rows": len(rows), "tokens": sum(len(r.input_ids) for r in rows),
+                  "reply_tokens": sum(sum(1 for m in r.loss_mask if m) for r in rows)}
+
+
+def fine_tune(model: str | Path, out: str | Path, examples: Sequence[SimulatorExample], scenario: Scenario,
+              config: SFTConfig, max_length: int, reply_format: str = "raw", max_jump: int | None = None,
+              number_weight: float = 1.0, info: Mapping[str, object] | None = None) -> Path:
+    """Fine-tune `model` into `out` on the :func:`training_rows` of `examples` (loss on the replies, number tokens
+    weighted by `number_weight`); `simulator_sft.json` in `out` records the counts and `info`."""
+    from transformers import AutoTokenizer
+
+    rows, counts = training_rows(AutoTokenizer.from_pretrained(model), examples, scenario, max_length, reply_format,
+                                 max_jump, number_weight)
     logger.info("simulator sft: %s", counts)
     path = train_sft(model, rows, out, config, extra_log={"simulator_examples": counts})
     if int(os.environ.get("RANK", "0")) == 0:

@@ -5,7 +5,7 @@ The rollout loop appends one JSON line per validation to `rollout_loop.config.va
 so a line whose step is not above the previous line's starts a new run (a rerun appends to the same file); the
 summary is about the last run: its first validation (step 0 with `trainer.val_before_train=true`) and its last.
 
-    python -m utils.val_summary outputs/evaluation/val_metrics.jsonl
+    python -m utils.val_summary outputs/evaluation/<experiment>/val_metrics.jsonl
     -> validation completion rate: before 0.062 (step 0) -> after 0.312 (step 8) (16 dialogues)
 """
 from __future__ import annotations

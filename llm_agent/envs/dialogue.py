@@ -47,6 +47,7 @@ from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
 from llm_agent.rollout.outcome import Outcome
 from llm_agent.scenario import AgentTurn, StateSchema, UserProfile
 from llm_agent.user_sim.client import TurnFailure, TurnReply, TurnRequest, TurnResult
+from verl.utils.text_tokens import encode_text
 from verl.workers.rollout.engine import SampledTurn
 
 __all__ = ["Dialogue", "DialogueEnv", "RequestSeeds", "stable_seed"]
@@ -333,7 +334,7 @@ class DialogueEnv(Environment):
                    sim_content: str | None) -> Step:
         """Record the user side of the last turn, decide whether the dialogue goes on, and append its tokens."""
         d, context = self.dialogue, self.context
-        ids = context.tokenizer.encode(reply, add_special_tokens=False, split_special_tokens=True)
+        ids = encode_text(context.tokenizer, reply)  # the one rule for outside text: control-token text stays text
         shown = reply
         if len(ids) > context.max_user_tokens:
             ids = ids[:context.max_user_tokens]

@@ -31,6 +31,7 @@ from llm_agent.rollout.chat_layout import ChatLayout
 from llm_agent.scenario import Scenario
 from verl.protocol import DataProto
 from verl.utils.dataset import load_tokenizer
+from verl.utils.text_tokens import encode_text
 from verl.workers.batching import select_batch
 from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.hf_rollout import PROMPT_KEYS, generation_tensors
@@ -112,7 +113,7 @@ class OpenAIChatAgent(RolloutEngine):
         self.requests += len(answers)
         rows = []
         for text, finish in answers:
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = encode_text(self.tokenizer, text)  # the endpoint's text: control-token text stays text
             rows.append(ids[:length] if finish == "length" or len(ids) >= length else ids + [eos_id])
         responses = torch.tensor([ids + [pad] * (length - len(ids)) for ids in rows], dtype=input_ids.dtype)
         tensors = generation_tensors(input_ids, mask, batch["position_ids"], responses, eos, pad)
@@ -161,13 +162,14 @@ class AgentSpec:
 @dataclass
 class LocalEngineOptions:
     """How a model directory or checkpoint agent generates: `engine` (auto | hf | vllm; auto = vllm when it is
-    installed), HF's rows per `generate` call, and the vLLM engine's context limit (prompt + dialogue tokens) and
-    GPU memory share."""
+    installed), HF's rows per `generate` call, the vLLM engine's context limit (prompt + dialogue tokens) and
+    GPU memory share, and whether a checkpoint without a manifest may be opened (--trust-checkpoint)."""
 
     engine: str = "auto"
     micro_batch_size: int | None = None
     max_model_len: int = 4096 + 1024
     gpu_memory_utilization: float = 0.8
+    trust_checkpoint: bool = False
 
 
 def build_agent(spec: str, scenario: Scenario, tokenizer_path: str | None = None, agent_model: str | None = None,
@@ -192,7 +194,8 @@ def build_agent(spec: str, scenario: Scenario, tokenizer_path: str | None = None
     local = local or LocalEngineOptions()
     if pick_engine(local.engine) == "vllm":
         agent: RolloutEngine = VLLMRolloutAgent(spec, max_model_len=local.max_model_len,
-                                      gpu_memory_utilization=local.gpu_memory_utilization)
+                                                gpu_memory_utilization=local.gpu_memory_utilization,
+                                                trust_unverified=local.trust_checkpoint)
     else:
-        agent = HFRolloutAgent(spec, micro_batch_size=local.micro_batch_size)
+        agent = HFRolloutAgent(spec, micro_batch_size=local.micro_batch_size, trust_unverified=local.trust_checkpoint)
     return agent, agent.tokenizer

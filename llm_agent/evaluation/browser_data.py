@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from llm_agent.evaluation.page_text import bounded
 from llm_agent.metrics import OUTCOMES
 from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
 from llm_agent.scenario import Scenario
@@ -65,7 +66,8 @@ def browser_payload(records: Sequence[DialogueRecord], scenario: Scenario | None
     """{"dims", "outcomes", "stages", "behaviors", "dialogues"}: everything the page's JavaScript needs.
 
     `dims` are the scenario's state dimensions (without a scenario, the profiles'); `stages` maps stage id to name
-    (empty without a scenario).
+    (empty without a scenario). Every string is bounded (`page_text.bounded`: a huge logged field is cut with a
+    marker).
     """
     dims = list(scenario.dims) if scenario is not None else profile_dims(records)
     behaviors: dict[tuple[str, str], int] = {}
@@ -85,10 +87,10 @@ def browser_payload(records: Sequence[DialogueRecord], scenario: Scenario | None
             "ch": record.cache_hits, "fe": record.format_errors, "e": record.error, "lb": _labels(record.labels),
             "t": [_turn(t, dims) for t in record.turns],
         })
-    return {"dims": dims, "outcomes": list(OUTCOMES),
-            "stages": {str(s.id): s.name for s in scenario.stages} if scenario is not None else {},
-            "behaviors": [{"category": c, "behavior": b} for (c, b) in behaviors],
-            "dialogues": dialogues}
+    return bounded({"dims": dims, "outcomes": list(OUTCOMES),
+                    "stages": {str(s.id): s.name for s in scenario.stages} if scenario is not None else {},
+                    "behaviors": [{"category": c, "behavior": b} for (c, b) in behaviors],
+                    "dialogues": dialogues})
 
 
 def embed_json(value: Any) -> str:

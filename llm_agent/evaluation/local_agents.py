@@ -10,10 +10,12 @@ them exactly as it drives the trainer's policy, with the same sampling semantics
   policy's weights streamed in memory by `fsdp_weight_stream`); token ids in, token ids out.
 
 The weights come from the directory's HF export (`save_pretrained` files) or, for a checkpoint saved without one
-(`trainer.save_hf_model=last|never`), from its `sharded_state/` read by `verl.model_merger.load_model_state`; no
+(`trainer.save_hf_model=last|never`), from its `sharded_state/` read by `verl.model_merger.load_model_weights`; no
 export is written. A LoRA checkpoint or adapter directory (`adapter_config.json`: a LoRA run's `actor/`, or
 `python -m verl.model_merger --adapter_only`'s output) is its base model with the adapter merged in
-(`verl.model_merger.merged_lora_model`). `pick_engine("auto")` is vLLM when it is importable, HF otherwise.
+(`verl.model_merger.merged_lora_model`). A trainer checkpoint is verified against its manifest first and its
+sharded state read without running code (docs/checkpoints.md; `--trust-checkpoint` opens one without a manifest).
+`pick_engine("auto")` is vLLM when it is importable, HF otherwise.
 """
 from __future__ import annotations
 
@@ -26,13 +28,14 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from llm_agent.evaluation.defaults import ENGINES
-from verl.model_merger import load_model_state, merged_lora_model
+from verl.model_merger import load_model_weights, merged_lora_model
 from verl.protocol import DataProto
 from verl.utils.checkpoint import find_latest_checkpoint
+from verl.utils.checkpoint_manifest import MANIFEST_FILE, verify_checkpoint
 from verl.utils.dataset import load_tokenizer
 from verl.utils.device import get_device_name, get_dist_backend
 from verl.utils.fsdp_utils import SHARDED_STATE_DIR
-from verl.utils.lora import is_adapter_dir, read_adapter_config
+from verl.utils.lora import ADAPTER_WEIGHTS_FILE, is_adapter_dir, read_adapter_config
 from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.vllm_rollout import vllm_available
@@ -41,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ENGINES", "HFRolloutAgent", "VLLMRolloutAgent", "load_policy_model", "pick_engine", "resolve_model_dir"]
 
+TRUST_FLAG = "--trust-checkpoint"  # evaluate.py's option opening a checkpoint without a manifest
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
 
@@ -93,31 +97,39 @@ def policy_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def load_policy_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+def is_checkpoint_dir(path: Path) -> bool:
+    """A trainer checkpoint's actor/ (or critic/): it has a sharded state or a checkpoint manifest."""
+    return (path / SHARDED_STATE_DIR).is_dir() or (path / MANIFEST_FILE).is_file()
+
+
+def load_policy_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", trust_unverified: bool = False
+                      ) -> torch.nn.Module:
     """The causal LM of `model_dir` in `dtype` on `device`, from its HF weight files, its `sharded_state/`
     (a checkpoint saved without the HF export) or, for a LoRA adapter, its base with the adapter merged;
-    ValueError naming the directory when it has none of them."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    ValueError naming the directory when it has none of them. A checkpoint is verified against its manifest
+    before it is read (`trust_unverified`: one without a manifest is read anyway; --trust-checkpoint)."""
+    from transformers import AutoModelForCausalLM
 
-    if is_adapter_dir(model_dir):
+    hf_weights = any((model_dir / name).is_file() for name in HF_WEIGHT_FILES)
+    adapter = is_adapter_dir(model_dir)
+    reads_sharded = not ((model_dir / ADAPTER_WEIGHTS_FILE).is_file() if adapter else hf_weights)
+    if is_checkpoint_dir(model_dir) and not reads_sharded:  # the sharded state's reader verifies it itself
+        verify_checkpoint(model_dir, trust_unverified, TRUST_FLAG)
+    if adapter:
         try:
-            model = merged_lora_model(model_dir, dtype)
+            model = merged_lora_model(model_dir, dtype, trust_unverified=trust_unverified, flag=TRUST_FLAG)
         except FileNotFoundError as exc:
             raise ValueError(str(exc)) from None
         logger.info("loaded %s: its base model with the LoRA adapter merged", model_dir)
         return model.to(device)
-    if any((model_dir / name).is_file() for name in HF_WEIGHT_FILES):
+    if hf_weights:
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
     if not (model_dir / SHARDED_STATE_DIR).is_dir():
         raise ValueError(f"{model_dir}: no model weights ({', '.join(HF_WEIGHT_FILES)}) and no {SHARDED_STATE_DIR}/ "
                          "of a trainer checkpoint")
-    weights = load_model_state(model_dir)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
-    try:
-        model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()},
-                              strict=True)
-    except RuntimeError as exc:
-        raise ValueError(f"{model_dir}: {SHARDED_STATE_DIR}/ does not match config.json's model: {exc}") from None
+    config, _, weights = load_model_weights(model_dir, trust_unverified, TRUST_FLAG)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}, strict=True)
     logger.info("loaded %s from %s/ (%d tensors; no HF export in the checkpoint)", model_dir, SHARDED_STATE_DIR,
                 len(weights))
     return model.to(device)
@@ -126,12 +138,13 @@ def load_policy_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu") 
 class HFRolloutAgent(RolloutEngine):
     """A local model generating through the trainer's `HFRollout` (greedy unless the batch's meta_info samples)."""
 
-    def __init__(self, model_dir: str | Path, micro_batch_size: int | None = None, device: str | None = None):
+    def __init__(self, model_dir: str | Path, micro_batch_size: int | None = None, device: str | None = None,
+                 trust_unverified: bool = False):
         self.model_dir = resolve_model_dir(model_dir)
         self.device = device or get_device_name()
         dtype = policy_dtype(self.device)
+        model = load_policy_model(self.model_dir, dtype, self.device, trust_unverified)  # verified before all else
         self.tokenizer = load_tokenizer(str(base_dir(self.model_dir)))
-        model = load_policy_model(self.model_dir, dtype, self.device)
         self.rollout = HFRollout(model, OmegaConf.create({"micro_batch_size_per_gpu": micro_batch_size,
                                                           "do_sample": False}))
         logger.info("agent %s: HFRollout on %s (%s)", self.model_dir, self.device, dtype)
@@ -166,7 +179,7 @@ class VLLMRolloutAgent(RolloutEngine):
     """
 
     def __init__(self, model_dir: str | Path, max_model_len: int, gpu_memory_utilization: float = 0.8,
-                 max_num_seqs: int = 256, device: str | None = None, seed: int = 0):
+                 max_num_seqs: int = 256, device: str | None = None, seed: int = 0, trust_unverified: bool = False):
         from verl.workers.rollout.vllm_rollout import WeightSyncStats, fsdp_weight_stream, vLLMRollout
 
         self.rollout: vLLMRollout | None = None
@@ -174,8 +187,8 @@ class VLLMRolloutAgent(RolloutEngine):
         self.model_dir = resolve_model_dir(model_dir)
         self.device = device or get_device_name()
         dtype = policy_dtype(self.device)
+        model = load_policy_model(self.model_dir, dtype, "cpu", trust_unverified)  # verified before all else
         self.tokenizer = load_tokenizer(str(base_dir(self.model_dir)))
-        model = load_policy_model(self.model_dir, dtype, "cpu")
         self._owns_group = _join_single_rank_group(self.device)
         config = OmegaConf.create({
             "tensor_model_parallel_size": 1, "gpu_memory_utilization": gpu_memory_utilization,

@@ -9,7 +9,6 @@ time. Groups of dialogues: training dialogues over all steps and at the last ste
 from __future__ import annotations
 
 import datetime
-import html
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,12 +17,13 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from llm_agent.evaluation.analysis import analyze_dialogues
+from llm_agent.evaluation.analysis import analyze_dialogues, before_after_groups
 from llm_agent.evaluation.browser_data import browser_payload, embed_json
 from llm_agent.evaluation.defaults import DEFAULT_BROWSER_LIMIT, DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
-from llm_agent.evaluation.headline import cr_points, headline_html
+from llm_agent.evaluation.headline import IntervalOf, cr_points, headline_html
+from llm_agent.evaluation.page_text import esc
 from llm_agent.evaluation.plots import RunData, build_figures, load_run
-from llm_agent.evaluation.report_sections import analysis_html, metrics_html, plots_html
+from llm_agent.evaluation.report_sections import analysis_html, cr_by_state_caption, metrics_html, plots_html
 from llm_agent.evaluation.report_simulator import simulator_html
 from llm_agent.evaluation.run_data import RunFiles, output_root
 from llm_agent.evaluation.stats import metric_intervals
@@ -83,6 +83,17 @@ def _metric_columns(groups: Sequence[DialogueGroup], scenario: Scenario, bootstr
     return columns
 
 
+def _cr_interval(scenario: Scenario, bootstrap: int) -> IntervalOf | None:
+    """The headline's CR interval of a group: exactly the metrics table's (the same records, resamples and seed)."""
+    if bootstrap <= 0:
+        return None
+
+    def interval(records: Sequence[DialogueRecord]) -> tuple[float, float] | None:
+        cr = metric_intervals(records, scenario, n_resamples=bootstrap)["completion_rate"]
+        return None if cr.low is None or cr.high is None else (cr.low, cr.high)
+    return interval
+
+
 def _asset(name: str) -> str:
     return resources.files("llm_agent.evaluation").joinpath(ASSETS, name).read_text(encoding="utf-8")
 
@@ -110,20 +121,21 @@ def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float 
     title = f"SEAD report: {run.name}"
     generated = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return Template(_asset("report.html")).substitute(
-        title=html.escape(title),
-        sources=html.escape(f"{sources} · scenario {scenario.name} · {len(records)} dialogues · "
-                            f"generated {generated}"),
+        title=esc(title),
+        sources=esc(f"{sources} · scenario {scenario.name} · {len(records)} dialogues · generated {generated}"),
         css=_asset("report.css"),
-        headline=headline_html(cr_points(records, run.val)),
-        plots=plots_html(figures, notes),
+        headline=headline_html(cr_points(records, run.val, _cr_interval(scenario, bootstrap)),
+                               f"the metrics table's {DEFAULT_CONFIDENCE:.0%} bootstrap interval"),
+        plots=plots_html(figures, notes, {"cr_by_initial_state": cr_by_state_caption(
+            [label for label, _ in before_after_groups(records)] if records else [])}),
         metrics=metrics_html(columns, "Every metric as defined in llm_agent/metrics.py ("
                              + ", ".join(f"{k}: the {d} improvement" for k, d in index_keys(scenario).items())
                              + "; n/a: undefined, e.g. ATT without a completed call). " + ci_note,
                              metric_keys(scenario)),
         mistakes=analysis_html(analyses),
         simulator=simulator_html(simulator_cards),
-        browser_note=html.escape(f"The browser holds the last {browser_limit} of the {len(records)} dialogues."
-                                 if len(records) > browser_limit else ""),
+        browser_note=esc(f"The browser holds the last {browser_limit} of the {len(records)} dialogues."
+                         if len(records) > browser_limit else ""),
         data=embed_json(browser_payload(records[-browser_limit:], scenario)),
         js=_asset("report.js"))
 

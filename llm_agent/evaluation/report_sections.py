@@ -5,7 +5,6 @@ Every value from the data is escaped; the fragments hold no script and reference
 from __future__ import annotations
 
 import base64
-import html
 import io
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,9 +12,10 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from llm_agent.evaluation.defaults import MIN_SMOOTH_POINTS
+from llm_agent.evaluation.page_text import esc as _esc
 from llm_agent.metrics import NOT_AVAILABLE
 
-__all__ = ["analysis_html", "metrics_html", "plots_html"]
+__all__ = ["analysis_html", "cr_by_state_caption", "metrics_html", "plots_html"]
 
 PLOT_CAPTIONS = {
     "training_curves": f"Training curves per step: raw values, and a labelled EMA over series of {MIN_SMOOTH_POINTS} "
@@ -28,10 +28,6 @@ PLOT_CAPTIONS = {
     "cache_hit_rate_by_stage": "User-response cache hit rate (hits / eligible lookups) per SOP stage; dashed: the "
                                "configured target.",
 }
-
-
-def _esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -54,11 +50,21 @@ def _png_data_uri(fig: Figure) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def plots_html(figures: Mapping[str, Figure], notes: Sequence[str]) -> str:
-    """Each figure as an embedded PNG (data URI) with a caption, then the notes on skipped figures."""
+def cr_by_state_caption(group_labels: Sequence[str]) -> str:
+    """The caption of `cr_by_initial_state` for its groups of dialogues (`analysis.before_after_groups`): before
+    and after training only when there are two to compare."""
+    if len(group_labels) != 1:
+        return PLOT_CAPTIONS["cr_by_initial_state"]
+    return (f"Completion rate by the simulated user's initial state, {group_labels[0]} (one set of dialogues: "
+            "nothing before or after to compare), with 95% Wilson intervals.")
+
+
+def plots_html(figures: Mapping[str, Figure], notes: Sequence[str], captions: Mapping[str, str] | None = None) -> str:
+    """Each figure as an embedded PNG (data URI) with a caption (`captions` overrides the defaults), then the
+    notes on skipped figures."""
     parts = []
     for name, fig in figures.items():
-        caption = PLOT_CAPTIONS.get(name) or (f"The state controller's sampling weights (left) and the CR it saw "
+        caption = (captions or {}).get(name) or PLOT_CAPTIONS.get(name) or (f"The state controller's sampling weights (left) and the CR it saw "
                                               f"per value (right), {name.split('_', 1)[-1]} dimension.")
         parts.append(f'<figure id="plot-{_esc(name)}"><img alt="{_esc(name)}" src="{_png_data_uri(fig)}">'
                      f"<figcaption><b>{_esc(name)}</b>: {_esc(caption)}</figcaption></figure>")

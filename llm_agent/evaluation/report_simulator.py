@@ -8,11 +8,11 @@ report's stylesheet. Every value from a card is escaped.
 from __future__ import annotations
 
 import datetime
-import html
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
+from llm_agent.evaluation.page_text import esc as _esc
 from llm_agent.simulator_report.card import METRIC_KEYS
 
 __all__ = ["METRIC_NOTES", "render_simulator_page", "simulator_html"]
@@ -23,6 +23,7 @@ METRIC_NOTES = {
     "rerequest_rate": "turns that needed a re-request",
     "rerequests_per_turn": "re-requests per turn",
     "failed_rate": "turns with no acceptable reply",
+    "control_text_rate": "turns with a reply holding chat-template control text (<|im_start|>, </s>, ...)",
     "format_valid_rate": "the reply used is in the exact tag protocol",
     "jump_within_limits_rate": "state moved within the scenario's per-turn limits",
     "direction_consistent_rate": "no dimension moved against the agent's turn",
@@ -36,10 +37,6 @@ METRIC_NOTES = {
     "distinct_2": "distinct word pairs per word pair",
     "unique_reply_rate": "distinct replies per reply",
 }
-
-
-def _esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def _num(value: Any) -> str:

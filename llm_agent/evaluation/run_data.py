@@ -3,7 +3,8 @@
 A *run* is what `scripts/main.sh` leaves under its output directory (default `outputs/`) for one experiment:
 
     outputs/logs/<experiment>/metrics.jsonl         one JSON object per training step (the jsonl tracking backend)
-    outputs/evaluation/val_metrics.jsonl            one {"step", "n_dialogues", "metrics"} line per validation
+    outputs/evaluation/<experiment>/val_metrics.jsonl   one {"step", "n_dialogues", "metrics"} line per validation
+                                                    (outputs/evaluation/val_metrics.jsonl: the config's default)
     outputs/rollouts/<experiment>/rollouts.jsonl    one line per dialogue (llm_agent.rollout.records.log_lines)
 
 `resolve_run` accepts that output root (its most recently written experiment is taken), a log directory, a

@@ -195,8 +195,8 @@ class ProfileWriter:
                 time.sleep(min(0.1 * 2 ** attempt, 2.0))
                 continue
             self._endpoint_result(True)
-            check = check_answer(text, self.scenario.state_schema.state(state), self.scenario.behaviors, s.min_behaviors, s.max_behaviors, rules,
-                                 self.scenario.state_ranges)
+            check = check_answer(text, self.scenario.state_schema.state(state), self.scenario.behaviors,
+                                 s.min_behaviors, s.max_behaviors, rules, self.scenario.state_ranges)
             if not check.accepted:
                 self._reject(rejected, index, attempt, check.reject_reason, detail=check.detail,
                              repairs=check.repairs, answer=text)

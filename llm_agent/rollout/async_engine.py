@@ -2,7 +2,8 @@
 
 Each dialogue task asks for its next agent turn with `await engine.generate(dialogue_id, row)`. A replica is a
 `RolloutEngine` of the policy's `replicas()` (the whole FSDP worker group for the HF rollout, whose generation is
-one collective over all ranks; each vLLM tensor-parallel group otherwise: see `verl.workers.rollout.replicas`). Per replica, one batch is in flight at a time: requests wait in the replica's queue until
+one collective over all ranks; each vLLM tensor-parallel group otherwise: see `verl.workers.rollout.replicas`). Per
+replica, one batch is in flight at a time: requests wait in the replica's queue until
 it is free and then for at most `batch_wait_ms` after the oldest queued request (or until `max_batch_size`
 requests are queued), so requests that arrive while a batch generates go out together the moment it returns (the
 call-level analogue of continuous batching). A dialogue is placed on the replica with the fewest requests queued

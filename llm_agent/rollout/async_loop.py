@@ -1,7 +1,8 @@
 """The async rollout loop (`rollout_loop.config.mode: async`): every dialogue is its own task.
 
 A dialogue's agent turn goes to the policy's `RolloutEngine` (micro-batched per replica by `MicroBatchingEngine`)
-as soon as its previous user turn is in, and its simulator request goes out as soon as its agent turn is back; no dialogue waits for another. The turn
+as soon as its previous user turn is in, and its simulator request goes out as soon as its agent turn is back; no
+dialogue waits for another. The turn
 rules are the environment's (`llm_agent.envs`), shared with the sync loop, so tokens, loss masks, outcomes,
 records, cache rules and error handling are the same in both modes. All dialogues end before
 `run_dialogues_async` returns: the policy's weights change only between steps.

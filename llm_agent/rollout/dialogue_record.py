@@ -36,11 +36,17 @@ def _copy(state: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return None if state is None else dict(state)
 
 
+def _shown(value: Any) -> str:
+    """A logged value as an error message shows it: its repr, cut at 60 characters (a log line may be hostile)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}... ({type(value).__name__} of {len(text)} characters)"
+
+
 def _int_or_none(value: Any, what: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an integer or null, got {value!r}")
+        raise ValueError(f"{what} must be an integer or null, got {_shown(value)}")
     return value
 
 
@@ -194,7 +200,7 @@ class DialogueRecord:
         """The profile's initial value of each of `dims`; ValueError naming `where` when one is not an int."""
         profile = self.profile
         if any(isinstance(profile.get(d), bool) or not isinstance(profile.get(d), int) for d in dims):
-            raise ValueError(f"{where}: 'profile' must hold integer {list(dims)}, got {profile!r}")
+            raise ValueError(f"{where}: 'profile' must hold integer {list(dims)}, got {_shown(profile)}")
         return {d: int(profile[d]) for d in dims}
 
     def to_dict(self) -> dict[str, Any]:
@@ -215,9 +221,9 @@ class DialogueRecord:
             raise ValueError(f"{where}: a record must be an object, got {type(d).__name__}")
         for key in ("outcome", "turns"):
             if key not in d:
-                raise KeyError(f"{where}: the record has no {key!r} (keys: {sorted(d)})")
+                raise KeyError(f"{where}: the record has no {key!r} (keys: {_shown(sorted(map(str, d)))})")
         if d["outcome"] not in OUTCOMES:
-            raise ValueError(f"{where}: outcome {d['outcome']!r} is not one of {list(OUTCOMES)}")
+            raise ValueError(f"{where}: outcome {_shown(d['outcome'])} is not one of {list(OUTCOMES)}")
         raw_turns = d["turns"]
         if not isinstance(raw_turns, (list, tuple)):
             raise ValueError(f"{where}: 'turns' must be a list of turn dicts, got {type(raw_turns).__name__}")
@@ -246,11 +252,11 @@ def _count(d: Mapping[str, Any], key: str, where: str, default: int | None = Non
     """d[key] as a non-negative int (`default` when absent, or a KeyError naming `where` without one)."""
     if d.get(key) is None:
         if default is None:
-            raise KeyError(f"{where}: the record has no {key!r} (keys: {sorted(d)})")
+            raise KeyError(f"{where}: the record has no {key!r} (keys: {_shown(sorted(map(str, d)))})")
         return default
     value = d[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{where}: {key!r} must be a non-negative int, got {value!r}")
+        raise ValueError(f"{where}: {key!r} must be a non-negative int, got {_shown(value)}")
     return value
 
 
@@ -260,7 +266,7 @@ def _cost(d: Mapping[str, Any], key: str, where: str, integral: bool = True) -> 
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{where}: {key!r} must be a finite number >= 0, got {value!r}")
+        raise ValueError(f"{where}: {key!r} must be a finite number >= 0, got {_shown(value)}")
     return int(value) if integral and float(value).is_integer() else value
 
 

@@ -39,7 +39,7 @@ from llm_agent.rollout.user_profiles import UserProfiles
 from llm_agent.scenario import load_scenario
 from llm_agent.user_sim.client import SimulatorCheckError, SimulatorClient, TurnRequest, UserSimClient
 from verl.protocol import DataProto
-from verl.trainer.ppo.plugins import ConsoleMetric, RolloutLoop
+from verl.trainer.ppo.plugins import BatchOutputs, ConsoleMetric, RolloutLoop
 from verl.workers.rollout.engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,11 @@ class LLMGenerationManager(RolloutLoop):
         ("val/dialogue/completion_rate", "val CR%"),
         ("rollout/time_generate_s", "gen_s"), ("rollout/time_user_sim_s", "sim_s"),
     )
+
+    @classmethod
+    def batch_outputs(cls, config: Mapping[str, Any]) -> BatchOutputs:
+        """Neither per-turn rewards nor failure labels: the dialogue reward (llm_agent.reward) writes those."""
+        return BatchOutputs()
 
     def __init__(self, tokenizer: Any, engine: RolloutEngine, config: Mapping[str, Any], is_validation: bool,
                  client: SimulatorClient | None = None) -> None:

@@ -9,6 +9,8 @@ every check of its reply:
 - `rerequest_rate`: turns that needed at least one re-request; `rerequests_per_turn`: re-requests per turn (for
   logged dialogues, their `sim_retries` per graded turn); `failed_rate`: no acceptable reply after every
   request, or no answer at all;
+- `control_text_rate`: some reply of the turn holds control-token text (`<|im_start|>`, `</s>`, ...: an attempt to
+  end its message and open another; such a reply is never format-valid);
 - `format_valid_rate`: the reply the loop would use is format-valid; `jump_within_limits_rate`,
   `direction_consistent_rate`: its state moved within the scenario's limits / never against the agent's turn;
 - `scripted_direction_agreement`, `scripted_state_agreement`, `scripted_status_agreement`: the same direction
@@ -44,7 +46,8 @@ __all__ = ["DIVERSITY_KEYS", "INTERVAL_KEYS", "METRIC_KEYS", "ScoredDialogue", "
            "card_metrics", "score_dialogues"]
 
 INTERVAL_KEYS = ("first_try_valid_rate", "first_try_accepted_rate", "rerequest_rate", "rerequests_per_turn",
-                 "failed_rate", "format_valid_rate", "jump_within_limits_rate", "direction_consistent_rate",
+                 "failed_rate", "control_text_rate", "format_valid_rate", "jump_within_limits_rate",
+                 "direction_consistent_rate",
                  "scripted_direction_agreement", "scripted_state_agreement", "scripted_status_agreement",
                  "behaviour_adherence", "latency_p50_s", "latency_p95_s")
 DIVERSITY_KEYS = ("distinct_1", "distinct_2", "unique_reply_rate")
@@ -59,7 +62,8 @@ MAX_EXAMPLES = 5
 @dataclass(frozen=True)
 class ScoredTurn:
     """One graded turn: the scripted reference, the check of the accepted reply (None: no acceptable reply),
-    whether the first reply was format-valid / accepted (None: unknown), the requests made and their latencies."""
+    whether the first reply was format-valid / accepted (None: unknown), the requests made and their latencies,
+    and the first reply holding control-token text (None: none did)."""
 
     reference: Reference
     check: ReplyCheck | None
@@ -68,6 +72,7 @@ class ScoredTurn:
     requests: int | None
     latencies_s: tuple[float, ...]
     first_reply: str | None
+    control_reply: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,8 @@ def score_dialogues(dialogues: Sequence[SimDialogue], scenario: Scenario, max_ju
                 first_valid=(bool(checks) and checks[0].format_valid) if known else None,
                 first_accepted=(bool(checks) and checks[0].accepted) if known else None,
                 requests=len(turn.replies) + (turn.failure is not None) if known else None,
-                latencies_s=tuple(turn.latencies_s), first_reply=turn.replies[0] if turn.replies else None))
+                latencies_s=tuple(turn.latencies_s), first_reply=turn.replies[0] if turn.replies else None,
+                control_reply=next((text for text, c in zip(turn.replies, checks) if c.control_text), None)))
         own = {b.category for b in dialogue.profile.behaviors}
         expected = frozenset(t.reference.doubt for t in turns if t.reference.doubt in own)
         scored.append(ScoredDialogue(dialogue.dialogue_id, tuple(turns), expected, dialogue.logged_rerequests))
@@ -131,6 +137,7 @@ def card_metrics(dialogues: Sequence[ScoredDialogue], diversity: bool = True) ->
         graded = sum(len(d.turns) for d in logged)
         out["rerequests_per_turn"] = sum(d.logged_rerequests for d in logged) / graded if graded else None
     out["failed_rate"] = _mean(t.check is None for t in turns)
+    out["control_text_rate"] = _mean(t.control_reply is not None for t in turns)
     for key, attribute in _CHECK_RATES.items():
         out[key] = _mean(t.check is not None and getattr(t.check, attribute) for t in turns)
     expected = sum(len(d.expected_doubts) for d in dialogues)
@@ -152,17 +159,21 @@ def _interval_json(value: Interval | float | None) -> Any:
 
 
 def _examples(dialogues: Sequence[ScoredDialogue]) -> dict[str, list[dict[str, Any]]]:
-    """A few first replies that were not format-valid and a few accepted ones whose direction disagreed."""
-    malformed, disagreeing = [], []
+    """A few first replies that were not format-valid, a few holding control-token text and a few accepted ones
+    whose direction disagreed."""
+    malformed, control, disagreeing = [], [], []
     for d in dialogues:
         for i, t in enumerate(d.turns):
             where = {"dialogue_id": d.dialogue_id, "turn": i}
+            if t.control_reply is not None and len(control) < MAX_EXAMPLES:
+                control.append({**where, "reply": t.control_reply[:400]})
             if t.first_valid is False and len(malformed) < MAX_EXAMPLES:
                 malformed.append({**where, "reply": (t.first_reply or "")[:400]})
             if t.check is not None and not t.check.agrees_direction and len(disagreeing) < MAX_EXAMPLES:
                 disagreeing.append({**where, "reply": t.check.user.raw[:400], "scripted_state": t.reference.state,
                                     "previous_state": t.reference.previous, "events": list(t.reference.events)})
-    return {"malformed_first_replies": malformed, "direction_disagreements": disagreeing}
+    return {"malformed_first_replies": malformed, "control_text_replies": control,
+            "direction_disagreements": disagreeing}
 
 
 def probe_fingerprint(messages: Iterable[Sequence[Mapping[str, str]]]) -> str:

@@ -5,7 +5,10 @@ For a reply to a request (see `reference.py` for what the scripted persona does 
 - accepted: the rollout loop takes it without a re-request (`Scenario.parse_user_output` finds a reply and any
   status is -1, 0 or 1; the loop's own rule);
 - format_valid: exactly the tag protocol: reply, the three state tags as integers inside their ranges and the
-  status, each once and closed, no protocol tag inside the reply (the parser raised no flag at all);
+  status, each once and closed, no protocol tag inside the reply (the parser raised no flag at all), and no
+  control-token text (`control_text`: a chat-template marker such as `<|im_start|>`, or a special token of the
+  tokenizer the checker is given; `verl.utils.text_tokens`), which would try to end the reply's message and
+  open another;
 - jump_ok: every state dimension is present and moved from the dialogue's state by no more than the scenario
   allows in one turn (`jump_limits`: every event of the effect table pushing that way at once, or `max_jump`);
 - direction_ok: no dimension moved against the agent's turn (the direction the scripted rules' events in the
@@ -19,11 +22,12 @@ For a reply to a request (see `reference.py` for what the scripted persona does 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from llm_agent.scenario import Scenario, UserTurn
 from llm_agent.simulator_report.reference import Reference
+from verl.utils.text_tokens import has_control_text
 
 __all__ = ["DoubtMatcher", "ReplyCheck", "ReplyChecker", "jump_limits"]
 
@@ -77,6 +81,7 @@ class ReplyCheck:
     user: UserTurn
     accepted: bool
     format_valid: bool
+    control_text: bool
     jump_ok: bool
     direction_ok: bool
     agrees_direction: bool
@@ -93,10 +98,11 @@ class ReplyCheck:
 class ReplyChecker:
     """Checks replies against a scenario's protocol, its jump limits and a scripted reference."""
 
-    def __init__(self, scenario: Scenario, max_jump: int | None = None) -> None:
+    def __init__(self, scenario: Scenario, max_jump: int | None = None, control_texts: Collection[str] = ()) -> None:
         self.scenario = scenario
         self.limits = jump_limits(scenario, max_jump)
         self.matcher = DoubtMatcher(scenario)
+        self.control_texts = tuple(control_texts)
 
     def check(self, text: str, reference: Reference) -> ReplyCheck:
         """Check the reply `text` to the request whose scripted reaction is `reference`."""
@@ -109,9 +115,10 @@ class ReplyChecker:
                                         for d in dims)
         agrees_direction = complete and all(_sign(delta[d]) == reference.direction[d] for d in dims)
         accepted = not user.parse_error
+        control = has_control_text(text, self.control_texts)
         return ReplyCheck(
-            user=user, accepted=accepted,
-            format_valid=accepted and complete and user.status is not None and not user.flags,
+            user=user, accepted=accepted, control_text=control,
+            format_valid=accepted and complete and user.status is not None and not user.flags and not control,
             jump_ok=jump_ok, direction_ok=direction_ok, agrees_direction=agrees_direction,
             agrees_state=complete and dict(state) == reference.state,
             agrees_status=accepted and (user.status if user.status is not None else 0) == reference.status,

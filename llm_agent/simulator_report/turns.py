@@ -62,26 +62,32 @@ def _heard_turns(scenario: Scenario, record: DialogueRecord) -> Iterable[tuple[T
 
 def dialogues_from_log(records: Sequence[DialogueRecord], scenario: Scenario) -> list[SimDialogue]:
     """The simulator turns of logged dialogue records (rollout log or evaluation lines; see module docstring).
-    ValueError names the record whose profile cannot be read."""
+    ValueError names the record whose profile does not fit the scenario (`DialogueRecord.from_dict` checked
+    the turns' fields when the log was read).
+
+    A request repeats the dialogue so far: each is the previous one plus two messages, so the requests of a
+    dialogue share their text (memory linear in the dialogue, however long its replies)."""
     dialogues = []
     for i, record in enumerate(records):
+        where = f"dialogue record {i} ({record.dialogue_id[:100]!r})"
         try:
             profile = UserProfile.from_dict(record.profile)
             scenario.check_profile(profile)
         except ValueError as exc:
-            raise ValueError(f"dialogue record {i} ({record.dialogue_id!r}): {exc}") from None
+            raise ValueError(f"{where}: {exc}") from None
         dialogue = SimDialogue(record.dialogue_id or str(i), profile, logged_rerequests=record.sim_retries)
         history: list[Turn] = []
+        messages: list[dict[str, str]] = []
         for agent, user, logged in _heard_turns(scenario, record):
             history.append(agent)
+            messages = (messages + scenario.render_user_messages(profile, history[-2:])[1:] if messages
+                        else scenario.render_user_messages(profile, history))
             if user is None:
-                dialogue.turns.append(SimTurn(scenario.render_user_messages(profile, history),
-                                              failure=str(logged.user_error), first_try_known=False))
+                dialogue.turns.append(SimTurn(messages, failure=str(logged.user_error), first_try_known=False))
                 break
             if logged.user_source == "simulator":
                 canonical = scenario.format_user_output(user.reply or "", user.state, user.status)
-                dialogue.turns.append(SimTurn(scenario.render_user_messages(profile, history), (canonical,),
-                                              first_try_known=False))
+                dialogue.turns.append(SimTurn(messages, (canonical,), first_try_known=False))
             history.append(user)
         dialogues.append(dialogue)
     return dialogues

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llm_agent.api_keys import ApiKeyError, api_key, command_line_refusal
+from llm_agent.api_keys import ApiKeyError, KeySafeArgumentParser, api_key, command_line_refusal
 from llm_agent.user_sim.processes import (REPO_ROOT, ProcessId, ServerSpec, SimulatorStartError, is_our_simulator,
                                           launch, port_in_use, stop_process, wait_until_ready)
 
@@ -135,17 +135,15 @@ def _read_api_key(key_file: str | None, environ: Mapping[str, str]) -> str | Non
         raise UsageError(str(err)) from None
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors read "<prog>: unknown option ..." and exit 2 through UsageError."""
+class _Parser(KeySafeArgumentParser):
+    """A KeySafeArgumentParser whose errors exit 2 through UsageError (an unknown option named, its value not)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        if message.startswith("unrecognized arguments"):
-            message = f"unknown option '{message.split(': ', 1)[1]}' (see --help)"
-        raise UsageError(message)
+        raise UsageError(message.replace("unrecognized option(s)", "unknown option(s)") + " (see --help)")
 
 
 def _start_parser() -> _Parser:
-    p = _Parser(prog="start_user_sims", allow_abbrev=False,
+    p = _Parser(prog="start_user_sims",
                 description="Start simulator instances on loopback, wait until each is healthy, record their PIDs. "
                             "Every option also reads the environment variable in brackets. Arguments after -- go "
                             "to every server.")
@@ -324,7 +322,7 @@ def _abort(run: RunDir, started: dict) -> None:
 # ---- stop ----
 
 def _stop_parser() -> _Parser:
-    p = _Parser(prog="stop_user_sims", allow_abbrev=False,
+    p = _Parser(prog="stop_user_sims",
                 description="Stop the instances recorded in a run directory, and nothing else.")
     e = os.environ.get
     p.add_argument("--run-dir", default=e("RUN_DIR", "outputs/run"), help="[RUN_DIR] (outputs/run)")

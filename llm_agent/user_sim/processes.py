@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.client
 import logging
 import os
 import signal
@@ -210,7 +211,7 @@ def health_ok(url: str, timeout_s: float = 2.0) -> bool:
     try:
         with _NO_PROXY.open(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
             return response.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return False
 
 

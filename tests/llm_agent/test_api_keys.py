@@ -6,6 +6,7 @@ import os
 import pytest
 
 from llm_agent.api_keys import MAX_KEY_CHARS, ApiKeyError, api_key, command_line_refusal, read_key_file
+from tests.helpers.for_evaluation_cli import load_script
 
 SECRET = "sk-test-0123456789"
 
@@ -72,3 +73,56 @@ def test_an_unusable_key_file_is_refused_by_name_without_its_content(tmp_path, c
 def test_the_command_line_refusal_names_the_safe_ways_only():
     message = command_line_refusal("--sim-api-key", "SEAD_USER_SIM_API_KEY")
     assert "--sim-api-key-file PATH" in message and "SEAD_USER_SIM_API_KEY" in message and "/proc" in message
+
+
+@pytest.mark.parametrize("text", [f"{SECRET}\nsecond-key", f"A={SECRET}\0B=other\0", f"{SECRET}\rx", f"a\tb"])
+def test_a_key_file_of_several_lines_or_control_characters_is_refused(tmp_path, text):
+    with pytest.raises(ApiKeyError, match="several lines or control characters") as err:
+        read_key_file(_key_file(tmp_path, text=text), "--sim-api-key-file")
+    assert SECRET not in str(err.value)
+
+
+def test_a_key_given_where_its_files_path_belongs_is_never_repeated(tmp_path):
+    with pytest.raises(ApiKeyError, match="cannot open the file given to --sim-api-key-file") as err:
+        read_key_file(SECRET, "--sim-api-key-file")
+    assert SECRET not in str(err.value)
+    with pytest.raises(ApiKeyError) as err:
+        read_key_file(tmp_path / SECRET, "--sim-api-key-file")
+    assert SECRET not in str(err.value)
+
+
+@pytest.mark.parametrize("argv", [["--sim-api-key-f", SECRET], [f"--sim-api-key-f={SECRET}"], ["--sim-api-k", SECRET],
+                                  ["--agent-api-key-fi", SECRET], ["--sim-api", SECRET], ["--bogus", SECRET]])
+def test_evaluate_refuses_abbreviated_key_flags_without_repeating_their_value(argv, capsys):
+    evaluate = load_script("evaluate")
+    with pytest.raises(SystemExit) as exc:
+        evaluate.parse_args(["--agent", "scripted:good", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized option(s) " + argv[0].split("=")[0] in err and SECRET not in err
+
+
+def test_evaluate_never_prints_a_key_given_as_its_files_path(tmp_path, capsys):
+    evaluate = load_script("evaluate")
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--agent", "scripted:good", "--sim-api-key-file", SECRET, "--out", str(tmp_path)])
+    assert "--sim-api-key-file" in str(exc.value.code) and SECRET not in str(exc.value.code)
+    captured = capsys.readouterr()
+    assert SECRET not in captured.out + captured.err
+
+
+@pytest.mark.parametrize("module", ["llm_agent.user_sim.server.app", "llm_agent.user_sim.instances"])
+def test_the_simulator_commands_refuse_abbreviations_without_repeating_values(module, capsys):
+    import importlib
+
+    from llm_agent.user_sim.instances import UsageError, parse_start
+
+    if module.endswith("instances"):
+        with pytest.raises(UsageError) as err:
+            parse_start(["--api-key-f", SECRET], {})
+        assert "unknown option(s) --api-key-f" in str(err.value) and SECRET not in str(err.value)
+        return
+    with pytest.raises(SystemExit):  # before: --api-key-f read the file named SECRET and printed its name
+        importlib.import_module(module).parse_args(["--api-key-f", SECRET])
+    err = capsys.readouterr().err
+    assert "unrecognized option(s) --api-key-f" in err and SECRET not in err

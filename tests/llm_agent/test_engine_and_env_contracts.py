@@ -174,8 +174,8 @@ def test_no_engine_or_environment_is_probed_for_what_it_has():
 
     from tests.helpers.repo import REPO
 
-    probe = re.compile(r"(getattr|hasattr)\(\s*(self\.)?(engine|policy|agent|env|envs?\[[^]]*\]|worker_group|wg|replica|"
-                       r"group)\s*,")
+    probe = re.compile(r"(getattr|hasattr)\(\s*(self\.)?(engine|policy|agent|env|envs?\[[^]]*\]|worker_group|wg|"
+                       r"replica|group)\s*,")
     found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
              for package in ("llm_agent", "verl", "for_evaluation", "bench") for path in (REPO / package).rglob("*.py")
              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if probe.search(line)]

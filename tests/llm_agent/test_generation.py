@@ -13,8 +13,8 @@ from llm_agent.generation import LLMGenerationManager
 from llm_agent.rollout.config import ConfigError, GenerationConfig
 from llm_agent.scenario import UserProfile
 
-from tests.helpers.gen_loop_helpers import (record_columns, column, FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
-                                            prompt_messages)
+from tests.helpers.gen_loop_helpers import (FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, column, make_gen_batch,
+                                            prompt_messages, record_columns)
 from tests.helpers.repo import SCENARIO_PATH
 from tests.helpers.profiles import profile3
 

@@ -15,7 +15,8 @@ from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.user_sim.client import TurnRequest
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 
-from tests.helpers.gen_loop_helpers import record_columns, column, assert_same_dialogues, greedy_rollouts_in_both_modes, make_gen_batch
+from tests.helpers.gen_loop_helpers import (assert_same_dialogues, column, greedy_rollouts_in_both_modes,
+                                            make_gen_batch, record_columns)
 from tests.helpers.repo import SCENARIO_PATH
 from tests.helpers.sim_servers import SimServers
 from verl.workers.rollout.engine import RolloutEngine

@@ -241,11 +241,12 @@ def test_sead_training_step_in_async_mode(warm_model_path, tmp_path, sims, ray_c
     assert misaligned_rows(batch, trainer.tokenizer) == []
     assert controller["updates"] == 1
     assert "rollout_log_probs" in batch.batch.keys() and "agent_turn_ids" in batch.batch.keys()
-    assert 0 <= metrics["rollout/kl_k3"] < 1e-6 and 0 <= metrics["rollout/logprob_abs_diff_max"] < 1e-3
+    # k3 >= 0 in exact arithmetic; another CPU's kernels leave float noise on either side of 0 (-7.4e-10 seen)
+    assert -1e-6 < metrics["rollout/kl_k3"] < 1e-6 and 0 <= metrics["rollout/logprob_abs_diff_max"] < 1e-3
     most_turns = max(line["num_turns"] for line in lines)
     assert most_turns >= 2, "no dialogue with a second agent turn to break the mismatch down by"
     for k in range(min(most_turns, 8)):
-        assert 0 <= metrics[f"rollout/kl_k3_turn_{k}"] < 1e-6
+        assert -1e-6 < metrics[f"rollout/kl_k3_turn_{k}"] < 1e-6
         assert 0 <= metrics[f"rollout/logprob_abs_diff_mean_turn_{k}"] < 1e-4
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0
     assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)

@@ -66,7 +66,8 @@ def _train(model: str, root: Path, url: str, train: Path, test: Path) -> None:
         "trainer.val_before_train=false", "trainer.test_freq=1",
         f"{LOOP}.scenario={DESK}", f"{LOOP}.max_turns=3", f"{LOOP}.max_tokens_per_turn=48",
         f"{LOOP}.max_user_tokens=32", f"{LOOP}.user_sim.urls='{url}'", f"{LOOP}.user_sim.timeout_s=10",
-        f"{LOOP}.cache.path={root / 'cache.jsonl'}", f"{LOOP}.rollout_log_path={root / 'rollouts' / 'desk' / 'rollouts.jsonl'}",
+        f"{LOOP}.cache.path={root / 'cache.jsonl'}",
+        f"{LOOP}.rollout_log_path={root / 'rollouts' / 'desk' / 'rollouts.jsonl'}",
         f"{LOOP}.val_metrics_path={root / 'evaluation' / 'desk' / 'val_metrics.jsonl'}",
     ], config_name="sead_trainer")
     trainer, pool = make_trainer(config)

@@ -144,6 +144,19 @@ def test_a_simulator_url_carrying_credentials_is_refused_without_printing_them(t
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.parametrize("dry_run", [(), ("--dry-run",)])
+@pytest.mark.parametrize("url, message", [
+    ("ftp://sim:5000", "not an http(s)://host[:port] URL"), ("http://sim:99999", "port in 1-65535"),
+    ("http://sim:-1", "port in 1-65535"), ("http://sim:5000/v1?token=s3cret", "query string"),
+    ("http://sim:5000/x y", "contains a space"), ("http://sim:5000/\"x", "contains a quote"),
+])
+def test_a_malformed_simulator_url_is_refused_as_the_client_refuses_it(tmp_path, dry_run, url, message):
+    done, _ = main_sh(tmp_path, *dry_run, USER_SIM_URLS=f"http://127.0.0.1:{free_port()},{url}")
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "s3cret" not in done.stdout + done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_dry_run_warns_of_a_missing_model_and_of_scripted_users_on_a_gpu_run(tmp_path):
     done, _ = main_sh(tmp_path, "--dry-run", MODEL_PATH=str(tmp_path / "no_such_model"))
     assert done.returncode == 0, done.stderr

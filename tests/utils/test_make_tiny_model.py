@@ -61,14 +61,15 @@ def test_tag_tokens_make_each_agent_tag_one_token_and_round_trip(tmp_path):
     assert model.config.hidden_size == 128 and model.config.vocab_size == len(tagged)
 
 
-def test_only_the_tokenizers_and_the_runs_own_scenarios_are_read(tmp_path):
+def test_only_the_tokenizers_and_the_runs_own_scenarios_tags_are_read(tmp_path):
     """A run's new scenario (a tag of its own) reaches its tokenizer's tags; a broken draft beside it is never read,
     and neither is a scenario shipped after the tokenizer's set was frozen (the support desk): shipping one changes
     no existing tiny model."""
     import yaml
 
-    from llm_agent.scenario import DEFAULT_SCENARIO_PATH, SHIPPED_SCENARIO_PATHS, TOKENIZER_SCENARIO_PATHS, scenario_path
-    from utils.make_tiny_model import scenario_corpus, scenario_files, scenario_tags
+    from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, SHIPPED_SCENARIO_PATHS, TOKENIZER_SCENARIO_PATHS,
+                                    scenario_path)
+    from utils.make_tiny_model import scenario_files, scenario_tags
 
     data = yaml.safe_load(DEFAULT_SCENARIO_PATH.read_text(encoding="utf-8"))
     data["name"] = "pizza_trial"
@@ -83,4 +84,52 @@ def test_only_the_tokenizers_and_the_runs_own_scenarios_are_read(tmp_path):
     assert desk.resolve() in scenario_files([desk])  # a run on it passes it, as a run's own
     assert scenario_files([mine]) == sorted([*scenario_files(), mine.resolve()])
     assert "<say>" not in scenario_tags() and {"<say>", "</say>"} <= set(scenario_tags([mine]))
-    assert "  name: pizza_trial" not in scenario_corpus() and "name: pizza_trial" in scenario_corpus([mine])
+
+
+def _shipped_copies(where: Path, edit) -> list[Path]:
+    """Copies of the tokenizer's scenarios in `where`, each passed through `edit(data)` (its YAML as a dict)."""
+    import yaml
+
+    from llm_agent.scenario import TOKENIZER_SCENARIO_PATHS
+
+    where.mkdir()
+    copies = []
+    for path in TOKENIZER_SCENARIO_PATHS:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if "behavior_library" in data:
+            data["behavior_library"] = str((path.parent / data["behavior_library"]).resolve())
+        edit(data)
+        copies.append(where / path.name)
+        copies[-1].write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return copies
+
+
+def test_editing_the_shipped_scenarios_wording_leaves_the_tiny_model_byte_identical(tmp_path, monkeypatch):
+    """The vocabulary comes from the fixed corpus and the tag protocol only: a reworded description, compact
+    prompt, fact and doubt line change no file of the model; a renamed tag changes the vocabulary."""
+    import utils.make_tiny_model as tiny
+    from utils.make_tiny_model import TinyModelSpec
+
+    spec = TinyModelSpec(tag_tokens=True, hidden_size=128, num_attention_heads=4)
+    shipped = build_tiny_model(tmp_path / "shipped", seed=0, spec=spec)
+
+    def reword(data):
+        data["description"] = "A completely different sentence about a pizza shop and its Wednesday specials."
+        data["agent"]["compact_prompt"] = data["agent"]["compact_prompt"] + " Speak slowly and kindly."
+        data["facts"][0] = "Zucchini quesadillas are jubilantly exquisite on Thursdays."
+        categories = data["scripted"]["categories"]
+        categories[next(iter(categories))]["doubt"][0] = "Hmm, whoever invented this xylophone scheme?"
+
+    monkeypatch.setattr(tiny, "TOKENIZER_SCENARIO_PATHS", _shipped_copies(tmp_path / "reworded", reword))
+    reworded = build_tiny_model(tmp_path / "reworded_model", seed=0, spec=spec)
+    files = sorted(p.name for p in shipped.iterdir())
+    assert files == sorted(p.name for p in reworded.iterdir()) and "tokenizer.json" in files
+    for name in files:
+        assert _digest(shipped / name) == _digest(reworded / name), name
+
+    def rename_tag(data):
+        data["agent"]["tags"]["reply"]["tag"] = "say"
+
+    monkeypatch.setattr(tiny, "TOKENIZER_SCENARIO_PATHS", _shipped_copies(tmp_path / "renamed", rename_tag))
+    renamed = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "renamed_model", seed=0, spec=spec))
+    assert len(renamed.tokenize("<say>")) == 1 and len(AutoTokenizer.from_pretrained(shipped).tokenize("<say>")) > 1

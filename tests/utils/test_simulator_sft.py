@@ -181,3 +181,17 @@ def test_cli_exports_a_model_the_hf_backend_serves_and_the_tiny_simulator_is_reu
     assert again == made and (made / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not made again
     assert json.loads((made / "simulator_sft.json").read_text())["fingerprint"] == tiny_fingerprint(recipe,
                                                                                                     SCENARIO_PATH)
+
+
+def test_the_help_names_no_model_directory_it_does_not_show_how_to_make():
+    # the help once told users to fine-tune `--model outputs/tiny_sim_base`, a directory nothing makes
+    import re
+
+    import utils.simulator_sft as module
+
+    text = "\n".join(line for line in module.__doc__.splitlines() if line.startswith("    "))  # the usage lines
+    assert "--model" in text
+    for model in re.findall(r"--model (\S+)", text):
+        if not model.startswith("/"):  # /models/...: the user's own
+            made = text.index(f"--out {model}") if f"--out {model}" in text else -1
+            assert 0 <= made < text.index(f"--model {model}"), f"{model} is made by no earlier command of the help"

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import torch
 
 from verl.protocol import DataProto
+from verl.trainer.ppo.plugins import BatchOutputs, declare_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ def score_responses(responses: torch.Tensor, response_mask: torch.Tensor, target
     return score, is_target.mean(dim=-1), is_letter.mean(dim=-1)
 
 
+@declare_outputs(lambda kwargs: BatchOutputs())  # no optional batch entries (no per-turn rewards or labels)
 def compute_reward(data: DataProto, tokenizer, num_tokens: int = 4, letter_credit: float = 0.5,
                    target_key: str = "target") -> tuple[torch.Tensor, dict[str, float]]:
     """Reward plug-in: (bs, R) float32 scores on each row's last loss-carrying token, plus task metrics."""

@@ -362,6 +362,7 @@ class TrainerConfig:
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: Optional[str] = None
     resume_from_other_model: bool = False
+    trust_checkpoint: bool = False
     max_ckpt_to_keep: Optional[int] = None
     save_hf_model: Literal["every", "last", "never"] = "every"
     seed: int = 1

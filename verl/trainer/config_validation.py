@@ -3,7 +3,8 @@
 ``build_config`` turns a (Hydra / OmegaConf / plain) mapping into the dataclasses of
 :mod:`verl.trainer.config_schema`, failing on unknown keys with their full dotted name (and a close match) and on
 values of the wrong type; ``validate_config`` adds the cross-field rules (required paths, batch-size divisibility,
-enumerations); ``load_config`` does both. Every failure is a :class:`ConfigError` naming the key.
+enumerations, and the keys that need other keys: :mod:`verl.trainer.config_dependencies`); ``load_config`` does
+both. Every failure is a :class:`ConfigError` naming the key.
 
 The same coercer builds the plug-ins' config sections (``rollout_loop.config`` and its blocks): a plug-in declares
 each section as a dataclass deriving from :class:`ConfigSection` (defaults written once, in the dataclass; value
@@ -23,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, Optional, TypeVar, Union
 
+from verl.trainer.config_dependencies import check_dependencies
 from verl.trainer.config_ranges import check_ranges
 from verl.trainer.config_schema import GROUP_ESTIMATORS, KL_ESTIMATORS, LOGGERS, ConfigError, PPOTrainerConfig
 
@@ -347,53 +349,6 @@ def _check_choices(cfg: PPOTrainerConfig) -> None:
                        "the KL is penalised twice")
 
 
-def _check_filter_groups(cfg: PPOTrainerConfig) -> None:
-    filt = cfg.algorithm.filter_groups
-    if filt.max_num_gen_batches < 0:
-        raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), got "
-                          f"{filt.max_num_gen_batches}")
-    if not filt.enable:
-        return
-    if cfg.actor_rollout_ref.rollout.n < 2:
-        raise ConfigError("algorithm.filter_groups.enable keeps prompt groups whose samples differ: set "
-                          f"actor_rollout_ref.rollout.n >= 2 (got {cfg.actor_rollout_ref.rollout.n})")
-    if not filt.metric:
-        raise ConfigError("algorithm.filter_groups.metric must name a per-sample value, e.g. seq_reward")
-    if filt.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
-        raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: "
-                          "groups are filtered before the KL penalty is computed; use seq_reward")
-
-
-def _check_rollout_correction(cfg: PPOTrainerConfig) -> None:
-    """``algorithm.rollout_correction``: parsable, finite thresholds; options that can take effect together."""
-    from verl.trainer.ppo.rollout_corr_options import parse_rollout_is_threshold, rejection_options
-
-    corr, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
-    try:
-        parse_rollout_is_threshold(corr.rollout_is_threshold)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{key}.rollout_is_threshold={corr.rollout_is_threshold!r}: {exc}") from None
-    if corr.rollout_rs is not None:
-        try:
-            rejection_options(corr.rollout_rs, corr.rollout_rs_threshold)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{key}.rollout_rs={corr.rollout_rs!r}, rollout_rs_threshold="
-                              f"{corr.rollout_rs_threshold!r}: {exc}") from None
-    elif corr.rollout_rs_threshold is not None:
-        logger.warning("%s.rollout_rs_threshold is set but rollout_rs is null: nothing is rejected", key)
-    if corr.loss_type == "reinforce" and not corr.bypass_mode:
-        raise ConfigError(f"{key}.loss_type=reinforce is the loss of bypass mode: set {key}.bypass_mode=true or "
-                          "loss_type=ppo_clip")
-    if corr.rollout_is_batch_normalize and corr.rollout_is is None:
-        logger.warning("%s.rollout_is_batch_normalize has no effect without rollout_is", key)
-    if corr.bypass_mode and corr.loss_type == "ppo_clip" and corr.rollout_is is not None:
-        logger.warning("%s: with bypass_mode and loss_type=ppo_clip the PPO ratio already is pi/pi_rollout; the "
-                       "rollout_is weights are only logged, not applied", key)
-    if corr.enabled and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
-        raise ConfigError(f"{key} (rollout_is, rollout_rs or bypass_mode) needs the rollout engine's log-probs: "
-                          "set actor_rollout_ref.rollout.calculate_log_probs=true")
-
-
 def _check_vllm(cfg: PPOTrainerConfig, check_import: bool) -> None:
     """The vLLM engine keys (only when ``rollout.name=vllm``); with ``check_import``, vLLM must be importable here."""
     rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
@@ -453,17 +408,16 @@ def _check_lora(cfg: PPOTrainerConfig) -> None:
 
 def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     """Cross-field checks (required paths, value ranges, divisibility by mini-batch and DP world size,
-    enumerations). ``check_paths``: also what the run needs on this machine (data files, the model directory, an
+    enumerations, keys that need other keys: :mod:`verl.trainer.config_dependencies`). ``check_paths``: also what the run needs on this machine (data files, the model directory, an
     importable vLLM for ``rollout.name=vllm``); the planner checks a config for another machine without them."""
     if check_paths:
         _check_paths(cfg)
     check_ranges(cfg)
     _check_choices(cfg)
-    _check_filter_groups(cfg)
-    _check_rollout_correction(cfg)
     _check_batch_sizes(cfg)
     _check_vllm(cfg, check_import=check_paths)
     _check_lora(cfg)
+    check_dependencies(cfg)
 
 
 def load_config(cfg: Any, check_paths: bool = True) -> PPOTrainerConfig:

@@ -18,6 +18,7 @@ per-step loss, wall time).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from verl.utils.device import get_dist_backend, is_cuda_available
+from verl.utils.file_modes import weights_like_the_rest
 from verl.utils.optim import WARMUP_STYLES, lr_factor
 
 logger = logging.getLogger(__name__)
@@ -110,13 +112,26 @@ def masked_nll_sum(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     """Next-token negative log-likelihood summed over the positions, weighted by loss_mask (1: the token carries
     loss), and the sum of the weights (the count of loss-carrying tokens for a 0/1 mask).
 
-    Token t is predicted from the logits at t-1, so the first token of a row never carries loss."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    weights = loss_mask[:, 1:].to(logits.dtype)
+    Token t is predicted from the logits at t-1, so the first token of a row never carries loss. The LM head runs
+    only at the positions that predict a loss-carrying token in some row (transformers' `logits_to_keep`, where the
+    model's forward takes it): the same sum, without the vocabulary-wide logits of the prompt and user tokens."""
+    weights = loss_mask[:, 1:]
+    if _takes_logits_to_keep(model):
+        keep = weights.ne(0).any(dim=0).nonzero().flatten()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits.float()
+        targets, weights = input_ids[:, 1:][:, keep], weights[:, keep]
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+        targets = input_ids[:, 1:]
+    weights = weights.to(logits.dtype)
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                             reduction="none").view_as(weights)
     return (nll * weights).sum(), float(weights.sum().item())
+
+
+def _takes_logits_to_keep(model: Any) -> bool:
+    """Whether the model's forward selects the positions its LM head runs at (transformers' `logits_to_keep`)."""
+    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
 
 def assistant_nll(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
@@ -241,6 +256,7 @@ def _export(model: Any, tokenizer: Any, out: Path, config: SFTConfig, rt: _Runti
         model.save_pretrained(out, state_dict={k: v.to(dtype) for k, v in model.state_dict().items()})
     if rt.rank == 0:
         tokenizer.save_pretrained(out)
+        weights_like_the_rest(out)
 
 
 def train_sft(model_path: str | Path, rows: Sequence[SFTRow], out_dir: str | Path, config: SFTConfig,

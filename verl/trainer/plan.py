@@ -555,14 +555,19 @@ def _lora_line(name: str, lora: LoraPlan, shape: mm.ModelShape) -> str:
     how = "" if name == "critic" else (", merged weights to vLLM" if lora.settings.merge else
                                         ", the adapter alone to vLLM")
     return (f"{name}: LoRA rank {lora.settings.rank} (alpha {lora.settings.alpha:g}) on {', '.join(lora.modules)}: "
-            f"{lora.params / 1e6:.1f}M trained parameters ({100 * lora.share(shape):.2f}% of the model), the base "
+            f"{count_text(lora.params)} trained parameters ({100 * lora.share(shape):.2f}% of the model), the base "
             f"frozen in the compute dtype{how}")
+
+
+def count_text(n: float) -> str:
+    """A parameter count with a unit that shows it: ``14.77B``, ``494.03M``, ``0.52M``."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def format_plan(s: Setup, hw: Hardware, phases: list[Phase], advice: list[str]) -> str:
     """The printed plan: the setup, one table row per phase (GB), the verdict, the notes and the advice."""
     columns = [c for c in COLUMNS if c != "vllm" or s.vllm]
-    lines = [f"model: {s.actor.num_params() / 1e9:.2f}B parameters ({s.actor.num_layers} layers, hidden "
+    lines = [f"model: {count_text(s.actor.num_params())} parameters ({s.actor.num_layers} layers, hidden "
              f"{s.actor.hidden_size}, vocab {s.actor.vocab_size}); {s.world} GPUs of {hw.memory_bytes / GB:.0f} GB; "
              f"{s.rows_per_gpu} rows of {s.seq_len} tokens per GPU and step; compute dtype "
              f"{'bf16' if s.compute_bytes == 2 else 'fp32'}",

@@ -2,16 +2,20 @@
 
 Layout under a checkpoint root (``trainer.default_local_dir``)::
 
-    global_step_N/                      complete checkpoint (actor/, critic/, trainer_state.json)
+    global_step_N/                      complete checkpoint (actor/, critic/, trainer_state.json,
+                                        checkpoint_manifest.json)
     global_step_N.partial/              being written; ignored on resume and removed by the next run
     latest_checkpointed_iteration.txt   "N" of the checkpoint written last (veRL's tracker file)
+    manifest_digests.json               {"global_step_N": SHA-256 of its manifest} of the checkpoints kept
 
 A checkpoint is written into ``global_step_N.partial`` (:func:`begin_checkpoint`), and
 :func:`commit_checkpoint` renames it to ``global_step_N`` once ``trainer_state.json`` is in it (the rename is
 the commit point), then rewrites the tracker file via write-temp + ``os.replace`` and applies retention, which
-never removes the checkpoint just written. Every file and directory of the checkpoint is fsynced
-before that rename, so after a power loss a committed checkpoint never holds torn weights. A run killed at any
-moment therefore leaves either the previous or the new checkpoint as the latest complete one, and a checkpoint
+never removes the checkpoint just written. Before the rename it writes the step's manifest
+(:mod:`verl.utils.checkpoint_manifest`) and records its SHA-256 in the root's ``manifest_digests.json``: the run's
+own record of what it wrote, outside the step directory (:func:`recorded_digest`). Every file and directory of the
+checkpoint is fsynced before that rename, so after a power loss a committed checkpoint never holds torn weights.
+A run killed at any moment therefore leaves either the previous or the new checkpoint as the latest complete one, and a checkpoint
 whose ``trainer_state.json`` cannot be read is skipped on resume in favour of the newest valid one (with a
 warning naming it). Re-saving an existing step first moves the old directory to
 ``global_step_N.replaced``; a kill between the two renames is repaired by :func:`remove_partial_checkpoints`,
@@ -34,11 +38,14 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
+from verl.utils.checkpoint_manifest import manifest_digest, write_manifest
 from verl.utils.untrusted import UntrustedInputError, load_json
 
 logger = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+DIGESTS_FILE = "manifest_digests.json"
+MAX_DIGESTS_BYTES = 16 << 20
 STATE_FILE = "trainer_state.json"
 MAX_STATE_BYTES = 256 << 20  # a trainer state is KBs to a few MB (controller and cache state included)
 PARTIAL_SUFFIX = ".partial"
@@ -118,6 +125,9 @@ def remove_partial_checkpoints(root: PathLike) -> list[Path]:
             final = step_dir(root, int(match.group(1)))
             if match.group(2) == "replaced" and not final.exists() and (child / STATE_FILE).is_file():
                 os.replace(child, final)
+                restored = manifest_digest(final)
+                if restored is not None:  # the record may name the interrupted save's manifest
+                    _record_digest(root, int(match.group(1)), restored)
                 logger.warning("restored %s from %s (a re-save was interrupted)", final, child)
                 continue
             shutil.rmtree(child, ignore_errors=True)
@@ -173,8 +183,8 @@ def find_latest_checkpoint(root: PathLike, check: Optional[StateCheck] = None) -
     even if an older run left higher steps in the same directory), else the newest complete checkpoint (the
     tracker is missing, or the run was killed between the commit rename and the tracker update). A candidate
     whose trainer state cannot be read or fails ``check(directory, state)`` (default: an integer global_step;
-    raising ValueError) is skipped with a warning naming it and why, and the next one is tried: older steps of
-    the tracked run first, newest first.
+    raising ValueError, e.g. files that differ from the checkpoint's manifest) is skipped with a warning naming it
+    and why, and the next one is tried: older steps of the tracked run first, newest first.
     """
     root = Path(root)
     checkpoints = list_checkpoints(root)
@@ -189,19 +199,20 @@ def find_latest_checkpoint(root: PathLike, check: Optional[StateCheck] = None) -
     anchor = tracked if tracked is not None else steps[-1]
     order = sorted(checkpoints, key=lambda item: (item[0] > anchor, -item[0]))
     check = check or _check_minimal_state
-    skipped = []
+    skipped, first_reason = [], ""
     for step, path in order:
         try:
             check(path, load_trainer_state(path))
         except ValueError as exc:
             skipped.append(step)
+            first_reason = first_reason or str(exc)
             logger.warning("skipping checkpoint %s: %s", path, exc)
             continue
         if skipped:
-            logger.warning("resuming from %s instead of the unreadable checkpoint(s) at step(s) %s", path, skipped)
+            logger.warning("resuming from %s instead of the unusable checkpoint(s) at step(s) %s", path, skipped)
         return path
-    raise ValueError(f"no valid checkpoint under {root}: every one of steps {steps} has an unreadable "
-                     f"{STATE_FILE} (see the warnings above); move them away or set trainer.resume_mode=disable")
+    raise ValueError(f"no valid checkpoint under {root}: every one of steps {steps} was skipped (step {skipped[0]}: "
+                     f"{first_reason}); move them away or set trainer.resume_mode=disable")
 
 
 def apply_retention(root: PathLike, max_ckpt_to_keep: Optional[int], protect: Optional[int] = None) -> list[Path]:
@@ -223,7 +234,38 @@ def apply_retention(root: PathLike, max_ckpt_to_keep: Optional[int], protect: Op
         shutil.rmtree(path, ignore_errors=True)
         stale = protect is not None and step_of(path) > protect
         logger.info("retention: removed %s%s", path, " (stale, from an older run)" if stale else "")
+    if doomed:
+        _write_digests(root, {name: digest for name, digest in _read_digests(root).items()
+                              if name not in {path.name for path in doomed}})
     return doomed
+
+
+def _read_digests(root: Path) -> dict[str, str]:
+    """The root's record of manifest digests ({} when absent or unreadable: nothing is recorded then)."""
+    path = Path(root) / DIGESTS_FILE
+    try:
+        record = load_json(path.read_bytes(), what=str(path), max_bytes=MAX_DIGESTS_BYTES)
+    except FileNotFoundError:
+        return {}
+    except (OSError, UntrustedInputError) as exc:
+        logger.warning("ignoring the manifest record %s: %s", path, exc)
+        return {}
+    return {k: v for k, v in record.items() if isinstance(v, str)} if isinstance(record, dict) else {}
+
+
+def _write_digests(root: Path, digests: dict[str, str]) -> None:
+    atomic_write_text(Path(root) / DIGESTS_FILE, json.dumps(digests, indent=1, sort_keys=True) + "\n")
+
+
+def _record_digest(root: Path, step: int, digest: str) -> None:
+    """Record `digest` as the manifest of ``global_step_{step}`` under `root` (before the commit rename)."""
+    _write_digests(root, {**_read_digests(root), step_dir(root, step).name: digest})
+
+
+def recorded_digest(checkpoint: PathLike) -> Optional[str]:
+    """The manifest SHA-256 that the run writing into ``checkpoint``'s root recorded for it, or None."""
+    checkpoint = Path(checkpoint)
+    return _read_digests(checkpoint.parent).get(checkpoint.name)
 
 
 def commit_checkpoint(root: PathLike, step: int, max_ckpt_to_keep: Optional[int] = None) -> Path:
@@ -232,6 +274,7 @@ def commit_checkpoint(root: PathLike, step: int, max_ckpt_to_keep: Optional[int]
     partial = root / f"global_step_{int(step)}{PARTIAL_SUFFIX}"
     if not (partial / STATE_FILE).is_file():
         raise FileNotFoundError(f"{partial} has no {STATE_FILE}: the checkpoint is incomplete")
+    _record_digest(root, step, write_manifest(partial))
     fsync_tree(partial)  # the data reaches the disk before the rename makes the checkpoint count as complete
     final = step_dir(root, step)
     replaced = None

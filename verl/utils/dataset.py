@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import torch
 
 from verl.protocol import DataProto
+from verl.utils.text_tokens import tokenize_chat
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +108,11 @@ class RLHFDataset:
         for i, row in enumerate(table.to_pylist()):
             where = f"{path} row {i}"
             messages = _check_messages(row[self.prompt_key], where)
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
-            ids = list(ids)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            try:  # message text by the one rule for outside text: control-token text stays text
+                ids = tokenize_chat(self.tokenizer, messages, [(text, 0)], generation_prompt=True)[0]
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
             if len(ids) > self.max_prompt_length:
                 if filter_overlong:
                     self.num_filtered += 1

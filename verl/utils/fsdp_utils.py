@@ -40,7 +40,9 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, GenerationConfig
 
+from verl.utils.file_modes import weights_like_the_rest
 from verl.utils.lora import LoraSettings, apply_lora
+from verl.utils.safe_dcp import load_dcp
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +367,7 @@ def save_hf_pretrained(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
     with torch.device("meta"):
         skeleton = hf_cls._from_config(model.config)
     skeleton.save_pretrained(str(path), state_dict=state_dict, safe_serialization=True)
+    weights_like_the_rest(path)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(str(path))
@@ -418,14 +421,15 @@ def load_sharded_state(
     process_group: dist.ProcessGroup | None = None, trainable_only: bool = False,
 ) -> None:
     """Restore what :func:`save_sharded_state` wrote at ``path`` into ``model`` (and ``optimizer``), with the same
-    ``trainable_only``: then the frozen parameters keep their values and every trainable one must be restored."""
+    ``trainable_only``: then the frozen parameters keep their values and every trainable one must be restored.
+    The files are read by :mod:`verl.utils.safe_dcp`: nothing in them runs as code."""
     ckpt_dir = Path(path) / SHARDED_STATE_DIR
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"no sharded model/optimizer state at {ckpt_dir} (written by save_checkpoint)")
     state: dict[str, Any] = {"model": _model_state(model, trainable_only)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=str(ckpt_dir), process_group=process_group)
+    load_dcp(state, ckpt_dir, process_group=process_group)
     if trainable_only:
         result = set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
         frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}

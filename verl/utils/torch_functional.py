@@ -65,6 +65,12 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened if shift_mean else whitened + mean
 
 
+def k3_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
+    """The k3 estimate exp(l) - 1 - l of each log-ratio l: >= 0 in exact arithmetic, so computed as expm1(l) - l
+    and clamped at 0 (near l = 0 the rounding of exp(l) - 1 - l leaves values like -1e-9)."""
+    return (torch.expm1(log_ratio) - log_ratio).clamp(min=0.0)
+
+
 def _row_blocks(logits: torch.Tensor) -> list[torch.Tensor]:
     """Split (..., V) logits into 2-D (rows, V) views covering all rows in order, without copying."""
     if logits.dim() == 2:

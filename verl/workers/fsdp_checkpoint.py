@@ -7,7 +7,10 @@ Layout of ``local_path`` (written by every rank together; the trainer makes the 
   ``AutoModelForCausalLM.from_pretrained`` (or the critic's class); without the export, ``python -m
   verl.model_merger`` writes it later from the sharded state;
 - ``sharded_state/``: torch.distributed.checkpoint of the sharded model and optimizer state (exact restore);
-- ``extra_state_rank_{r}.pt``: rank r's LR-scheduler state and torch / numpy / python RNG states.
+- ``extra_state_rank_{r}.pt``: rank r's LR-scheduler state and torch / numpy / python RNG states (read back with
+  ``torch.load(weights_only=True)``);
+- ``checkpoint_manifest.json``: the SHA-256 of every file above (:mod:`verl.utils.checkpoint_manifest`), hashed by
+  the ranks in parallel once all are written.
 
 A LoRA model (:mod:`verl.utils.lora`) saves its adapter instead of the weights: ``adapter_config.json`` (always,
 naming the base model path) and, as its HF export, ``adapter_model.safetensors`` (PEFT's format); ``config.json``
@@ -32,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl.utils.checkpoint_manifest import hash_files, manifest_files, write_manifest
 from verl.utils.fsdp_utils import (full_state_dict, load_sharded_state, save_hf_config, save_hf_pretrained,
                                    save_sharded_state)
 from verl.utils.lora import (adapter_config, is_adapter_dir, peft_model_of, peft_saved_state, read_adapter_config,
@@ -131,7 +135,25 @@ class FSDPCheckpointManager:
         torch.save(extra, path / f"extra_state_rank_{self._rank()}.pt")
         if group is not None:
             dist.barrier(group=group)
+        self._write_manifest(path, group)
         logger.info("rank %d saved checkpoint to %s", self._rank(), path)
+
+    def _write_manifest(self, path: Path, group: dist.ProcessGroup | None) -> None:
+        """Rank 0 writes ``checkpoint_manifest.json`` of ``path``; the ranks hash a share of its files each (the
+        list is rank 0's, so a rank whose view of the directory lags cannot make the shares disagree)."""
+        listing = [manifest_files(path) if self._rank() == 0 else None]
+        world = dist.get_world_size() if group is not None else 1
+        if group is not None:
+            dist.broadcast_object_list(listing, src=0, group=group)
+        digests = [hash_files(path, listing[0][self._rank()::world])]
+        if group is not None:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, digests[0], group=group)
+            digests = gathered
+        if self._rank() == 0:
+            write_manifest(path, {name: digest for part in digests for name, digest in part.items()})
+        if group is not None:
+            dist.barrier(group=group)
 
     def load_checkpoint(self, local_path: str | os.PathLike) -> None:
         """Restore model, optimizer, scheduler and this rank's RNG states from ``local_path`` (a collective)."""

@@ -26,42 +26,68 @@ def parse_urls(urls: str | list[str]) -> list[str]:
     """Normalise a comma-separated string or a list of base URLs.
 
     Blank entries (a trailing comma) are skipped; whitespace, trailing '/' and a '/v1' suffix are removed, so
-    `http://h:5000/v1/` and `http://h:5000` name the same instance. Raises ValueError on a malformed or
-    repeated URL, naming its position, and on one that carries a user name or password (a URL travels on command
-    lines and into configs and logs: the simulators' token belongs in $SEAD_USER_SIM_API_KEY); that error never
-    repeats the credentials.
+    `http://h:5000/v1/` and `http://h:5000` name the same instance. Raises ValueError naming its position on a URL
+    that is repeated or malformed: a scheme other than http(s), no host, a port outside 1-65535, whitespace, a
+    control character or a quote inside it. A URL carrying credentials (a user name or password, or a query string
+    such as `?token=...`: a base URL needs none) is refused too, since a URL travels on command lines and into
+    configs and logs (the simulators' token belongs in $SEAD_USER_SIM_API_KEY); no error repeats them.
     """
     items = urls.split(",") if isinstance(urls, str) else list(urls)
     parsed: list[str] = []
     for position, raw in enumerate(items):
         if not isinstance(raw, str):
-            raise ValueError(f"user-simulator url #{position} must be a string, got {raw!r}")
+            raise ValueError(f"user-simulator url #{position} must be a string, got {type(raw).__name__}")
         if not raw.strip():
             continue
-        if "@" in raw:
-            shown = _without_credentials(raw.strip())
-            raise ValueError(f"user-simulator url #{position} {shown!r} carries a user name or password: give the "
-                             "simulators' token in $SEAD_USER_SIM_API_KEY instead (a URL reaches command lines, "
-                             "configs and logs)")
-        url = raw.strip().rstrip("/")
+        url = _checked_url(raw.strip(), position).rstrip("/")
         if url.endswith("/v1"):
             url = url[: -len("/v1")]
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"user-simulator url #{position} {raw!r} is not an http(s)://host:port URL")
         if url in parsed:
-            raise ValueError(f"user-simulator url #{position} {raw!r} is listed twice")
+            raise ValueError(f"user-simulator url #{position} {_shown(raw)} is listed twice")
         parsed.append(url)
     if not parsed:
         raise ValueError("no user-simulator url given")
     return parsed
 
 
-def _without_credentials(text: str) -> str:
-    """`text` with everything before its last '@' (after a leading `scheme://`) replaced by a placeholder."""
-    scheme, sep, _ = text.partition("//")
-    prefix = scheme + sep if sep and "@" not in scheme else ""
-    return f"{prefix}<credentials removed>@{text.rpartition('@')[2]}"
+_KEY_HINT = "$SEAD_USER_SIM_API_KEY instead (a URL reaches command lines, configs and logs)"
+_FORBIDDEN = frozenset("\"'`<>\\{}|^")
+_CHAR_NAMES = {"\n": "a line break", "\r": "a carriage return", "\t": "a tab", " ": "a space", '"': "a quote",
+               "'": "a quote", "`": "a backquote"}
+
+
+def _checked_url(url: str, position: int) -> str:
+    """`url` when it is a plain http(s)://host[:port][/path] URL without credentials (see `parse_urls`)."""
+    where = f"user-simulator url #{position}"
+    if "@" in url:
+        raise ValueError(f"{where} {_shown(url)} carries a user name or password: give the simulators' token in "
+                         f"{_KEY_HINT}")
+    if "?" in url or "#" in url:
+        raise ValueError(f"{where} {_shown(url)} carries a query string or fragment (a token such as ?token=... is a "
+                         f"credential): a base URL has none; give the simulators' token in {_KEY_HINT}")
+    bad = next((c for c in url if not c.isprintable() or c.isspace() or c in _FORBIDDEN), None)
+    if bad is not None:
+        raise ValueError(f"{where} {_shown(url)} contains {_CHAR_NAMES.get(bad, repr(bad))}, which no URL may")
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or outside 0-65535
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port in (-1, 0):
+        raise ValueError(f"{where} {_shown(url)} is not an http(s)://host[:port] URL with a port in 1-65535")
+    return url
+
+
+def _shown(text: str) -> str:
+    """`text` as an error may show it: credentials (before an '@'), a query string or fragment and unprintable
+    characters removed, at most 200 characters."""
+    text = text.strip().split("?", 1)[0].split("#", 1)[0]
+    if "@" in text:
+        scheme, sep, _ = text.partition("//")
+        prefix = scheme + sep if sep and "@" not in scheme else ""
+        text = f"{prefix}<credentials removed>@{text.rpartition('@')[2]}"
+    text = next((text[:i] for i, c in enumerate(text) if not c.isprintable()), text)  # nothing after a line break
+    return repr(text[:200] + ("..." if len(text) > 200 else ""))
 
 
 def instance_name(url: str) -> str:

@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from llm_agent.api_keys import ApiKeyError, api_key, command_line_refusal
+from llm_agent.api_keys import ApiKeyError, KeySafeArgumentParser, api_key, command_line_refusal
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH
 from llm_agent.user_sim.server.backend import BackendInputError, BackendResult, ChatBackend, Completion, SamplingParams
 from llm_agent.user_sim.server.chat_request import (DEFAULT_MAX_MESSAGES, ApiError, ChatRequest,  # noqa: F401
@@ -294,7 +294,7 @@ def _make_backend(args: argparse.Namespace) -> ChatBackend:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of the server (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m llm_agent.user_sim.server", description=__doc__.split("\n\n")[0])
+    p = KeySafeArgumentParser(prog="python -m llm_agent.user_sim.server", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("scripted", "hf"), default="scripted")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=5000)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_agent.user_sim.server.backend import BackendInputError, BackendResult, Completion, SamplingParams
+from verl.utils.text_tokens import tokenize_chat
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,11 @@ class HFChatBackend:
 
     def _prompt_ids(self, messages: list[dict[str, str]]) -> torch.Tensor:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        try:  # the one rule for outside text: a message's control-token text never becomes a control token
+            encoded = tokenize_chat(self.tokenizer, messages, [(text, 0)], generation_prompt=True)
+        except ValueError as exc:
+            raise BackendInputError(str(exc)) from None
+        ids = torch.tensor([encoded[0]], dtype=torch.long)
         if ids.shape[1] >= self.max_context:
             raise BackendInputError(
                 f"the prompt has {ids.shape[1]} tokens; the model's context is {self.max_context} tokens")

@@ -8,17 +8,17 @@ import re
 import pytest
 
 from for_evaluation import report as report_cli
-from llm_agent.rollout.dialogue_record import DialogueRecord
-from tests.helpers.record_factory import typed
 from llm_agent.evaluation.browser_data import embed_json
+from llm_agent.evaluation.page_text import MAX_PAGE_STRING
 from llm_agent.evaluation.plots import figure_names
-
-FIGURE_NAMES = figure_names(("cooperation", "emotion", "trust"))  # the shipped scenarios' figures
 from llm_agent.evaluation.report import build_report, default_report_path, dialogue_groups
 from llm_agent.evaluation.run_data import resolve_run
 from llm_agent.metrics import dialogue_metrics
-
+from llm_agent.rollout.dialogue_record import DialogueRecord
+from tests.helpers.record_factory import typed
 from tests.helpers.report_fixtures import synthetic_dialogues, write_run
+
+FIGURE_NAMES = figure_names(("cooperation", "emotion", "trust"))  # the shipped scenarios' figures
 
 DATA_RE = re.compile(r'<script id="dialogue-data" type="application/json">(.*?)</script>', re.S)
 
@@ -117,6 +117,24 @@ def test_evaluation_dialogues_report_and_cli(tmp_path, scenario, capsys):
     assert "No plots" not in page and '<figure id="plot-cr_by_initial_state"' in page
 
 
+def test_an_evaluations_headline_and_table_give_its_cr_one_interval_and_claim_no_before_after(tmp_path, scenario):
+    # the headline once used a Wilson interval and the table a bootstrap one for the same dialogues' CR, and the
+    # per-state plot of a single evaluation was captioned "before and after training"
+    path = tmp_path / "rl_dialogues.jsonl"
+    dialogues = synthetic_dialogues(scenario, 30, seed=3, steps=1)
+    for d in dialogues:
+        d["split"] = "eval"
+    path.write_text("".join(json.dumps(d) + "\n" for d in dialogues))
+    page = build_report(resolve_run(path), scenario, bootstrap=50).read_text()
+    (cell,) = _metric_row(page, "completion_rate")
+    headline = html.unescape(re.sub(r"<[^>]+>", "", re.search(r'<p id="headline".*?</p>', page, re.S).group(0)))
+    table_interval = re.fullmatch(r"[\d.]+ (\[[\d.]+, [\d.]+\])", cell).group(1)
+    assert f"{table_interval}, " in headline and "Wilson" not in headline
+    assert "bootstrap interval" in headline
+    caption = re.search(r'<figure id="plot-cr_by_initial_state">.*?<figcaption>(.*?)</figcaption>', page, re.S)
+    assert "before and after" not in caption.group(1) and "nothing before or after to compare" in caption.group(1)
+
+
 def test_bad_dialogue_line_names_the_file(tmp_path, scenario):
     path = tmp_path / "x_dialogues.jsonl"
     path.write_text('{"outcome": "completed", "profile": {}}\n')
@@ -142,12 +160,14 @@ def test_headline_points_from_dialogues_val_metrics_or_nothing():
 
     records = [dialogue(0, "completed"), dialogue(0, "hung_up"), dialogue(0, "error"), dialogue(3, "completed"),
                dialogue(3, "completed"), dialogue(3, "timeout"), dialogue(3, "completed"), dialogue(2, "hung_up", "train")]
-    before, after = cr_points(typed(records), [])
+    before, after = cr_points(typed(records), [], lambda group: (0.0, len(group) / 10))
     assert (before.label, before.completed, before.n, before.cr) == ("before: val, step 0", 1, 2, 0.5)
     assert (after.label, after.completed, after.n, after.cr) == ("after: val, step 3", 3, 4, 0.75)
-    assert before.interval[0] < 0.5 < before.interval[1]  # the Wilson values are checked in the analysis tests
-    page = headline_html([before, after])
-    assert 'id="headline"' in page and "(+0.250)" in page and "&rarr;" in page
+    assert before.interval == (0.0, 0.3) and after.interval == (0.0, 0.4)  # the groups the interval was given
+    page = headline_html([before, after], "the table's")
+    assert 'id="headline"' in page and "(+0.250)" in page and "&rarr;" in page and "brackets: the table&#x27;s" in page
+    unbounded = cr_points(typed(records), [])
+    assert unbounded[0].interval is None and "bootstrap off" in headline_html(unbounded)
     # every validation dialogue of the first step failed: n/a, and no change is claimed
     failed = cr_points(typed([dialogue(0, "error"), dialogue(1, "completed")]), [])
     assert failed[0].text() == "n/a (every dialogue failed)" and "cr-change" not in headline_html(failed)
@@ -168,3 +188,37 @@ def test_an_undefined_metric_is_na_in_the_metrics_table():
     att_row = page.split("<code>att</code>", 1)[1].split("</tr>", 1)[0]
     assert att_row.count("n/a") == 2 and "None" not in page  # an interval of nothing, and a value left out
     assert "2.500 <span" in page.split("<code>adt</code>", 1)[1]
+
+
+def test_every_string_on_the_pages_is_bounded(tmp_path, scenario):
+    huge = "x" * (4 * MAX_PAGE_STRING) + "QQ-FIELD-END-QQ"
+    path = tmp_path / "rl_dialogues.jsonl"
+    dialogues = synthetic_dialogues(scenario, 10, seed=3, steps=1)
+    for d in dialogues:
+        d["split"] = "test"
+    dialogues[3]["turns"][0]["user_reply"] = huge
+    dialogues[4]["error"] = huge
+    dialogues[5]["profile"]["behaviors"] = [{"category": huge, "behavior": huge}]
+    path.write_text("".join(json.dumps(d) + "\n" for d in dialogues))
+    card = {"name": huge, "metrics": {}, "source": {"kind": huge}, "examples": {"x": [{"reply": huge}]}}
+    (tmp_path / "card.json").write_text(json.dumps(card))
+    small = tmp_path / "small.html"
+    assert report_cli.main([str(path), "--bootstrap", "0", "--out", str(tmp_path / "page.html"),
+                            "--simulator-card", str(tmp_path / "card.json")]) == 0
+    page = (tmp_path / "page.html").read_text()
+    assert "QQ-FIELD-END-QQ" not in page and f"… [{len(huge) - MAX_PAGE_STRING} more characters cut]" in page
+    assert max(map(len, re.findall("x+", page))) == MAX_PAGE_STRING  # every copy of every field cut
+    assert len(page) < 20 * MAX_PAGE_STRING + len(_baseline_page(tmp_path, scenario, small))
+    data = _embedded(page)
+    marker = f"… [{len(huge) - MAX_PAGE_STRING} more characters cut]"
+    assert data["dialogues"][3]["t"][0]["ur"] == huge[:MAX_PAGE_STRING] + marker
+
+
+def _baseline_page(tmp_path, scenario, out) -> str:
+    path = tmp_path / "clean_dialogues.jsonl"
+    dialogues = synthetic_dialogues(scenario, 10, seed=3, steps=1)
+    for d in dialogues:
+        d["split"] = "test"
+    path.write_text("".join(json.dumps(d) + "\n" for d in dialogues))
+    assert report_cli.main([str(path), "--bootstrap", "0", "--out", str(out)]) == 0
+    return out.read_text()

@@ -33,9 +33,18 @@ LOOP = dict(max_turns=4, max_tokens_per_turn=128, max_response_length=800, max_p
 
 @pytest.fixture(scope="module")
 def test_file(tmp_path_factory):
+    """The test split with a different agent system prompt per row, so that the greedy dialogues start from
+    different contexts whatever the tiny model writes (its turns may all be format errors on another CPU)."""
+    import pandas as pd
+
     out = tmp_path_factory.mktemp("prompt_data")
-    return str(create_prompt_data(SCENARIO_PATH, out, train_samples=1, test_samples=N_DIALOGUES, seed=5,
-                                  system_prompt=COMPACT_SYSTEM_PROMPT)["test"])
+    path = create_prompt_data(SCENARIO_PATH, out, train_samples=1, test_samples=N_DIALOGUES, seed=5,
+                              system_prompt=COMPACT_SYSTEM_PROMPT)["test"]
+    rows = pd.read_parquet(path)
+    rows["prompt"] = [[{**m, "content": f"{m['content']} This is call {i + 1} of the day."}
+                       if m["role"] == "system" else m for m in prompt] for i, prompt in enumerate(rows["prompt"])]
+    rows.to_parquet(path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +70,7 @@ def _evaluate(name, agent, tok, scenario, test_file, out):
             agent.close()
 
 
+@pytest.mark.numerics  # two engines' kernels must agree on every greedy argmax
 def test_vllm_and_hf_agents_hold_identical_greedy_dialogues(warm_model_path, checkpoint_root, tok, scenario,
                                                              test_file, tmp_path):
     hf = HFRolloutAgent(warm_model_path)
@@ -71,10 +81,10 @@ def test_vllm_and_hf_agents_hold_identical_greedy_dialogues(warm_model_path, che
 
     want, got = lines(dialogues_path(tmp_path, "hf")), lines(dialogues_path(tmp_path, "vllm"))
     assert [r["dialogue_id"] for r in got] == [f"test{i}#0" for i in range(N_DIALOGUES)]
-    # the greedy tiny model writes few distinct turns, but some reach the simulator, whose replies (and so the
-    # later contexts and the outcomes) differ between profiles
-    assert sum(t["user_source"] != "format_error" for r in want for t in r["turns"]) >= N_DIALOGUES // 2
-    assert len({r["outcome"] for r in want}) > 1 and sum(r["num_turns"] for r in want) > 2 * N_DIALOGUES
+    # whatever the tiny model writes (turns that reach the simulator or format errors, any outcome), every
+    # dialogue starts from its own context, and a dialogue goes on after a turn unless the user ended it
+    assert len({json.dumps(r["messages"][0]) for r in want}) == N_DIALOGUES
+    assert all(r["num_turns"] == len(r["turns"]) >= 1 for r in want)
     for g, w in zip(got, want):
         assert [t["agent_text"] for t in g["turns"]] == [t["agent_text"] for t in w["turns"]], g["dialogue_id"]
         # everything but the dialogue's share of its call's wall time (a measurement, never equal across engines)

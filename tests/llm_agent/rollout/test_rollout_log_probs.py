@@ -12,8 +12,8 @@ from llm_agent.envs import TokenBuffer
 from verl.protocol import DataProto
 from verl.utils.agent_turns import AGENT_TURN_IDS, agent_turn_ids
 
-from tests.helpers.gen_loop_helpers import (record_columns, FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
-                                            programmed_log_probs)
+from tests.helpers.gen_loop_helpers import (FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
+                                            programmed_log_probs, record_columns)
 from tests.helpers.repo import SCENARIO_PATH
 
 KEYS = ["fmt", "fail", "long", "claim", "ok"]
@@ -111,7 +111,8 @@ class ShortLogProbs(ProgrammedPolicy):
     def generate_sequences(self, data):
         out = super().generate_sequences(data)
         return self.versioned(DataProto.from_dict(tensors={
-            **{k: out.batch[k] for k in out.batch.keys()}, "rollout_log_probs": out.batch["rollout_log_probs"][:, :-1]}))
+            **{k: out.batch[k] for k in out.batch.keys()},
+            "rollout_log_probs": out.batch["rollout_log_probs"][:, :-1]}))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, AgentTurn, Behavior, ScenarioError, UserProfile, UserTurn, load_behavior_library, load_scenario, sample_behaviors, scenario_path
+from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, AgentTurn, Behavior, ScenarioError, UserProfile, UserTurn,
+                                load_behavior_library, load_scenario, sample_behaviors, scenario_path)
 from tests.helpers.profiles import DIMS, profile3
 
 ROOT = Path(__file__).resolve().parents[3]

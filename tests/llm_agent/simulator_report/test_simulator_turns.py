@@ -68,7 +68,7 @@ class Recording(SimulatorClient):
         return self.inner.complete(requests)
 
 
-def test_turns_rebuilt_from_the_log_are_the_requests_the_loop_sent(tok, scenario, tmp_path):
+def test_turns_rebuilt_from_the_log_are_the_requests_the_loop_sent(tok, scenario, tmp_path, monkeypatch, capsys):
     a = lambda reply, **kw: agent_text(scenario, reply, **kw)  # noqa: E731
     # stage 0 turns may be answered from the cache (hit rate 1 once a reply is stored); stage 1+ never are
     agents = {
@@ -105,3 +105,18 @@ def test_turns_rebuilt_from_the_log_are_the_requests_the_loop_sent(tok, scenario
     z = rebuilt[next(r["dialogue_id"] for r in records if r["outcome"] == "error")]
     assert z.turns[-1].replies == () and "malformed" in z.turns[-1].failure
     assert all(t.replies and not t.first_try_known for d in rebuilt.values() for t in d.turns if not t.failure)
+    # two runs' logs (both named rollouts.jsonl) get a card each, named after the run and split: the second once
+    # overwrote the first's outputs/simulator_reports/rollouts.json
+    from for_evaluation import simulator_report
+
+    monkeypatch.chdir(tmp_path)
+    log = (tmp_path / "rollouts.jsonl").read_text()
+    for run in ("run_a", "run_b"):
+        path = tmp_path / "outputs" / "rollouts" / run / "rollouts.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_text(log)
+        assert simulator_report.main(["--dialogues", f"outputs/rollouts/{run}/rollouts.jsonl", "--split", "train",
+                                      "--bootstrap", "5"]) == 0
+    capsys.readouterr()
+    cards = sorted(p.name for p in (tmp_path / "outputs" / "simulator_reports").iterdir())
+    assert cards == ["run_a_train.json", "run_b_train.json"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import threading
 import time
 from pathlib import Path
@@ -115,6 +116,23 @@ def test_a_url_carrying_credentials_is_refused_without_repeating_them(url):
     assert "s3cret" not in str(err.value) and "sim-user" not in str(err.value)
     with pytest.raises(ValueError, match="SEAD_USER_SIM_API_KEY"):
         UserSimClient(url)
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://sim:5000/v1?token=s3cret", "carries a query string or fragment"),
+    ("http://sim:5000/?api_key=s3cret", "carries a query string or fragment"),
+    ("http://sim:5000/#s3cret", "carries a query string or fragment"),
+    ("ftp://sim:5000", "is not an http(s)://host[:port] URL"), ("http://sim:99999", "port in 1-65535"),
+    ("http://sim:-1", "port in 1-65535"), ("http://sim:0", "port in 1-65535"), ("http://sim:x", "port in 1-65535"),
+    ("http://:5000", "is not an http(s)"), ("http://sim:5000\r\nX-Token: s3cret", "contains a carriage return"),
+    ("http://sim:5000/\ns3cret", "contains a line break"), ("http://sim:5000/a b", "contains a space"),
+    ("http://sim:5000/'x", "contains a quote"), ('http://sim:5000/"x', "contains a quote"),
+    ("http://sim:5000/\x00x", "contains '\\x00'"),
+])
+def test_a_url_no_client_can_use_safely_is_refused_naming_it(url, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        parse_urls(["http://127.0.0.1:4999", url])
+    assert str(err.value).startswith("user-simulator url #1") and "s3cret" not in str(err.value)
 
 
 def test_bad_arguments_are_rejected_with_the_field_name():

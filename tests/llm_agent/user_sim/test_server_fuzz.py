@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
@@ -90,6 +90,9 @@ def check_answer(response: httpx.Response) -> None:
     status = response.status_code
     assert status < 500 or (status == 503 and response.json()["error"]["code"] == "overloaded"), \
         (status, response.text[:500])
+    if status == 200 and response.headers["content-type"].startswith("text/event-stream"):
+        check_event_stream(response.text)
+        return
     body = response.json()
     if status == 200:
         choice = body["choices"][0]
@@ -98,6 +101,24 @@ def check_answer(response: httpx.Response) -> None:
     else:
         error = body["error"]
         assert isinstance(error["message"], str) and error["message"] and "type" in error and "code" in error
+
+
+def check_event_stream(text: str) -> None:
+    """A streamed 200 (`"stream": true`): `data:` events of `chat.completion.chunk` JSON, ended by `[DONE]`."""
+    events = [block for block in text.split("\n\n") if block]
+    assert events and events[-1] == "data: [DONE]", text[-500:]
+    finished = 0
+    for event in events[:-1]:
+        assert event.startswith("data: "), event[:200]
+        chunk = json.loads(event.removeprefix("data: "))
+        assert chunk["object"] == "chat.completion.chunk", chunk
+        (choice,) = chunk["choices"]
+        if choice["finish_reason"] is None:
+            assert choice["delta"]["role"] == "assistant" and isinstance(choice["delta"]["content"], str)
+        else:
+            assert choice["finish_reason"] in ("stop", "length") and choice["delta"] == {}
+            finished += 1
+    assert finished >= 1, text[:500]
 
 
 def _post(monitor: Monitor, url: str, content: bytes) -> httpx.Response:
@@ -136,6 +157,8 @@ def test_random_bytes_as_a_body(server, raw):
 
 @FUZZ
 @given(payload=body)
+@example(payload={"model": "user-sim", "messages": [{"role": "system", "content": PERSONA},
+                                                    {"role": "user", "content": ""}], "stream": True})
 def test_hostile_json_bodies(server, payload):
     url, monitor = server
     check_answer(_post(monitor, url, json.dumps(payload).encode()))

@@ -11,7 +11,7 @@ import torch
 
 from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError
-from verl.trainer.ppo.plugins import RolloutLoop, SingleTurnRollout, bind_reward
+from verl.trainer.ppo.plugins import BatchOutputs, RolloutLoop, SingleTurnRollout, bind_reward, declared_outputs
 from verl.workers.rollout.engine import RolloutEngine
 
 REPO = Path(__file__).resolve().parents[3]
@@ -27,6 +27,7 @@ ROLLOUT_LOOP = {
     "save_checkpoint": (["directory"], "None"),
     "load_checkpoint": (["directory"], "None"),
     "close": ([], "None"),
+    "batch_outputs": (["config"], "Optional[BatchOutputs]"),
 }
 
 
@@ -36,7 +37,8 @@ def _signature(fn) -> tuple[list[str], str]:
 
 
 def test_rollout_loop_contract_is_pinned():
-    methods = {name for name, value in vars(RolloutLoop).items() if callable(value) and not name.startswith("_")}
+    methods = {name for name, value in vars(RolloutLoop).items()
+               if (callable(value) or isinstance(value, classmethod)) and not name.startswith("_")}
     assert methods | {"__init__"} == set(ROLLOUT_LOOP)
     assert RolloutLoop.console_metrics == () and "console_metrics" in RolloutLoop.__annotations__
     for name, expected in ROLLOUT_LOOP.items():
@@ -62,6 +64,7 @@ def test_every_hook_has_a_no_op_default():
     assert loop.on_train_step_end(batch, 1) == {} and loop.on_validation_end([batch], 1) == {}
     assert loop.load_state_dict({}) is None and loop.save_checkpoint("/nonexistent") is None
     assert loop.load_checkpoint("/nonexistent") is None and loop.close() is None
+    assert _Minimal.batch_outputs({}) is None  # undeclared: the config check can only warn
     with pytest.raises(TypeError, match="abstract"):
         RolloutLoop(tokenizer=None, engine=_Engine(), config={}, is_validation=False)
 
@@ -134,3 +137,18 @@ def test_the_trainer_refuses_a_rollout_loop_that_is_not_a_rollout_loop(tmp_path)
     with pytest.raises(TypeError, match=r"rollout_loop\.path='verl\.protocol\.DataProto' must name a subclass of "
                                         r"verl\.trainer\.ppo\.plugins\.RolloutLoop"):
         RayPPOTrainer(config, tokenizer=None, role_worker_mapping={}, resource_pool=None, train_dataset=[])
+
+
+def test_what_the_shipped_plugins_declare_they_write():
+    from llm_agent.generation import LLMGenerationManager
+    from llm_agent.reward import compute_reward
+    from verl.tasks.repeat_letter import compute_reward as letter_reward
+
+    assert declared_outputs(SingleTurnRollout, {}) == BatchOutputs() == declared_outputs(LLMGenerationManager, {})
+    assert declared_outputs(letter_reward, {}) == BatchOutputs()
+    plain = declared_outputs(compute_reward, {})
+    assert plain.written == {"turn_labels"} and "reward.kwargs.turn_weights.state_change" in plain.enabled_by["turn_scores"]
+    assert declared_outputs(compute_reward, {"turn_weights": {"format": 0.5}}).written == {"turn_labels", "turn_scores"}
+    with pytest.raises(ValueError, match=r"reward\.kwargs\.turn_weights: unknown component"):
+        declared_outputs(compute_reward, {"turn_weights": {"bogus": 1.0}})
+    assert declared_outputs(lambda data, tokenizer: None, {}) is None

@@ -116,9 +116,10 @@ def test_console_line_is_compact_and_keeps_the_key_metrics():
     line = format_console_line(3, 20, metrics)
     assert line.startswith("step 3/20 | score 0.4123 | pg_loss -0.0123")
     for part in ("entropy 3.2", "lr 0.01", "grad_norm 1.5", "clipfrac 0.25", "tok/s 1234", "step_s 2",
-                 "val/repeat_letter 0.5"):
+                 "val mean reward (repeat_letter) 0.5"):
         assert part in line
-    assert "timing_per_token_ms" not in line and "prompt_length" not in line and len(line) < 200
+    assert "timing_per_token_ms" not in line and "prompt_length" not in line and len(line) < 220
+    assert "val/repeat_letter" not in line  # a reward, unlabelled beside a rate, read as one
 
 
 # ----------------------------------------------------------------------------------------- slow: training
@@ -370,7 +371,7 @@ def test_gae_run_trains_critic_uses_reference_kl_validates_and_saves(tiny_model_
         last = run_ppo(compose_config(overrides))
     lines = [r.getMessage() for r in caplog.records if r.name == "verl.trainer.console"]
     assert [line.split(" |")[0] for line in lines] == ["step 0/2", "step 1/2", "step 2/2"], lines
-    assert " | vf_loss " in lines[1] and " | pg_loss " in lines[2] and "val/repeat_letter" in lines[2]
+    assert " | vf_loss " in lines[1] and " | pg_loss " in lines[2] and "val mean reward (repeat_letter)" in lines[2]
     metrics = _read_metrics(tmp_path / "logs")
     assert sorted(metrics) == [0, 1, 2]
     assert "val/test_score/repeat_letter" in metrics[0] and "val/test_score/repeat_letter" in last
@@ -382,7 +383,7 @@ def test_gae_run_trains_critic_uses_reference_kl_validates_and_saves(tiny_model_
     assert (first / "actor" / "sharded_state").is_dir() and not (first / "actor" / "model.safetensors").exists()
     assert not (first / "critic" / "model.safetensors").exists()
     ckpt = tmp_path / "ckpt" / "global_step_2"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["actor", "critic", "trainer_config.json", "trainer_state.json"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["actor", "checkpoint_manifest.json", "critic", "trainer_config.json", "trainer_state.json"]
     from verl.utils.run_config import load_run_config
 
     assert load_run_config(ckpt).select("algorithm.adv_estimator") == "gae"  # the run's own config, kept with it

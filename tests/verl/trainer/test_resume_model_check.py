@@ -1,9 +1,11 @@
-"""Resuming refuses a checkpoint trained from another actor_rollout_ref.model.path (unless forced).
+"""Resuming refuses a checkpoint trained from another model (unless forced); the model is known by its content.
 
 Real runs of the built-in task on the tiny model: train one step from model A and save; resuming that
-checkpoint with model B (a copy at another path) fails before any worker starts, naming both paths and the
-override; with trainer.resume_from_other_model=true it resumes and trains on; a checkpoint that does not record
-its model (older) resumes with a warning.
+checkpoint with model B (A's weights changed, at another path) fails before any worker starts, naming both paths
+and the override; a copy of A at another path (a moved checkout) resumes; with
+trainer.resume_from_other_model=true B resumes and trains on; a checkpoint that does not record its model (older)
+resumes with a warning. A model rebuilt at the checkpoint's own path is refused too (before, it resumed without a
+word: only the path was recorded).
 """
 from __future__ import annotations
 
@@ -56,6 +58,51 @@ def test_check_same_model_branches(tmp_path, caplog):
     assert "does not record the model it was trained from" in messages[1]
 
 
+def _model_dir(path: Path, weights: bytes) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"model_type": "qwen2"}')
+    (path / "model.safetensors").write_bytes(weights)
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def test_the_fingerprint_is_the_weights_not_the_path(tmp_path):
+    from verl.utils.content_digest import SAMPLE_BYTES, model_fingerprint
+
+    big = bytes(range(256)) * (4 * SAMPLE_BYTES // 256)  # 4 MiB: sampled at its start, middle and end
+    model = _model_dir(tmp_path / "a" / "warm", big)
+    fingerprint = model_fingerprint(model)
+    shutil.copytree(model, tmp_path / "b" / "warm")
+    assert model_fingerprint(tmp_path / "b" / "warm") == fingerprint  # a copied checkout
+    (tmp_path / "b" / "warm" / "tokenizer.json").write_text('{"x": 1}')
+    assert model_fingerprint(tmp_path / "b" / "warm") == fingerprint  # the tokenizer is checked on its own
+    middle = bytearray(big)
+    middle[len(big) // 2] ^= 1
+    (model / "model.safetensors").write_bytes(bytes(middle))
+    assert model_fingerprint(model) != fingerprint  # rebuilt in place
+    assert model_fingerprint(_model_dir(tmp_path / "small", b"x")) != model_fingerprint(_model_dir(tmp_path / "s2", b"y"))
+    assert model_fingerprint(tmp_path / "nowhere") is None and model_fingerprint(tmp_path / "a") is None
+
+
+def test_check_same_model_by_content(tmp_path, caplog):
+    ckpt = tmp_path / "global_step_3"
+    state = {"model_path": "/old/checkout/outputs/warm", "model_fingerprint": "f1"}
+    with caplog.at_level(logging.INFO, logger="verl.trainer.ppo.trainer_checkpoint"):
+        check_same_model(ckpt, state, "/new/checkout/outputs/warm", False, "f1")  # moved: the same weights
+    assert any("the same weights as actor_rollout_ref.model.path=/new/checkout" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError) as err:
+        check_same_model(ckpt, {**state, "model_path": "/m"}, "/m", False, "f2")
+    assert str(err.value).startswith(f"checkpoint {ckpt} was trained from actor_rollout_ref.model.path='/m', whose "
+                                     "weights have changed since (the model was rebuilt or replaced there)")
+    assert "trainer.resume_from_other_model=true" in str(err.value)
+    with pytest.raises(ConfigError, match=r"but this run's model is '/other' \(other weights\)"):
+        check_same_model(ckpt, state, "/other", False, "f2")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        check_same_model(ckpt, {**state, "model_path": "/m"}, "/m", True, "f2")
+    assert "as trainer.resume_from_other_model=true allows" in caplog.records[-1].getMessage()
+
+
 @pytest.mark.slow
 def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path, ray_cluster, caplog):
     from transformers import AutoTokenizer
@@ -63,12 +110,18 @@ def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path
     from verl.tasks.repeat_letter import make_dataset
     from verl.trainer.config_schema import compose_config
     from verl.trainer.main_ppo import run_ppo
+    from verl.utils.content_digest import model_fingerprint
 
     data, out = tmp_path / "data", tmp_path / "run"
     make_dataset(data, train_size=16, val_size=4, seed=0)
     model_a = Path(tiny_model_path)
-    model_b = tmp_path / "other_model"
+    model_b = tmp_path / "other_model"  # A's weights changed: another model
     shutil.copytree(model_a, model_b)
+    weights = bytearray((model_b / "model.safetensors").read_bytes())
+    weights[-5] ^= 1
+    (model_b / "model.safetensors").write_bytes(bytes(weights))
+    moved = tmp_path / "moved" / model_a.name  # A in a moved checkout: the same weights
+    shutil.copytree(model_a, moved)
 
     run_ppo(compose_config(_overrides(model_a, data, out, 1)))
     assert _state(out, 1)["model_path"] == str(model_a.resolve())
@@ -92,17 +145,27 @@ def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path
         run_ppo(compose_config(_overrides(model_c, data, out, 2, "trainer.resume_from_other_model=true")))
     assert not (out / "logs_2").exists()
 
-    run_ppo(compose_config(_overrides(model_b, data, out, 2, "trainer.resume_from_other_model=true")))
-    assert _trained_steps(out, 2) == [2], "the forced resume must continue from step 1"
-    assert _state(out, 2)["model_path"] == str(model_b.resolve())
+    run_ppo(compose_config(_overrides(moved, data, out, 2)))
+    assert _trained_steps(out, 2) == [2], "the moved model must continue from step 1"
 
-    older = out / "ckpt" / "global_step_2" / "trainer_state.json"
+    run_ppo(compose_config(_overrides(model_b, data, out, 3, "trainer.resume_from_other_model=true")))
+    assert _trained_steps(out, 3) == [3], "the forced resume must continue from step 2"
+    assert _state(out, 3)["model_path"] == str(model_b.resolve())
+    assert _state(out, 3)["model_fingerprint"] == model_fingerprint(model_b) != model_fingerprint(model_a)
+
+    older = out / "ckpt" / "global_step_3" / "trainer_state.json"
     state = json.loads(older.read_text())
-    del state["model_path"]  # what a checkpoint written before the model was recorded holds
+    del state["model_path"], state["model_fingerprint"]  # what a checkpoint written before the records holds
     older.write_text(json.dumps(state))
+    for manifest in (older.parent / "checkpoint_manifest.json", older.parent / "actor" / "checkpoint_manifest.json",
+                     out / "ckpt" / "manifest_digests.json"):
+        manifest.unlink()  # ... and before checkpoints had manifests: opened only when trusted
+    with pytest.raises(ConfigError, match="has no checkpoint_manifest.json .* trainer.trust_checkpoint=true"):
+        run_ppo(compose_config(_overrides(model_a, data, out, 4, "trainer.resume_mode=resume_path",
+                                          f"trainer.resume_from_path={older.parent}")))
     with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo.trainer_checkpoint"):
-        run_ppo(compose_config(_overrides(model_a, data, out, 3)))
-    assert _trained_steps(out, 3) == [3]
+        run_ppo(compose_config(_overrides(model_a, data, out, 4, "trainer.trust_checkpoint=true")))
+    assert _trained_steps(out, 4) == [4]
     assert any("does not record the model it was trained from" in r.getMessage() for r in caplog.records)
 
 

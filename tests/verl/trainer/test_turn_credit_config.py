@@ -17,6 +17,8 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
 D = "algorithm.diagnosis_reweight"
+# a reward plug-in that writes what the turn-level options read (per-turn rewards, failure labels)
+TURN_REWARD = ["reward.path=llm_agent.reward.compute_reward", "+reward.kwargs.turn_weights={state_change:1.0}"]
 
 
 @pytest.fixture()
@@ -39,11 +41,11 @@ def test_defaults_leave_todays_runs_unchanged(paths):
 def test_turn_estimators_are_registered_and_turn_gae_trains_a_critic(paths):
     assert {"turn_mixed", "turn_gae"} <= set(core_algos.ADV_ESTIMATOR_REGISTRY)
     assert load_config(compose_config(paths + ["algorithm.adv_estimator=turn_gae"])).need_critic is True
-    mixed = load_config(compose_config(paths + ["algorithm.adv_estimator=turn_mixed",
-                                                "actor_rollout_ref.rollout.n=4"]))
+    mixed = load_config(compose_config(paths + TURN_REWARD + ["algorithm.adv_estimator=turn_mixed",
+                                                              "actor_rollout_ref.rollout.n=4"]))
     assert mixed.need_critic is False
     with pytest.raises(ConfigError, match="set actor_rollout_ref.rollout.n >= 2"):
-        load_config(compose_config(paths + ["algorithm.adv_estimator=turn_mixed"]))
+        load_config(compose_config(paths + TURN_REWARD + ["algorithm.adv_estimator=turn_mixed"]))
     with pytest.raises(ConfigError, match="critic.model.path=None must be a local model directory "
                                           r"\(algorithm.adv_estimator=turn_gae trains a critic\)"):
         load_config(compose_config(paths + ["algorithm.adv_estimator=turn_gae", "critic.model.path=null"]))
@@ -70,8 +72,9 @@ def test_bad_turn_credit_values_name_the_key(paths, override, message):
 
 
 def test_valid_diagnosis_config_loads(paths):
-    cfg = load_config(compose_config(paths + [f"{D}.enable=true", f"+{D}.weights={{false_claim:1.5,truncated:0}}",
-                                              f"+{D}.weights.premature_push=2", f"{D}.apply_to=negative"]))
+    cfg = load_config(compose_config(paths + TURN_REWARD + [f"{D}.enable=true",
+                                                            f"+{D}.weights={{false_claim:1.5,truncated:0}}",
+                                                            f"+{D}.weights.premature_push=2", f"{D}.apply_to=negative"]))
     assert cfg.algorithm.diagnosis_reweight.weights == {"false_claim": 1.5, "truncated": 0, "premature_push": 2}
     assert cfg.algorithm.diagnosis_reweight.apply_to == "negative"
 
@@ -125,7 +128,8 @@ def test_compute_advantage_names_a_missing_input():
         compute_advantage(data, "turn_gae")
     data = _dialogue_batch()
     data.batch.pop("turn_scores")
-    with pytest.raises(ContractError, match="turn_mixed estimator needs the per-turn rewards"):
+    with pytest.raises(ContractError, match=r"needs batch\['turn_scores'\] \(the per-turn rewards, written by the "
+                                            "reward or rollout-loop plug-in"):
         compute_advantage(data, "turn_mixed", config={"turn_mixed": {"turn_weight": 1.0}})
 
 
@@ -140,8 +144,9 @@ def test_compute_advantage_passes_norm_adv_by_std_to_grpo_vectorized():
 
 
 def test_compute_advantage_reads_the_turn_weight_from_the_trainers_config_object(paths):
-    cfg = load_config(compose_config(paths + ["algorithm.adv_estimator=turn_mixed", "actor_rollout_ref.rollout.n=2",
-                                              "algorithm.turn_mixed.turn_weight=0.25"]))
+    cfg = load_config(compose_config(paths + TURN_REWARD + ["algorithm.adv_estimator=turn_mixed",
+                                                            "actor_rollout_ref.rollout.n=2",
+                                                            "algorithm.turn_mixed.turn_weight=0.25"]))
     data = _dialogue_batch()
     compute_advantage(data, "turn_mixed", config=cfg.algorithm)  # the typed AlgorithmConfig, as train_step passes
     b = data.batch

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from verl.utils.checkpoint import (
+    DIGESTS_FILE,
     STATE_FILE,
     TRACKER_FILE,
     apply_retention,
@@ -83,7 +84,7 @@ def test_resaving_a_step_replaces_it(tmp_path):
     _save(tmp_path, 2, payload="old")
     final = _save(tmp_path, 2, payload="new")
     assert (final / "actor" / "weights.bin").read_text() == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", TRACKER_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", TRACKER_FILE, DIGESTS_FILE]
 
 
 def test_atomic_write_leaves_no_temp_files(tmp_path):
@@ -142,7 +143,8 @@ def test_kill_between_the_renames_of_a_resave_restores_the_old_copy(tmp_path):
     assert remove_partial_checkpoints(tmp_path) == [partial]
     assert (step_dir(tmp_path, 2) / "actor" / "weights.bin").read_text() == "old"
     assert find_latest_checkpoint(tmp_path) == step_dir(tmp_path, 2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "global_step_2", TRACKER_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "global_step_2", TRACKER_FILE,
+                                                          DIGESTS_FILE]
 
 
 def test_garbage_partial_of_a_killed_save_is_ignored_then_removed(tmp_path):

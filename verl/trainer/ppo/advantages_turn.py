@@ -78,7 +78,7 @@ def compute_turn_mixed_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: Sequence[Hashable] | np.ndarray,
-    turn_scores: Optional[torch.Tensor] = None,
+    turn_scores: Optional[torch.Tensor],
     agent_turn_ids: Optional[torch.Tensor] = None,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,

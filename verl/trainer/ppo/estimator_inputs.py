@@ -17,9 +17,19 @@ from verl.errors import ContractError
 from verl.trainer.ppo.turn_layout import TURN_SCORES
 from verl.utils.agent_turns import agent_turn_ids
 
-__all__ = ["OPTIONAL_INPUTS", "estimator_inputs"]
+__all__ = ["OPTIONAL_INPUTS", "PLUGIN_INPUTS", "estimator_inputs", "plugin_inputs"]
 
 OPTIONAL_INPUTS = ("values", "agent_turn_ids", TURN_SCORES, "gamma", "lam", "norm_adv_by_std_in_grpo")
+# The inputs only a reward or rollout-loop plug-in can write, and what they are.
+PLUGIN_INPUTS = {TURN_SCORES: "the per-turn rewards"}
+
+
+def plugin_inputs(fn: Callable[..., Any], required: bool = True) -> list[str]:
+    """The :data:`PLUGIN_INPUTS` estimator ``fn`` takes: those it requires (a parameter without a default), or with
+    ``required=False`` every one it accepts."""
+    parameters = inspect.signature(fn).parameters
+    return [name for name in PLUGIN_INPUTS if name in parameters
+            and (not required or parameters[name].default is inspect.Parameter.empty)]
 
 
 def estimator_inputs(fn: Callable[..., Any], data: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -46,5 +56,7 @@ def estimator_inputs(fn: Callable[..., Any], data: Any, settings: dict[str, Any]
             kwargs[name] = sources[name]()
         elif parameter.default is inspect.Parameter.empty:
             raise ContractError(f"advantage estimator {getattr(fn, '__name__', fn)!r} needs batch[{name!r}]"
-                                + (" (the critic's values: it trains a critic)" if name == "values" else ""))
+                                + (" (the critic's values: it trains a critic)" if name == "values" else "")
+                                + (f" ({PLUGIN_INPUTS[name]}, written by the reward or rollout-loop plug-in: "
+                                   "docs/turn_level_credit.md)" if name in PLUGIN_INPUTS else ""))
     return kwargs

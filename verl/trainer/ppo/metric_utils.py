@@ -61,7 +61,8 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 
 def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]:
-    """Scores, rewards, advantages, returns, values and prompt/response lengths of a trained batch."""
+    """Scores, rewards, advantages (and the share of loss tokens whose advantage is not 0), returns, values and
+    prompt/response lengths of a trained batch."""
     response_mask = batch.batch["response_mask"].bool()
     responses = batch.batch["responses"]
     max_response_length = responses.shape[-1]
@@ -71,7 +72,10 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
     metrics = {}
     metrics.update(_stats("critic/score", batch.batch["token_level_scores"].sum(-1)))
     metrics.update(_stats("critic/rewards", batch.batch["token_level_rewards"].sum(-1)))
-    metrics.update(_stats("critic/advantages", torch.masked_select(batch.batch["advantages"], response_mask)))
+    advantages = torch.masked_select(batch.batch["advantages"], response_mask)
+    metrics.update(_stats("critic/advantages", advantages))
+    if advantages.numel():  # 0: no loss token carries a policy-gradient signal this step
+        metrics["critic/advantages/nonzero_frac"] = float((advantages != 0).float().mean())
     metrics.update(_stats("critic/returns", torch.masked_select(batch.batch["returns"], response_mask)))
     if use_critic and "values" in batch.batch.keys():
         values = torch.masked_select(batch.batch["values"], response_mask).float()
@@ -142,7 +146,8 @@ def _namespace_logged(key: str, metrics: Mapping[str, Any]) -> bool:
 
 def format_console_line(step: int, total_steps: int, metrics: Mapping[str, Any],
                         first: Sequence[tuple[str, str]] = ()) -> str:
-    """One compact line: ``step 3/20 | <first> | score 0.41 | ... | val/<source> 0.5`` with the metrics present.
+    """One compact line: ``step 3/20 | <first> | score 0.41 | ... | val mean reward (<source>) 0.5`` with the
+    metrics present (the last: ``val/test_score/<source>``, the mean reward of the validation samples).
 
     `first` are (metric, label) pairs shown right after the step, e.g. a rollout-loop plug-in's own
     `console_metrics` (what people watch in that kind of run); a label ending in "%" shows the value as a
@@ -162,8 +167,9 @@ def format_console_line(step: int, total_steps: int, metrics: Mapping[str, Any],
             parts.append(f"{label[:-1]} {shown}%" if any(v is not None for v in values) else f"{label[:-1]} {shown}")
         else:
             parts.append(f"{label} {'/'.join(NOT_AVAILABLE if v is None else _short(v) for v in values)}")
-    prefix = "val/test_score/"
-    parts += [f"val/{key[len(prefix):]} {_short(value)}" for key, value in metrics.items() if key.startswith(prefix)]
+    prefix = "val/test_score/"  # the mean validation reward per data source
+    parts += [f"val mean reward ({key[len(prefix):]}) {_short(value)}" for key, value in metrics.items()
+              if key.startswith(prefix)]
     return " | ".join(parts)
 
 

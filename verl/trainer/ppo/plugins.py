@@ -8,14 +8,22 @@ checkpoint save and load, at shutdown). The engine's own default, plain single-t
 :class:`SingleTurnRollout`. A reward plug-in is any callable of the :class:`RewardFunction` shape; the trainer
 binds its ``reward.kwargs`` once at start (:func:`bind_reward`), so a keyword the function does not take fails
 before any worker starts. The engine never imports a plug-in's package: both are named by dotted path.
+
+What a plug-in writes into the batch beyond the required tensors (e.g. the per-turn rewards ``turn_scores`` a
+turn-level estimator needs) it declares as :class:`BatchOutputs`: a reward function with :func:`declare_outputs`,
+a rollout loop by overriding :meth:`RolloutLoop.batch_outputs`; the config check at load
+(:mod:`verl.trainer.config_dependencies`) asks them, so a missing input is named, with the key to set, before
+anything starts.
 """
 from __future__ import annotations
 
 import abc
+import importlib
 import inspect
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, ClassVar, Protocol, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Optional, Protocol, TypeVar, Union
 
 import torch
 
@@ -23,17 +31,53 @@ from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError
 from verl.workers.rollout.engine import RolloutEngine
 
-__all__ = ["ConsoleMetric", "RewardFunction", "RolloutLoop", "SingleTurnRollout", "bind_reward"]
+__all__ = ["BatchOutputs", "ConsoleMetric", "RewardFunction", "RolloutLoop", "SingleTurnRollout", "bind_reward",
+           "declare_outputs", "declared_outputs", "import_dotted"]
 
 # One entry of the per-step console line: a metric name (or several, shown joined by "/") and its label.
 ConsoleMetric = tuple[Union[str, tuple[str, ...]], str]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class BatchOutputs:
+    """The optional batch entries a plug-in writes under its settings (``written``: ``batch`` or
+    ``non_tensor_batch`` keys such as ``turn_scores``, ``turn_labels``), and for an entry it writes only under other
+    settings, the sentence naming the key to set (``enabled_by``)."""
+
+    written: frozenset[str] = frozenset()
+    enabled_by: Mapping[str, str] = field(default_factory=dict)
+
+
+def declare_outputs(outputs: Callable[[Mapping[str, Any]], BatchOutputs]) -> Callable[[F], F]:
+    """Decorator of a reward function: ``outputs(reward.kwargs)`` is what it writes with those keyword arguments
+    (it may raise ValueError for a bad one: reported as a config error naming ``reward.kwargs``)."""
+    def mark(fn: F) -> F:
+        fn.batch_outputs = outputs  # type: ignore[attr-defined]
+        return fn
+    return mark
+
+
+def import_dotted(path: str, key: str) -> Any:
+    """Import ``module.attr`` named by config key ``key``; errors name the key and what failed."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{key}={path!r} must be a dotted path module.name")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"{key}={path!r}: cannot import module {module_name!r}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise AttributeError(f"{key}={path!r}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
 
 
 class RolloutLoop(abc.ABC):
     """Turns a generation batch into rollouts; the trainer builds two (training and validation) per run.
 
     Constructed as ``cls(tokenizer=..., engine=<a RolloutEngine>, config=<rollout_loop.config mapping>,
-    is_validation=bool)``; a constructor given anything but a ``RolloutEngine`` raises TypeError. ``run_llm_loop`` gets left-padded prompts (``input_ids``, ``attention_mask``,
+    is_validation=bool)``; a constructor given anything but a ``RolloutEngine`` raises TypeError. ``run_llm_loop`` gets
+    left-padded prompts (``input_ids``, ``attention_mask``,
     ``position_ids``), the rows' ``non_tensor_batch`` (``uid`` and the dataset's extra columns) and the decoding
     ``meta_info``, and returns the generation-batch tensors (``prompts, responses, input_ids, attention_mask,
     position_ids``, optionally ``response_mask``) plus any per-row ``non_tensor_batch`` of its own; metrics it puts
@@ -80,9 +124,20 @@ class RolloutLoop(abc.ABC):
     def close(self) -> None:
         """Release what the loop holds (clients, files); called once at shutdown."""
 
+    @classmethod
+    def batch_outputs(cls, config: Mapping[str, Any]) -> Optional[BatchOutputs]:
+        """The optional batch entries the loop writes with ``rollout_loop.config`` ``config`` (None: undeclared,
+        so the config check cannot tell)."""
+        return None
+
 
 class SingleTurnRollout(RolloutLoop):
     """The default (``rollout_loop.path: null``): one ``generate_sequences`` call of the engine per batch."""
+
+    @classmethod
+    def batch_outputs(cls, config: Mapping[str, Any]) -> BatchOutputs:
+        """None of the optional entries."""
+        return BatchOutputs()
 
     def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
         """The engine's single-turn generation of the prompts (per-row non-tensor data stays here)."""
@@ -137,3 +192,12 @@ def bind_reward(fn: RewardFunction, tokenizer: Any, kwargs: Mapping[str, Any],
         return result[0], dict(result[1])
 
     return reward
+
+
+def declared_outputs(plugin: Any, settings: Mapping[str, Any]) -> Optional[BatchOutputs]:
+    """What a reward function (:func:`declare_outputs`) or a rollout-loop class (:meth:`RolloutLoop.batch_outputs`)
+    declares it writes under ``settings``; None when it declares nothing."""
+    if isinstance(plugin, type) and issubclass(plugin, RolloutLoop):
+        return plugin.batch_outputs(settings)
+    outputs = getattr(plugin, "batch_outputs", None)
+    return outputs(settings) if callable(outputs) else None

@@ -15,7 +15,6 @@ scoring) and :class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (s
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import random
 from collections.abc import Iterator
@@ -36,9 +35,10 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch
 from verl.trainer.ppo.diagnosis_reweight import reweight_advantages
 from verl.trainer.ppo.estimator_inputs import estimator_inputs
-from verl.trainer.ppo.plugins import RolloutLoop, SingleTurnRollout, bind_reward
+from verl.trainer.ppo.plugins import RolloutLoop, SingleTurnRollout, bind_reward, import_dotted
 from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
-from verl.trainer.ppo.trainer_checkpoint import SCENARIO_KEY, CheckpointedParts, TrainerCheckpoints, run_inputs
+from verl.trainer.ppo.trainer_checkpoint import (SCENARIO_KEY, CheckpointedParts, TrainerCheckpoints, nothing_to_train,
+                                                 run_inputs)
 from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs, correct_batch
 from verl.trainer.ppo.trainer_rollout import (
     GEN_INPUT_KEYS,
@@ -73,20 +73,6 @@ class Role(str, Enum):
 
     ActorRollout = "actor_rollout"
     Critic = "critic"
-
-
-def import_dotted(path: str, key: str) -> Any:
-    """Import ``module.attr`` named by config key ``key``; errors name the key and what failed."""
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{key}={path!r} must be a dotted path module.name")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"{key}={path!r}: cannot import module {module_name!r}: {exc}") from exc
-    if not hasattr(module, attr):
-        raise AttributeError(f"{key}={path!r}: module {module_name!r} has no attribute {attr!r}")
-    return getattr(module, attr)
 
 
 def apply_kl_penalty(data: DataProto, kl_ctrl: Any, kl_penalty: str = "kl") -> tuple[DataProto, dict[str, float]]:
@@ -188,7 +174,8 @@ class RayPPOTrainer:
         self.checkpoints = TrainerCheckpoints(self.typed.trainer,
                                               str(Path(self.typed.actor_rollout_ref.model.path).resolve()),
                                               run_inputs(tokenizer, OmegaConf.select(self.config, SCENARIO_KEY)),
-                                              run_config=OmegaConf.to_container(self.config, resolve=True))
+                                              run_config=OmegaConf.to_container(self.config, resolve=True),
+                                              loader=self.train_loader.state_dict())
         self.global_steps = 0
         self.actor_rollout_wg: Optional[RayWorkerGroup] = None
         self.critic_wg: Optional[RayWorkerGroup] = None
@@ -322,6 +309,9 @@ class RayPPOTrainer:
                 with timer("update_actor", timing):
                     metrics.update(reduce_metrics(pop_metrics(self.actor_rollout_wg.update_actor(batch))))
         metrics.update(compute_data_metrics(batch, self.use_critic))
+        if metrics.get("critic/advantages/nonzero_frac") == 0.0:
+            logger.warning("step %d has no learning signal: every advantage is 0 (the samples of each prompt group "
+                           "got equal rewards), so the policy gradient is 0", self.global_steps)
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, self.actor_rollout_wg.world_size))
         metrics.update(self.rollout_loop.on_train_step_end(batch, self.global_steps))
@@ -418,7 +408,7 @@ class RayPPOTrainer:
                 log(val_metrics, step=0)
                 last_metrics.update(val_metrics)
             if self.global_steps >= self.total_training_steps:
-                logger.info("already at step %d of %d: nothing to train", self.global_steps, self.total_training_steps)
+                logger.warning(nothing_to_train(self.global_steps, self.total_training_steps))
             progress = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="training steps")
             while self.global_steps < self.total_training_steps:
                 self.global_steps += 1

@@ -37,7 +37,7 @@ from verl.trainer.ppo.rollout_corr_options import (
 )
 from verl.trainer.ppo.rollout_corr_units import Units
 from verl.utils.agent_turns import AGENT_TURN_IDS, agent_turn_ids
-from verl.utils.torch_functional import masked_mean
+from verl.utils.torch_functional import k3_divergence, masked_mean
 
 __all__ = ["SAFETY_BOUND", "SUPPORTED_ROLLOUT_RS_OPTIONS", "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS", "apply_bypass_mode",
            "compute_offpolicy_metrics", "compute_rollout_corr_metrics_from_logprobs",
@@ -88,7 +88,7 @@ def _rejection(log_ratio: torch.Tensor, response_mask: torch.Tensor, rollout_rs:
     """The response mask with rejected tokens set to 0 and the metrics (see :func:`compute_rollout_rejection_mask`)."""
     options = rejection_options(rollout_rs, threshold)
     safe = log_ratio.detach().clamp(min=-SAFETY_BOUND, max=SAFETY_BOUND)
-    estimates = {"k1": -safe, "k2": 0.5 * safe.square(), "k3": safe.exp() - 1.0 - safe}
+    estimates = {"k1": -safe, "k2": 0.5 * safe.square(), "k3": k3_divergence(safe)}
     units_by_level: dict[str, Units] = {}
     inside = response_mask != 0
     keep_all = torch.ones_like(inside)

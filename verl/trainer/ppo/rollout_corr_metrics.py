@@ -159,7 +159,7 @@ def offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: Optional[tor
         return out
     log_ratio = old_log_prob - rollout_log_prob
     out["kl"] = verl_F.masked_mean(-log_ratio, mask)
-    out["k3_kl"] = verl_F.masked_mean(log_ratio.exp() - log_ratio - 1, mask)
+    out["k3_kl"] = verl_F.masked_mean(verl_F.k3_divergence(log_ratio), mask)
     rollout_mean = verl_F.masked_mean(rollout_log_prob, mask, axis=-1)
     out["rollout_ppl"] = _mean_over((-rollout_mean).exp(), rows)
     out["rollout_log_ppl"] = _mean_over(-rollout_mean, rows)

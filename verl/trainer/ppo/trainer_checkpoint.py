@@ -7,11 +7,15 @@ RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the r
 ``rollout_loop/`` where the rollout-loop plug-in keeps files of its own (its ``save_checkpoint(dir)`` /
 ``load_checkpoint(dir)`` hooks). It is written into ``global_step_N.partial``, fsynced and committed by a rename
 (:mod:`verl.utils.checkpoint`), so a run killed during a save resumes from the previous checkpoint; a checkpoint
-whose trainer state is unreadable, lacks a key, holds an impossible value (a step that is not its directory's,
-a negative position, a non-finite KL coefficient) or a corrupt RNG state is named and skipped for the newest
-valid one (``resume_mode=auto``) or refused (``resume_path``). Resuming a
-checkpoint whose recorded model path differs from the configured one is an error unless
-``trainer.resume_from_other_model=true``; one whose recorded run inputs (:func:`run_inputs`: the tokenizer's
+whose files differ from its manifest (or from the digest the run recorded for it), that has no manifest (unless
+``trainer.trust_checkpoint``), whose trainer state is unreadable, lacks a key, holds an impossible value (a step
+that is not its directory's, a negative position, a non-finite KL coefficient, prompt-loader settings other than
+this run's) or a corrupt RNG state is named and skipped for the newest valid one (``resume_mode=auto``) or refused
+(``resume_path``), before any worker starts (docs/checkpoints.md). The model a checkpoint was trained from is
+recorded by path and by content (:func:`verl.utils.content_digest.model_fingerprint`): resuming one whose model
+has other weights now (another path, or the same path rebuilt underneath it) is an error unless
+``trainer.resume_from_other_model=true``, while the same weights at another path (a moved checkout) resume; one
+whose recorded run inputs (:func:`run_inputs`: the tokenizer's
 vocabulary and the scenario file's content, as SHA-256) differ from this run's is always an error that names what
 changed, since its weights and cache mean other tokens or another task.
 """
@@ -35,16 +39,20 @@ from verl.utils.checkpoint import (
     commit_checkpoint,
     find_latest_checkpoint,
     get_rng_state,
+    recorded_digest,
     load_trainer_state,
     remove_partial_checkpoints,
     save_trainer_state,
     set_rng_state,
 )
+from verl.utils.checkpoint_manifest import verify_checkpoint
+from verl.utils.content_digest import model_fingerprint
 from verl.utils.run_config import save_run_config
 
 logger = logging.getLogger(__name__)
 
 LOOP_DIR = "rollout_loop"  # the rollout-loop plug-in's own files inside global_step_N/
+LOADER_SETTINGS = ("seed", "batch_size", "num_samples", "shuffle")  # a resumed prompt loader must match these
 REQUIRED_STATE = {"global_step": int, "dataloader": dict, "kl_ctrl_value": (int, float), "rng": dict}
 DATALOADER_POSITION = ("epoch", "batch_index")  # what the prompt loader resumes from
 SCENARIO_KEY = "rollout_loop.config.scenario"  # the dialogue task's scenario file (absent for other tasks)
@@ -68,10 +76,11 @@ def run_inputs(tokenizer: Any, scenario: Optional[str]) -> dict[str, str]:
     return out
 
 
-def check_trainer_state(path: Path, state: dict[str, Any]) -> None:
+def check_trainer_state(path: Path, state: dict[str, Any], loader: Optional[Mapping[str, int]] = None) -> None:
     """Raise ValueError naming ``path/trainer_state.json`` and the key unless ``state`` can be resumed from:
     every required key with its type, a ``global_step`` equal to the directory's step, a dataloader position
-    of non-negative integers, a finite non-negative KL coefficient and a restorable RNG state."""
+    of non-negative integers (and, given this run's prompt ``loader`` settings, its seed, batch size, data size
+    and shuffle equal to them), a finite non-negative KL coefficient and a restorable RNG state."""
     where = Path(path) / STATE_FILE
     for key, kind in REQUIRED_STATE.items():
         if key not in state:
@@ -86,6 +95,11 @@ def check_trainer_state(path: Path, state: dict[str, Any]) -> None:
         value = state["dataloader"].get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{where}: 'dataloader.{key}' must be an integer >= 0, got {value!r}")
+    for key, expected in (loader or {}).items():
+        value = state["dataloader"].get(key)
+        if key in state["dataloader"] and (isinstance(value, bool) or not isinstance(value, int) or value != expected):
+            raise ValueError(f"{where}: 'dataloader.{key}' is {value!r}, this run's prompt loader has {expected!r} "
+                             "(the training data or data.* config changed, or the file was edited)")
     if not math.isfinite(state["kl_ctrl_value"]) or state["kl_ctrl_value"] < 0:
         raise ValueError(f"{where}: 'kl_ctrl_value' must be a finite number >= 0, got {state['kl_ctrl_value']!r}")
     try:
@@ -115,12 +129,15 @@ class TrainerCheckpoints:
     """
 
     def __init__(self, trainer: TrainerConfig, model_path: str, inputs: Mapping[str, str] | None = None,
-                 run_config: Mapping[str, Any] | None = None) -> None:
+                 run_config: Mapping[str, Any] | None = None, loader: Mapping[str, int] | None = None) -> None:
         self.config = trainer
         self.model_path = model_path
+        self.model_fingerprint = model_fingerprint(model_path)
         self.inputs = dict(inputs or {})
         self.run_config = run_config
+        self.loader = {k: v for k, v in (loader or {}).items() if k in LOADER_SETTINGS}
         self.root = Path(trainer.default_local_dir).resolve()  # workers may run in another directory
+        self._chosen: Optional[tuple[Optional[Path]]] = None
 
     def save(self, step: int, total_steps: int, parts: CheckpointedParts) -> Path:
         """Write ``global_step_<step>`` atomically: worker states, then trainer_state.json, then the commit
@@ -141,6 +158,7 @@ class TrainerCheckpoints:
             "rng": get_rng_state(),
             "rollout_loop": None if loop_state is None else dict(loop_state),
             "model_path": self.model_path,
+            "model_fingerprint": self.model_fingerprint,
             "run_inputs": self.inputs,
         })
         if self.run_config is not None:
@@ -149,21 +167,41 @@ class TrainerCheckpoints:
         logger.info("saved checkpoint %s", final)
         return final
 
+    def check(self, path: Path, state: dict[str, Any]) -> None:
+        """ValueError unless checkpoint ``path`` (its trainer ``state``) can be resumed by this run: its files,
+        verified against its manifest and the manifest digest the run recorded for it
+        (:mod:`verl.utils.checkpoint_manifest`), and its state (:func:`check_trainer_state`, with this run's prompt
+        loader)."""
+        verify_checkpoint(path, self.config.trust_checkpoint, flag="trainer.trust_checkpoint=true",
+                          expected_digest=recorded_digest(path))
+        check_trainer_state(path, state, self.loader)
+
     def to_resume(self) -> Optional[Path]:
-        """The checkpoint ``trainer.resume_mode`` selects (None: start from scratch); leftovers are cleaned up."""
+        """The checkpoint ``trainer.resume_mode`` selects (None: start from scratch), checked by :meth:`check`
+        once (later calls return the same); leftovers are cleaned up. ConfigError when none can be resumed."""
+        if self._chosen is None:
+            self._chosen = (self._choose(),)
+        return self._chosen[0]
+
+    def _choose(self) -> Optional[Path]:
         if self.config.resume_mode == "disable":
             return None
         remove_partial_checkpoints(self.root)
         if self.config.resume_mode == "auto":
-            path = find_latest_checkpoint(self.root, check=check_trainer_state)
+            try:
+                path = find_latest_checkpoint(self.root, check=self.check)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
             if path is None:
                 logger.info("no checkpoint under %s: training from scratch", self.root)
             return path
         path = Path(self.config.resume_from_path).resolve()
         if not (path / STATE_FILE).is_file():
-            raise FileNotFoundError(f"trainer.resume_from_path={str(path)!r} is not a complete checkpoint "
-                                    f"(no {STATE_FILE})")
-        check_trainer_state(path, load_trainer_state(path))
+            raise ConfigError(f"trainer.resume_from_path={str(path)!r} is not a complete checkpoint (no {STATE_FILE})")
+        try:
+            self.check(path, load_trainer_state(path))
+        except ValueError as exc:
+            raise ConfigError(f"trainer.resume_from_path: {exc}") from None
         return path
 
     def check_resume_model(self) -> None:
@@ -171,7 +209,8 @@ class TrainerCheckpoints:
         path = self.to_resume()
         if path is not None:
             state = load_trainer_state(path)
-            check_same_model(path, state, self.model_path, self.config.resume_from_other_model)
+            check_same_model(path, state, self.model_path, self.config.resume_from_other_model,
+                             self.model_fingerprint)
             check_same_inputs(path, state, self.inputs)
 
     def load(self, parts: CheckpointedParts) -> Optional[tuple[Path, int]]:
@@ -181,8 +220,7 @@ class TrainerCheckpoints:
         if path is None:
             return None
         state = load_trainer_state(path)
-        check_trainer_state(path, state)
-        check_same_model(path, state, self.model_path, self.config.resume_from_other_model)
+        check_same_model(path, state, self.model_path, self.config.resume_from_other_model, self.model_fingerprint)
         check_same_inputs(path, state, self.inputs)
         parts.actor_rollout_wg.load_checkpoint(str(path / "actor"))
         if parts.critic_wg is not None:
@@ -201,21 +239,42 @@ class TrainerCheckpoints:
         return path, step
 
 
-def check_same_model(path: Path, state: dict[str, Any], model_path: str, allow_other: bool) -> None:
+def nothing_to_train(step: int, total: int) -> str:
+    """What a run resumed at ``step`` with ``trainer.total_training_steps=total <= step`` is told."""
+    return (f"nothing to train: the checkpoint resumed is at step {step} and trainer.total_training_steps={total} is "
+            f"the total number of steps, not the steps to add; set it above {step} to train on (e.g. {step + total} "
+            f"for {total} more steps), or trainer.resume_mode=disable to start over")
+
+
+def check_same_model(path: Path, state: dict[str, Any], model_path: str, allow_other: bool,
+                     fingerprint: Optional[str] = None) -> None:
     """Refuse to resume checkpoint ``path`` (its trainer ``state``) when it was trained from another model than
-    ``model_path``, unless ``allow_other``; a checkpoint that predates the record resumes with a warning."""
-    recorded = state.get("model_path")
+    this run's (``model_path`` and its content ``fingerprint``), unless ``allow_other``. Both recorded fingerprints
+    known: the content decides (the same weights at another path resume: a moved checkout; other weights at the
+    same path do not: the model was rebuilt underneath the checkpoint); else the path does. A checkpoint that
+    records neither resumes with a warning."""
+    recorded, recorded_print = state.get("model_path"), state.get("model_fingerprint")
     if recorded is None:
         logger.warning("%s does not record the model it was trained from (an older checkpoint); resuming it for "
                        "actor_rollout_ref.model.path=%s", path, model_path)
-    elif recorded != model_path:
-        if not allow_other:
-            raise ConfigError(
-                f"checkpoint {path} was trained from actor_rollout_ref.model.path={recorded!r}, but this run's "
-                f"model is {model_path!r}; use another trainer.experiment_name / trainer.default_local_dir for a "
-                f"new run, or set trainer.resume_from_other_model=true to resume it anyway")
-        logger.warning("resuming %s (trained from %s) for actor_rollout_ref.model.path=%s, as "
-                       "trainer.resume_from_other_model=true allows", path, recorded, model_path)
+        return
+    by_content = recorded_print is not None and fingerprint is not None
+    if (recorded_print == fingerprint) if by_content else (recorded == model_path):
+        if recorded != model_path:
+            logger.info("resuming %s, trained from %s: the same weights as actor_rollout_ref.model.path=%s", path,
+                        recorded, model_path)
+        return
+    if recorded == model_path:
+        why = (f"checkpoint {path} was trained from actor_rollout_ref.model.path={recorded!r}, whose weights have "
+               "changed since (the model was rebuilt or replaced there): its reference policy and the base it "
+               "trained on are gone")
+    else:
+        why = (f"checkpoint {path} was trained from actor_rollout_ref.model.path={recorded!r}, but this run's model "
+               f"is {model_path!r}" + (" (other weights)" if by_content else ""))
+    if not allow_other:
+        raise ConfigError(f"{why}; use another trainer.experiment_name / trainer.default_local_dir for a new run, or "
+                          "set trainer.resume_from_other_model=true to resume it anyway")
+    logger.warning("%s; resuming it as trainer.resume_from_other_model=true allows", why)
 
 
 _INPUT_NAMES = {"tokenizer": "tokenizer (its vocabulary)", "scenario": f"scenario ({SCENARIO_KEY}'s content)"}

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from verl.utils.torch_functional import masked_mean
+from verl.utils.torch_functional import k3_divergence, masked_mean
 
 
 def logprob_mismatch_metrics(rollout_log_probs: torch.Tensor, actor_log_probs: torch.Tensor,
                              response_mask: torch.Tensor) -> dict[str, float]:
     """Over the tokens of ``response_mask``: mean and max |actor - rollout| log-prob, mean |p_actor - p_rollout|
-    (veRL's rollout_probs_diff) and the k3 estimate of KL(rollout || actor). Empty without such tokens."""
+    (veRL's rollout_probs_diff) and the k3 estimate of KL(rollout || actor) (>= 0: each token's clamped at 0). Empty
+    without such tokens."""
     mask = response_mask.bool()
     if not mask.any():
         return {}
@@ -21,7 +22,7 @@ def logprob_mismatch_metrics(rollout_log_probs: torch.Tensor, actor_log_probs: t
         "rollout/logprob_abs_diff_max": float(abs_diff[mask].max()),
         "rollout/probs_abs_diff_mean": float(masked_mean((diff.exp() - 1).abs() * rollout_log_probs.float().exp(),
                                                          mask.float())),
-        "rollout/kl_k3": float(masked_mean(diff.exp() - 1 - diff, mask.float())),
+        "rollout/kl_k3": float(masked_mean(k3_divergence(diff), mask.float())),
     }
 
 
@@ -37,7 +38,7 @@ def logprob_mismatch_by_turn(rollout_log_probs: torch.Tensor, actor_log_probs: t
     diff = torch.where(inside, actor_log_probs.double() - rollout_log_probs.double(), torch.zeros((), dtype=torch.float64))
     bins = torch.where(inside, turn_ids.clamp(max=max_turns), torch.full_like(turn_ids, max_turns + 1)).flatten()
     per_bin = torch.zeros(3, max_turns + 2, dtype=torch.float64)
-    rows = torch.stack([torch.ones_like(diff), diff.expm1() - diff, diff.abs()]).flatten(1)
+    rows = torch.stack([torch.ones_like(diff), k3_divergence(diff), diff.abs()]).flatten(1)
     per_bin.scatter_add_(1, bins.expand(3, -1), rows)
     metrics: dict[str, float] = {}
     for k, (count, k3, abs_diff) in enumerate(per_bin[:, :max_turns + 1].T.tolist()):

@@ -234,7 +234,7 @@ def test_turn_mixed_reads_the_weight_from_the_config_and_checks_its_inputs():
     explicit, _ = compute_turn_mixed_advantage(rewards, mask, index, turn_scores=scores, turn_weight=0.5)
     assert torch.equal(from_config, explicit)
     with pytest.raises(ContractError, match="turn_scores"):
-        compute_turn_mixed_advantage(rewards, mask, index, turn_weight=1.0)
+        compute_turn_mixed_advantage(rewards, mask, index, turn_scores=None, turn_weight=1.0)
     with pytest.raises(ContractError, match="off the agent turns"):
         compute_turn_mixed_advantage(rewards, mask, index, turn_scores=t64([[0, 0, 2.0, 0], [0] * 4]),
                                      turn_weight=1.0)
