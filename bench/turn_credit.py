@@ -67,7 +67,7 @@ def run_once(batch: DataProto, option: str) -> float:
     start = time.perf_counter()
     if option == "grpo+diagnosis":
         compute_advantage(data, "grpo")
-        reweight_advantages(data, WEIGHTS)
+        reweight_advantages(data, WEIGHTS, "all")
     else:
         compute_advantage(data, option, gamma=1.0, lam=0.95, config={"gamma": 1.0, "lam": 0.95,
                                                                      "turn_mixed": {"turn_weight": 1.0}})

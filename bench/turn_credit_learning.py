@@ -1,7 +1,8 @@
 """Benchmark: trajectory GRPO against each turn-level credit option on the learning benchmark, paired by profile.
 
     python -m bench.turn_credit_learning --warm-model WORK/warm_model [--seeds 0,1,2] [--options grpo,turn_mixed,...]
-                                         [--steps 12] [--test-freq 2] [--work-dir outputs/bench_turn_credit]
+                                         [--steps 12] [--test-freq 2] [--reference grpo]
+                                         [--work-dir outputs/bench_turn_credit]
                                          [--out bench/results/turn_credit_learning.json] [--table-only]
 
 Every run is `python -m bench.learning` (its own process: Ray, 2 FSDP workers, 2 scripted simulators) from the
@@ -16,11 +17,16 @@ profiles, so the runs of one seed validate on the same users and pair up by prof
 - `turn_gae`: `adv_estimator=turn_gae` (gamma 1, lam 1, a critic from the warm model with a fresh value head,
   lr `--critic-lr`) with the same per-turn reward added to the outcome;
 - `diagnosis`: GRPO plus `algorithm.diagnosis_reweight` weighting every failure label of the scenario by
-  `--label-weight`, `apply_to=negative` (the labelled turns of failed calls are pushed down harder).
+  `--label-weight`, `apply_to=negative` (the labelled turns of failed calls are pushed down harder);
+- `diagnosis_all`: the same weights with `apply_to=all` (a labelled turn's positive advantage is scaled too;
+  with the completion-only reward a labelled (failed) call never has one, so this is `diagnosis` exactly);
+- `mixed_diagnosis`, `mixed_diagnosis_all`: `turn_mixed` with the reweighting (`negative`, `all`): the turn term
+  can give a failed call's turn a positive advantage, which only `all` scales.
 
 Per run: the validation CR curve, the first validation step with CR >= `--target` (None when never) and the CR
 at `--at-step`; per option and seed, the calls paired with GRPO's at `--at-step` (gained, lost, two-sided exact
-sign test). A run whose result file exists is not run again (delete it to rerun); `--table-only` only tabulates.
+sign test), or with the `--reference` option's. A run whose result file exists is not run again (delete it to
+rerun); `--table-only` only tabulates.
 Writes `--out` (JSON) and prints the side-by-side table.
 """
 from __future__ import annotations
@@ -39,7 +45,8 @@ from bench.learning_stats import sign_test_one_sided, val_outcomes
 from bench.results import write_result
 
 REPO = Path(__file__).resolve().parents[1]
-OPTIONS = ("grpo", "turn_mixed", "turn_gae", "diagnosis")
+OPTIONS = ("grpo", "turn_mixed", "turn_gae", "diagnosis", "diagnosis_all", "mixed_diagnosis",
+           "mixed_diagnosis_all")
 LABELS = ("doubt_unanswered", "false_claim", "premature_push", "hang_up_after_drop", "format_error", "timeout_loop",
           "truncated")
 logger = logging.getLogger("bench.turn_credit_learning")
@@ -54,9 +61,11 @@ def option_args(option: str, args: argparse.Namespace) -> list[str]:
                 "--turn-weights", "state_change=1.0"]
     if option == "turn_gae":
         return ["--adv-estimator", "turn_gae", "--critic-lr", str(args.critic_lr), "--turn-weights", "state_change=1.0"]
-    if option == "diagnosis":
+    if option in ("diagnosis", "diagnosis_all"):
         return ["--diagnosis-weights", ",".join(f"{label}={args.label_weight}" for label in LABELS),
-                "--diagnosis-apply-to", "negative"]
+                "--diagnosis-apply-to", "all" if option.endswith("_all") else "negative"]
+    if option in ("mixed_diagnosis", "mixed_diagnosis_all"):
+        return option_args("turn_mixed", args) + option_args(option.replace("mixed_", ""), args)
     raise ValueError(f"unknown option {option!r} (one of {OPTIONS})")
 
 
@@ -101,20 +110,23 @@ def paired_with_reference(row: dict[str, Any], reference: dict[str, Any], step: 
 
 
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    """The side-by-side table: per seed and option, steps to the target CR, CR at the step, pairing with GRPO."""
+    """The side-by-side table: per seed and option, steps to the target CR, CR at the step, pairing with the
+    reference option."""
+    ref = args.reference
     print(f"\nValidation CR (greedy, fixed test profiles of the seed); steps to CR >= {args.target} (validation every "
-          f"{args.test_freq} steps, '>{args.steps}' = not reached); CR at step {args.at_step}; paired with GRPO at "
+          f"{args.test_freq} steps, '>{args.steps}' = not reached); CR at step {args.at_step}; paired with {ref} at "
           f"step {args.at_step} (gained/lost, two-sided exact sign test)")
-    print(f"{'seed':>4} | {'option':>10} | {'steps to ' + str(args.target):>12} | {'CR@' + str(args.at_step):>6} | "
-          f"{'vs GRPO':>16} | curve")
+    width = max([len("option")] + [len(row["option"]) for row in rows])
+    target, at = f"steps to {args.target}", f"CR@{args.at_step}"
+    print(f"{'seed':>4} | {'option':>{width}} | {target:>12} | {at:>6} | {'vs ' + ref:>16} | curve")
     for row in rows:
         steps = row["steps_to_target"]
-        paired = row.get("paired_with_grpo")
+        paired = row.get("paired_with_reference")
         vs = f"+{paired['gained']}/-{paired['lost']} p={paired['p_two_sided']:.2g}" if paired else ""
         cr = f"{row['cr_at_step']:.3f}" if row["cr_at_step"] is not None else "-"
         curve = " ".join(f"{s}:{cr_:.2f}" for s, cr_ in row["val_curve"])
-        print(f"{row['seed']:>4} | {row['option']:>10} | {steps if steps is not None else '>' + str(args.steps):>12} | "
-              f"{cr:>6} | {vs:>16} | {curve}")
+        reached = steps if steps is not None else f">{args.steps}"
+        print(f"{row['seed']:>4} | {row['option']:>{width}} | {reached:>12} | {cr:>6} | {vs:>16} | {curve}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turn-weight", type=float, default=0.5)
     parser.add_argument("--critic-lr", type=float, default=1e-3)
     parser.add_argument("--label-weight", type=float, default=1.5)
+    parser.add_argument("--reference", default="grpo", choices=OPTIONS, help="the option every other is paired with")
     parser.add_argument("--work-dir", type=Path, default=REPO / "outputs/bench_turn_credit")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/turn_credit_learning.json")
     parser.add_argument("--table-only", action="store_true", help="tabulate the existing run results only")
@@ -157,9 +170,9 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(summarise(option, seed, json.loads(out.read_text(encoding="utf-8")), work, args))
     by_key = {(r["option"], r["seed"]): r for r in rows}
     for row in rows:
-        reference = by_key.get(("grpo", row["seed"]))
-        if reference is not None and row["option"] != "grpo":
-            row["paired_with_grpo"] = paired_with_reference(row, reference, args.at_step)
+        reference = by_key.get((args.reference, row["seed"]))
+        if reference is not None and row["option"] != args.reference:
+            row["paired_with_reference"] = paired_with_reference(row, reference, args.at_step)
     write_result(args, load_at_start, rows=rows, commands=commands)
     print_table(rows, args)
     print(f"written to {args.out}")

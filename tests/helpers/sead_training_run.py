@@ -6,6 +6,10 @@ from pathlib import Path
 from tests.helpers.repo import COMPACT_SYSTEM_PROMPT, SCENARIO_PATH
 
 STEPS, PROMPTS, GROUP = 2, 4, 4
+# the policy generating through vLLM in the workers (the `vllm` tests), with the engine's log-probs
+VLLM_ROLLOUT = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_num_seqs=32",
+                "actor_rollout_ref.rollout.max_num_batched_tokens=2048",
+                "actor_rollout_ref.rollout.calculate_log_probs=true"]
 
 
 def prompt_files(out: Path) -> tuple[Path, Path]:
@@ -46,12 +50,16 @@ def training_config(model: str, out: Path, urls: list[str], steps: int, extra: t
 
 
 def make_trainer(config):
-    """(a RayPPOTrainer with the FSDP actor-rollout worker for `config`, its 2-process CPU resource pool)."""
+    """(a RayPPOTrainer with the FSDP actor-rollout worker, and the critic worker when the estimator trains one, for
+    `config`, its 2-process CPU resource pool)."""
     from verl.single_controller.ray import RayResourcePool
+    from verl.trainer.config_schema import CRITIC_ESTIMATORS
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
     from verl.utils.dataset import load_tokenizer
-    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
-    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+    critic = config.algorithm.adv_estimator in CRITIC_ESTIMATORS
+    roles = {Role.ActorRollout: ActorRolloutRefWorker, **({Role.Critic: CriticWorker} if critic else {})}
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=2 if critic else 1)
     tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
-    return RayPPOTrainer(config, tokenizer, {Role.ActorRollout: ActorRolloutRefWorker}, pool), pool
+    return RayPPOTrainer(config, tokenizer, roles, pool), pool

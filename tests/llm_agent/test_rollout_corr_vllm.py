@@ -29,6 +29,7 @@ from tests.helpers.repo import SCENARIO_PATH
 from tests.helpers.vllm_group import vllm_worker_group
 from verl.protocol import DataProto
 from verl.trainer.config_schema import RolloutCorrectionConfig
+from verl.trainer.ppo.rollout_rejection import apply_rejection
 from verl.trainer.ppo.trainer_rollout_corr import correct_batch
 from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.replicas import WorkerGroupEngine
@@ -122,9 +123,8 @@ def test_bf16_vllm_dialogues_log_a_mismatch_and_turn_rejection_drops_exactly_the
     print(f"A (bf16 engine, synced): |actor - rollout| mean {gap.mean():.2e} max {gap.max():.2e}; per turn "
           f"(k3 token mean, per-row min, max): {turns_a}")
     assert 0 < float(gap.mean()) and max(high for _, _, high in turns_a.values()) < CORRECTION.rollout_rs_threshold
-    kept_a = mask_a.clone()
-    metrics_a = correct_batch(a, CORRECTION)
-    assert torch.equal(a.batch["response_mask"].bool(), kept_a) and metrics_a["rollout_corr/rollout_rs_masked_fraction"] == 0
+    metrics_a, kept_a = correct_batch(a, CORRECTION)
+    assert torch.equal(kept_a.bool(), mask_a) and metrics_a["rollout_corr/rollout_rs_masked_fraction"] == 0
     for k, (mean, _, _) in turns_a.items():
         if k < 8:
             assert metrics_a[f"rollout/kl_k3_turn_{k}"] == pytest.approx(mean, rel=1e-6, abs=1e-12)
@@ -141,9 +141,11 @@ def test_bf16_vllm_dialogues_log_a_mismatch_and_turn_rejection_drops_exactly_the
     assert bool((turn_ids >= 1).any()), "no dialogue reached a second agent turn"
     turns_b = _turn_k3(b, turn_ids)
     print("B (turn 0 stale) per turn (k3 token mean, per-row min, max):", turns_b)
-    metrics = correct_batch(b, CORRECTION)
+    metrics, kept = correct_batch(b, CORRECTION)
     print({k: v for k, v in metrics.items() if "turn" in k or "masked" in k})
-    assert torch.equal(b.batch["response_mask"].bool(), mask_b & ~stale), "the rejection did not drop exactly turn 0"
+    assert torch.equal(kept.bool(), mask_b & ~stale), "the rejection did not drop exactly turn 0"
+    apply_rejection(b, kept)  # what the advantage step does after the advantages
+    assert torch.equal(b.batch["response_mask"].bool(), mask_b & ~stale)
     assert torch.equal(b.batch["agent_turn_ids"], torch.where(stale, -1, turn_ids))
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(
         float(stale.sum()) / float(mask_b.sum()), rel=1e-6)

@@ -16,15 +16,13 @@ import pytest
 import torch
 
 from tests.helpers.repo import SCENARIO_PATH
-from tests.helpers.sead_training_run import PROMPTS, make_trainer, training_config
+from tests.helpers.sead_training_run import PROMPTS, VLLM_ROLLOUT, make_trainer, training_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="needs vLLM: run with the vLLM environment's python (make vllm-env)")]
 
 STEPS = 2
-VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_num_seqs=32",
-        "actor_rollout_ref.rollout.max_num_batched_tokens=2048", "actor_rollout_ref.rollout.calculate_log_probs=true"]
 
 
 @pytest.fixture()
@@ -71,7 +69,7 @@ def _run(model: str, out, urls: list[str], extra: list[str], resumed: bool = Fal
     from omegaconf import OmegaConf
 
     config = training_config(model, out, urls, STEPS)
-    config = OmegaConf.merge(config, OmegaConf.from_dotlist(VLLM + ["trainer.test_freq=-1"] + extra))
+    config = OmegaConf.merge(config, OmegaConf.from_dotlist(VLLM_ROLLOUT + ["trainer.test_freq=-1"] + extra))
     trainer, pool = make_trainer(config)
     gaps = None
     try:

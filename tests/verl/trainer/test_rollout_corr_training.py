@@ -12,6 +12,7 @@ import torch
 from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError, RolloutCorrectionConfig, compose_config
 from verl.trainer.config_validation import load_config
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs, correct_batch
 from verl.utils.agent_turns import AGENT_TURN_IDS, agent_turn_ids_from_mask
 from verl.workers.rollout.logprob_mismatch import logprob_mismatch_by_turn
@@ -108,24 +109,38 @@ def test_mismatch_by_turn_matches_a_loop_and_grows_with_the_turn():
     assert logprob_mismatch_by_turn(torch.zeros(2, 4), torch.ones(2, 4), single) == {}
 
 
-def test_correct_batch_adds_weights_rejects_turns_and_logs_both_metric_sets():
+def test_correct_batch_adds_weights_and_returns_the_rejection_for_after_the_advantages():
     old, rollout, mask, ids = _dialogue_batch(1, scale=0.005)
     rollout[0, ids[0] == 4] -= 0.5  # a stale turn
     batch = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask})
     config = RolloutCorrectionConfig(rollout_is="turn", rollout_is_threshold=2.0, rollout_rs="turn_sum_k1",
                                      rollout_rs_threshold="0.5_2.0")
-    metrics = correct_batch(batch, config)
-    dropped = mask - batch.batch["response_mask"]
+    metrics, kept = correct_batch(batch, config)
+    assert torch.equal(batch.batch["response_mask"], mask), "the mask changes only after the advantages"
+    dropped = mask - kept
     assert torch.equal(dropped.nonzero()[:, 0].unique(), torch.tensor([0]))
     assert torch.equal(dropped[0].nonzero().flatten(), (ids[0] == 4).nonzero().flatten())
-    assert torch.equal(batch.batch[AGENT_TURN_IDS], torch.where(dropped != 0, torch.full_like(ids, -1), ids))
     assert batch.batch["rollout_is_weights"][0, ids[0] == 4].eq(2.0).all()
     assert metrics["rollout/kl_k3_turn_4"] > metrics["rollout/kl_k3_turn_3"]  # measured before the rejection
     assert metrics["rollout_corr/rollout_rs_turn_sum_k1_turn_masked_fraction"] == pytest.approx(1 / 33)  # 3 rows of 10 turns, one of 3
     assert {"rollout_corr/k3_kl", "rollout_corr/rollout_is_mean", "rollout_corr/chi2_seq"} <= set(metrics)
+    assert correct_batch(batch, RolloutCorrectionConfig(rollout_is="token"))[1] is None  # weights only: none rejected
     empty = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout,
                                          "response_mask": torch.zeros_like(mask)})
-    assert correct_batch(empty, config) == {}
+    assert correct_batch(empty, config) == ({}, None)
+
+
+def test_verl_entry_point_applies_the_rejection_at_once_keeping_the_turn_numbers():
+    old, rollout, mask, ids = _dialogue_batch(1, scale=0.005)
+    rollout[0, ids[0] == 4] -= 0.5
+    batch = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask})
+    config = RolloutCorrectionConfig(rollout_rs="turn_sum_k1", rollout_rs_threshold="0.5_2.0")
+    _, metrics = compute_rollout_correction_and_add_to_batch(batch, config)
+    stale = torch.zeros_like(mask, dtype=torch.bool)
+    stale[0] = ids[0] == 4
+    assert torch.equal(batch.batch["response_mask"], torch.where(stale, 0.0, mask))
+    assert torch.equal(batch.batch[AGENT_TURN_IDS], torch.where(stale, -1, ids))
+    assert "rollout_is_weights" not in batch.batch.keys() and metrics["rollout_corr/rollout_rs_masked_fraction"] > 0
 
 
 # ----------------------------------------------------------------------------------------- slow: training

@@ -1,7 +1,8 @@
 """A real training run (tiny model, 2 FSDP ranks on CPU, Ray) with ``adv_estimator=turn_gae`` and
 ``algorithm.diagnosis_reweight`` on: the critic is built and trained, the per-turn rewards and labels a reward
 plug-in writes follow their rows through balancing, and the advantages the actor trained on are the turn-level
-GAE of the batch's own values and rewards, scaled on the labelled turns only."""
+GAE of the batch's own values and rewards, scaled on the labelled turns only: checked against the float64 loops of
+tests/helpers/credit_reference.py, which also show that a deliberately wrong turn GAE (lam ignored) differs."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from tests.helpers import credit_reference
 
 from verl.protocol import DataProto
 from verl.trainer.ppo.plugins import SingleTurnRollout
@@ -69,7 +72,6 @@ def test_turn_gae_with_diagnosis_reweight_trains_and_keeps_rows_aligned(tiny_mod
     from verl.single_controller.ray import RayResourcePool
     from verl.tasks.repeat_letter import make_dataset
     from verl.trainer.config_schema import compose_config
-    from verl.trainer.ppo.core_algos import compute_turn_gae_advantage_return
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
     from verl.utils.dataset import load_tokenizer
     from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
@@ -81,7 +83,7 @@ def test_turn_gae_with_diagnosis_reweight_trains_and_keeps_rows_aligned(tiny_mod
         "data.max_response_length=4", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "critic.ppo_micro_batch_size_per_gpu=2", "algorithm.adv_estimator=turn_gae", "algorithm.gamma=0.9",
-        "algorithm.lam=0.8", "algorithm.diagnosis_reweight.enable=true",
+        "algorithm.lam=0.8", "algorithm.diagnosis_reweight.enable=true", "algorithm.diagnosis_reweight.apply_to=all",
         "+algorithm.diagnosis_reweight.weights={false_claim:2.0,truncated:0.5}",
         f"rollout_loop.path={here}.SplitTurnsLoop", f"reward.path={here}.turn_credit_reward",
         "trainer.total_training_steps=2", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
@@ -112,15 +114,18 @@ def test_turn_gae_with_diagnosis_reweight_trains_and_keeps_rows_aligned(tiny_mod
     assert int((agent_turn_ids_from_mask(mask).max(dim=-1).values >= 1).sum()) > 0, "no row had two agent turns"
     labels = list(batch.non_tensor_batch["turn_labels"])
     assert labels == expected_turn_labels(b["responses"], mask), "labels did not follow their rows"
-    plain, returns = compute_turn_gae_advantage_return(b["token_level_rewards"], b["values"], mask, 0.9, 0.8,
-                                                       turn_scores=b["turn_scores"])
     ids = agent_turn_ids_from_mask(mask)
-    weights = torch.ones_like(plain)
-    for row, per_turn in enumerate(labels):
-        for k, turn_labels in enumerate(per_turn):
-            weighted = [LABEL_WEIGHTS[label] for label in turn_labels if label in LABEL_WEIGHTS]
-            if weighted:
-                weights[row][ids[row] == k] = sum(weighted) / len(weighted)
-    torch.testing.assert_close(b["advantages"], plain * weights)
-    torch.testing.assert_close(b["returns"], returns)
+    plain, returns = credit_reference.turn_gae(b["token_level_rewards"], b["values"], mask, ids, b["turn_scores"],
+                                               0.9, 0.8)
+    expected = credit_reference.diagnosis(plain, ids, labels, LABEL_WEIGHTS, "all")
+    on_turns = mask != 0
+    f64 = torch.float64
+    torch.testing.assert_close(b["advantages"].double()[on_turns], torch.tensor(expected, dtype=f64)[on_turns],
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b["returns"].double()[on_turns], torch.tensor(returns, dtype=f64)[on_turns],
+                               rtol=1e-5, atol=1e-6)
     assert bool((b["advantages"][mask == 0] == 0).all()), "advantage on a user token"
+    wrong, _ = credit_reference.turn_gae(b["token_level_rewards"], b["values"], mask, ids, b["turn_scores"], 0.9, 1.0)
+    wrong = torch.tensor(credit_reference.diagnosis(wrong, ids, labels, LABEL_WEIGHTS, "all"), dtype=f64)
+    assert not torch.allclose(b["advantages"].double()[on_turns], wrong[on_turns], rtol=1e-5, atol=1e-6), \
+        "the check cannot tell a turn GAE that ignores lam apart"

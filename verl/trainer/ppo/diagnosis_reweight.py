@@ -101,7 +101,7 @@ def turn_weights(turn_labels: Sequence[Any], layout: TurnLayout, weights: Mappin
     return result
 
 
-def reweight_advantages(data: Any, weights: Mapping[str, float], apply_to: str = "all") -> dict[str, float]:
+def reweight_advantages(data: Any, weights: Mapping[str, float], apply_to: str) -> dict[str, float]:
     """Multiply ``data.batch['advantages']`` by the weight of each token's agent turn, in place; the metrics.
 
     ``data`` is a DataProto with ``advantages`` and ``response_mask`` (and optionally ``agent_turn_ids``) in its

@@ -5,9 +5,10 @@ plug-in, a :class:`~verl.trainer.ppo.plugins.RolloutLoop`; single-turn by defaul
 plug-in -> (with ``algorithm.filter_groups``: drop the groups without a signal and generate more prompt batches
 until the train batch is full; see :mod:`verl.trainer.ppo.trainer_rollout`) -> balance rows across DP ranks
 (``DataProto.reorder`` moves every per-row field together) -> old log-probs (or, in rollout-correction bypass
-mode, the rollout's) -> reference log-probs -> values -> KL in reward -> rollout correction
-(:mod:`verl.trainer.ppo.trainer_rollout_corr`) -> advantages (driver; then ``algorithm.diagnosis_reweight`` scales
-those of labelled turns) -> critic update -> actor update -> metrics (with the rollout's ``rollout/*``);
+mode, the rollout's) -> reference log-probs -> values -> KL in reward -> the advantage step
+(:mod:`verl.trainer.ppo.trainer_advantage`: rollout correction, then advantages and ``algorithm.diagnosis_reweight``
+on the dialogues as sampled, then the rejected tokens leave the loss, :mod:`verl.trainer.ppo.rollout_rejection`)
+-> critic update -> actor update -> metrics (with the rollout's ``rollout/*``);
 validation every ``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`). The
 trainer is composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and
 scoring) and :class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (save and resume).
@@ -33,13 +34,12 @@ from verl.trainer.config_schema import PPOTrainerConfig
 from verl.trainer.config_validation import load_config
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch
-from verl.trainer.ppo.diagnosis_reweight import reweight_advantages
-from verl.trainer.ppo.estimator_inputs import estimator_inputs
 from verl.trainer.ppo.plugins import RolloutLoop, SingleTurnRollout, bind_reward, import_dotted
 from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
+from verl.trainer.ppo.trainer_advantage import advantage_step, compute_advantage
 from verl.trainer.ppo.trainer_checkpoint import (SCENARIO_KEY, CheckpointedParts, TrainerCheckpoints, nothing_to_train,
                                                  run_inputs)
-from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs, correct_batch
+from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs
 from verl.trainer.ppo.trainer_rollout import (
     GEN_INPUT_KEYS,
     StepRollouts,
@@ -84,39 +84,6 @@ def apply_kl_penalty(data: DataProto, kl_ctrl: Any, kl_penalty: str = "kl") -> t
     current_kl = float(masked_mean(kld, mask, axis=-1).mean())
     kl_ctrl.update(current_kl=current_kl, n_steps=len(data))
     return data, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
-
-
-def compute_advantage(data: DataProto, adv_estimator: str, gamma: float = 1.0, lam: float = 1.0,
-                      num_repeat: int = 1, norm_adv_by_std_in_grpo: bool = True,
-                      config: Optional[Any] = None) -> DataProto:
-    """Add ``advantages`` and ``returns`` (bs, R) computed on the driver by the named estimator.
-
-    GAE uses ``values``; group estimators group rows by ``non_tensor_batch['uid']``; ReMax uses
-    ``reward_baselines``; a registered estimator also gets the inputs it names among
-    :data:`~verl.trainer.ppo.estimator_inputs.OPTIONAL_INPUTS` (``values``, ``agent_turn_ids``, ``turn_scores``,
-    ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``). ``num_repeat`` (rollout.n) is accepted for veRL compatibility.
-    """
-    if "response_mask" not in data.batch.keys():
-        data.batch["response_mask"] = compute_response_mask(data)
-    rewards, mask = data.batch["token_level_rewards"], data.batch["response_mask"]
-    if adv_estimator == "gae":
-        advantages, returns = core_algos.compute_gae_advantage_return(rewards, data.batch["values"], mask, gamma, lam)
-    elif adv_estimator == "grpo":
-        advantages, returns = core_algos.compute_grpo_outcome_advantage(
-            rewards, mask, index=data.non_tensor_batch["uid"], norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
-    else:
-        fn = core_algos.get_adv_estimator_fn(adv_estimator)
-        kwargs: dict[str, Any] = {"token_level_rewards": rewards, "response_mask": mask,
-                                  "config": config if config is not None else {"gamma": gamma, "lam": lam}}
-        if "uid" in data.non_tensor_batch:
-            kwargs["index"] = data.non_tensor_batch["uid"]
-        if "reward_baselines" in data.batch.keys():
-            kwargs["reward_baselines"] = data.batch["reward_baselines"]
-        kwargs.update(estimator_inputs(fn, data, {"gamma": gamma, "lam": lam,
-                                                  "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo}))
-        advantages, returns = fn(**kwargs)
-    data.batch["advantages"], data.batch["returns"] = advantages, returns
-    return data
 
 
 class RayPPOTrainer:
@@ -294,14 +261,7 @@ class RayPPOTrainer:
                     metrics.update(kl_metrics)
                 else:
                     batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-                if "rollout_log_probs" in batch.batch.keys():  # decoupled mode: weights, rejection, metrics
-                    metrics.update(correct_batch(batch, correction))
-                compute_advantage(batch, cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
-                                  num_repeat=n, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-                                  config=cfg.algorithm)
-                diagnosis = cfg.algorithm.diagnosis_reweight
-                if diagnosis.enable:
-                    metrics.update(reweight_advantages(batch, diagnosis.weights, diagnosis.apply_to))
+                metrics.update(advantage_step(batch, cfg.algorithm, num_repeat=n))
             if self.use_critic:
                 with timer("update_critic", timing):
                     metrics.update(reduce_metrics(pop_metrics(self.critic_wg.update_critic(batch))))

@@ -9,7 +9,8 @@ pi_train (FSDP, fp32). With ``log_ratio = log pi_train - log pi_rollout`` per to
   (TIS) or zeroed outside bounds (IcePop); units are tokens, whole sequences, or (SEAD) agent turns, a turn's
   ratio being the product of its tokens' ratios (the exponential of their summed log-ratios);
 - rejection (``rollout_rs``) removes tokens, turns or sequences whose divergence estimate is out of bounds from
-  ``response_mask``;
+  ``response_mask`` (what that means to the advantages and the rest of the step:
+  :mod:`verl.trainer.ppo.rollout_rejection`);
 - off-policy metrics measure the gap (KL, perplexities, chi-square).
 
 Option syntax: :mod:`verl.trainer.ppo.rollout_corr_options`; units: :mod:`verl.trainer.ppo.rollout_corr_units`;
@@ -36,13 +37,15 @@ from verl.trainer.ppo.rollout_corr_options import (
     rejection_options,
 )
 from verl.trainer.ppo.rollout_corr_units import Units
-from verl.utils.agent_turns import AGENT_TURN_IDS, agent_turn_ids
+from verl.trainer.ppo.rollout_rejection import apply_rejection
+from verl.utils.agent_turns import agent_turn_ids
 from verl.utils.torch_functional import k3_divergence, masked_mean
 
 __all__ = ["SAFETY_BOUND", "SUPPORTED_ROLLOUT_RS_OPTIONS", "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS", "apply_bypass_mode",
            "compute_offpolicy_metrics", "compute_rollout_corr_metrics_from_logprobs",
            "compute_rollout_correction_and_add_to_batch", "compute_rollout_correction_and_rejection_mask",
-           "compute_rollout_correction_weights", "compute_rollout_rejection_mask", "rollout_correction_tensors"]
+           "compute_rollout_correction_weights", "compute_rollout_rejection_mask", "rollout_correction_for_batch",
+           "rollout_correction_tensors"]
 
 Metrics = dict[str, torch.Tensor]
 
@@ -254,15 +257,12 @@ def compute_rollout_corr_metrics_from_logprobs(log_prob: torch.Tensor, rollout_l
     return {f"rollout_corr/{key}": value for key, value in metrics.items()}
 
 
-def compute_rollout_correction_and_add_to_batch(batch: DataProto, rollout_corr_config: Any) -> tuple[DataProto, dict]:
-    """Apply ``algorithm.rollout_correction`` to a batch holding ``old_log_probs``, ``rollout_log_probs`` and
-    ``response_mask``: the mask after rejection replaces ``response_mask``, ``rollout_is_weights`` are added
-    when ``rollout_is`` is set; returns ``(batch, rollout_corr/* metrics)``.
-
-    Turns come from :func:`verl.utils.agent_turns.agent_turn_ids`. When rejection may change the mask, the
-    batch's ``agent_turn_ids`` are written as they were before it, -1 on the rejected tokens, so that later
-    turn-level consumers keep the dialogue's turn numbering.
-    """
+def rollout_correction_for_batch(batch: DataProto, rollout_corr_config: Any) -> tuple[Optional[torch.Tensor], dict]:
+    """``algorithm.rollout_correction`` on a batch holding ``old_log_probs``, ``rollout_log_probs`` and
+    ``response_mask``: ``rollout_is_weights`` added when ``rollout_is`` is set; returns ``(kept, rollout_corr/*
+    metrics)``, ``kept`` the mask after rejection (None without ``rollout_rs``), not yet applied: the trainer applies
+    it after the advantages (:mod:`verl.trainer.ppo.rollout_rejection`). Turns come from
+    :func:`verl.utils.agent_turns.agent_turn_ids`."""
     get = lambda key, default=None: _cfg_get(rollout_corr_config, key, default)  # noqa: E731
     rollout_is, rollout_rs = get("rollout_is"), get("rollout_rs")
     turn_ids = agent_turn_ids(batch.batch) if rollout_is == "turn" or rollout_rs is not None else None
@@ -272,11 +272,20 @@ def compute_rollout_correction_and_add_to_batch(batch: DataProto, rollout_corr_c
         rollout_is_threshold=get("rollout_is_threshold", 2.0),
         rollout_is_batch_normalize=get("rollout_is_batch_normalize", False), rollout_rs=rollout_rs,
         rollout_rs_threshold=get("rollout_rs_threshold"), turn_ids=turn_ids)
-    batch.batch["response_mask"] = mask
-    if rollout_rs is not None:
-        batch.batch[AGENT_TURN_IDS] = torch.where(mask != 0, turn_ids, torch.full_like(turn_ids, -1))
     if weights is not None:
-        batch = batch.union(weights)
+        batch.batch["rollout_is_weights"] = weights.batch["rollout_is_weights"]
+    return (mask if rollout_rs is not None else None), metrics
+
+
+def compute_rollout_correction_and_add_to_batch(batch: DataProto, rollout_corr_config: Any) -> tuple[DataProto, dict]:
+    """veRL's entry point: :func:`rollout_correction_for_batch`, then the rejection applied at once
+    (:func:`verl.trainer.ppo.rollout_rejection.apply_rejection`: ``response_mask`` without the rejected tokens,
+    their ``agent_turn_ids`` -1, the kept tokens' turn numbers unchanged); returns ``(batch, rollout_corr/*
+    metrics)``. Advantages computed after it would read the post-rejection mask: the trainer uses
+    :func:`rollout_correction_for_batch` and the rule instead."""
+    kept, metrics = rollout_correction_for_batch(batch, rollout_corr_config)
+    if kept is not None:
+        apply_rejection(batch, kept)
     return batch, metrics
 
 

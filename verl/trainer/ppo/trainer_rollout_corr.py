@@ -3,7 +3,8 @@
 Decoupled mode (default): after the old-log-prob pass, a batch that carries the rollout engine's
 ``rollout_log_probs`` gets the mismatch per agent-turn index (``rollout/kl_k3_turn_{k}``, ...) and the
 ``rollout_corr/*`` metrics, and, when configured, ``rollout_is_weights`` (used by the actor's loss) and the
-rejection mask (applied to ``response_mask`` before advantages are computed), as in veRL.
+rejection mask, which the advantage step applies after the advantages (:mod:`verl.trainer.ppo.rollout_rejection`:
+credit on the dialogue as sampled, then the rejected tokens leave the loss).
 Bypass mode: the rollout's log-probs become ``old_log_probs``, the old-log-prob pass is skipped, and the actor
 computes weights, rejection and metrics against its current policy in the ``bypass_mode`` policy loss (the
 trainer passes it ``actor.policy_loss`` at start).
@@ -14,9 +15,11 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
+import torch
+
 from verl.protocol import DataProto
 from verl.trainer.config_schema import RolloutCorrectionConfig
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+from verl.trainer.ppo.rollout_corr_helper import rollout_correction_for_batch
 from verl.utils.agent_turns import agent_turn_ids
 from verl.workers.rollout.logprob_mismatch import logprob_mismatch_by_turn
 
@@ -42,15 +45,17 @@ def check_rollout_log_probs(batch: DataProto, config: RolloutCorrectionConfig) -
             f"that returns the engine's log-probs; the batch has {sorted(batch.batch.keys())}")
 
 
-def correct_batch(batch: DataProto, config: RolloutCorrectionConfig) -> dict[str, float]:
+def correct_batch(batch: DataProto, config: RolloutCorrectionConfig) -> tuple[dict[str, float], Optional[torch.Tensor]]:
     """Decoupled mode on a batch with ``old_log_probs`` and ``rollout_log_probs``: the per-turn mismatch, then
-    weights and rejection as configured (in place); returns their metrics."""
+    the weights (added to the batch) and the rejection as configured; returns ``(metrics, kept)``, ``kept`` the
+    response mask after rejection for :func:`~verl.trainer.ppo.rollout_rejection.credit_then_reject` (None when
+    nothing is rejected by configuration or the batch has no loss token)."""
     mask = batch.batch["response_mask"]
     if not bool(mask.any()):
         logger.warning("rollout correction: the batch has no loss-carrying token; nothing to correct")
-        return {}
+        return {}, None
     metrics = logprob_mismatch_by_turn(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
                                        agent_turn_ids(batch.batch))
-    _, corr_metrics = compute_rollout_correction_and_add_to_batch(batch, config)
+    kept, corr_metrics = rollout_correction_for_batch(batch, config)
     metrics.update(corr_metrics)
-    return metrics
+    return metrics, kept

@@ -10,7 +10,8 @@ Batch keys a reward or rollout-loop plug-in may write (the engine reads them, do
 
 - ``TURN_SCORES`` = ``"turn_scores"``: (bs, R) float, the per-turn process reward. Agent turn k's reward is the sum
   of the row's ``turn_scores`` over the tokens of turn k (put it on the turn's last token, as the outcome reward
-  sits on the row's last agent token); non-zero off the agent turns is a contract error. It is separate from
+  sits on the row's last agent token); non-zero off the agent turns is a contract error (checked against the
+  sampled mask: after rollout rejection a rejected turn keeps its score, see rollout_rejection.py). It is separate from
   ``token_level_scores`` (the trajectory reward) and read only by the turn-level estimators.
 - ``TURN_LABELS`` = ``"turn_labels"`` (in ``non_tensor_batch``): per row, one entry per agent turn (turn id k at
   index k), each a list of label strings (empty: no label), or None for a row without labels; read by the

@@ -176,7 +176,7 @@ def test_reweighting_uses_the_loops_turn_ids(rng):
         for k, turn in enumerate(row):
             ids[i, turn] = k
     data = make_batch(mask, advantages, labels, turn_ids=ids)
-    reweight_advantages(data, WEIGHTS)
+    reweight_advantages(data, WEIGHTS, "all")
     assert_close(data.batch["advantages"], ref_reweight(advantages, mask, labels, turns=turns))
 
 
@@ -197,15 +197,15 @@ def test_malformed_labels_and_weights_fail_clearly():
     with pytest.raises(ContractError, match="turn_labels"):
         batch = make_batch(mask, advantages, [None])
         batch.non_tensor_batch.pop("turn_labels")
-        reweight_advantages(batch, WEIGHTS)
+        reweight_advantages(batch, WEIGHTS, "all")
     for labels, match in (([[["false_claim"]]], "1 entries but the row has 2 agent turns"),
                           (["false_claim"], "must be a list with one list of label strings per agent turn"),
                           ([["false_claim", []]], r"turn_labels\[0\]\[0\] must be a list of label strings"),
                           ([[[3], []]], "labels are strings")):
         with pytest.raises(ContractError, match=match):
-            reweight_advantages(make_batch(mask, advantages, labels), WEIGHTS)
+            reweight_advantages(make_batch(mask, advantages, labels), WEIGHTS, "all")
     for bad in (math.nan, math.inf, -0.1, 2.5, True):
         with pytest.raises(ValueError, match="false_claim"):
-            reweight_advantages(make_batch(mask, advantages, [None]), {"false_claim": bad})
+            reweight_advantages(make_batch(mask, advantages, [None]), {"false_claim": bad}, "all")
     with pytest.raises(ValueError, match="apply_to"):
         reweight_advantages(make_batch(mask, advantages, [None]), WEIGHTS, "sometimes")

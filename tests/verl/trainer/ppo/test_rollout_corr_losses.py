@@ -1,5 +1,7 @@
 """The REINFORCE and bypass-mode policy losses of rollout correction against float64 loops, on dialogue-shaped
 inputs (user turns masked in the middle of rows, a row without a loss token)."""
+import math
+
 import pytest
 import torch
 from tests.helpers.rollout_corr_reference import assert_metrics_match, dialogue_batch, rejection, weights
@@ -42,22 +44,52 @@ def test_reinforce_loss_and_gradient_match_a_float64_loop():
     assert seq_loss.item() == pytest.approx(sum(rows) / len(rows), rel=1e-12)
 
 
-def test_bypass_ppo_clip_is_vanilla_ppo_on_the_rejection_mask_without_weights():
+def _dual_clip_ppo(log_prob: float, old: float, a: float, low: float = 0.2, high: float = 0.2, c: float = 3.0) -> float:
+    """One token's dual-clip PPO loss, float64 (ratio of the clamped log-ratio)."""
+    ratio = math.exp(max(-20.0, min(20.0, log_prob - old)))
+    loss = max(-a * ratio, -a * min(max(ratio, 1 - low), 1 + high))
+    return min(loss, -a * c) if a < 0 else loss
+
+
+def _bypass_ppo_reference(log_prob, rollout_lp, adv, kept, mode: str, sampled_mask) -> float:
+    """The bypass PPO-clip loss, float64: the kept tokens' losses over the actor's pre-rejection counts (tokens
+    or non-empty rows of the sampled mask), the ratio taken against the rollout's log-probs."""
+    lp, old, a = log_prob.tolist(), rollout_lp.tolist(), adv.tolist()
+    rows = [[_dual_clip_ppo(lp[i][t], old[i][t], a[i][t]) for t in range(len(lp[0])) if kept[i][t]]
+            for i in range(len(lp))]
+    sampled = sampled_mask.tolist()
+    if mode == "token-mean":
+        return math.fsum(x for row in rows for x in row) / sum(map(sum, sampled))
+    row_means = [math.fsum(row) / len(row) for row in rows if row]  # seq-mean-token-mean
+    return math.fsum(row_means) / sum(1 for row in sampled if any(row))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_bypass_ppo_clip_loss_is_over_the_actors_pre_rejection_counts(mode):
     log_prob, rollout_lp, adv, mask = _inputs(1)
+    log_prob = log_prob.detach().clone().requires_grad_(True)
+    with torch.no_grad():  # rows 4-5 far off the rollout: sequences that rejection drops whole under seq options
+        log_prob[4:6] += 0.4 * mask[4:6]
     cfg = _config(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="turn_mean_k3", rollout_rs_threshold=0.02,
                   loss_type="ppo_clip")
-    loss, metrics = core_algos.compute_policy_loss_bypass_mode(rollout_lp, log_prob, adv, mask, "token-mean", cfg)
+    sampled_tokens, sampled_rows = float(mask.sum()), float((mask.sum(-1) > 0).sum())
+    cfg["global_batch_info"] = {"dp_size": 1, "batch_num_tokens": sampled_tokens, "global_batch_size": sampled_rows}
+    loss, metrics = core_algos.compute_policy_loss_bypass_mode(rollout_lp, log_prob, adv, mask, mode, cfg)
     log_ratio = (log_prob - rollout_lp).detach()
     kept, rs_expected = rejection(log_ratio, mask, [("turn_mean_k3", "0.02")])
-    kept = torch.tensor(kept, dtype=mask.dtype)
-    assert 0 < kept.sum() < mask.sum(), "the inputs should reject some turns and keep others"
-    expected, expected_metrics = core_algos.compute_policy_loss_vanilla(rollout_lp, log_prob, adv, kept,
-                                                                        "token-mean", cfg)
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    assert 0 < sum(map(sum, kept)) < mask.sum(), "the inputs should reject some turns and keep others"
+    assert sum(1 for row in kept if any(row)) < sampled_rows, "and some whole rows"
+    expected = _bypass_ppo_reference(log_prob.detach(), rollout_lp, adv, kept, mode, mask)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    # a loss normalised by what rejection kept (tokens or rows) is another loss, which this test tells apart
+    kept_only = _bypass_ppo_reference(log_prob.detach(), rollout_lp, adv, kept, mode, torch.tensor(kept))
+    assert kept_only != pytest.approx(expected, rel=1e-3)
     _, is_expected = weights(log_ratio, mask, "token", 2.0)
     for key, value in {**is_expected, **rs_expected}.items():
         assert float(metrics[f"rollout_corr/{key}"]) == pytest.approx(value, rel=1e-7, abs=1e-9), key
-    assert float(metrics["actor/ppo_kl"]) == pytest.approx(float(expected_metrics["actor/ppo_kl"]))
+    kept_tokens = [(i, t) for i, row in enumerate(kept) for t, k in enumerate(row) if k]
+    assert float(metrics["actor/ppo_kl"]) == pytest.approx(
+        math.fsum(-float(log_ratio[i, t]) for i, t in kept_tokens) / len(kept_tokens), rel=1e-9)
 
 
 @pytest.mark.parametrize("level", ["token", "turn", "sequence"])
