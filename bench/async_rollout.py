@@ -41,12 +41,14 @@ from bench.rollout_loop import GROUP_SIZE, SCENARIO
 from bench.results import write_result
 from bench.user_sim_dispatch import latency_flags
 from llm_agent.generation import LLMGenerationManager
+from llm_agent.rollout.dialogue_record import records_from_batch
 from llm_agent.scenario import load_scenario
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.user_sim.processes import SimulatorGroup
 from utils.make_tiny_model import build_tiny_model
 from verl.protocol import DataProto
 from verl.utils.torch_functional import compute_position_id_with_mask
+from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.hf_rollout import generation_tensors
 
 logger = logging.getLogger("bench.async_rollout")
@@ -56,7 +58,7 @@ QUALITIES = ("good", "evasive", "bad")
 _GROUP = re.compile(r"\(call (\d+)\)")
 
 
-class CostedPolicy:
+class CostedPolicy(RolloutEngine):
     """Scripted agents of mixed quality, memoised by context, taking a decoding engine's time per call."""
 
     world_size = 2
@@ -92,7 +94,7 @@ class CostedPolicy:
         steps = int(tensors["response_mask"].sum(dim=1).max())
         cost = self.call_s + steps * (self.step_s + self.step_row_s * len(ids))
         time.sleep(max(0.0, cost - (time.perf_counter() - started)))
-        return DataProto.from_dict(tensors=tensors)
+        return self.versioned(DataProto.from_dict(tensors=tensors))
 
 
 def grouped_batch(tokenizer: Any, scenario: Any, dialogues: int) -> DataProto:
@@ -139,8 +141,9 @@ def one_run(mode: str, policy: CostedPolicy, scenario: Any, urls: list[str], arg
     finally:
         loop.close()
     m = out.meta_info["metrics"]
-    outcomes = out.non_tensor_batch["outcome"].tolist()
-    turns = out.non_tensor_batch["num_turns"].tolist()
+    records = records_from_batch(out)
+    outcomes = [r.outcome for r in records]
+    turns = [r.num_turns for r in records]
     return {"mode": mode, "wall_s": m["rollout/time_to_last_dialogue_s"],
             "generate_busy": m["rollout/generate_busy_fraction"], "user_sim_busy": m["rollout/user_sim_busy_fraction"],
             "dialogue_p50_s": m["rollout/dialogue_time_p50_s"], "dialogue_p95_s": m["rollout/dialogue_time_p95_s"],

@@ -38,8 +38,9 @@ import torch
 from transformers import AutoTokenizer
 
 from bench.results import write_result
-from llm_agent.rollout.dialogue import ChatMarkers
+from llm_agent.envs import ChatMarkers
 from llm_agent.generation import LLMGenerationManager
+from llm_agent.rollout.dialogue_record import records_from_batch
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim, never_ending_replies
@@ -47,6 +48,7 @@ from llm_agent.user_sim.client import SimulatorClient
 from utils.make_tiny_model import build_tiny_model
 from verl.protocol import DataProto
 from verl.utils.torch_functional import compute_position_id_with_mask
+from verl.workers.rollout.engine import RolloutEngine
 
 logger = logging.getLogger("bench.rollout_loop")
 
@@ -56,7 +58,7 @@ GROUP_SIZE = 8  # rows per uid (GRPO n)
 STAGE_RATES = {0: 0.9, 1: 0.5, 2: 0.2, 3: 0.0}
 
 
-class TimedPolicy:
+class TimedPolicy(RolloutEngine):
     """The instant policy with the time spent inside its `generate_sequences` added up (`seconds`)."""
 
     def __init__(self, policy: ScriptedPolicyWorkerGroup) -> None:
@@ -136,8 +138,9 @@ def timed_run(tokenizer: Any, scenario: Any, dialogues: int, turns: int, budget:
     start = time.perf_counter()
     out = loop.run_llm_loop(batch)
     wall = time.perf_counter() - start
-    outcomes = set(out.non_tensor_batch["outcome"].tolist())
-    num_turns = set(out.non_tensor_batch["num_turns"].tolist())
+    records = records_from_batch(out)
+    outcomes = {r.outcome for r in records}
+    num_turns = {r.num_turns for r in records}
     if outcomes != {"timeout"} or num_turns != {turns}:
         raise RuntimeError(f"set-up error: expected every dialogue to time out after {turns} turns, got outcomes "
                            f"{outcomes} and turn counts {num_turns}")
@@ -171,9 +174,9 @@ def cache_run(tokenizer: Any, scenario: Any, dialogues: int, turns: int, steps: 
         for step in range(steps):
             sim.reset_stats()
             out = loop.run_llm_loop(gen_batch(tokenizer, scenario, dialogues))
-            user_turns = sum(t["user_source"] in ("simulator", "cache") for d in out.non_tensor_batch["turns"]
-                             for t in d)
-            hits = int(out.non_tensor_batch["cache_hits"].sum())
+            user_turns = sum(t.user_source in ("simulator", "cache") for d in records_from_batch(out)
+                             for t in d.turns)
+            hits = sum(r.cache_hits for r in records_from_batch(out))
             calls = int(sim.stats()["user_sim/turns"])
             if calls + hits != user_turns:
                 raise RuntimeError(f"step {step}: {calls} simulator calls + {hits} cache hits != "

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench.results import write_result
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, STATE_DIMS, UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("fine", "who", "is", "this", "calling", "maybe", "later", "tell", "me", "more", "about", "it")
@@ -33,12 +33,12 @@ WORDS = ("fine", "who", "is", "this", "calling", "maybe", "later", "tell", "me",
 def write_log(path: Path, scenario_path: str, dialogues: int, turns: int, huge_chars: int) -> int:
     """A rollout log as the loop writes it; dialogue 0's first reply is `huge_chars` long. Returns its bytes."""
     scenario = load_scenario(scenario_path)
-    profile = UserProfile(2, 2, 2, behaviors=()).to_dict()
+    state = {dim: 2 for dim in scenario.dims}
+    profile = UserProfile(state, behaviors=()).to_dict()
     with open(path, "w", encoding="utf-8") as fh:
         for d in range(dialogues):
             records = []
             for t in range(turns):
-                state = {dim: 2 for dim in STATE_DIMS}
                 words = " ".join(WORDS[(d + t + k) % len(WORDS)] for k in range(6))
                 reply = (words + " ") * (huge_chars // (len(words) + 1)) if d == 0 and t == 0 else words + "?"
                 records.append({"agent_text": scenario.format_agent_output(f"Hello, this is Mia, turn {t}.", 0, 0,

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from bench.results import write_result
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.user_sim.client import TurnReply, TurnRequest, UserSimClient
 from llm_agent.user_sim.processes import SimulatorGroup, free_port
 
@@ -55,7 +55,7 @@ def make_requests(n: int) -> list[TurnRequest]:
     return [
         TurnRequest(dialogue_id=f"d{i}",
                     messages=[{"role": "system",
-                               "content": scenario.render_user_prompt(UserProfile(*states[i % len(states)]))},
+                               "content": scenario.render_user_prompt(scenario.profile(states[i % len(states)]))},
                               {"role": "user", "content": f"Hello, this is Anna from the delivery app, call {i}."}],
                     seed=i, max_tokens=128)
         for i in range(n)

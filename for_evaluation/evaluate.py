@@ -180,8 +180,7 @@ def run(args: argparse.Namespace) -> list[Path]:
                                          checkpoint=str(info.step_dir) if info else None, settings_origin=origin,
                                          user_sim_api_key=sim_key)
             finally:
-                if hasattr(agent, "close"):
-                    agent.close()
+                agent.close()
             at = f" at global_step {info.global_step}" if info else ""
             print(f"{spec.name}{at}: {summary.n_selected} dialogues ({summary.n_resumed} resumed, {summary.n_run} run)")
             for key, label in (("completion_rate", "CR"), ("att", "ATT"), ("adt", "ADT")):

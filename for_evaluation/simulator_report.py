@@ -93,7 +93,7 @@ def _log_card(args: argparse.Namespace, scenario: Any, name: str) -> dict[str, A
     """Grade the simulator turns of a dialogues file."""
     records = read_dialogues(args.dialogues)
     if args.split is not None:
-        records = [r for r in records if r.get("split") == args.split]
+        records = [r for r in records if r.split == args.split]
     dialogues = dialogues_from_log(records, scenario)
     source = {"kind": "logged dialogues", "path": args.dialogues, "split": args.split or "all"}
     return build_card(dialogues, scenario, name, source, n_resamples=args.bootstrap, seed=args.seed,

@@ -1,14 +1,16 @@
 """The state controller: samples the simulated users' initial states and re-weights them online.
 
-`StateController.sample(n)` draws `UserProfile`s: an initial (cooperation, emotion, trust) from the current
+`StateController.sample(n)` draws `UserProfile`s: an initial state (the scenario's dimensions) from the current
 sampling weights and `min_behaviors..max_behaviors` distinct behaviours from the scenario's library. After every
 training step `update(outcomes)` takes one `(state_key, completed)` pair per dialogue (errors excluded by the
 caller) and moves the weights toward harder or easier initial states so that the completion rate (CR) tracks
 `target_completion_rate`. How the behaviours are drawn is `profile_source`: `uniform` (any 1-3 of the library),
 `rules` (only behaviours whose category does not contradict the drawn state, per the rule table
 `assets/behavior_rules.yaml`, see `llm_agent.profiles.rules`) or `pool` (a profile written ahead with exactly the
-drawn state, from `pool_path`; a state the pool lacks falls back to `rules` and is counted). The rule is the original SEAD one (analyze_chatbot_mistakes.py), applied per value of
-each dimension, or per (c, e, t) combination when `joint` is set. With d = CR - target, per value v with
+drawn state, from `pool_path`; a state the pool lacks falls back to `rules` and is counted). The rule is the
+original SEAD one (analyze_chatbot_mistakes.py), applied per value of each dimension, or per combination of values
+when `joint` is set. States are tuples of values in the scenario's dimension order; their keys ("c2-e1-t3") are
+the scenario's `StateSchema.key`. With d = CR - target, per value v with
 success rate sr(v) over count(v) dialogues (unseen: sr = 0.5, count = 1):
 
     d < -dead_band:  w(v) = 1 + 2|d| * sr(v)          (mass toward easy values)
@@ -25,7 +27,6 @@ import itertools
 import logging
 import math
 import random
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,14 +35,13 @@ import numpy as np
 
 from llm_agent.profiles.pool import ProfilePool
 from llm_agent.profiles.rules import RuleTable, load_rule_table
-from llm_agent.scenario import STATE_DIMS, Scenario, UserProfile, sample_behaviors
+from llm_agent.scenario import Scenario, UserProfile, sample_behaviors
 from verl.trainer.config_ranges import check_number
 from verl.trainer.config_schema import ConfigError
 from verl.trainer.config_validation import ConfigSection, config_key
 
 logger = logging.getLogger(__name__)
 
-_STATE_KEY = re.compile(r"c(-?\d+)-e(-?\d+)-t(-?\d+)")
 _STATE_VERSION = 1
 PROFILE_SOURCES = ("uniform", "rules", "pool")
 
@@ -92,21 +92,6 @@ class ControllerConfig(ConfigSection):
                               "profile_source is pool")
 
 
-def parse_state_key(key: str) -> tuple[int, int, int]:
-    """Parse a state key "c<int>-e<int>-t<int>" into (cooperation, emotion, trust); ValueError otherwise."""
-    m = _STATE_KEY.fullmatch(key) if isinstance(key, str) else None
-    if m is None:
-        raise ValueError(f"bad state_key {key!r}: expected 'c<int>-e<int>-t<int>', e.g. 'c2-e1-t3'")
-    c, e, t = (int(g) for g in m.groups())
-    return c, e, t
-
-
-def state_key(state: Sequence[int]) -> str:
-    """The state key of a (cooperation, emotion, trust) triple, as `UserProfile.state_key` writes it."""
-    c, e, t = state
-    return f"c{c}-e{e}-t{t}"
-
-
 def rule_weight(deviation: float, dead_band: float, completed: int, count: int) -> float:
     """The unnormalised SEAD weight of one value from the CR deviation and its (completed, count) tally."""
     sr, count = (completed / count, count) if count else (0.5, 1)
@@ -149,8 +134,9 @@ class StateController:
         if not isinstance(config, ControllerConfig):
             raise TypeError(f"config must be a ControllerConfig, got {type(config).__name__}")
         self.config, self.scenario = config, scenario
+        self.schema = scenario.state_schema
         self._values: dict[str, list[int]] = {}
-        for dim in STATE_DIMS:
+        for dim in self.schema.names:
             rng = scenario.state_ranges[dim]
             lo, hi = (rng.min, rng.max) if config.allow_extremes else (rng.min + 1, rng.max - 1)
             if lo > hi:
@@ -158,8 +144,8 @@ class StateController:
                                  "left without its extremes; set controller.allow_extremes")
             self._values[dim] = list(range(lo, hi + 1))
         if config.joint:
-            combos = itertools.product(*(self._values[d] for d in STATE_DIMS))
-            self._labels = {"joint": [state_key(s) for s in combos]}
+            combos = itertools.product(*(self._values[d] for d in self.schema.names))
+            self._labels = {"joint": [self.schema.key(s) for s in combos]}
         else:
             self._labels = {dim: [str(v) for v in vals] for dim, vals in self._values.items()}
         for group, labels in self._labels.items():
@@ -176,7 +162,7 @@ class StateController:
         self.pool: ProfilePool | None = None
         if config.profile_source in ("rules", "pool"):
             self.rules = load_rule_table(config.rules_path)
-            self.rules.check_library(scenario.behaviors, f"scenario {scenario.name}")
+            self.rules.check_library(scenario.behaviors, f"scenario {scenario.name}", scenario.dims)
         if config.profile_source == "pool":
             self.pool = ProfilePool.load(config.pool_path, scenario)
         self._pool_counts = {"draws": 0, "misses": 0}
@@ -185,17 +171,17 @@ class StateController:
 
     @property
     def weights(self) -> dict[str, dict[str, float]]:
-        """Current sampling weights: group ("cooperation"/"emotion"/"trust", or "joint") -> {label: weight}."""
+        """Current sampling weights: group (a dimension, or "joint") -> {label: weight}."""
         return {g: dict(zip(self._labels[g], w)) for g, w in self._weights.items()}
 
-    def sample_states(self, n: int) -> list[tuple[int, int, int]]:
-        """Draw `n` initial (cooperation, emotion, trust) states from the current weights."""
+    def sample_states(self, n: int) -> list[tuple[int, ...]]:
+        """Draw `n` initial states (values in dimension order) from the current weights."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"sampling needs an integer n >= 0, got {n!r}")
         if self.config.joint:
-            return [parse_state_key(self._rng.choices(self._labels["joint"], self._weights["joint"])[0])
+            return [self.schema.parse_key(self._rng.choices(self._labels["joint"], self._weights["joint"])[0])
                     for _ in range(n)]
-        return [tuple(int(self._rng.choices(self._labels[d], self._weights[d])[0]) for d in STATE_DIMS)
+        return [tuple(int(self._rng.choices(self._labels[d], self._weights[d])[0]) for d in self.schema.names)
                 for _ in range(n)]
 
     def sample(self, n: int) -> list[UserProfile]:
@@ -204,20 +190,20 @@ class StateController:
         for state in self.sample_states(n):
             if self.pool is not None:
                 self._pool_counts["draws"] += 1
-                written = self.pool.draw(state_key(state), self._rng)
+                written = self.pool.draw(self.schema.key(state), self._rng)
                 if written is not None:
                     profiles.append(written)
                     continue
                 self._pool_counts["misses"] += 1
                 logger.debug("profile pool %s has no profile of state %s: drawing by the rules", self.pool.source,
-                             state_key(state))
+                             self.schema.key(state))
             if self.rules is not None:
                 behaviors = self.rules.sample(self.scenario.behaviors, state, self.scenario.state_ranges, self._rng,
                                               cfg.min_behaviors, cfg.max_behaviors)
             else:
                 behaviors = sample_behaviors(self.scenario.behaviors, self._rng, cfg.min_behaviors,
                                              cfg.max_behaviors)
-            profiles.append(UserProfile(*state, behaviors=tuple(behaviors)))
+            profiles.append(self.scenario.profile(state, behaviors))
         return profiles
 
     def set_weights(self, weights: Mapping[str, Mapping[str, float]]) -> None:
@@ -237,17 +223,17 @@ class StateController:
             new[group] = [float(x) / sum(values) for x in values]
         self._weights = new
 
-    def _check_outcome(self, i: int, item: Any) -> tuple[tuple[int, int, int], bool]:
+    def _check_outcome(self, i: int, item: Any) -> tuple[tuple[int, ...], bool]:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise ValueError(f"outcomes[{i}] must be a (state_key, completed) pair, got {item!r}")
         key, completed = item
         if not isinstance(completed, (bool, np.bool_)):
             raise ValueError(f"outcomes[{i}]: completed must be a bool, got {completed!r}")
         try:
-            state = parse_state_key(key)
+            state = self.schema.parse_key(key)
         except ValueError as exc:
             raise ValueError(f"outcomes[{i}]: {exc}") from None
-        for dim, value in zip(STATE_DIMS, state):
+        for dim, value in zip(self.schema.names, state):
             rng = self.scenario.state_ranges[dim]
             if not rng.contains(value):
                 raise ValueError(f"outcomes[{i}]: state_key {key!r} has {dim}={value} outside "
@@ -266,9 +252,10 @@ class StateController:
         cfg = self.config
         cr = sum(done for _, done in parsed) / len(parsed)
         deviation = cr - cfg.target_completion_rate
-        tallies: dict[str, dict[str, list[int]]] = {g: {} for g in (*STATE_DIMS, "joint")}
+        dims = self.schema.names
+        tallies: dict[str, dict[str, list[int]]] = {g: {} for g in (*dims, "joint")}
         for state, done in parsed:
-            for group, label in (*zip(STATE_DIMS, map(str, state)), ("joint", state_key(state))):
+            for group, label in (*zip(dims, map(str, state)), ("joint", self.schema.key(state))):
                 tally = tallies[group].setdefault(label, [0, 0])
                 tally[0] += done
                 tally[1] += 1
@@ -280,7 +267,7 @@ class StateController:
             self._weights[group] = bound_weights(mixed, cfg.floor, cfg.max_ratio)
         self._updates += 1
         self._last = {"n": len(parsed), "cr": cr, "deviation": deviation,
-                      "value_cr": {f"{dim}={label}": done / count for dim in STATE_DIMS
+                      "value_cr": {f"{dim}={label}": done / count for dim in dims
                                    for label, (done, count) in sorted(tallies[dim].items())}}
         logger.info("controller update %d: n=%d cr=%.3f (target %.3f, deviation %+.3f) weights %s",
                     self._updates, len(parsed), cr, cfg.target_completion_rate, deviation,
@@ -295,13 +282,13 @@ class StateController:
             out["controller/deviation"] = self._last["deviation"]
         if self.config.joint:
             joint = self.weights["joint"]
-            for i, dim in enumerate(STATE_DIMS):
+            for i, dim in enumerate(self.schema.names):
                 for v in self._values[dim]:
                     out[f"controller/weight/{dim}={v}"] = sum(w for k, w in joint.items()
-                                                              if parse_state_key(k)[i] == v)
+                                                              if self.schema.parse_key(k)[i] == v)
             out.update({f"controller/weight/{k}": w for k, w in joint.items()})
         else:
-            out.update({f"controller/weight/{dim}={k}": w for dim in STATE_DIMS
+            out.update({f"controller/weight/{dim}={k}": w for dim in self.schema.names
                         for k, w in self.weights[dim].items()})
         out.update({f"controller/cr/{k}": v for k, v in self._last["value_cr"].items()})
         if self.pool is not None:

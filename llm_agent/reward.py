@@ -1,19 +1,21 @@
 """Dialogue rewards: the trainer's `reward.path=llm_agent.reward.compute_reward` plug-in.
 
-Each row's reward comes from that row's own `non_tensor_batch` record (never from `meta_info`), so it stays with
-its dialogue however the trainer reorders rows (balancing). The scalar goes on the row's last token with
+Each row's reward comes from that row's own `DialogueRecord` (the rollout loop's, in `non_tensor_batch`, never from
+`meta_info`), so it stays with its dialogue however the trainer reorders rows (balancing). The scalar goes on the row's
+last token with
 `response_mask == 1` (the agent's last sampled token); error rows (all-zero mask) get no reward.
 
 Components, with `raw` the unit-weight value and the weighted value `w * raw` (ranges from the scenario's
-`state_ranges`, span_d = max_d - min_d; helpers shared with `llm_agent.metrics`):
+state dimensions, span_d = max_d - min_d, sign_d = +1 where higher values are better for the user and -1 where
+lower ones are; helpers shared with `llm_agent.metrics`):
 
 - completion = [outcome == completed]
-- state_transition = mean over the dimensions of (last - first) / span_d, where the values of a dimension are the
-  sampled initial state followed by the simulator's reported states over the turns (the same start point as the
-  EI/TI/CI metrics; 0 for a dimension with fewer than two values)
+- state_transition = mean over the dimensions of sign_d * (last - first) / span_d, where the values of a dimension
+  are the sampled initial state followed by the simulator's reported states over the turns (the same start point
+  as the improvement metrics, EI/TI/CI; 0 for a dimension with fewer than two values)
 - profile_accuracy = mean over paired turns (see `llm_agent.metrics`) of 1 - mean_d abs(agent_d - user_d) / span_d
   (0 with no paired turn)
-- false_positive = -[the agent's status on its last turn is 1 and outcome != completed]
+- false_positive = -[the agent's status on its last turn is `completed` and outcome != completed]
 - turn_efficiency = [completed] * (1 - num_turns / turn_efficiency_max_turns)
 - format = -format_errors / max(num_turns, 1)
 
@@ -23,7 +25,7 @@ reproduce the original SEAD reward: completion 10, everything else 0 (reward in 
 Per-turn components (`reward.kwargs.turn_weights`, all 0 by default), from each agent turn's signals
 (`llm_agent.diagnosis.signals`):
 
-- state_change = the mean over the dimensions of the user's state change the turn caused / span_d (a
+- state_change = the mean over the dimensions of sign_d * the user's state change the turn caused / span_d (a
   dialogue's sum is its raw state_transition)
 - stage_progress = how much further along the SOP the agent's reported stage moved in this turn, / (stages - 1)
 - format = -[the turn broke the tag protocol]
@@ -31,12 +33,12 @@ Per-turn components (`reward.kwargs.turn_weights`, all 0 by default), from each 
 With any turn weight non-zero, turn k's weighted sum goes into `batch["turn_scores"]` on the turn's last token
 (the per-turn process reward of docs/turn_level_credit.md, read by `adv_estimator=turn_mixed` / `turn_gae`; not
 part of the trajectory reward above, so GRPO, dynamic sampling and validation are unchanged) and into the row's
-`turn_rewards`. Every scored batch also gets `non_tensor_batch["turn_labels"]`: per row its turns' failure labels
+`turn_rewards`. Each record gets its `reward`, `reward_components` and `turn_rewards`; every scored batch also gets
+`non_tensor_batch["turn_labels"]`: per row its turns' failure labels
 (None for an error row), read by `algorithm.diagnosis_reweight`.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import numbers
@@ -46,10 +48,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from llm_agent.diagnosis import annotated, turn_label_lists
-from llm_agent.metrics import (claimed_done, dimension_values, paired_errors, range_spans, record_count,
-                               record_label, record_outcome, record_turns, records_from_batch)
-from llm_agent.scenario import STATE_DIMS, Scenario, load_scenario
+from llm_agent.diagnosis import annotate_record, turn_label_lists
+from llm_agent.metrics import claimed_done, dimension_values, paired_errors, record_label, records_from_batch
+from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
+from llm_agent.scenario import Scenario, load_scenario
 from verl.protocol import DataProto
 from verl.trainer.ppo.plugins import BatchOutputs, declare_outputs
 from verl.trainer.ppo.turn_layout import TURN_LABELS, TURN_SCORES
@@ -57,7 +59,7 @@ from verl.utils.agent_turns import agent_turn_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPONENTS", "DEFAULT_TURN_WEIGHTS", "DEFAULT_WEIGHTS", "REWARD_KEYS", "TURN_COMPONENTS", "batch_outputs",
+__all__ = ["COMPONENTS", "DEFAULT_TURN_WEIGHTS", "DEFAULT_WEIGHTS", "TURN_COMPONENTS", "batch_outputs",
            "compute_reward", "raw_components", "raw_turn_components", "resolve_turn_weights", "resolve_weights"]
 
 COMPONENTS: tuple[str, ...] = ("completion", "state_transition", "profile_accuracy", "false_positive",
@@ -65,12 +67,6 @@ COMPONENTS: tuple[str, ...] = ("completion", "state_transition", "profile_accura
 DEFAULT_WEIGHTS: dict[str, float] = {name: 10.0 if name == "completion" else 0.0 for name in COMPONENTS}
 TURN_COMPONENTS: tuple[str, ...] = ("state_change", "stage_progress", "format")
 DEFAULT_TURN_WEIGHTS: dict[str, float] = {name: 0.0 for name in TURN_COMPONENTS}
-REWARD_KEYS: tuple[str, ...] = ("outcome", "num_turns", "turns", "format_errors")
-
-
-@functools.lru_cache(maxsize=8)
-def _scenario(path: str) -> Scenario:
-    return load_scenario(path)
 
 
 def _resolve(weights: Mapping[str, Any] | None, defaults: Mapping[str, float], key: str) -> dict[str, float]:
@@ -101,33 +97,31 @@ def resolve_turn_weights(turn_weights: Mapping[str, Any] | None) -> dict[str, fl
     return _resolve(turn_weights, DEFAULT_TURN_WEIGHTS, "turn_weights")
 
 
-def raw_turn_components(turns: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+def raw_turn_components(turns: Sequence[TurnRecord]) -> list[dict[str, float]]:
     """The unit-weight per-turn components (module docstring) of an annotated record's turns, in turn order."""
-    return [{"state_change": float(t["signals"]["state_change"]),
-             "stage_progress": float(t["signals"]["stage_progress"]),
-             "format": -float(t["signals"]["format_error"])} for t in turns]
+    return [{"state_change": float(t.signals.state_change), "stage_progress": float(t.signals.stage_progress),
+             "format": -float(t.signals.format_error)} for t in turns]
 
 
-def raw_components(record: Mapping[str, Any], spans: Mapping[str, int], max_turns: int | None,
+def raw_components(record: DialogueRecord, scenario: Scenario, max_turns: int | None,
                    where: str = "dialogue") -> dict[str, float]:
     """The unit-weight value of every component for one non-error record (see the module docstring).
 
     `turn_efficiency` is left out when `max_turns` is None; a record with more turns than `max_turns` raises.
     """
-    outcome = record_outcome(record, where)
-    turns = record_turns(record, where)
-    num_turns = record_count(record, "num_turns", where)
+    outcome, turns, num_turns = record.outcome, record.turns, record.num_turns
     completed = float(outcome == "completed")
-    profile = record.get("profile") or {}
-    transition = sum(_span_delta([int(profile[d])] if profile.get(d) is not None else [], turns, d, spans[d])
-                     for d in STATE_DIMS) / len(STATE_DIMS)
+    schema = scenario.state_schema
+    spans, profile = schema.spans, record.profile
+    transition = sum(d.sign * _span_delta([int(profile[d.name])] if profile.get(d.name) is not None else [], turns,
+                                          d.name, d.span) for d in schema.dimensions) / len(schema.dimensions)
     errors = paired_errors(turns, spans)
     raw = {
         "completion": completed,
         "state_transition": transition,
         "profile_accuracy": math.fsum(1.0 - e for e in errors) / len(errors) if errors else 0.0,
-        "false_positive": -float(claimed_done(turns) and outcome != "completed"),
-        "format": -record_count(record, "format_errors", where) / max(num_turns, 1),
+        "false_positive": -float(claimed_done(turns, schema.statuses.completed) and outcome != "completed"),
+        "format": -record.format_errors / max(num_turns, 1),
     }
     if max_turns is not None:
         if num_turns > max_turns:
@@ -137,7 +131,7 @@ def raw_components(record: Mapping[str, Any], spans: Mapping[str, int], max_turn
     return raw
 
 
-def _span_delta(initial: list[int], turns: Sequence[Mapping[str, Any]], dim: str, span: int) -> float:
+def _span_delta(initial: list[int], turns: Sequence[TurnRecord], dim: str, span: int) -> float:
     """(last - first) / span of one dimension: the sampled initial state, then the simulator's reported states
     (the same start point as the EI/TI/CI metrics); 0 with fewer than two values."""
     values = [*initial, *dimension_values(turns, "user", dim)]
@@ -181,17 +175,17 @@ def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
     """Score every dialogue of `data` (a DataProto from the SEAD rollout loop); returns (rewards (B, R), metrics).
 
     `tokenizer` is part of the trainer's plug-in signature and unused (records are already parsed). `scenario`
-    is the scenario YAML path (loaded once per path); `weights` overrides DEFAULT_WEIGHTS per component;
-    `turn_efficiency_max_turns` is required when the turn_efficiency weight is non-zero; `turn_weights` overrides
-    DEFAULT_TURN_WEIGHTS per per-turn component.
+    is the scenario YAML path (the run's one `Scenario`: `load_scenario` parses a file once per process);
+    `weights` overrides DEFAULT_WEIGHTS per component; `turn_efficiency_max_turns` is required when the
+    turn_efficiency weight is non-zero; `turn_weights` overrides DEFAULT_TURN_WEIGHTS per per-turn component.
 
     Metrics (the trainer logs them under `reward/`): `<name>` (weighted) and `raw/<name>` (unit weight) means over
     non-error rows for every component (raw turn_efficiency only when max_turns is known), and `total`; 0 when
     every row is an error; `turn/<name>`, `turn/raw/<name>` and `turn/total`, the same over the agent turns of the
-    non-error rows. Side effects: writes `non_tensor_batch["reward_components"]` (dict of weighted values per row,
-    all 0 for error rows), `non_tensor_batch["reward"]` (float per row) and `non_tensor_batch["turn_labels"]`; with
-    a non-zero turn weight also `batch["turn_scores"]` and `non_tensor_batch["turn_rewards"]` (per row the
-    weighted per-turn totals, None for an error row). A record whose turn count differs from its row's agent
+    non-error rows. Side effects: sets every record's `reward_components` (dict of weighted values, all 0 for error
+    rows) and `reward` (float), and writes `non_tensor_batch["turn_labels"]`; with a non-zero turn weight also
+    `batch["turn_scores"]` and each record's `turn_rewards` (the weighted per-turn totals, None for an error
+    row). A record whose turn count differs from its row's agent
     turns is a ValueError naming it. A non-error row without any agent token keeps its score in `reward` but gets
     nothing in the tensors; it is warned about and counted in `unplaced_rows`.
     """
@@ -211,38 +205,43 @@ def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
     if data.batch is None or "response_mask" not in data.batch.keys():
         raise KeyError("compute_reward needs batch['response_mask'] (1 on agent-sampled tokens) from the rollout "
                        "loop llm_agent.generation.LLMGenerationManager")
-    loaded = _scenario(str(scenario))
-    spans = range_spans(loaded)
-    records = annotated(records_from_batch(data, required=REWARD_KEYS), loaded)
+    loaded = load_scenario(str(scenario))
+    records = records_from_batch(data)
+    for i, record in enumerate(records):
+        if not record.annotated:  # the loop annotates its records; others are annotated here
+            annotate_record(record, loaded, record_label(record, i))
     response_mask = data.batch["response_mask"]
     last = _last_agent_positions(response_mask)
     ends, turn_counts = _turn_ends(data)
     reward_tensor = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
     turn_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    components = np.empty(len(records), dtype=object)
+    components: list[dict[str, float]] = []
     labels = np.empty(len(records), dtype=object)
-    turn_rewards = np.empty(len(records), dtype=object)
     totals = np.zeros(len(records), dtype=np.float64)
     raw_rows: list[dict[str, float]] = []
     raw_turns: list[dict[str, float]] = []
     unplaced = []
     for i, record in enumerate(records):
         where = record_label(record, i)
-        if record_outcome(record, where) == "error":
-            components[i] = {name: 0.0 for name in COMPONENTS}
+        record.turn_rewards = None
+        if record.outcome == "error":
+            components.append({name: 0.0 for name in COMPONENTS})
+            record.reward, record.reward_components = 0.0, components[-1]
             continue
-        raw = raw_components(record, spans, turn_efficiency_max_turns, where)
+        raw = raw_components(record, loaded, turn_efficiency_max_turns, where)
         raw_rows.append(raw)
         weighted = {name: w[name] * raw.get(name, 0.0) for name in COMPONENTS}
-        components[i] = weighted
+        components.append(weighted)
         totals[i] = math.fsum(weighted.values())
-        turns = record_turns(record, where)
+        record.reward, record.reward_components = float(totals[i]), weighted
+        turns = record.turns
         row_turns = raw_turn_components(turns)
         raw_turns.extend(row_turns)
         scores = [math.fsum(tw[name] * raw_turn[name] for name in TURN_COMPONENTS) for raw_turn in row_turns]
-        turn_rewards[i] = scores
+        if per_turn:
+            record.turn_rewards = scores
         if last[i] < 0:
-            unplaced.append(record.get("dialogue_id", i))
+            unplaced.append(record.dialogue_id or i)
             continue
         if turn_counts[i] != len(turns):
             raise ValueError(f"{where}: the record has {len(turns)} agent turns but its row's response has "
@@ -255,12 +254,9 @@ def compute_reward(data: DataProto, tokenizer: Any, scenario: str | None = None,
     if unplaced:
         logger.warning("%d non-error dialogue(s) have no agent token (response_mask all 0); their reward is "
                        "dropped: %s", len(unplaced), unplaced[:5])
-    data.non_tensor_batch["reward_components"] = components
-    data.non_tensor_batch["reward"] = totals
     data.non_tensor_batch[TURN_LABELS] = labels
     if per_turn:
         data.batch[TURN_SCORES] = turn_scores
-        data.non_tensor_batch["turn_rewards"] = turn_rewards
     metrics = _reward_metrics(raw_rows, components, totals, records)
     metrics.update(_turn_metrics(raw_turns, tw))
     metrics["unplaced_rows"] = float(len(unplaced))
@@ -280,10 +276,10 @@ def _turn_metrics(raw_turns: list[dict[str, float]], tw: Mapping[str, float]) ->
     return metrics
 
 
-def _reward_metrics(raw_rows: list[dict[str, float]], components: np.ndarray,
-                    totals: np.ndarray, records: list[dict[str, Any]]) -> dict[str, float]:
+def _reward_metrics(raw_rows: list[dict[str, float]], components: list[dict[str, float]],
+                    totals: np.ndarray, records: list[DialogueRecord]) -> dict[str, float]:
     """Means over the non-error rows of the weighted and raw components and of the total."""
-    scored = [i for i, r in enumerate(records) if r["outcome"] != "error"]
+    scored = [i for i, r in enumerate(records) if r.outcome != "error"]
     n = len(scored)
     metrics: dict[str, float] = {}
     for name in COMPONENTS:

@@ -44,7 +44,8 @@ def check_scenario(name_or_path: str, rules_path: str | Path | None = None, use_
     scenario = load_scenario(resolve_scenario(name_or_path))
     if use_rules:
         table = load_rule_table(rules_path)
-        table.check_library(scenario.behaviors, where=f"behaviour library of scenario {scenario.path}")
+        table.check_library(scenario.behaviors, where=f"behaviour library of scenario {scenario.path}",
+                            dims=scenario.dims)
     return scenario
 
 

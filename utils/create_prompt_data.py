@@ -27,19 +27,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from llm_agent.profiles.pool import profile_of_row
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, STATE_DIMS, Scenario, UserProfile, load_scenario, sample_behaviors
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, Scenario, UserProfile, load_scenario, sample_behaviors
 
 logger = logging.getLogger(__name__)
 
 TRAIN_FILE, TEST_FILE = "train.parquet", "test.parquet"
 
 
-def valid_states(scenario: Scenario, allow_extremes: bool = False) -> list[tuple[int, int, int]]:
-    """The (cooperation, emotion, trust) combinations to draw from; extremes of each range excluded by default."""
+def valid_states(scenario: Scenario, allow_extremes: bool = False) -> list[tuple[int, ...]]:
+    """The state combinations to draw from (values in the scenario's dimension order); extremes of each range
+    excluded by default."""
     def inner(dim: str, value: int) -> bool:
         rng = scenario.state_ranges[dim]
         return allow_extremes or rng.min < value < rng.max
-    return [s for s in scenario.state_space() if all(inner(d, v) for d, v in zip(STATE_DIMS, s))]
+    return [s for s in scenario.state_space() if all(inner(d, v) for d, v in zip(scenario.dims, s))]
 
 
 def random_profiles(scenario: Scenario, n: int, seed: int, allow_extremes: bool = False,
@@ -49,8 +50,8 @@ def random_profiles(scenario: Scenario, n: int, seed: int, allow_extremes: bool 
     states = valid_states(scenario, allow_extremes)
     if not states:
         raise ValueError(f"scenario {scenario.name} has no state without an extreme value; use --allow_extremes")
-    return [UserProfile(*rng.choice(states),
-                        behaviors=tuple(sample_behaviors(scenario.behaviors, rng, min_behaviors, max_behaviors)))
+    return [scenario.profile(rng.choice(states),
+                             sample_behaviors(scenario.behaviors, rng, min_behaviors, max_behaviors))
             for _ in range(n)]
 
 

@@ -8,9 +8,10 @@ initialised from a seed. Both are written with `save_pretrained`, so `AutoTokeni
 editing a description, a prompt or a doubt line leaves the model's files byte-identical. With `tag_tokens`, every
 scenario's agent tags (`<stage>`, `</stage>`, ...) become single tokens, so a tagged agent turn is about 40 tokens
 instead of 90 (cheaper to train and generate on a CPU); `user_tag_tokens` does the same for the user simulator's
-tags (a tiny simulator model): only a change of the tag protocol changes the vocabulary. The tags read are the
-shipped scenarios' (`SHIPPED_SCENARIOS`) plus those of the scenarios named with `--scenario` (a run's own): never
-the whole `format_prompt/` folder, so a draft there changes no one's tokenizer. Nothing is downloaded.
+tags (a tiny simulator model): only a change of the tag protocol changes the vocabulary. The tags read are those of
+`TOKENIZER_SCENARIO_PATHS` (the shipped scenarios, frozen: one shipped since, such as the support desk, is not
+among them) plus those of the scenarios named with `--scenario` (a run's own): never the whole `format_prompt/`
+folder, so a draft there, or a newly shipped scenario, changes no one's tokenizer. Nothing is downloaded.
 
     python -m utils.make_tiny_model --out outputs/tiny_model [--seed 0] [--vocab-size 1024] \
         [--hidden-size 64 --intermediate-size 128 --layers 2 --heads 2 --kv-heads 1 --tag-tokens] [--user-tag-tokens] \
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llm_agent.scenario import SHIPPED_SCENARIO_PATHS
+from llm_agent.scenario import TOKENIZER_SCENARIO_PATHS
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ def builtin_corpus(seed: int, n_lines: int = 600) -> list[str]:
 
 
 def scenario_files(extra: Sequence[str | Path] = ()) -> list[Path]:
-    """The shipped scenario files and `extra` ones (a run's own), each once, sorted by path."""
-    return sorted({Path(p).resolve() for p in (*SHIPPED_SCENARIO_PATHS, *extra)})
+    """The tokenizer's scenario files (`TOKENIZER_SCENARIO_PATHS`) and `extra` ones (a run's own), each once, sorted
+    by path."""
+    return sorted({Path(p).resolve() for p in (*TOKENIZER_SCENARIO_PATHS, *extra)})
 
 
 def fixed_corpus(path: Path = CORPUS_PATH) -> list[str]:

@@ -87,7 +87,7 @@ def logged_examples(paths: Iterable[str | Path], scenario: Scenario, split: str 
     the reply the loop accepted, re-written canonically as the log keeps it."""
     examples = []
     for path in paths:
-        records = [r for r in read_dialogues(path) if split is None or r.get("split") == split]
+        records = [r for r in read_dialogues(path) if split is None or r.split == split]
         for i, dialogue in enumerate(dialogues_from_log(records, scenario)):
             group = f"{path}#{i}"
             examples += [SimulatorExample(group, t.messages, t.replies[-1]) for t in dialogue.turns if t.replies]

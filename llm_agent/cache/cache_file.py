@@ -10,16 +10,25 @@ side file.
 - :func:`keep_rejected` appends lines that cannot be read (corrupt, too long, another schema version, another
   encoding) byte for byte to ``<path>.rejected``, copied from the cache file in chunks, before a compaction drops
   them from it, so nothing is lost.
+- :class:`CacheWriter` does a cache's appends (:func:`append_lines`) and rewrites (:func:`atomic_write`) on one
+  background thread, in the order they were asked for, so that no disk write (and no fsync) runs on the thread
+  that asked: the rollout loop's event loop stays free for every other dialogue. ``wait()`` returns once every
+  write asked for before it is on disk (as far as each kind of write goes: appends reach the OS, rewrites are
+  fsynced) and raises the first write error since the last wait.
 """
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import queue
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
 REJECTED_SUFFIX = ".rejected"
@@ -54,6 +63,94 @@ def atomic_write(path: str, lines: list[str]) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(directory)
+
+
+def append_lines(path: str, lines: Sequence[str]) -> None:
+    """Append `lines` (each with a newline) to `path` in one write, creating its directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+
+
+class CacheWriter:
+    """One background thread writing a cache file in the order asked, shared (reference counted) by the caches of
+    this process on that file, so a cache opened on it reads what another one queued (see the module docstring)."""
+
+    _shared: dict[str, tuple["CacheWriter", int]] = {}  # real path -> (writer, holders)
+    _guard = threading.Lock()
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], threading.Event | None] | None] = \
+            queue.SimpleQueue()
+        self._errors: list[BaseException] = []
+        self._error_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def acquire(cls, path: str) -> "CacheWriter":
+        """The writer of `path` (started for the first holder)."""
+        key = os.path.realpath(path)
+        with cls._guard:
+            writer, holders = cls._shared.get(key, (None, 0))
+            if writer is None:
+                writer = cls(path)
+            cls._shared[key] = (writer, holders + 1)
+            return writer
+
+    def release(self) -> None:
+        """Finish the queued writes; the last holder stops the thread (raises as `wait`)."""
+        key = os.path.realpath(self.path)
+        with self._guard:
+            writer, holders = self._shared[key]
+            if holders > 1:
+                self._shared[key] = (writer, holders - 1)
+            else:
+                del self._shared[key]
+        try:
+            self.wait()
+        finally:
+            if holders <= 1:
+                self._queue.put(None)
+                self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            write, done = job
+            try:
+                write()
+            except BaseException as exc:  # kept for the next check: the asker has moved on
+                logger.error("cache file %s: a background write failed: %r", self.path, exc)
+                with self._error_lock:
+                    self._errors.append(exc)
+            finally:
+                if done is not None:
+                    done.set()
+
+    def append(self, lines: Sequence[str]) -> None:
+        """Queue appending `lines` to the file."""
+        lines = list(lines)
+        self._queue.put((lambda: append_lines(self.path, lines), None))
+
+    def rewrite(self, lines: Sequence[str]) -> None:
+        """Queue replacing the file by `lines` (atomically, fsynced)."""
+        lines = list(lines)
+        self._queue.put((lambda: atomic_write(self.path, lines), None))
+
+    def check(self) -> None:
+        """Raise (OSError naming the file) the first write that failed since the last check, without waiting."""
+        with self._error_lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise OSError(f"cache file {self.path}: a background write failed: {errors[0]}") from errors[0]
+
+    def wait(self) -> None:
+        """Block until every write queued so far is done, then `check`."""
+        done = threading.Event()
+        self._queue.put((lambda: None, done))
+        done.wait()
+        self.check()
 
 
 @dataclass(frozen=True)

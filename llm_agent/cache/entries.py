@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_agent.cache.config import is_int
+from llm_agent.scenario import StateSchema
 
 __all__ = ["CachedReply", "Entry", "LINE_KEYS", "check_state", "parse_line", "state_level_fn"]
 
@@ -49,22 +50,19 @@ def check_state(state: Any) -> str | None:
     return None
 
 
-def state_level_fn(levels: int, ranges: Mapping[str, tuple[int, int]] | None) -> Callable[[Any], int]:
-    """A function mapping a user state to one of `levels` coarse levels: the mean over the dimensions present of
-    (value - min) / (max - min), cut into `levels` equal bins (a state with no dimension: the middle level).
-    With levels <= 1 or no ranges every state is level 0 (buckets by stage only)."""
-    if levels <= 1 or not ranges:
+def state_level_fn(levels: int, schema: StateSchema | None) -> Callable[[Any], int]:
+    """A function mapping a user state to one of `levels` coarse levels: how well off the user is over the
+    dimensions present (`StateSchema.goodness`: the mean of (value - min) / (max - min), turned round for a
+    dimension where lower is better), cut into `levels` equal bins (a state with no dimension: the middle level).
+    With levels <= 1 or no schema every state is level 0 (buckets by stage only)."""
+    if levels <= 1 or schema is None:
         return lambda state: 0
-    spans = {d: (lo, hi - lo) for d, (lo, hi) in ranges.items() if hi > lo}
 
     def level(state: Any) -> int:
-        if not isinstance(state, Mapping):
+        mean = schema.goodness(state) if isinstance(state, Mapping) else None
+        if mean is None:
             return levels // 2
-        parts = [(state[d] - lo) / span for d, (lo, span) in spans.items() if is_int(state.get(d))]
-        if not parts:
-            return levels // 2
-        mean = min(1.0, max(0.0, sum(parts) / len(parts)))
-        return min(levels - 1, int(mean * levels))
+        return min(levels - 1, int(min(1.0, max(0.0, mean)) * levels))
 
     return level
 

@@ -9,7 +9,13 @@ rate the cache answers with a stored simulator reply instead of calling the simu
 - "no two cached turns in a row" is tracked per dialogue id (not per batch row), and the flag is cleared on
   every lookup, also when the turn has no stage;
 - the file obeys the same size limits as memory: appends go to the file, and when it holds too many stale lines
-  it is rewritten atomically (temp file in the same directory, fsync, ``os.replace``).
+  it is rewritten atomically (temp file in the same directory, fsync, ``os.replace``);
+- no disk write runs in the caller's thread (in async mode, the event loop every dialogue runs on): appends and
+  rewrites go, in order, to the cache's writer thread (`cache_file.CacheWriter`); `sync`, `flush`,
+  `save_snapshot`, `restore_snapshot` and `close` return once the file holds everything asked before them (the
+  rollout loop syncs at the end of every rollout call, so what a call stored is in the file when it returns, as
+  when the appends were made in line), and a write that failed is raised by the next `add` or sync as an OSError
+  naming the file.
 
 File format, one object per line: ``{"scenario", "stage", "reply", "state", "status", "ts"}``. Lines of other
 scenarios are kept verbatim; lines that cannot be read (corrupt, torn, too deeply nested, too long, another schema
@@ -35,9 +41,11 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from llm_agent.cache.cache_file import CacheFileLock, CacheLockedError, Line, atomic_write, keep_rejected, read_lines
+from llm_agent.cache.cache_file import (CacheFileLock, CacheLockedError, CacheWriter, Line, atomic_write, keep_rejected,
+                                        read_lines)
 from llm_agent.cache.config import CacheConfig, is_int
 from llm_agent.cache.entries import CachedReply, Entry, check_state, parse_line, state_level_fn
+from llm_agent.scenario import StateSchema
 from verl.utils.untrusted import UntrustedInputError, clean_text, load_json
 
 logger = logging.getLogger(__name__)
@@ -54,12 +62,11 @@ def max_line_bytes(max_reply_bytes: int) -> int:
 class UserResponseCache:
     """Per-(stage, user-state level) buckets of non-terminal simulator replies, served with the stage's hit rate.
 
-    `state_ranges` ({dimension: (min, max)}, the scenario's) turns on the state levels (`config.state_buckets`);
-    without it replies are bucketed by stage only. See the module docstring.
+    `schema` (the scenario's user-state schema) turns on the state levels (`config.state_buckets`); without it
+    replies are bucketed by stage only. See the module docstring.
     """
 
-    def __init__(self, config: CacheConfig, scenario_name: str,
-                 state_ranges: Mapping[str, tuple[int, int]] | None = None) -> None:
+    def __init__(self, config: CacheConfig, scenario_name: str, schema: StateSchema | None = None) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"UserResponseCache needs a CacheConfig, got {type(config).__name__}")
         if not isinstance(scenario_name, str) or not scenario_name:
@@ -68,7 +75,7 @@ class UserResponseCache:
         self.scenario_name = scenario_name
         self._lock = threading.Lock()
         self._rng = random.Random(config.seed)
-        self._level = state_level_fn(config.state_buckets, state_ranges)
+        self._level = state_level_fn(config.state_buckets, schema)
         self._buckets: dict[tuple[int, int], list[Entry]] = {}
         self._keys: dict[int, set[tuple]] = {}
         self._size = 0
@@ -78,21 +85,27 @@ class UserResponseCache:
         self._disk_lines = 0
         self._slack = max(16, config.max_total // 10)
         self._corrupt = 0
+        self._file_stale = False  # a background write failed: the next compaction rewrites the file from memory
         self._reset_counters()
         self._enabled = config.enabled and (config.default_hit_rate > 0 or any(config.stage_hit_rates.values()))
         self._file_lock: CacheFileLock | None = None
+        self._writer: CacheWriter | None = None
         if self._enabled and config.path is not None:
             self._file_lock = CacheFileLock(config.path)
-            self._release = weakref.finalize(self, self._file_lock.release)
-            if os.path.exists(config.path):
-                try:
+            self._writer = CacheWriter.acquire(config.path)
+            self._release = weakref.finalize(self, _release, self._writer, self._file_lock)
+            try:
+                self._writes_done()  # another cache of this process on the file may have writes queued
+                if os.path.exists(config.path):
                     self._load(config.path)
-                except BaseException:
-                    self.close()
-                    raise
+                self._writes_done()
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
-        """Release the cache file's lock (the object keeps serving from memory; it must not write after this)."""
+        """Finish the file's queued writes and release its lock (the object keeps serving from memory; it must not
+        write after this); raises a write that failed."""
         if self._file_lock is not None:
             self._release()
 
@@ -200,14 +213,15 @@ class UserResponseCache:
         state = {clean_text(dim): value for dim, value in state.items()}
         entry = Entry(0, time.time(), CachedReply(stage, clean_text(reply), state, 0))
         with self._lock:
+            if self._writer is not None:
+                self._writes_done(wait=False)
             if entry.key() in self._keys.get(stage, ()):
                 return False
-            path = self.config.path
-            if path is not None:
-                self._append(path, entry)
+            if self._writer is not None:
+                self._append(entry)
             self._insert(entry)
-            if path is not None and self._surplus() > self._slack:
-                self._compact(path)
+            if self._writer is not None and self._surplus() > self._slack:
+                self._compact()
             return True
 
     def _insert(self, entry: Entry) -> bool:
@@ -240,29 +254,40 @@ class UserResponseCache:
                            "status": 0, "ts": entry.ts}, ensure_ascii=False)
 
     def _surplus(self) -> int:
-        """Lines in the file that memory no longer holds (evicted, duplicate, corrupt or blank lines)."""
+        """Lines in the file that memory no longer holds (evicted, duplicate, corrupt or blank lines); after a
+        failed write, more than any slack, so the next chance to compact rewrites the file."""
+        if self._file_stale:
+            return self._slack + 1
         return self._disk_lines - len(self._foreign) - self._size
 
-    def _append(self, path: str, entry: Entry) -> None:
-        """Append one line to the file (creating its directory); raises OSError, memory is then unchanged."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(self._line(entry) + "\n")
+    def _writes_done(self, wait: bool = True) -> None:
+        """Raise a background write that failed (waiting for the queued ones first when `wait`); the file is then
+        marked stale, to be rewritten from memory at the next compaction."""
+        try:
+            self._writer.wait() if wait else self._writer.check()
+        except OSError:
+            self._file_stale = True
+            raise
+
+    def _append(self, entry: Entry) -> None:
+        """Queue one line's append to the file (the writer thread creates its directory)."""
+        self._writer.append([self._line(entry)])
         self._disk_lines += 1
 
-    def _compact(self, path: str) -> None:
-        """Rewrite the file as the other scenarios' lines plus the entries in memory, oldest first, atomically.
-
-        On any error the temp file is removed, the old file is left as it was, and the error propagates.
-        """
+    def _compact(self) -> None:
+        """Queue rewriting the file as the other scenarios' lines plus the entries in memory now, oldest first,
+        atomically (on an error the temp file is removed and the old file left as it was)."""
         entries = sorted((e for b in self._buckets.values() for e in b), key=lambda e: e.seq)
-        atomic_write(path, [*self._foreign, *(self._line(e) for e in entries)])
-        self._disk_lines = len(self._foreign) + len(entries)
-        logger.debug("compacted %s to %d lines", path, self._disk_lines)
+        self._writer.rewrite([*self._foreign, *(self._line(e) for e in entries)])
+        self._disk_lines, self._file_stale = len(self._foreign) + len(entries), False
+        logger.debug("compacting %s to %d lines", self.config.path, self._disk_lines)
 
     def save_snapshot(self, path: str | os.PathLike) -> int:
-        """Write the replies held now (this scenario's, oldest first) to `path` atomically; returns their count."""
+        """Write the replies held now (this scenario's, oldest first) to `path` atomically, once the live file holds
+        every write before; returns their count."""
         with self._lock:
+            if self._writer is not None:
+                self._writes_done()
             entries = sorted((e for b in self._buckets.values() for e in b), key=lambda e: e.seq)
             atomic_write(os.fspath(path), [self._line(e) for e in entries])
             return len(entries)
@@ -278,8 +303,9 @@ class UserResponseCache:
             self._buckets, self._keys, self._size, self._seq = {}, {}, 0, 0
             for entry in own:
                 self._insert(entry)
-            if self._enabled and self.config.path is not None:
-                self._compact(self.config.path)
+            if self._writer is not None:
+                self._compact()
+                self._writes_done()
             logger.info("cache restored from %s: %d replies", path, self._size)
             return self._size
 
@@ -332,13 +358,22 @@ class UserResponseCache:
         logger.info("cache file %s: loaded %d replies for scenario %r (%d lines, %d of other scenarios)",
                     path, self._size, self.scenario_name, self._disk_lines, len(self._foreign))
         if bad or self._surplus() > self._slack or (last is not None and not last.complete):
-            self._compact(path)
+            self._compact()
+
+    def sync(self) -> None:
+        """Return once the file holds every write asked for so far (appends reach the OS; rewrites are fsynced);
+        raises a write that failed. Blocks: call it off the event loop."""
+        if self._writer is not None:
+            self._writes_done()
 
     def flush(self) -> None:
-        """Compact the file whenever it holds more lines than memory (stale, duplicate or corrupt lines)."""
+        """Compact the file whenever it holds more lines than memory (stale, duplicate or corrupt lines), and
+        return once the file holds every write."""
         with self._lock:
-            if self._enabled and self.config.path is not None and self._surplus() > 0:
-                self._compact(self.config.path)
+            if self._writer is not None:
+                if self._surplus() > 0:
+                    self._compact()
+                self._writes_done()
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Lookups, eligible lookups, hits, hit rate (hits / eligible; left out when nothing was eligible: it is
@@ -363,3 +398,10 @@ class UserResponseCache:
                 self._reset_counters()
             return out
 
+
+def _release(writer: CacheWriter, lock: CacheFileLock) -> None:
+    """Finish the file's queued writes, then release its lock (a cache's `close`, or its finaliser)."""
+    try:
+        writer.release()
+    finally:
+        lock.release()

@@ -1,4 +1,4 @@
-"""The agents an evaluation can run, each behind the actor worker group's interface (`generate_sequences(DataProto)`
+"""The agents an evaluation can run, each a `verl.workers.rollout.engine.RolloutEngine` (`generate_sequences(DataProto)`
 and `world_size`), so the rollout loop drives them exactly as it drives the trainer's policy.
 
 - a Hugging Face model directory or a training checkpoint (`llm_agent.evaluation.local_agents`): generating through
@@ -33,6 +33,7 @@ from verl.protocol import DataProto
 from verl.utils.dataset import load_tokenizer
 from verl.utils.text_tokens import encode_text
 from verl.workers.batching import select_batch
+from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.hf_rollout import PROMPT_KEYS, generation_tensors
 
 logger = logging.getLogger(__name__)
@@ -42,15 +43,14 @@ __all__ = ["AgentSpec", "LocalEngineOptions", "OpenAIChatAgent", "build_agent"]
 SCRIPTED_PREFIX = "scripted:"
 
 
-class OpenAIChatAgent:
-    """Worker-group adapter over an OpenAI-compatible `/v1/chat/completions` endpoint (see the module docstring).
+class OpenAIChatAgent(RolloutEngine):
+    """A rollout engine over an OpenAI-compatible `/v1/chat/completions` endpoint (see the module docstring; its
+    policy version is 0: the evaluation never changes it).
 
     Rows of one call are sent concurrently (`concurrency` requests at a time); a request that fails
     `max_attempts` times (connection error, timeout, HTTP 5xx/429) raises RuntimeError naming the endpoint, which
     stops the evaluation (finished chunks stay on disk and a rerun resumes).
     """
-
-    world_size = 1
 
     def __init__(self, base_url: str, tokenizer: Any, model: str | None = None, api_key: str | None = None,
                  concurrency: int = 16, timeout_s: float = 120.0, max_attempts: int = 3) -> None:
@@ -117,7 +117,7 @@ class OpenAIChatAgent:
             rows.append(ids[:length] if finish == "length" or len(ids) >= length else ids + [eos_id])
         responses = torch.tensor([ids + [pad] * (length - len(ids)) for ids in rows], dtype=input_ids.dtype)
         tensors = generation_tensors(input_ids, mask, batch["position_ids"], responses, eos, pad)
-        return DataProto(batch=TensorDict(tensors, batch_size=[input_ids.size(0)]))
+        return self.versioned(DataProto(batch=TensorDict(tensors, batch_size=[input_ids.size(0)])))
 
     def close(self) -> None:
         """Close the HTTP client."""
@@ -174,8 +174,8 @@ class LocalEngineOptions:
 
 def build_agent(spec: str, scenario: Scenario, tokenizer_path: str | None = None, agent_model: str | None = None,
                 api_key: str | None = None, concurrency: int = 16, local: LocalEngineOptions | None = None
-                ) -> tuple[Any, Any]:
-    """(worker-group-like agent, its tokenizer) for a spec: a model/checkpoint directory (generating as `local`
+                ) -> tuple[RolloutEngine, Any]:
+    """(the agent's rollout engine, its tokenizer) for a spec: a model/checkpoint directory (generating as `local`
     says), an `http(s)://` endpoint (needs `tokenizer_path`) or `scripted:<quality>` (needs `tokenizer_path`)."""
     if spec.startswith(("http://", "https://")) or spec.startswith(SCRIPTED_PREFIX):
         if not tokenizer_path:
@@ -193,9 +193,9 @@ def build_agent(spec: str, scenario: Scenario, tokenizer_path: str | None = None
                                concurrency=concurrency), tokenizer
     local = local or LocalEngineOptions()
     if pick_engine(local.engine) == "vllm":
-        agent: Any = VLLMRolloutAgent(spec, max_model_len=local.max_model_len,
-                                      gpu_memory_utilization=local.gpu_memory_utilization,
-                                      trust_unverified=local.trust_checkpoint)
+        agent: RolloutEngine = VLLMRolloutAgent(spec, max_model_len=local.max_model_len,
+                                                gpu_memory_utilization=local.gpu_memory_utilization,
+                                                trust_unverified=local.trust_checkpoint)
     else:
         agent = HFRolloutAgent(spec, micro_batch_size=local.micro_batch_size, trust_unverified=local.trust_checkpoint)
     return agent, agent.tokenizer

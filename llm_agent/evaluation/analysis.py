@@ -1,8 +1,8 @@
 """Mistakes analysis of dialogues (the original SEAD's analyze_chatbot_mistakes): where the agent fails.
 
 Over the dialogue records of a rollout log or an evaluation (`run_data.read_dialogues`), per split:
-completion rate (CR) per initial-state value and per (cooperation, emotion, trust) combination with counts and
-Wilson 95% intervals, the hardest and easiest combinations, CR per behaviour and behaviour category, where
+completion rate (CR) per initial-state value and per combination of values (the scenario's state dimensions) with
+counts and Wilson 95% intervals, the hardest and easiest combinations, CR per behaviour and behaviour category, where
 the failed calls ended (highest SOP stage the agent reported, and the outcome), why they failed (the failure
 labels of the scenario's diagnosis rules, `llm_agent.diagnosis`: per label the turns and calls carrying it, its
 share of the failed calls, by outcome, and its most frequent notes, e.g. which doubt categories went unanswered),
@@ -22,8 +22,9 @@ import yaml
 
 from llm_agent.controller import ControllerConfig, StateController
 from llm_agent.diagnosis import DIAGNOSED_OUTCOMES, annotated, label_names
-from llm_agent.metrics import OUTCOMES, record_field, record_label, record_outcome, record_turns
-from llm_agent.scenario import STATE_DIMS, Scenario
+from llm_agent.metrics import OUTCOMES, record_label
+from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
+from llm_agent.scenario import Scenario
 
 __all__ = ["Z_95", "analyze_by_split", "analyze_dialogues", "before_after_groups", "cr_by_dimension", "failure_labels",
            "highest_stage", "parse_controller_overrides", "rate", "wilson_interval"]
@@ -50,21 +51,21 @@ def rate(completed: int, n: int) -> dict[str, float]:
     return {"n": n, "completed": completed, "cr": completed / n if n else 0.0, "ci_low": low, "ci_high": high}
 
 
-def highest_stage(turns: Sequence[Mapping[str, Any]], stage_ids: Sequence[int]) -> int | None:
+def highest_stage(turns: Sequence[TurnRecord], stage_ids: Sequence[int]) -> int | None:
     """The latest SOP stage (in the scenario's order) the agent reported in any turn; None when it reported none
     or only ids that are not the scenario's."""
     order = {sid: i for i, sid in enumerate(stage_ids)}
-    reached = [order[t["agent_stage"]] for t in turns if t.get("agent_stage") in order]
+    reached = [order[t.agent_stage] for t in turns if t.agent_stage in order]
     return stage_ids[max(reached)] if reached else None
 
 
-def before_after_groups(dialogues: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[Mapping[str, Any]]]]:
+def before_after_groups(dialogues: Sequence[DialogueRecord]) -> list[tuple[str, list[DialogueRecord]]]:
     """(label, dialogues) to compare by initial state: the first and the last validation (before and after
     training) side by side; without validations an evaluation's last step, else the last training step. Steps
     are never pooled: each validation meets the same users with a different policy."""
-    by_split: dict[str, dict[Any, list[Mapping[str, Any]]]] = {}
+    by_split: dict[str, dict[Any, list[DialogueRecord]]] = {}
     for d in dialogues:
-        by_split.setdefault(str(d.get("split") or "all"), {}).setdefault(d.get("step"), []).append(d)
+        by_split.setdefault(str(d.split or "all"), {}).setdefault(d.step, []).append(d)
 
     def ordered(split: str) -> list[Any]:
         return sorted(by_split[split], key=lambda s: (not isinstance(s, int), s if isinstance(s, int) else 0))
@@ -80,45 +81,35 @@ def before_after_groups(dialogues: Sequence[Mapping[str, Any]]) -> list[tuple[st
     return [(f"{split}, step {last}" if last is not None else split, by_split[split][last])]
 
 
-def cr_by_dimension(records: Iterable[Mapping[str, Any]]) -> dict[str, list[dict[str, float]]]:
-    """{dimension: [{"value", "n", "completed", "cr", "ci_low", "ci_high"}, ...] by value} over the non-error
-    records (their profile's initial state)."""
-    tallies: dict[str, dict[int, list[int]]] = {d: defaultdict(lambda: [0, 0]) for d in STATE_DIMS}
+def cr_by_dimension(records: Iterable[DialogueRecord], dims: Sequence[str]) -> dict[str, list[dict[str, float]]]:
+    """{dimension of `dims`: [{"value", "n", "completed", "cr", "ci_low", "ci_high"}, ...] by value} over the
+    non-error records (their profile's initial state)."""
+    tallies: dict[str, dict[int, list[int]]] = {d: defaultdict(lambda: [0, 0]) for d in dims}
     for i, record in enumerate(records):
-        where = record_label(record, i)
-        if record_outcome(record, where) == "error":
+        if record.outcome == "error":
             continue
-        profile = _profile(record, where)
-        for dim in STATE_DIMS:
-            tally = tallies[dim][int(profile[dim])]
-            tally[0] += record["outcome"] == "completed"
+        state = record.initial_state(dims, record_label(record, i))
+        for dim in dims:
+            tally = tallies[dim][state[dim]]
+            tally[0] += record.outcome == "completed"
             tally[1] += 1
-    return {dim: [{"value": v, **rate(done, n)} for v, (done, n) in sorted(tallies[dim].items())]
-            for dim in STATE_DIMS}
+    return {dim: [{"value": v, **rate(done, n)} for v, (done, n) in sorted(tallies[dim].items())] for dim in dims}
 
 
-def _profile(record: Mapping[str, Any], where: str) -> Mapping[str, Any]:
-    profile = record_field(record, "profile", where)
-    if not isinstance(profile, Mapping) or any(isinstance(profile.get(d), bool) or not isinstance(profile.get(d), int)
-                                               for d in STATE_DIMS):
-        raise ValueError(f"{where}: 'profile' must hold integer {list(STATE_DIMS)}, got {profile!r}")
-    return profile
-
-
-def failure_labels(records: Sequence[Mapping[str, Any]], scenario: Scenario, top_notes: int = 5) -> dict[str, Any]:
+def failure_labels(records: Sequence[DialogueRecord], scenario: Scenario, top_notes: int = 5) -> dict[str, Any]:
     """Why the calls failed: {"failed", "labelled", "labels": [{"label", "turns", "dialogues", "share",
     "by_outcome", "notes"}]} over the failed (not completed, not error) annotated records; `share` is the label's
     share of the failed calls and `notes` its `top_notes` most frequent notes with their turn counts. Labels in
     the scenario's file order, then any others found in the records."""
-    failed = [r for r in records if r.get("outcome") in DIAGNOSED_OUTCOMES]
+    failed = [r for r in records if r.outcome in DIAGNOSED_OUTCOMES]
     turns: Counter = Counter()
     dialogues: Counter = Counter()
     outcomes: dict[str, Counter] = defaultdict(Counter)
     notes: dict[str, Counter] = defaultdict(Counter)
     for record in failed:
         seen = set()
-        for turn in record.get("turns") or ():
-            for entry in turn.get("diagnosis") or ():
+        for turn in record.turns:
+            for entry in turn.diagnosis or ():
                 label = entry["label"]
                 turns[label] += 1
                 seen.add(label)
@@ -126,9 +117,9 @@ def failure_labels(records: Sequence[Mapping[str, Any]], scenario: Scenario, top
                     notes[label][note] += 1
         for label in seen:
             dialogues[label] += 1
-            outcomes[label][record["outcome"]] += 1
+            outcomes[label][record.outcome] += 1
     order = [*label_names(scenario), *sorted(set(turns) - set(label_names(scenario)))]
-    return {"failed": len(failed), "labelled": sum(1 for r in failed if r.get("labels")),
+    return {"failed": len(failed), "labelled": sum(1 for r in failed if r.labels),
             "labels": [{"label": label, "turns": turns[label], "dialogues": dialogues[label],
                         "share": dialogues[label] / len(failed) if failed else 0.0,
                         "by_outcome": dict(sorted(outcomes[label].items())),
@@ -157,45 +148,46 @@ def _recommended_weights(outcomes: list[tuple[str, bool]], scenario: Scenario,
             "deviation": metrics.get("controller/deviation"), "weights": ctl.weights}
 
 
-def analyze_dialogues(records: Sequence[Mapping[str, Any]], scenario: Scenario, *,
+def analyze_dialogues(records: Sequence[DialogueRecord], scenario: Scenario, *,
                       controller: Mapping[str, Any] | None = None, min_count: int = 5,
                       top_k: int = 5) -> dict[str, Any]:
     """The analysis of the module docstring over `records` as a JSON-ready dict.
 
     `controller` overrides ControllerConfig keys for the recommended weights (smoothing is always 1);
     `min_count` is the least number of dialogues a combination needs to be ranked hardest or easiest.
-    Records must hold `outcome`, `profile` and `turns`; ValueError naming the record otherwise. Records without
-    failure labels (logs written before them) are diagnosed with the scenario's rules.
+    A record's profile must hold the scenario's dimensions; ValueError naming the record otherwise. Records
+    without failure labels (logs written before them) are diagnosed with the scenario's rules.
     """
     records = annotated(records, scenario)
-    by_combo: dict[tuple[int, int, int], list[int]] = defaultdict(lambda: [0, 0])
+    schema = scenario.state_schema
+    by_combo: dict[tuple[int, ...], list[int]] = defaultdict(lambda: [0, 0])
     by_behavior: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     by_category: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     failures: dict[int | None, Counter] = defaultdict(Counter)
     outcome_counts: Counter = Counter()
     controller_outcomes: list[tuple[str, bool]] = []
     for i, record in enumerate(records):
-        where = record_label(record, i)
-        outcome = record_outcome(record, where)
+        outcome = record.outcome
         outcome_counts[outcome] += 1
         if outcome == "error":
             continue
-        profile = _profile(record, where)
+        initial = record.initial_state(schema.names, record_label(record, i))
         done = outcome == "completed"
-        state = tuple(int(profile[d]) for d in STATE_DIMS)
+        state = tuple(initial[d] for d in schema.names)
+        behaviors = record.profile.get("behaviors") or []
         for tally in [by_combo[state]] + [by_behavior[(b.get("category", "?"), b.get("behavior", "?"))]
-                                          for b in profile.get("behaviors") or []]:
+                                          for b in behaviors]:
             tally[0], tally[1] = tally[0] + done, tally[1] + 1
-        for category in {b.get("category", "?") for b in profile.get("behaviors") or []}:
+        for category in {b.get("category", "?") for b in behaviors}:
             by_category[category][0] += done
             by_category[category][1] += 1
-        controller_outcomes.append((f"c{state[0]}-e{state[1]}-t{state[2]}", done))
+        controller_outcomes.append((schema.key(state), done))
         if not done:
-            failures[highest_stage(record_turns(record, where), scenario.stage_ids)][outcome] += 1
+            failures[highest_stage(record.turns, scenario.stage_ids)][outcome] += 1
     scored = len(controller_outcomes)
     completed = sum(done for _, done in controller_outcomes)
-    combos = [{"state_key": f"c{c}-e{e}-t{t}", "cooperation": c, "emotion": e, "trust": t, **r}
-              for (c, e, t), r in sorted(_tally_rates(by_combo).items())]
+    combos = [{"state_key": schema.key(state), **schema.state(state), **r}
+              for state, r in sorted(_tally_rates(by_combo).items())]
     stage_names = {s.id: s.name for s in scenario.stages}
     n_failed = sum(sum(c.values()) for c in failures.values())
     stage_rows = []
@@ -210,7 +202,8 @@ def analyze_dialogues(records: Sequence[Mapping[str, Any]], scenario: Scenario, 
         "n_dialogues": len(records), "n_errors": outcome_counts["error"], "n_scored": scored,
         "outcomes": {o: outcome_counts[o] for o in OUTCOMES},
         "completion": rate(completed, scored),
-        "by_dimension": cr_by_dimension(records),
+        "dimensions": list(schema.names),
+        "by_dimension": cr_by_dimension(records, schema.names),
         "by_combination": combos,
         "hardest": _ranked(combos, min_count, top_k, hardest=True),
         "easiest": _ranked(combos, min_count, top_k, hardest=False),
@@ -240,18 +233,18 @@ def parse_controller_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def analyze_by_split(records: Iterable[Mapping[str, Any]], scenario: Scenario, *, split: str | None = None,
+def analyze_by_split(records: Iterable[DialogueRecord], scenario: Scenario, *, split: str | None = None,
                      min_step: int | None = None, max_step: int | None = None, **kwargs: Any) -> dict[str, Any]:
     """{"scenario", "splits": {split: analyze_dialogues(...)}} over records grouped by their `split` field
     ("all" when a record has none), optionally one split and a step range only (inclusive)."""
-    groups: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    groups: dict[str, list[DialogueRecord]] = defaultdict(list)
     for record in records:
-        step = record.get("step")
+        step = record.step
         if min_step is not None and (step is None or step < min_step):
             continue
         if max_step is not None and (step is None or step > max_step):
             continue
-        groups[str(record.get("split") or "all")].append(record)
+        groups[str(record.split or "all")].append(record)
     if split is not None:
         if split not in groups:
             raise ValueError(f"no dialogues of split {split!r} (splits present: {sorted(groups) or 'none'})")

@@ -13,24 +13,32 @@ from typing import Any
 
 from llm_agent.evaluation.page_text import bounded
 from llm_agent.metrics import OUTCOMES
-from llm_agent.scenario import STATE_DIMS, Scenario
+from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
+from llm_agent.scenario import Scenario
 
-__all__ = ["browser_payload", "embed_json"]
+__all__ = ["browser_payload", "embed_json", "profile_dims"]
 
 
-def _state_list(state: Any) -> list[int | None] | None:
-    """[cooperation, emotion, trust] of a turn's state dict (None entries kept), None for no state."""
+def profile_dims(records: Sequence[DialogueRecord]) -> list[str]:
+    """The state dimensions of the records' profiles (every key but `behaviors`, in the first profile's order)."""
+    for record in records:
+        if record.profile:
+            return [k for k in record.profile if k != "behaviors"]
+    return []
+
+
+def _state_list(state: Any, dims: Sequence[str]) -> list[int | None] | None:
+    """The values of `dims` in a turn's state dict (None entries kept), None for no state."""
     if not isinstance(state, Mapping):
         return None
-    return [state.get(d) for d in STATE_DIMS]
+    return [state.get(d) for d in dims]
 
 
-def _turn(turn: Mapping[str, Any]) -> dict[str, Any]:
-    return {"at": turn.get("agent_text"), "ar": turn.get("agent_reply"), "as": turn.get("agent_stage"),
-            "ast": turn.get("agent_status"), "ae": _state_list(turn.get("agent_state")),
-            "ok": turn.get("agent_format_ok", True), "ur": turn.get("user_reply"), "us": turn.get("user_status"),
-            "ue": _state_list(turn.get("user_state")), "src": turn.get("user_source"), "err": turn.get("user_error"),
-            "dx": _diagnosis(turn.get("diagnosis"))}
+def _turn(turn: TurnRecord, dims: Sequence[str]) -> dict[str, Any]:
+    return {"at": turn.agent_text, "ar": turn.agent_reply, "as": turn.agent_stage, "ast": turn.agent_status,
+            "ae": _state_list(turn.agent_state, dims), "ok": turn.agent_format_ok, "ur": turn.user_reply,
+            "us": turn.user_status, "ue": _state_list(turn.user_state, dims), "src": turn.user_source,
+            "err": turn.user_error, "dx": _diagnosis(turn.diagnosis)}
 
 
 def _diagnosis(entries: Any) -> list[list[str]]:
@@ -54,32 +62,32 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def browser_payload(records: Sequence[Mapping[str, Any]], scenario: Scenario | None = None) -> dict[str, Any]:
+def browser_payload(records: Sequence[DialogueRecord], scenario: Scenario | None = None) -> dict[str, Any]:
     """{"dims", "outcomes", "stages", "behaviors", "dialogues"}: everything the page's JavaScript needs.
 
-    `stages` maps stage id to name (empty without a scenario). Records must hold `outcome`, `profile` and `turns`.
-    Every string is bounded (`page_text.bounded`: a huge logged field is cut with a marker).
+    `dims` are the scenario's state dimensions (without a scenario, the profiles'); `stages` maps stage id to name
+    (empty without a scenario). Every string is bounded (`page_text.bounded`: a huge logged field is cut with a
+    marker).
     """
+    dims = list(scenario.dims) if scenario is not None else profile_dims(records)
     behaviors: dict[tuple[str, str], int] = {}
     dialogues = []
     for i, record in enumerate(records):
-        profile = record.get("profile") or {}
+        profile = record.profile
         beh_ids = []
         for b in profile.get("behaviors") or []:
             key = (str(b.get("category", "")), str(b.get("behavior", "")))
             beh_ids.append(behaviors.setdefault(key, len(behaviors)))
-        components = record.get("reward_components")
+        components = record.reward_components
         dialogues.append({
-            "i": i, "id": record.get("dialogue_id") or f"#{i}", "step": record.get("step"),
-            "split": record.get("split") or "all", "o": record.get("outcome"),
-            "s": [profile.get(d) for d in STATE_DIMS], "b": beh_ids, "n": record.get("num_turns"),
-            "r": _number(record.get("reward")),
+            "i": i, "id": record.dialogue_id or f"#{i}", "step": record.step, "split": record.split or "all",
+            "o": record.outcome, "s": [profile.get(d) for d in dims], "b": beh_ids, "n": record.num_turns,
+            "r": _number(record.reward),
             "rc": {k: _number(v) for k, v in components.items()} if isinstance(components, Mapping) else None,
-            "ch": record.get("cache_hits"), "fe": record.get("format_errors"), "e": record.get("error"),
-            "lb": _labels(record.get("labels")),
-            "t": [_turn(t) for t in record.get("turns") or [] if isinstance(t, Mapping)],
+            "ch": record.cache_hits, "fe": record.format_errors, "e": record.error, "lb": _labels(record.labels),
+            "t": [_turn(t, dims) for t in record.turns],
         })
-    return bounded({"dims": list(STATE_DIMS), "outcomes": list(OUTCOMES),
+    return bounded({"dims": dims, "outcomes": list(OUTCOMES),
                     "stages": {str(s.id): s.name for s in scenario.stages} if scenario is not None else {},
                     "behaviors": [{"category": c, "behavior": b} for (c, b) in behaviors],
                     "dialogues": dialogues})

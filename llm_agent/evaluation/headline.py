@@ -12,15 +12,15 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from llm_agent.evaluation.analysis import before_after_groups
-from llm_agent.metrics import NOT_AVAILABLE, record_label, record_outcome
+from llm_agent.metrics import NOT_AVAILABLE
+from llm_agent.rollout.dialogue_record import DialogueRecord
 
 __all__ = ["CRPoint", "IntervalOf", "cr_points", "headline_html"]
 
 # The CR interval of a group of dialogues (None: none); the report passes its metrics table's bootstrap.
-IntervalOf = Callable[[Sequence[Mapping[str, Any]]], "tuple[float, float] | None"]
+IntervalOf = Callable[[Sequence[DialogueRecord]], "tuple[float, float] | None"]
 
 VAL_CR_KEY = "val/dialogue/completion_rate"
 
@@ -48,8 +48,8 @@ class CRPoint:
         return out
 
 
-def _from_dialogues(label: str, records: Sequence[Mapping[str, Any]], interval: IntervalOf | None) -> CRPoint:
-    outcomes = [record_outcome(r, record_label(r, i)) for i, r in enumerate(records)]
+def _from_dialogues(label: str, records: Sequence[DialogueRecord], interval: IntervalOf | None) -> CRPoint:
+    outcomes = [r.outcome for r in records]
     n = sum(o != "error" for o in outcomes)
     completed = sum(o == "completed" for o in outcomes)
     if n == 0:
@@ -57,7 +57,7 @@ def _from_dialogues(label: str, records: Sequence[Mapping[str, Any]], interval: 
     return CRPoint(label, completed / n, n, completed, interval(records) if interval is not None else None)
 
 
-def cr_points(dialogues: Sequence[Mapping[str, Any]] | None, val_rows: Sequence[Mapping[str, float]],
+def cr_points(dialogues: Sequence[DialogueRecord] | None, val_rows: Sequence[Mapping[str, float]],
               interval: IntervalOf | None = None) -> list[CRPoint]:
     """The headline's points, before then after (one point when there is nothing to compare); empty when the
     run has neither dialogues nor validation metrics. `interval` gives a group's CR interval (None: no

@@ -1,7 +1,7 @@
 """Local policy agents: a model directory or a training checkpoint generating through the trainer's rollout engines.
 
-Both have the actor worker group's interface (`generate_sequences(DataProto)`, `world_size`), so the rollout loop
-drives them exactly as it drives the trainer's policy, with the same sampling semantics (greedy unless the batch's
+Both are `verl.workers.rollout.engine.RolloutEngine`s (policy version 0: a fixed model), so the rollout loop drives
+them exactly as it drives the trainer's policy, with the same sampling semantics (greedy unless the batch's
 `meta_info` samples, the loop's `response_length`, `eos_token_id` and `pad_token_id`):
 
 - `HFRolloutAgent`: `verl.workers.rollout.hf_rollout.HFRollout` (transformers `generate`) on the model.
@@ -36,6 +36,7 @@ from verl.utils.dataset import load_tokenizer
 from verl.utils.device import get_device_name, get_dist_backend
 from verl.utils.fsdp_utils import SHARDED_STATE_DIR
 from verl.utils.lora import ADAPTER_WEIGHTS_FILE, is_adapter_dir, read_adapter_config
+from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.vllm_rollout import vllm_available
 
@@ -134,10 +135,8 @@ def load_policy_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", 
     return model.to(device)
 
 
-class HFRolloutAgent:
+class HFRolloutAgent(RolloutEngine):
     """A local model generating through the trainer's `HFRollout` (greedy unless the batch's meta_info samples)."""
-
-    world_size = 1
 
     def __init__(self, model_dir: str | Path, micro_batch_size: int | None = None, device: str | None = None,
                  trust_unverified: bool = False):
@@ -171,7 +170,7 @@ def _join_single_rank_group(device: str) -> bool:
     return True
 
 
-class VLLMRolloutAgent:
+class VLLMRolloutAgent(RolloutEngine):
     """A local model generating through the trainer's `vLLMRollout` (see the module docstring).
 
     `max_model_len` bounds prompt + dialogue tokens (the evaluation's max_prompt_length + max_response_length);
@@ -179,11 +178,11 @@ class VLLMRolloutAgent:
     One engine per process at a time: `close()` shuts it down and leaves the process group it created.
     """
 
-    world_size = 1
-
     def __init__(self, model_dir: str | Path, max_model_len: int, gpu_memory_utilization: float = 0.8,
                  max_num_seqs: int = 256, device: str | None = None, seed: int = 0, trust_unverified: bool = False):
         from verl.workers.rollout.vllm_rollout import WeightSyncStats, fsdp_weight_stream, vLLMRollout
+
+        self.rollout: vLLMRollout | None = None
 
         self.model_dir = resolve_model_dir(model_dir)
         self.device = device or get_device_name()
@@ -216,7 +215,7 @@ class VLLMRolloutAgent:
 
     def close(self) -> None:
         """Shut the engine down and, if this agent created it, leave the process group (vLLM's cleanup)."""
-        if getattr(self, "rollout", None) is None:
+        if self.rollout is None:
             return
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

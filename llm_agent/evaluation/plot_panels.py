@@ -16,7 +16,6 @@ from llm_agent.evaluation.analysis import before_after_groups, cr_by_dimension
 from llm_agent.evaluation.plot_style import (draw_curve, grid_figure, legend_if_useful, no_data, run_color,
                                              style_axes)
 from llm_agent.evaluation.series import cache_stage_series, cache_targets, controller_matrix
-from llm_agent.scenario import STATE_DIMS
 
 __all__ = ["cache_figure", "controller_figure", "cr_by_state_figure", "stacked_per_run_figure"]
 
@@ -99,22 +98,22 @@ def controller_figure(runs: Sequence[Any], dim: str, notes: list[str]) -> Figure
     return fig
 
 
-def cr_by_state_figure(runs: Sequence[Any], notes: list[str]) -> Figure | None:
-    """CR per initial value of each state dimension with Wilson 95% intervals: per run, the first and the last
+def cr_by_state_figure(runs: Sequence[Any], dims: Sequence[str], notes: list[str]) -> Figure | None:
+    """CR per initial value of each state dimension of `dims` with Wilson 95% intervals: per run, the first and the last
     validation side by side (before vs after training), labelled with their steps (`before_after_groups`)."""
     groups: list[tuple[str, dict[str, list[dict[str, float]]]]] = []
     for run in runs:
         if not run.dialogues:
             continue
         for label, records in before_after_groups(run.dialogues):
-            groups.append((f"{run.name}: {label}" if len(runs) > 1 else label, cr_by_dimension(records)))
-    if not groups:
+            groups.append((f"{run.name}: {label}" if len(runs) > 1 else label, cr_by_dimension(records, dims)))
+    if not groups or not dims:
         notes.append("cr_by_initial_state skipped (no dialogues: rollouts.jsonl not found)")
         return None
-    fig, axes = grid_figure(len(STATE_DIMS), ncols=3, panel_size=(4.8, 3.4),
+    fig, axes = grid_figure(len(dims), ncols=3, panel_size=(4.8, 3.4),
                             title="Completion rate by initial user state (bars: CR; whiskers: 95% Wilson intervals)")
     width = 0.8 / len(groups)
-    for ax, dim in zip(axes, STATE_DIMS):
+    for ax, dim in zip(axes, dims):
         values = sorted({row["value"] for _, by_dim in groups for row in by_dim[dim]})
         position = {v: i for i, v in enumerate(values)}
         for g, (label, by_dim) in enumerate(groups):

@@ -6,8 +6,9 @@
     training_outcome_mix     share of dialogues per outcome over steps (stacked area, one panel per run)
     training_time_split      seconds per step generating vs waiting for the user simulator (stacked, per run)
     validation_curves        the validation dialogue metrics at each validation step
-    controller_<dimension>   the controller's sampling weights and per-value CR over steps (heatmaps, per run;
-                             cells without data in grey, with a legend)
+    controller_<dimension>   per state dimension of the runs' scenario (their dialogues' profiles, else their
+                             controller metrics): the controller's sampling weights and per-value CR over steps
+                             (heatmaps, per run; cells without data in grey, with a legend)
     cr_by_initial_state      CR per initial value of each state dimension with Wilson 95% intervals, before and
                              after training side by side (first and last validation; else an evaluation's or the
                              last training step's dialogues)
@@ -35,18 +36,21 @@ from llm_agent.evaluation.plot_panels import (cache_figure, controller_figure, c
                                               stacked_per_run_figure)
 from llm_agent.evaluation.plot_style import (LINE_STYLES, draw_curve, grid_figure, legend_if_useful, run_color,
                                              save_figure, style_axes)
+from llm_agent.evaluation.browser_data import profile_dims
 from llm_agent.evaluation.run_data import (RunFiles, read_dialogue_summaries, read_dialogues, read_step_metrics,
                                            read_val_metrics)
 from llm_agent.evaluation.series import OUTCOME_RATE_KEYS, metric_series, outcome_mix, present_keys
 from llm_agent.reward import COMPONENTS
-from llm_agent.scenario import STATE_DIMS
+from llm_agent.rollout.dialogue_record import DialogueRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FIGURE_NAMES", "PlotResult", "RunData", "TRAINING_PANELS", "VALIDATION_PANELS", "build_figures",
+__all__ = ["PlotResult", "RunData", "TRAINING_PANELS", "VALIDATION_PANELS", "build_figures", "figure_names",
            "load_run", "plot_runs"]
 
 # (panel title, y label, metric keys drawn in it); a panel is drawn when any run has any of its keys
+INDEX_PANEL = "state change (improvement indices)"  # the `<short>i` metrics that come with a `<short>i_agent`
+# (EI / TI / CI for the shipped scenarios), whatever the runs' scenario
 TRAINING_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("reward (sequence score)", "mean per dialogue", ("critic/score/mean", "critic/rewards/mean")),
     ("reward components (weighted)", "mean per dialogue", tuple(f"reward/{c}" for c in COMPONENTS)),
@@ -63,15 +67,20 @@ VALIDATION_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("false-positive rate", "share of done claims", ("val/dialogue/false_positive_rate",)),
     ("turns per dialogue", "turns", ("val/dialogue/att", "val/dialogue/adt")),
     ("user-state accuracy (UPA)", "1 - normalised error", ("val/dialogue/upa",)),
-    ("state change (EI / TI / CI)", "last - first", ("val/dialogue/ei", "val/dialogue/ti", "val/dialogue/ci")),
+    (INDEX_PANEL, "last - first, better is up", ()),  # its keys: the runs' improvement metrics
     ("format errors / stage completeness", "share",
      ("val/dialogue/format_error_rate", "val/dialogue/stage_completeness")),
     ("reward (sequence score)", "mean per dialogue", ("val/reward/total",)),
 )
 TIME_KEYS = {"generation": "rollout/time_generate_s", "user simulator": "rollout/time_user_sim_s"}
-FIGURE_NAMES: tuple[str, ...] = ("training_curves", "training_outcome_mix", "training_time_split",
-                                 "validation_curves", *(f"controller_{d}" for d in STATE_DIMS),
-                                 "cr_by_initial_state", "cache_hit_rate_by_stage")
+
+
+def figure_names(dims: Sequence[str]) -> tuple[str, ...]:
+    """Every figure `build_figures` can draw for runs of a scenario with state dimensions `dims`, in order."""
+    return ("training_curves", "training_outcome_mix", "training_time_split", "validation_curves",
+            *(f"controller_{d}" for d in dims), "cr_by_initial_state", "cache_hit_rate_by_stage")
+
+
 OUTCOME_COLORS = {"completed": "#2ca02c", "hung_up": "#d62728", "agent_ended": "#ff7f0e", "timeout": "#9467bd",
                   "truncated": "#8c564b", "error": "#7f7f7f"}
 
@@ -83,7 +92,21 @@ class RunData:
     name: str
     steps: list[dict[str, float]] = field(default_factory=list)
     val: list[dict[str, float]] = field(default_factory=list)
-    dialogues: list[dict[str, Any]] | None = None
+    dialogues: list[DialogueRecord] | None = None
+
+    @property
+    def dims(self) -> list[str]:
+        """The state dimensions of the run's scenario: its dialogues' profiles', else those its controller metrics
+        (`controller/weight/<dimension>=<value>`) name, in order of appearance."""
+        found = profile_dims(self.dialogues or [])
+        if found:
+            return found
+        names: dict[str, None] = {}
+        for row in self.steps:
+            for key in row:
+                if key.startswith("controller/weight/") and "=" in key:
+                    names.setdefault(key[len("controller/weight/"):].split("=", 1)[0])
+        return list(names)
 
 
 @dataclass
@@ -204,17 +227,21 @@ def build_figures(runs: Sequence[RunData], smooth: float = 0.6) -> tuple[dict[st
     if not runs:
         raise ValueError("build_figures needs at least one run")
     notes: list[str] = []
+    dims = list(dict.fromkeys(d for run in runs for d in run.dims))
+    val_keys = set().union(*(present_keys(r.val) for r in runs))
+    indices = tuple(k for k in sorted(val_keys) if f"{k}_agent" in val_keys and k.startswith("val/dialogue/"))
+    validation = [(title, label, indices if title == INDEX_PANEL else keys) for title, label, keys in VALIDATION_PANELS]
     figures: dict[str, Figure | None] = {
         "training_curves": _curves_figure(runs, TRAINING_PANELS, "steps", "Training", smooth, notes,
                                           "training_curves"),
         "training_outcome_mix": _outcome_mix_figure(runs, notes),
         "training_time_split": _time_split_figure(runs, notes),
-        "validation_curves": _curves_figure(runs, VALIDATION_PANELS, "val", "Validation", smooth, notes,
+        "validation_curves": _curves_figure(runs, validation, "val", "Validation", smooth, notes,
                                             "validation_curves"),
     }
-    for dim in STATE_DIMS:
+    for dim in dims:
         figures[f"controller_{dim}"] = controller_figure(runs, dim, notes)
-    figures["cr_by_initial_state"] = cr_by_state_figure(runs, notes)
+    figures["cr_by_initial_state"] = cr_by_state_figure(runs, dims, notes)
     figures["cache_hit_rate_by_stage"] = cache_figure(runs, smooth, notes)
     if not any(run.steps for run in runs):
         notes.insert(0, "no training metrics found (metrics.jsonl missing or empty): training figures skipped")

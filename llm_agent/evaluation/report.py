@@ -27,7 +27,8 @@ from llm_agent.evaluation.report_sections import analysis_html, cr_by_state_capt
 from llm_agent.evaluation.report_simulator import simulator_html
 from llm_agent.evaluation.run_data import RunFiles, output_root
 from llm_agent.evaluation.stats import metric_intervals
-from llm_agent.metrics import dialogue_metrics
+from llm_agent.metrics import dialogue_metrics, index_keys, metric_keys
+from llm_agent.rollout.dialogue_record import DialogueRecord
 from llm_agent.scenario import Scenario
 
 logger = logging.getLogger(__name__)
@@ -44,20 +45,20 @@ class DialogueGroup:
     split: str
     label: str
     scope: str
-    records: list[Mapping[str, Any]]
+    records: list[DialogueRecord]
     pooled: bool = False  # several steps of a changing policy pooled: no confidence interval
 
 
-def dialogue_groups(records: Sequence[Mapping[str, Any]]) -> tuple[list[DialogueGroup], list[DialogueGroup]]:
+def dialogue_groups(records: Sequence[DialogueRecord]) -> tuple[list[DialogueGroup], list[DialogueGroup]]:
     """(metric-table groups, analysis groups) of `records` by split (see the module docstring); `train` first."""
-    by_split: dict[str, list[Mapping[str, Any]]] = {}
+    by_split: dict[str, list[DialogueRecord]] = {}
     for record in records:
-        by_split.setdefault(str(record.get("split") or "all"), []).append(record)
+        by_split.setdefault(str(record.split or "all"), []).append(record)
     table, analysis = [], []
     for split in sorted(by_split, key=lambda s: (s != "train", s)):
         rows = by_split[split]
-        steps = sorted({r["step"] for r in rows if isinstance(r.get("step"), int)})
-        last = [r for r in rows if r.get("step") == steps[-1]] if steps else rows
+        steps = sorted({r.step for r in rows if isinstance(r.step, int)})
+        last = [r for r in rows if r.step == steps[-1]] if steps else rows
         last_group = DialogueGroup(split, f"{split} (step {steps[-1]})" if steps else split,
                                    f"step {steps[-1]}" if steps else "all dialogues", last)
         if split == "train" and len(steps) > 1:
@@ -87,7 +88,7 @@ def _cr_interval(scenario: Scenario, bootstrap: int) -> IntervalOf | None:
     if bootstrap <= 0:
         return None
 
-    def interval(records: Sequence[Mapping[str, Any]]) -> tuple[float, float] | None:
+    def interval(records: Sequence[DialogueRecord]) -> tuple[float, float] | None:
         cr = metric_intervals(records, scenario, n_resamples=bootstrap)["completion_rate"]
         return None if cr.low is None or cr.high is None else (cr.low, cr.high)
     return interval
@@ -127,8 +128,10 @@ def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float 
                                f"the metrics table's {DEFAULT_CONFIDENCE:.0%} bootstrap interval"),
         plots=plots_html(figures, notes, {"cr_by_initial_state": cr_by_state_caption(
             [label for label, _ in before_after_groups(records)] if records else [])}),
-        metrics=metrics_html(columns, "Every metric as defined in llm_agent/metrics.py (ci: the cooperation "
-                             "improvement; n/a: undefined, e.g. ATT without a completed call). " + ci_note),
+        metrics=metrics_html(columns, "Every metric as defined in llm_agent/metrics.py ("
+                             + ", ".join(f"{k}: the {d} improvement" for k, d in index_keys(scenario).items())
+                             + "; n/a: undefined, e.g. ATT without a completed call). " + ci_note,
+                             metric_keys(scenario)),
         mistakes=analysis_html(analyses),
         simulator=simulator_html(simulator_cards),
         browser_note=esc(f"The browser holds the last {browser_limit} of the {len(records)} dialogues."

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from llm_agent.evaluation.defaults import MIN_SMOOTH_POINTS
 from llm_agent.evaluation.page_text import esc as _esc
-from llm_agent.metrics import METRIC_KEYS, NOT_AVAILABLE
+from llm_agent.metrics import NOT_AVAILABLE
 
 __all__ = ["analysis_html", "cr_by_state_caption", "metrics_html", "plots_html"]
 
@@ -75,13 +75,14 @@ def plots_html(figures: Mapping[str, Figure], notes: Sequence[str], captions: Ma
     return "\n".join(parts)
 
 
-def metrics_html(columns: Sequence[tuple[str, Mapping[str, Any]]], note: str) -> str:
-    """One row per dialogue metric, one column per group of dialogues. A column's value per metric is a float
-    or a {"value", "low", "high"} interval (printed with its bracket); an undefined one (absent or None) is n/a."""
+def metrics_html(columns: Sequence[tuple[str, Mapping[str, Any]]], note: str, keys: Sequence[str]) -> str:
+    """One row per dialogue metric of `keys` (`llm_agent.metrics.metric_keys` of the scenario), one column per
+    group of dialogues. A column's value per metric is a float or a {"value", "low", "high"} interval (printed with
+    its bracket); an undefined one (absent or None) is n/a."""
     if not columns:
         return '<p class="note">No dialogues to compute metrics over.</p>'
     rows = []
-    for key in METRIC_KEYS:
+    for key in keys:
         cells = [f"<code>{_esc(key)}</code>"]
         for _, values in columns:
             v = values.get(key)
@@ -100,14 +101,13 @@ def _rate_cells(r: Mapping[str, Any]) -> list[str]:
     return [str(r["n"]), f'{bar}{r["cr"]:.3f}', f'[{r["ci_low"]:.3f}, {r["ci_high"]:.3f}]']
 
 
-def _combo_table(combos: Sequence[Mapping[str, Any]]) -> str:
-    return _table(["state", "cooperation", "emotion", "trust", "n", "CR", "95% interval"],
-                  [[_esc(c["state_key"]), str(c["cooperation"]), str(c["emotion"]), str(c["trust"]),
-                    *_rate_cells(c)] for c in combos])
+def _combo_table(combos: Sequence[Mapping[str, Any]], dims: Sequence[str]) -> str:
+    return _table(["state", *dims, "n", "CR", "95% interval"],
+                  [[_esc(c["state_key"]), *(str(c[d]) for d in dims), *_rate_cells(c)] for c in combos])
 
 
 def _split_html(name: str, scope: str, a: Mapping[str, Any]) -> str:
-    c = a["completion"]
+    c, dims = a["completion"], a["dimensions"]
     parts = [f'<h3>{_esc(name)} <span class="note">({_esc(scope)})</span></h3>',
              f'<p>{a["n_dialogues"]} dialogues, {a["n_errors"]} errors (left out of every CR); '
              f'CR {c["cr"]:.3f} [{c["ci_low"]:.3f}, {c["ci_high"]:.3f}] over {a["n_scored"]}.</p>',
@@ -117,9 +117,10 @@ def _split_html(name: str, scope: str, a: Mapping[str, Any]) -> str:
     parts.append("</div>")
     parts.append(f'<h4>Hardest and easiest combinations</h4><p class="note">Combinations with at least '
                  f'{a["min_count"]} dialogues, ranked by CR.</p><div class=grid><div><b>hardest</b>'
-                 f'{_combo_table(a["hardest"])}</div><div><b>easiest</b>{_combo_table(a["easiest"])}</div></div>')
+                 f'{_combo_table(a["hardest"], dims)}</div><div><b>easiest</b>{_combo_table(a["easiest"], dims)}</div>'
+                 '</div>')
     parts.append(f'<details><summary>all {len(a["by_combination"])} combinations</summary>'
-                 f'{_combo_table(a["by_combination"])}</details>')
+                 f'{_combo_table(a["by_combination"], dims)}</details>')
     parts.append("<h4>CR by behaviour</h4>" + _table(
         ["category", "n", "CR", "95% interval"], [[_esc(r["category"]), *_rate_cells(r)] for r in a["by_behavior_category"]]))
     parts.append(f'<details><summary>all {len(a["by_behavior"])} behaviours</summary>' + _table(

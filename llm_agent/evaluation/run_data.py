@@ -23,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from llm_agent.evaluation.dialogue_log import latest_per_dialogue, read_dialogue_log
-from llm_agent.scenario import STATE_DIMS
+from llm_agent.rollout.dialogue_record import DialogueRecord
 
 logger = logging.getLogger(__name__)
 
@@ -171,38 +171,43 @@ def read_val_metrics(path: str | Path) -> list[dict[str, float]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def read_dialogues(path: str | Path) -> list[dict[str, Any]]:
+def read_dialogues(path: str | Path) -> list[DialogueRecord]:
     """Every dialogue of a rollout log or an evaluation's dialogues file (read by `dialogue_log`, which skips a
-    torn last line). In an evaluation's file a dialogue run again (an error retried on resume) counts once, as its
-    last record. Lines must hold `outcome`, `profile` and `turns` (log_lines' format); ValueError naming file and
-    line otherwise."""
+    torn last line), as `DialogueRecord`s. In an evaluation's file a dialogue run again (an error retried on
+    resume) counts once, as its last record. Lines must hold `outcome`, `profile` and `turns` (log_lines' format);
+    ValueError naming file and line otherwise."""
     path = Path(path)
-    records = read_dialogue_log(path).records
-    for number, row in enumerate(records, start=1):
+    log = read_dialogue_log(path)
+    for number, row in zip(log.line_numbers, log.records):
         missing = [k for k in ("outcome", "profile", "turns") if k not in row]
         if missing:
-            raise ValueError(f"{path}: dialogue {number} (dialogue_id {row.get('dialogue_id')!r}) has no {missing} "
-                             "(see llm_agent/rollout/records.py)")
+            raise ValueError(f"{path}:{number}: dialogue {row.get('dialogue_id')!r} has no {missing} "
+                             "(see llm_agent/rollout/dialogue_record.py)")
+    numbers = {id(row): number for number, row in zip(log.line_numbers, log.records)}
+    rows = log.records
     if path.name.endswith(DIALOGUES_SUFFIX):
-        records = list(latest_per_dialogue(records).values())
-    return records
+        rows = list(latest_per_dialogue(rows).values())
+    return [DialogueRecord.from_dict(row, f"{path}:{numbers[id(row)]}") for row in rows]
 
 
-def read_dialogue_summaries(path: str | Path) -> list[dict[str, Any]]:
+def read_dialogue_summaries(path: str | Path) -> list[DialogueRecord]:
     """What the plots need of each dialogue (`dialogue_id`, `step`, `split`, `outcome`, and the profile's initial
-    state without its behaviours), read line by line so a long run's rollout log is never held whole.
-    Deduplicated like `read_dialogues`; ValueError naming file and line for a line without outcome or profile."""
+    state without its behaviours), as records without turns, read line by line so a long run's rollout log is
+    never held whole. Deduplicated like `read_dialogues`; ValueError naming file and line for a line without
+    outcome or profile."""
     path = Path(path)
     out = []
     for number, row in read_jsonl(path, desc="reading dialogues"):
         profile = row.get("profile")
         if "outcome" not in row or not isinstance(profile, dict):
             raise ValueError(f"{path}:{number}: a dialogue line needs 'outcome' and a 'profile' object "
-                             "(see llm_agent/rollout/records.py)")
-        out.append({"dialogue_id": row.get("dialogue_id"), "step": row.get("step"), "split": row.get("split"),
-                    "outcome": row["outcome"], "profile": {d: profile.get(d) for d in STATE_DIMS}})
+                             "(see llm_agent/rollout/dialogue_record.py)")
+        summary = {"dialogue_id": row.get("dialogue_id"), "step": row.get("step"), "split": row.get("split"),
+                   "outcome": row["outcome"], "turns": [],
+                   "profile": {k: v for k, v in profile.items() if k != "behaviors"}}
+        out.append(DialogueRecord.from_dict(summary, f"{path}:{number}"))
     if path.name.endswith(DIALOGUES_SUFFIX):
-        out = list(latest_per_dialogue(out).values())
+        out = list({r.dialogue_id: r for r in out}.values())
     return out
 
 

@@ -34,13 +34,14 @@ from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
 from llm_agent.evaluation.dialogue_log import drop_torn_tail, latest_per_dialogue, read_dialogue_log
 from llm_agent.evaluation.stats import metric_intervals
 from llm_agent.generation import LLMGenerationManager
-from llm_agent.metrics import records_from_batch
 from llm_agent.reward import compute_reward
 from llm_agent.rollout.config import GenerationConfig
-from llm_agent.rollout.records import RECORD_COLUMNS, append_jsonl, log_lines, object_column
+from llm_agent.rollout.dialogue_record import DialogueRecord, records_from_batch
+from llm_agent.rollout.records import append_jsonl, log_lines, object_column
 from llm_agent.scenario import load_scenario
 from verl.utils.dataset import RLHFDataset
 from verl.utils.untrusted import load_json
+from verl.workers.rollout.engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def _saved_settings(out_dir: Path, name: str, current: dict[str, Any]) -> bool:
 
 
 def _done_records(path: Path, profiles: Mapping[str, str], retry_errors: bool, current: dict[str, Any],
-                  settings_file: bool, step: int) -> dict[str, dict[str, Any]]:
+                  settings_file: bool, step: int) -> dict[str, DialogueRecord]:
     """The finished dialogues of a previous run that belong to this test selection, each line checked against the
     current settings (a line without settings only when the settings file matched) and the agent's step (a
     checkpoint root trained on since then is another agent), and the test set's profiles."""
@@ -176,7 +177,7 @@ def _done_records(path: Path, profiles: Mapping[str, str], retry_errors: bool, c
                              f"has {profiles[dialogue_id]}; the file belongs to another test set")
         if retry_errors and record.get("outcome") == "error":
             continue
-        done[dialogue_id] = record
+        done[dialogue_id] = DialogueRecord.from_dict(record, f"{path}: dialogue {dialogue_id}")
     return done
 
 
@@ -191,7 +192,7 @@ def _write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
-def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings, out_dir: str | os.PathLike,
+def evaluate_agent(name: str, agent: RolloutEngine, tokenizer: Any, settings: EvalSettings, out_dir: str | os.PathLike,
                    user_sim_urls: list[str] | None = None, client: Any = None, chunk_size: int = 64,
                    retry_errors: bool = False, n_resamples: int = DEFAULT_RESAMPLES,
                    confidence: float = DEFAULT_CONFIDENCE, agent_description: str | None = None,
@@ -200,7 +201,7 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
                    user_sim_api_key: str | None = None) -> EvalSummary:
     """Run the missing test dialogues of agent `name` and write its dialogues and results (module docstring).
 
-    `agent` has the worker-group interface; `client` (optional) replaces the simulator client built from
+    `agent` is the agent's rollout engine; `client` (optional) replaces the simulator client built from
     `user_sim_urls` (with `user_sim_api_key`, else $SEAD_USER_SIM_API_KEY). `step` is the agent's training step
     (its dialogues' `step`); `checkpoint` the `global_step_N` directory of a checkpoint agent (results then record
     it and `global_step`); `settings_origin` says where each setting came from. Returns what was run and the
@@ -238,9 +239,9 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
                 batch.meta_info = {"do_sample": False, "validate": True}
                 out = loop.run_llm_loop(batch)
                 compute_reward(out, tokenizer, scenario=settings.scenario)
-                records = records_from_batch(out, RECORD_COLUMNS)
+                records = records_from_batch(out)
                 append_jsonl(log_path, _with_settings(log_lines(records, step, SPLIT), current))
-                done.update({r["dialogue_id"]: r for r in records})
+                done.update({r.dialogue_id: r for r in records})
                 progress.update(len(chunk))
         finally:
             progress.close()
@@ -250,7 +251,7 @@ def evaluate_agent(name: str, agent: Any, tokenizer: Any, settings: EvalSettings
                                  seed=settings.seed)
     results = {"name": name, "agent": agent_description or name, "split": SPLIT, "step": step,
                "scenario": settings.scenario, "test_file": settings.test_file, "n_dialogues": len(selected),
-               "dialogues_file": log_path.name, "outcomes": dict(Counter(r["outcome"] for r in selected)),
+               "dialogues_file": log_path.name, "outcomes": dict(Counter(r.outcome for r in selected)),
                "checkpoint": checkpoint, "global_step": step if checkpoint is not None else None,
                "confidence": confidence, "n_resamples": n_resamples,
                "interval_method": "percentile bootstrap over dialogues",

@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
-from llm_agent.metrics import MetricParts, metric_parts, record_label, record_outcome
+from llm_agent.metrics import MetricParts, metric_parts, record_label
+from llm_agent.rollout.dialogue_record import DialogueRecord
 from llm_agent.scenario import Scenario
 
 __all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_RESAMPLES", "Interval", "PairedComparison", "bootstrap_indices",
@@ -119,10 +120,11 @@ def bootstrap_intervals(items: Sequence[T], statistic: Callable[[Sequence[T]], M
             for key, value in point.items()}
 
 
-def metric_intervals(records: Sequence[Mapping[str, Any]], scenario: Scenario,
+def metric_intervals(records: Sequence[DialogueRecord], scenario: Scenario,
                      n_resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
                      seed: int = 0) -> dict[str, Interval]:
-    """Every key of `METRIC_KEYS` with its percentile bootstrap interval over `records` (see module doc)."""
+    """Every key of `metric_keys(scenario)` with its percentile bootstrap interval over `records` (see module
+    doc)."""
     _check_confidence(confidence)
     parts = metric_parts(records, scenario)
     point = parts.point()
@@ -130,22 +132,21 @@ def metric_intervals(records: Sequence[Mapping[str, Any]], scenario: Scenario,
     return {key: _interval(point.get(key), values, confidence) for key, values in samples.items()}
 
 
-def pair_key(record: Mapping[str, Any], where: str) -> tuple[str, str]:
+def pair_key(record: DialogueRecord, where: str) -> tuple[str, str]:
     """(dialogue_id, the profile as canonical JSON): two evaluations' records pair when both match."""
-    dialogue_id, profile = record.get("dialogue_id"), record.get("profile")
-    if not isinstance(dialogue_id, str) or not isinstance(profile, Mapping):
-        raise ValueError(f"{where}: pairing needs a string 'dialogue_id' and a dict 'profile', got "
-                         f"{dialogue_id!r} and {type(profile).__name__}")
-    return dialogue_id, json.dumps(profile, sort_keys=True)
+    if not record.dialogue_id or not record.profile:
+        raise ValueError(f"{where}: pairing needs a 'dialogue_id' and a 'profile', got {record.dialogue_id!r} and "
+                         f"{record.profile!r}")
+    return record.dialogue_id, json.dumps(record.profile, sort_keys=True)
 
 
-def pair_records(records_a: Sequence[Mapping[str, Any]], records_b: Sequence[Mapping[str, Any]]
-                 ) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+def pair_records(records_a: Sequence[DialogueRecord], records_b: Sequence[DialogueRecord]
+                 ) -> list[tuple[DialogueRecord, DialogueRecord]]:
     """The (a, b) record pairs with the same `pair_key`, in the order of `records_a`; ValueError on a key that
     occurs twice in one side (the pairing would be ambiguous)."""
     sides = []
     for name, records in (("A", records_a), ("B", records_b)):
-        keyed: dict[tuple[str, str], Mapping[str, Any]] = {}
+        keyed: dict[tuple[str, str], DialogueRecord] = {}
         for i, record in enumerate(records):
             key = pair_key(record, f"agent {name} {record_label(record, i)}")
             if key in keyed:
@@ -184,7 +185,7 @@ class PairedComparison:
         return out
 
 
-def paired_comparison(records_a: Sequence[Mapping[str, Any]], records_b: Sequence[Mapping[str, Any]],
+def paired_comparison(records_a: Sequence[DialogueRecord], records_b: Sequence[DialogueRecord],
                       scenario: Scenario, n_resamples: int = DEFAULT_RESAMPLES,
                       confidence: float = DEFAULT_CONFIDENCE, seed: int = 0) -> PairedComparison | None:
     """Compare A and B on their common (dialogue id, profile) pairs; None when they share none."""
@@ -199,8 +200,7 @@ def paired_comparison(records_a: Sequence[Mapping[str, Any]], records_b: Sequenc
              - _resampled_values(parts_b, indices)["completion_rate"])
     cr_a, cr_b = parts_a.point().get("completion_rate"), parts_b.point().get("completion_rate")
     point = None if cr_a is None or cr_b is None else cr_a - cr_b
-    outcomes = [(record_outcome(a, f"agent A {record_label(a, i)}"), record_outcome(b, f"agent B {record_label(b, i)}"))
-                for i, (a, b) in enumerate(pairs)]
+    outcomes = [(a.outcome, b.outcome) for a, b in pairs]
     scored = [(oa == "completed", ob == "completed") for oa, ob in outcomes if "error" not in (oa, ob)]
     only_a = sum(a and not b for a, b in scored)
     only_b = sum(b and not a for a, b in scored)

@@ -7,9 +7,11 @@ Inputs are evaluations' `<name>_results.json` (their dialogues file beside them 
 recomputed from the dialogues with `llm_agent.metrics`, so every column follows the current definitions there;
 intervals and tests are those of `llm_agent.evaluation.stats`. An undefined metric (ATT with no completed call)
 prints as "n/a", and an interval over fewer resamples than asked (the metric was undefined on the others) carries
-a `*` explained under the table. "CI" is the cooperation improvement, as in the paper; confidence intervals are
-called intervals. The cost columns are per 1,000 dialogues: agent tokens generated, simulator requests and wall
-seconds (measured where the dialogues ran).
+a `*` explained under the table. After UPA come the improvement indices of the scenario's state dimensions, in its
+order (for the shipped scenarios CI, EI, TI: the cooperation, emotion and trust improvements of the paper); the
+agents of one table share a scenario's dimensions. Confidence intervals are called intervals. The cost columns are
+per 1,000 dialogues: agent tokens generated, simulator requests and wall seconds (measured where the dialogues
+ran).
 """
 from __future__ import annotations
 
@@ -24,25 +26,29 @@ from typing import Any
 from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, TABLE_FORMATS
 from llm_agent.evaluation.dialogue_log import latest_per_dialogue, read_dialogue_log
 from llm_agent.evaluation.stats import Interval, PairedComparison, metric_intervals, paired_comparison
-from llm_agent.metrics import NOT_AVAILABLE
+from llm_agent.metrics import NOT_AVAILABLE, index_keys
 from llm_agent.rollout.config import resolve_path
+from llm_agent.rollout.dialogue_record import DialogueRecord
 from llm_agent.scenario import Scenario, load_scenario
 
-__all__ = ["COLUMNS", "COST_COLUMNS", "FORMATS", "AgentEval", "ComparisonTable", "build_table", "load_evaluation",
-           "render"]
+__all__ = ["BASE_COLUMNS", "COST_COLUMNS", "FORMATS", "AgentEval", "ComparisonTable", "build_table", "columns_of",
+           "load_evaluation", "render"]
 
-# (column header, dialogue_metrics key, what it is) in the paper's order.
-COLUMNS: tuple[tuple[str, str, str], ...] = (
+Column = tuple[str, str, str]  # (column header, dialogue_metrics key, what it is)
+# the paper's columns before the improvement indices
+BASE_COLUMNS: tuple[Column, ...] = (
     ("CR", "completion_rate", "completion rate"),
     ("FPR", "false_positive_rate", "false-positive rate of the agent's 'done' claims"),
     ("SCR", "stage_completeness", "stage completeness rate (no SOP stage skipped)"),
     ("ATT", "att", "average turns to target (completed dialogues)"),
     ("ADT", "adt", "average dialogue turns"),
     ("UPA", "upa", "user portrait accuracy"),
-    ("EI", "ei", "emotion improvement"),
-    ("TI", "ti", "trust improvement"),
-    ("CI", "ci", "cooperation improvement"),
 )
+
+
+def columns_of(scenario: Scenario) -> tuple[Column, ...]:
+    """The table's metric columns for `scenario`: the base ones, then one improvement index per dimension."""
+    return (*BASE_COLUMNS, *((key.upper(), key, f"{dim} improvement") for key, dim in index_keys(scenario).items()))
 # (column header, dialogue_metrics key of the per-dialogue mean, what it is): shown per 1,000 dialogues
 COST_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("tokens/1k", "agent_tokens_per_dialogue", "agent tokens generated"),
@@ -61,7 +67,7 @@ class AgentEval:
 
     name: str
     scenario: Scenario
-    records: list[dict[str, Any]]
+    records: list[DialogueRecord]
     source: Path
 
 
@@ -108,13 +114,15 @@ def load_evaluation(path: str | Path, scenario_path: str | None = None, split: s
     resolved = resolve_path(scenario_path)  # the working directory, then the repository root
     if resolved is None:
         raise ValueError(f"{path}: scenario file {scenario_path!r} not found")
-    records = _select(read_dialogue_log(log_path).records, log_path, split, step)
+    records = [DialogueRecord.from_dict(r, f"{log_path}: dialogue {r.get('dialogue_id')!r}")
+               for r in _select(read_dialogue_log(log_path).records, log_path, split, step)]
     return AgentEval(name=name, scenario=load_scenario(resolved), records=records, source=log_path)
 
 
 @dataclass
 class ComparisonTable:
-    """Per agent its dialogue count and an Interval per metric key; per compared pair its PairedComparison."""
+    """Per agent its dialogue count and an Interval per metric key; per compared pair its PairedComparison; the
+    metric columns shown (`columns_of` the agents' scenario)."""
 
     names: list[str]
     counts: list[int]
@@ -122,6 +130,7 @@ class ComparisonTable:
     pairs: list[tuple[str, str, PairedComparison]]
     confidence: float
     n_resamples: int
+    columns: tuple[Column, ...] = BASE_COLUMNS
 
 
 def build_table(evals: list[AgentEval], n_resamples: int = DEFAULT_RESAMPLES,
@@ -130,6 +139,10 @@ def build_table(evals: list[AgentEval], n_resamples: int = DEFAULT_RESAMPLES,
     names = [e.name for e in evals]
     if len(set(names)) != len(names):
         raise ValueError(f"agent names must differ, got {names} (pass --name per input)")
+    columns = {columns_of(e.scenario) for e in evals}
+    if len(columns) > 1:
+        dims = sorted(e.scenario.dims for e in evals)
+        raise ValueError(f"the agents' scenarios have different state dimensions ({dims}); tabulate them separately")
     metrics = [metric_intervals(e.records, e.scenario, n_resamples, confidence, seed) for e in evals]
     pairs = []
     for a, b in combinations(evals, 2):
@@ -138,7 +151,8 @@ def build_table(evals: list[AgentEval], n_resamples: int = DEFAULT_RESAMPLES,
         comparison = paired_comparison(a.records, b.records, a.scenario, n_resamples, confidence, seed)
         if comparison is not None:
             pairs.append((a.name, b.name, comparison))
-    return ComparisonTable(names, [len(e.records) for e in evals], metrics, pairs, confidence, n_resamples)
+    return ComparisonTable(names, [len(e.records) for e in evals], metrics, pairs, confidence, n_resamples,
+                           columns.pop() if columns else BASE_COLUMNS)
 
 
 def _cell(interval: Interval, digits: int, n_resamples: int) -> str:
@@ -167,8 +181,8 @@ def _compact(value: float | None) -> str:
 
 
 def _grid(table: ComparisonTable, digits: int) -> tuple[list[str], list[list[str]]]:
-    header = ["agent", "N", *(c for c, _, _ in COLUMNS), *(c for c, _, _ in COST_COLUMNS)]
-    rows = [[name, str(n), *(_cell(m[key], digits, table.n_resamples) for _, key, _ in COLUMNS),
+    header = ["agent", "N", *(c for c, _, _ in table.columns), *(c for c, _, _ in COST_COLUMNS)]
+    rows = [[name, str(n), *(_cell(m[key], digits, table.n_resamples) for _, key, _ in table.columns),
              *(_compact(_per_thousand(m[key])) for _, key, _ in COST_COLUMNS)]
             for name, n, m in zip(table.names, table.counts, table.metrics)]
     return header, rows
@@ -195,7 +209,7 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
 def _fewer_resamples(table: ComparisonTable) -> list[str]:
     """`<agent> <column> <k>/<n>` for every shown interval taken over fewer resamples than asked."""
     notes = [f"{name} {column} {m[key].resamples}/{table.n_resamples}"
-             for name, m in zip(table.names, table.metrics) for column, key, _ in COLUMNS
+             for name, m in zip(table.names, table.metrics) for column, key, _ in table.columns
              if m[key].value is not None and m[key].resamples < table.n_resamples]
     notes += [f"{a} vs {b} {c.cr_difference.resamples}/{table.n_resamples}" for a, b, c in table.pairs
               if c.cr_difference.value is not None and c.cr_difference.resamples < table.n_resamples]
@@ -209,7 +223,7 @@ def _legend(table: ComparisonTable) -> str:
             + (f"; {MARK} over the resamples on which the metric is defined ({', '.join(fewer)})" if fewer else "")
             + f"; {NOT_AVAILABLE}: undefined on these dialogues (ATT needs a completed call, FPR a claim of success, "
             "UPA a turn with both states). "
-            + "; ".join(f"{c} = {text}" for c, _, text in COLUMNS)
+            + "; ".join(f"{c} = {text}" for c, _, text in table.columns)
             + f". Cost per {PER:,} dialogues: " + "; ".join(f"{c} = {text}" for c, _, text in COST_COLUMNS)
             + ". Pairs: same dialogue id and profile; CR difference with a paired bootstrap interval; McNemar's "
             "exact test (two-sided binomial on discordant pairs, pairs with an error dialogue left out).")
@@ -238,12 +252,13 @@ def _latex_tabular(header: list[str], rows: list[list[str]], align: str) -> list
 
 
 def _latex(table: ComparisonTable, digits: int) -> str:
-    header = ["Agent", "N", *(c for c, _, _ in COLUMNS), *(_latex_escape(c) for c, _, _ in COST_COLUMNS)]
-    rows = [[_latex_escape(name), str(n), *(_latex_cell(m[key], digits, table.n_resamples) for _, key, _ in COLUMNS),
+    header = ["Agent", "N", *(c for c, _, _ in table.columns), *(_latex_escape(c) for c, _, _ in COST_COLUMNS)]
+    rows = [[_latex_escape(name), str(n),
+             *(_latex_cell(m[key], digits, table.n_resamples) for _, key, _ in table.columns),
              *(_compact(_per_thousand(m[key])) for _, key, _ in COST_COLUMNS)]
             for name, n, m in zip(table.names, table.counts, table.metrics)]
     lines = [f"% for_evaluation/metrics_table.py: {_latex_escape(_legend(table))}",
-             *_latex_tabular(header, rows, "lr" + "c" * len(COLUMNS) + "r" * len(COST_COLUMNS))]
+             *_latex_tabular(header, rows, "lr" + "c" * len(table.columns) + "r" * len(COST_COLUMNS))]
     if table.pairs:
         pair_header = ["A vs B", "pairs", "$\\Delta$CR", "only A", "only B", "McNemar exact $p$"]
         pair_rows = [[f"{_latex_escape(a)} vs {_latex_escape(b)}", str(c.n_pairs),
@@ -262,11 +277,11 @@ def _csv(table: ComparisonTable) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["agent", "n_dialogues",
-                     *(f"{c}_{part}" for c, _, _ in COLUMNS for part in ("value", "low", "high", "resamples")),
+                     *(f"{c}_{part}" for c, _, _ in table.columns for part in ("value", "low", "high", "resamples")),
                      *(key.replace("_per_dialogue", f"_per_{PER // 1000}k_dialogues") for _, key, _ in COST_COLUMNS)])
     for name, n, m in zip(table.names, table.counts, table.metrics):
-        writer.writerow([name, n, *(number(getattr(m[key], part)) for _, key, _ in COLUMNS
-                                    for part in ("value", "low", "high", "resamples")),
+        writer.writerow([name, n, *(number(value) for _, key, _ in table.columns
+                                    for value in (m[key].value, m[key].low, m[key].high, m[key].resamples)),
                          *(number(_per_thousand(m[key])) for _, key, _ in COST_COLUMNS)])
     return buffer.getvalue()
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm_agent.profiles.rules import RuleTable
-from llm_agent.scenario import STATE_DIMS, Behavior, Scenario, UserProfile
+from llm_agent.scenario import Behavior, Scenario, UserProfile
 from verl.utils.untrusted import load_json
 
 __all__ = ["AnswerCheck", "SYSTEM_PROMPT", "check_answer", "profile_request"]
@@ -42,14 +42,14 @@ def profile_request(scenario: Scenario, state: Sequence[int], min_behaviors: int
     """The chat messages asking for `min_behaviors`..`max_behaviors` library behaviours fitting `state`."""
     lines = [f"Scenario: {scenario.name}. {' '.join(scenario.description.split())}", "",
              "The customer's initial state (fixed; do not change it):"]
-    for dim, value in zip(STATE_DIMS, state):
+    for dim, value in zip(scenario.dims, state, strict=True):
         rng = scenario.state_ranges[dim]
         about = scenario.agent_tags.abouts.get(dim, "")
         lines.append(f"- {dim}: {value} on a scale from {rng.min} to {rng.max}" + (f" ({about})" if about else ""))
     lines += ["", f"Choose {min_behaviors} to {max_behaviors} behaviours from this library that fit this "
               "customer's state together (no behaviour that contradicts it):"]
     lines += [f"{i}. [{b.category}] {b.behavior}" for i, b in enumerate(scenario.behaviors, 1)]
-    example = {**dict(zip(STATE_DIMS, state)), "behaviors": [1, 2][:max(1, max_behaviors)]}
+    example = {**dict(zip(scenario.dims, state)), "behaviors": [1, 2][:max(1, max_behaviors)]}
     lines += ["", "Answer with JSON only, the state unchanged and the behaviours as library numbers, e.g.",
               json.dumps(example)]
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
@@ -100,17 +100,18 @@ def _match(item: Any, library: Sequence[Behavior], by_text: Mapping[str, Behavio
     return None
 
 
-def check_answer(text: str, state: Sequence[int], library: Sequence[Behavior], min_behaviors: int,
+def check_answer(text: str, state: Mapping[str, int], library: Sequence[Behavior], min_behaviors: int,
                  max_behaviors: int, rules: RuleTable | None = None,
                  ranges: Mapping[str, Any] | None = None) -> AnswerCheck:
-    """Check an LLM answer for `state` (see the module docstring); `rules` with `ranges` drops contradictions."""
+    """Check an LLM answer for `state` ({dimension: value}; see the module docstring); `rules` with `ranges` drops
+    contradictions."""
     try:
         obj = _json_object(text)
     except ValueError as exc:
         return AnswerCheck(None, "malformed", detail=str(exc))
     if not isinstance(obj, Mapping) or not isinstance(obj.get("behaviors"), list):
         return AnswerCheck(None, "malformed", detail="the JSON object has no 'behaviors' list")
-    for dim, value in zip(STATE_DIMS, state):
+    for dim, value in state.items():
         if dim in obj and obj[dim] != value:
             return AnswerCheck(None, "score_changed", detail=f"{dim} {obj[dim]!r} instead of {value}")
     repairs: list[str] = []
@@ -125,7 +126,7 @@ def check_answer(text: str, state: Sequence[int], library: Sequence[Behavior], m
         else:
             chosen.append(behavior)
     if rules is not None:
-        for v in rules.violations(UserProfile(*state, behaviors=tuple(chosen)), ranges):
+        for v in rules.violations(UserProfile(state, tuple(chosen)), ranges):
             chosen.remove(v.behavior)
             repairs.append(f"dropped: {v.behavior.category} contradicts the state ({v.condition.describe()})")
     if len(chosen) > max_behaviors:
@@ -135,4 +136,4 @@ def check_answer(text: str, state: Sequence[int], library: Sequence[Behavior], m
         reason = ("out_of_library" if any("not in the library" in r for r in repairs)
                   else "inconsistent" if any("contradicts the state" in r for r in repairs) else "too_few")
         return AnswerCheck(None, reason, repairs, f"{len(chosen)} usable behaviour(s), need {min_behaviors}")
-    return AnswerCheck(UserProfile(*state, behaviors=tuple(chosen)), None, repairs)
+    return AnswerCheck(UserProfile(state, tuple(chosen)), None, repairs)

@@ -52,21 +52,22 @@ def read_profile_file(path: str | os.PathLike, scenario: Scenario,
 
 
 class ProfilePool:
-    """Profiles grouped by initial state key ("c2-e1-t3"); `draw` picks one of a state uniformly."""
+    """Profiles grouped by initial state key ("c2-e1-t3", the scenario's `StateSchema.key`); `draw` picks one of a
+    state uniformly."""
 
-    def __init__(self, profiles: Sequence[UserProfile], source: str = "<memory>") -> None:
+    def __init__(self, profiles: Sequence[UserProfile], scenario: Scenario, source: str = "<memory>") -> None:
         if not profiles:
             raise ValueError(f"{source}: the profile pool is empty")
         self.source = source
         self._by_state: dict[str, list[UserProfile]] = defaultdict(list)
         for p in profiles:
-            self._by_state[p.state_key].append(p)
+            self._by_state[scenario.state_key(p.state)].append(p)
         self.size = len(profiles)
 
     @classmethod
     def load(cls, path: str | os.PathLike, scenario: Scenario) -> "ProfilePool":
         """Read and validate a pool file (see `read_profile_file`)."""
-        pool = cls(read_profile_file(path, scenario), str(path))
+        pool = cls(read_profile_file(path, scenario), scenario, str(path))
         logger.info("profile pool %s: %d profiles over %d states", path, pool.size, len(pool._by_state))
         return pool
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from llm_agent.scenario import STATE_DIMS, Behavior, StateRange, UserProfile, sample_behaviors
+from llm_agent.scenario import Behavior, StateRange, UserProfile, sample_behaviors
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +28,12 @@ __all__ = ["DEFAULT_RULES_PATH", "Condition", "RuleTable", "Violation", "load_ru
 DEFAULT_RULES_PATH = Path(__file__).resolve().parents[2] / "assets" / "behavior_rules.yaml"
 
 
-def state_levels(state: Sequence[int], ranges: Mapping[str, StateRange]) -> dict[str, float]:
-    """{dimension: (value - min) / (max - min)} of a (cooperation, emotion, trust) state (0 for a one-value range)."""
-    out = {}
-    for dim, value in zip(STATE_DIMS, state):
-        rng = ranges[dim]
-        out[dim] = 0.0 if rng.max == rng.min else (value - rng.min) / (rng.max - rng.min)
-    return out
+def state_levels(state: Mapping[str, int] | Sequence[int], ranges: Mapping[str, StateRange]) -> dict[str, float]:
+    """{dimension: (value - min) / (max - min)} of a state ({dimension: value}, or values in the order of `ranges`,
+    the scenario's dimensions; 0 for a one-value range)."""
+    values = state if isinstance(state, Mapping) else dict(zip(ranges, state, strict=True))
+    return {dim: 0.0 if rng.max == rng.min else (values[dim] - rng.min) / (rng.max - rng.min)
+            for dim, rng in ranges.items()}
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,11 @@ class Condition:
     def matches(self, levels: Mapping[str, float]) -> bool:
         """True when every bound holds for `levels` (a small tolerance absorbs 1/3-style rounding)."""
         return all(lo - 1e-9 <= levels[dim] <= hi + 1e-9 for dim, lo, hi in self.bounds)
+
+    @property
+    def dims(self) -> set[str]:
+        """The dimensions the condition names."""
+        return {dim for dim, _, _ in self.bounds}
 
     def describe(self) -> str:
         """E.g. "trust level in [0.6, 1]"."""
@@ -74,12 +78,21 @@ class RuleTable:
     rules: dict[str, tuple[Condition, ...]]
     reasons: dict[str, str]
 
-    def check_library(self, library: Sequence[Behavior], where: str = "library") -> None:
-        """ValueError naming the file and the categories of `library` that the table does not list."""
-        missing = sorted({b.category for b in library} - set(self.rules))
+    def check_library(self, library: Sequence[Behavior], where: str = "library",
+                      dims: Sequence[str] | None = None) -> None:
+        """ValueError naming the file and the categories of `library` that the table does not list, or (with the
+        scenario's `dims`) whose conditions name a dimension the scenario does not have."""
+        categories = {b.category for b in library}
+        missing = sorted(categories - set(self.rules))
         if missing:
             raise ValueError(f"{self.path}: no rule for behaviour categor{'y' if len(missing) == 1 else 'ies'} "
                              f"{missing} of the {where}; add an entry (contradicts: [] if it fits every state)")
+        if dims is not None:
+            for category in sorted(categories):
+                unknown = sorted({d for c in self.rules[category] for d in c.dims} - set(dims))
+                if unknown:
+                    raise ValueError(f"{self.path}: categories.{category} names dimension(s) {unknown}, which the "
+                                     f"{where} does not have (its dimensions: {list(dims)})")
 
     def contradiction(self, category: str, levels: Mapping[str, float]) -> Condition | None:
         """The first condition of `category` that `levels` match, or None (unknown category: KeyError)."""
@@ -87,7 +100,7 @@ class RuleTable:
 
     def violations(self, profile: UserProfile, ranges: Mapping[str, StateRange]) -> list[Violation]:
         """The profile's behaviours whose category contradicts its initial state (empty: consistent)."""
-        levels = state_levels((profile.cooperation, profile.emotion, profile.trust), ranges)
+        levels = state_levels(profile.state, ranges)
         out = []
         for b in profile.behaviors:
             if b.category not in self.rules:
@@ -147,10 +160,10 @@ def load_rule_table(path: str | os.PathLike | None = None,
             raise ValueError(f"{where}.contradicts: must be a list of conditions ([] = fits every state)")
         conditions = []
         for i, cond in enumerate(entry["contradicts"]):
-            if not isinstance(cond, Mapping) or not cond or set(cond) - set(STATE_DIMS):
-                raise ValueError(f"{where}.contradicts[{i}]: must map some of {list(STATE_DIMS)} to [low, high]")
+            if not isinstance(cond, Mapping) or not cond or not all(isinstance(d, str) and d for d in cond):
+                raise ValueError(f"{where}.contradicts[{i}]: must map some state dimensions to [low, high]")
             conditions.append(Condition(tuple((dim, *_bounds(cond[dim], f"{where}.contradicts[{i}].{dim}"))
-                                              for dim in STATE_DIMS if dim in cond)))
+                                              for dim in cond)))
         rules[str(category)] = tuple(conditions)
         reasons[str(category)] = " ".join(entry["why"].split())
     table = RuleTable(str(path), rules, reasons)

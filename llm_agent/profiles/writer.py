@@ -29,7 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from llm_agent.controller import ControllerConfig, StateController, state_key
+from llm_agent.controller import ControllerConfig, StateController
 from llm_agent.openai_endpoint import EndpointError
 from llm_agent.profiles.answers import check_answer, profile_request
 from llm_agent.profiles.pool import profile_of_row
@@ -70,9 +70,9 @@ class WriterSettings:
             raise ValueError(f"rule_check must be one of {RULE_CHECKS}, got {self.rule_check!r}")
 
 
-def profile_identity(profile: UserProfile) -> tuple[str, frozenset[str]]:
+def profile_identity(profile: UserProfile) -> tuple[tuple[tuple[str, int], ...], frozenset[str]]:
     """What makes two profiles duplicates: the same state and the same set of behaviours."""
-    return profile.state_key, frozenset(b.behavior for b in profile.behaviors)
+    return tuple(sorted(profile.state.items())), frozenset(b.behavior for b in profile.behaviors)
 
 
 class ProfileWriter:
@@ -82,7 +82,7 @@ class ProfileWriter:
                  rules: RuleTable, weights: dict[str, dict[str, float]] | None = None,
                  endpoint: ChatEndpoint | None = None) -> None:
         self.scenario, self.settings, self.rules, self.endpoint = scenario, settings, rules, endpoint
-        rules.check_library(scenario.behaviors, f"scenario {scenario.name}")
+        rules.check_library(scenario.behaviors, f"scenario {scenario.name}", scenario.dims)
         self.out = Path(out_path)
         self.rejected_path = self.out.with_name(self.out.name + ".rejected.jsonl")
         self.meta_path = self.out.with_name(self.out.name + ".meta.json")
@@ -138,8 +138,10 @@ class ProfileWriter:
                 index, profile = row["index"], profile_of_row(row)
                 if not isinstance(index, int) or not 0 <= index < self.settings.n or index in done:
                     raise ValueError(f"index {index!r} is not a new index in [0, {self.settings.n})")
-                if (profile.cooperation, profile.emotion, profile.trust) != tuple(self.states[index]):
-                    raise ValueError(f"state {profile.state_key} is not the planned {state_key(self.states[index])}")
+                planned = self.scenario.state_schema.state(self.states[index])
+                if profile.state != planned:
+                    raise ValueError(f"state {self.scenario.state_key(profile.state)} is not the planned "
+                                     f"{self.scenario.state_key(planned)}")
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{self.out}:{lineno}: cannot resume from this row: {exc}") from None
             done[index] = row
@@ -156,7 +158,7 @@ class ProfileWriter:
         """Keep one rejected answer with its reason; the answer's text is kept up to `REJECTED_ANSWER_CHARS`
         characters (with its full length), so a flood of text cannot grow the rejected file."""
         kept = None if answer is None else answer[:REJECTED_ANSWER_CHARS]
-        rejected.append({"index": index, "attempt": attempt, "state": state_key(self.states[index]),
+        rejected.append({"index": index, "attempt": attempt, "state": self.scenario.state_key(self.states[index]),
                          "reason": reason, "answer": kept, **extra,
                          **({"answer_chars": len(answer)} if answer is not None and len(answer) > len(kept) else {})})
         self._count(f"rejected/{reason}")
@@ -193,8 +195,8 @@ class ProfileWriter:
                 time.sleep(min(0.1 * 2 ** attempt, 2.0))
                 continue
             self._endpoint_result(True)
-            check = check_answer(text, state, self.scenario.behaviors, s.min_behaviors, s.max_behaviors, rules,
-                                 self.scenario.state_ranges)
+            check = check_answer(text, self.scenario.state_schema.state(state), self.scenario.behaviors,
+                                 s.min_behaviors, s.max_behaviors, rules, self.scenario.state_ranges)
             if not check.accepted:
                 self._reject(rejected, index, attempt, check.reject_reason, detail=check.detail,
                              repairs=check.repairs, answer=text)
@@ -213,7 +215,7 @@ class ProfileWriter:
             rng = random.Random(f"{s.seed}-{index}-{k}")
             behaviors = self.rules.sample(self.scenario.behaviors, state, self.scenario.state_ranges, rng,
                                           s.min_behaviors, s.max_behaviors)
-            profile = UserProfile(*state, behaviors=tuple(behaviors))
+            profile = self.scenario.profile(state, behaviors)
             if self._claim(profile):
                 break
             self._count("rule/duplicate_redrawn")

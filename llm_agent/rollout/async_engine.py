@@ -1,9 +1,9 @@
 """The policy side of the async rollout loop: agent-turn requests from concurrent dialogues, served in batches.
 
-Each dialogue task asks for its next agent turn with `await engine.generate(dialogue_id, row)`. A replica is
-anything with `generate_sequences(DataProto)` and `world_size` (the whole FSDP worker group for the HF rollout,
-whose generation is one collective over all ranks; each vLLM tensor-parallel group otherwise: see
-`verl.workers.rollout.replicas`). Per replica, one batch is in flight at a time: requests wait in the replica's queue until
+Each dialogue task asks for its next agent turn with `await engine.generate(dialogue_id, row)`. A replica is a
+`RolloutEngine` of the policy's `replicas()` (the whole FSDP worker group for the HF rollout, whose generation is
+one collective over all ranks; each vLLM tensor-parallel group otherwise: see `verl.workers.rollout.replicas`). Per
+replica, one batch is in flight at a time: requests wait in the replica's queue until
 it is free and then for at most `batch_wait_ms` after the oldest queued request (or until `max_batch_size`
 requests are queued), so requests that arrive while a batch generates go out together the moment it returns (the
 call-level analogue of continuous batching). A dialogue is placed on the replica with the fewest requests queued
@@ -18,13 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
-from llm_agent.rollout.generation_call import GenerationCall, SampledTurn
 from llm_agent.rollout.pacing import BusyMeter
-from verl.workers.rollout.replicas import rollout_replicas
+from verl.workers.rollout.engine import RolloutEngine, SampledTurn, TurnBatch
 
-__all__ = ["MicroBatchingEngine", "rollout_replicas"]
+__all__ = ["MicroBatchingEngine"]
 
 
 @dataclass
@@ -37,11 +35,11 @@ class _Request:
 class MicroBatchingEngine:
     """Batches concurrent agent-turn requests per replica; see the module docstring.
 
-    `build_call(rows, world_size)` makes the `GenerationCall` of some buffer rows (on the event loop);
-    `generate_sequences` of the chosen replica runs it in that replica's thread.
+    `build_call(rows, world_size)` makes the `TurnBatch` of some buffer rows (on the event loop); the chosen
+    replica generates it in that replica's thread.
     """
 
-    def __init__(self, replicas: Sequence[Any], build_call: Callable[[list[int], int], GenerationCall],
+    def __init__(self, replicas: Sequence[RolloutEngine], build_call: Callable[[list[int], int], TurnBatch],
                  batch_wait_ms: float, max_batch_size: int) -> None:
         if not replicas:
             raise ValueError("MicroBatchingEngine needs at least one replica")
@@ -115,10 +113,10 @@ class MicroBatchingEngine:
             if not taken:
                 continue
             try:
-                call = self.build_call([r.row for r in taken], int(getattr(replica, "world_size", 1)))
+                call = self.build_call([r.row for r in taken], replica.world_size)
                 self.meters[index].begin(len(taken))
                 try:
-                    turns = await loop.run_in_executor(self._executor, call.run, replica.generate_sequences)
+                    turns = await loop.run_in_executor(self._executor, call.run, replica)
                 finally:
                     self.meters[index].end(len(taken))
             except Exception as exc:  # every dialogue of the batch fails with the engine's error

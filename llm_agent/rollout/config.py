@@ -67,7 +67,9 @@ class AsyncRolloutConfig(ConfigSection):
 class GenerationConfig(ConfigSection):
     """Everything the rollout loop reads from `rollout_loop.config`.
 
-    `scenario` (required) is the scenario YAML, relative to the working directory or the repository root.
+    `scenario` (required) is the scenario YAML, relative to the working directory or the repository root. `env`
+    is the environment kind every row runs in unless its dataset row names another in an `env_class` column: a
+    name registered with `llm_agent.envs.register_env` (`dialogue`, the default) or a class path.
     `max_tokens_per_turn` bounds one agent turn; `max_response_length` is the per-trajectory budget R (all
     agent turns, user blocks and role markers together; the `responses` tensor is exactly R wide; the trainer sets
     it to `data.max_response_length`); `max_user_tokens` bounds the spoken user reply inserted per turn.
@@ -82,6 +84,7 @@ class GenerationConfig(ConfigSection):
     SECTION_KEY = ROOT_KEY
 
     scenario: str | None = None
+    env: str = "dialogue"
     mode: Literal["sync", "async"] = "sync"
     async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     max_turns: int = 10
@@ -111,6 +114,8 @@ class GenerationConfig(ConfigSection):
                               f"{config_key('max_tokens_per_turn')} ({self.max_tokens_per_turn})")
         _check_budget_fits_turns(self.max_response_length, self.max_turns, self.max_tokens_per_turn,
                                 self.max_user_tokens)
+        if not self.env.strip():
+            raise ConfigError(f"{config_key('env')} must name an environment kind, got {self.env!r}")
         for name in ("rollout_log_path", "val_metrics_path", "format_error_message"):
             value = getattr(self, name)
             if value is not None and not value.strip():

@@ -1,11 +1,12 @@
 """The SEAD rollout loop: multi-turn dialogues between the policy (the service agent) and a user simulator.
 
 `LLMGenerationManager` is the trainer's `rollout_loop.path` plug-in (a `verl.trainer.ppo.plugins.RolloutLoop`;
-configs name it `llm_agent.generation.LLMGenerationManager`). Per generation batch it gives every row a simulated
-user (`UserProfiles`), makes one `DialogueEnv` per row (the rules of one dialogue, `env.py`) and runs them to their
-outcomes with the sync scheduler (`sync_loop.py`: all active dialogues per turn) or the async one (`async_loop.py`:
-each dialogue at its own pace); the schedulers only schedule, so both modes give the same dialogues. Every
-dialogue is returned as one row: the generation tensors plus its record in `non_tensor_batch` (see
+configs name it `llm_agent.generation.LLMGenerationManager`) and generates through a `RolloutEngine`. Per
+generation batch it gives every row a simulated user (`UserProfiles`), makes one environment per row (its kind from
+the row's `env_class` column, else `rollout_loop.config.env`; `llm_agent.envs`) and runs them to their outcomes
+with the sync scheduler (below: all active dialogues per turn) or the async one (`async_loop.py`: each
+dialogue at its own pace); the schedulers only schedule, so both modes give the same dialogues. Every dialogue is
+returned as one row: the generation tensors plus its `DialogueRecord` in `non_tensor_batch["dialogue"]` (see
 docs/rollout_loop.md). The trainer hooks update the state controller, guard the simulator error rate, write the
 rollout and validation logs and checkpoint the controller and the user-response cache.
 """
@@ -19,25 +20,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from tqdm import tqdm
+
 from llm_agent.cache import UserResponseCache
 from llm_agent.controller import StateController
 from llm_agent.diagnosis import annotate_record, diagnosis_metrics
-from llm_agent.metrics import dialogue_metrics, records_from_batch
+from llm_agent.envs import (ENV_COLUMN, AgentBatches, ChatMarkers, EnvContext, Environment, RequestSeeds, TokenBuffer,
+                            env_class)
+from llm_agent.metrics import dialogue_metrics
 from llm_agent.rollout.async_loop import run_dialogues_async
 from llm_agent.rollout.config import ROOT_KEY, ConfigError, GenerationConfig
-from llm_agent.rollout.dialogue import ChatMarkers, TokenBuffer
-from llm_agent.rollout.env import DialogueEnv, DialogueRules, RequestSeeds
-from llm_agent.rollout.generation_call import AgentBatches
+from llm_agent.rollout.dialogue_record import DIALOGUE_KEY, DialogueRecord, records_from_batch
 from llm_agent.rollout.outcome import Outcome
 from llm_agent.rollout.pacing import BusyMeter, pacing_metrics
-from llm_agent.rollout.records import COST_COLUMNS, RECORD_COLUMNS, append_jsonl, log_lines, object_column, prefixed
+from llm_agent.rollout.records import append_jsonl, log_lines, object_column, prefixed
 from llm_agent.rollout.step_outcomes import StepOutcomes
-from llm_agent.rollout.sync_loop import run_turn_synchronous
 from llm_agent.rollout.user_profiles import UserProfiles
 from llm_agent.scenario import load_scenario
-from llm_agent.user_sim.client import SimulatorCheckError, SimulatorClient, UserSimClient
+from llm_agent.user_sim.client import SimulatorCheckError, SimulatorClient, TurnRequest, UserSimClient
 from verl.protocol import DataProto
 from verl.trainer.ppo.plugins import BatchOutputs, ConsoleMetric, RolloutLoop
+from verl.workers.rollout.engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +72,15 @@ class LLMGenerationManager(RolloutLoop):
         """Neither per-turn rewards nor failure labels: the dialogue reward (llm_agent.reward) writes those."""
         return BatchOutputs()
 
-    def __init__(self, tokenizer: Any, actor_rollout_wg: Any, config: Mapping[str, Any], is_validation: bool,
+    def __init__(self, tokenizer: Any, engine: RolloutEngine, config: Mapping[str, Any], is_validation: bool,
                  client: SimulatorClient | None = None) -> None:
-        super().__init__(tokenizer, actor_rollout_wg, config, is_validation)
+        super().__init__(tokenizer, engine, config, is_validation)
         self.config = GenerationConfig.from_dict(config)
         self.scenario = load_scenario(self.config.scenario)
+        try:
+            self.env_class = env_class(self.config.env)
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"{ROOT_KEY}.env: {exc.args[0]}") from None
         self.eos_id = tokenizer.eos_token_id
         if self.eos_id is None:
             raise ValueError("the tokenizer has no eos_token_id; the rollout loop needs one to end agent turns")
@@ -86,13 +93,13 @@ class LLMGenerationManager(RolloutLoop):
             "Answer again in the required format.)")
         self.range_error_message = self.config.format_error_message or (
             f"(The customer heard nothing: <{tags.tag('stage')}> must be one of "
-            f"{', '.join(map(str, self.scenario.stage_ids))} and <{tags.tag('status')}> one of -1, 0, 1. "
-            "Answer again in the required format.)")
+            f"{', '.join(map(str, self.scenario.stage_ids))} and <{tags.tag('status')}> one of "
+            f"{', '.join(map(str, sorted(self.scenario.statuses.values)))}. Answer again in the required format.)")
         self._owns_client = client is None
         self.client: SimulatorClient | None = client if client is not None else self._build_client()
         use_cache = not self.is_validation and self.config.cache.enabled
-        ranges = {d: (r.min, r.max) for d, r in self.scenario.state_ranges.items()}
-        self.cache = UserResponseCache(self.config.cache, self.scenario.name, ranges) if use_cache else None
+        self.cache = UserResponseCache(self.config.cache, self.scenario.name, self.scenario.state_schema) \
+            if use_cache else None
         use_controller = not self.is_validation and self.config.controller.enabled
         self.controller = StateController(self.config.controller, self.scenario) if use_controller else None
         self.profiles = UserProfiles(self.scenario, self.controller, self.is_validation)
@@ -137,30 +144,31 @@ class LLMGenerationManager(RolloutLoop):
         started = time.monotonic()
         try:
             if self.config.mode == "async":
-                engines, sim = run_dialogues_async(envs, self.actor_rollout_wg, batches, self.client,
-                                                   self.config.async_rollout)
+                engines, sim = run_dialogues_async(envs, self.engine, batches, self.client, self.config.async_rollout)
             else:
-                engines, sim = run_turn_synchronous(envs, self.actor_rollout_wg, batches, self.client,
-                                                    self.config.max_turns)
+                engines, sim = run_turn_synchronous(envs, self.engine, batches, self.client, self.config.max_turns)
             wall = time.monotonic() - started
         finally:  # also when a call fails: no consecutive-hit flag may outlive its dialogue
             if self.cache is not None:
                 for env in envs:
                     self.cache.end_dialogue(env.dialogue_id)
-        dialogues = [env.dialogue for env in envs]
-        for d in dialogues:
-            if d.active:
-                raise RuntimeError(f"dialogue {d.dialogue_id} has no outcome after {d.num_turns} turns")
+                self.cache.sync()  # what the call stored is in the file when it returns
+        for env in envs:
+            if env.active:
+                raise RuntimeError(f"dialogue {env.dialogue_id} has no outcome after {self.config.max_turns} turns")
+        records = [env.record() for env in envs]
         if not self.is_validation and gen_batch.meta_info.get("do_sample", True):  # not a greedy ReMax baseline
-            self.step_outcomes.add(dialogues)
-        pacing = pacing_metrics(wall, engines, sim, [d.ended_at - started for d in dialogues])
-        return self._output(envs, buffer, engines, sim, pacing, wall)
+            self.step_outcomes.add(records)
+        pacing = pacing_metrics(wall, engines, sim, [env.ended_at - started for env in envs])
+        return self._output(records, buffer, engines, sim, pacing, wall)
 
-    def _envs(self, gen_batch: DataProto, buffer: TokenBuffer) -> list[DialogueEnv]:
-        """One environment per row, reset with the row's user; dialogue ids `<uid>#<k>` (k-th row of the uid)."""
+    def _envs(self, gen_batch: DataProto, buffer: TokenBuffer) -> list[Environment]:
+        """One environment per row (its kind: the row's `env_class`, else `rollout_loop.config.env`), reset with the
+        row's user; dialogue ids `<uid>#<k>` (k-th row of the uid)."""
         uids = [str(u) for u in gen_batch.non_tensor_batch["uid"]]
         profiles = self.profiles.for_rows(gen_batch, uids)
-        rules = DialogueRules(
+        kinds = self._env_classes(gen_batch.non_tensor_batch.get(ENV_COLUMN), uids)
+        context = EnvContext(
             scenario=self.scenario, tokenizer=self.tokenizer, markers=self.markers, eos_id=self.eos_id,
             max_turns=self.config.max_turns, max_user_tokens=self.config.max_user_tokens,
             user_sim=self.config.user_sim, format_error_message=self.format_error_message,
@@ -168,37 +176,46 @@ class LLMGenerationManager(RolloutLoop):
             seeds=RequestSeeds(self.config.seed, self.calls, self.is_validation))
         seen: dict[str, int] = {}
         envs = []
-        for row, (uid, profile) in enumerate(zip(uids, profiles)):
+        for row, (uid, profile, kind) in enumerate(zip(uids, profiles, kinds)):
             k = seen.get(uid, 0)
             seen[uid] = k + 1
-            env = DialogueEnv(rules, buffer, row, uid, f"{uid}#{k}")
+            env = kind(context, buffer, row, uid, f"{uid}#{k}")
             env.reset(profile)
             envs.append(env)
         return envs
 
-    def _output(self, envs: list[DialogueEnv], buffer: TokenBuffer, engines: list[BusyMeter], sim: BusyMeter,
-                pacing: dict[str, float], wall: float) -> DataProto:
-        dialogues = [env.dialogue for env in envs]
+    def _env_classes(self, column: Any, uids: list[str]) -> list[type[Environment]]:
+        """Each row's environment class: its `env_class` cell when the dataset has one, else the run's kind."""
+        if column is None:
+            return [self.env_class] * len(uids)
+        out = []
+        for i, name in enumerate(column):
+            try:
+                out.append(env_class(str(name)) if name else self.env_class)
+            except (KeyError, TypeError) as exc:
+                raise ValueError(f"non_tensor_batch[{ENV_COLUMN!r}][{i}] (uid {uids[i]!r}): {exc.args[0]}") from None
+        return out
+
+    def _output(self, records: list[DialogueRecord], buffer: TokenBuffer, engines: list[BusyMeter],
+                sim: BusyMeter, pacing: dict[str, float], wall: float) -> DataProto:
         tensors = buffer.final_tensors()
-        records = [d.record() for d in dialogues]
         # what each dialogue cost: its sampled (loss-carrying) tokens and its share of the call's wall time
         for record, tokens in zip(records, tensors["response_mask"].sum(dim=1).tolist()):
-            record.update(agent_tokens=int(tokens), wall_s=wall / len(dialogues))
-        for record in records:  # per-turn signals and failure labels (llm_agent/diagnosis)
-            annotate_record(record, self.scenario, record["dialogue_id"])
-        # an error row (no loss) is its own GRPO group, so it does not shift its siblings' baseline
-        uids = [f"{d.uid}/error/{d.dialogue_id}" if d.outcome == Outcome.ERROR else d.uid for d in dialogues]
-        columns = {"uid": object_column(uids)}
-        columns.update({key: object_column([r[key] for r in records])
-                        for key in (*RECORD_COLUMNS, *COST_COLUMNS) if key != "uid"})
+            record.agent_tokens, record.wall_s = int(tokens), wall / len(records)
+        for i, record in enumerate(records):  # per-turn signals and failure labels (llm_agent/diagnosis)
+            annotate_record(record, self.scenario, record.dialogue_id)
+            # an error row (no loss) is its own GRPO group, so it does not shift its siblings' baseline
+            if record.outcome == Outcome.ERROR:
+                record.uid = f"{record.uid}/error/{record.dialogue_id}"
+        columns = {"uid": object_column([r.uid for r in records]), DIALOGUE_KEY: object_column(records)}
         metrics = prefixed(dialogue_metrics(records, self.scenario), "rollout/")
         generate_s = sum(m.busy_s for m in engines)
         metrics.update({"rollout/sim_requests": float(sim.started), "rollout/time_generate_s": generate_s,
                         "rollout/time_user_sim_s": sim.busy_s, **pacing})
-        outcomes = {o: sum(d.outcome == o for d in dialogues) for o in {d.outcome for d in dialogues}}
+        outcomes = {o: sum(r.outcome == o for r in records) for o in {r.outcome for r in records}}
         logger.info("rollout %d (%s, %s): %d dialogues in %.1fs, outcomes %s, %.1fs generating, %.1fs waiting for "
                     "the simulator", self.calls, "val" if self.is_validation else "train", self.config.mode,
-                    len(dialogues), pacing["rollout/time_to_last_dialogue_s"], dict(sorted(outcomes.items())),
+                    len(records), pacing["rollout/time_to_last_dialogue_s"], dict(sorted(outcomes.items())),
                     generate_s, sim.busy_s)
         return DataProto.from_dict(tensors=tensors, non_tensors=columns, meta_info={"metrics": metrics})
 
@@ -208,7 +225,7 @@ class LLMGenerationManager(RolloutLoop):
         those dynamic sampling left out of `batch`, so its completion rates are not biased toward mixed groups),
         append the rollout log, and return dialogue (`dialogue/`, over the trained `batch`), failure-label counts
         (`diagnosis/labels/*`), cache (`cache/`), controller (`controller/`) and client (`user_sim/`) metrics."""
-        records = records_from_batch(batch, RECORD_COLUMNS)
+        records = records_from_batch(batch)
         metrics = prefixed(dialogue_metrics(records, self.scenario), "dialogue/")
         metrics.update(diagnosis_metrics(records, self.scenario))
         completions = self.step_outcomes.take_completions(records)
@@ -226,7 +243,7 @@ class LLMGenerationManager(RolloutLoop):
         """After validation: metrics over all validation dialogues (`dialogue/`, `diagnosis/labels/*`) and the
         validation client's (`user_sim/`; the trainer adds `val/`), one `{"step", "n_dialogues", "metrics"}` line appended to
         `val_metrics_path`, rollout-log lines (split val)."""
-        records = [r for batch in batches for r in records_from_batch(batch, RECORD_COLUMNS)]
+        records = [r for batch in batches for r in records_from_batch(batch)]
         raw = dialogue_metrics(records, self.scenario)
         client_stats = self._client_stats()
         if self.config.val_metrics_path:
@@ -286,3 +303,47 @@ class LLMGenerationManager(RolloutLoop):
             self.client = None
         if self.cache is not None:
             self.cache.flush()
+
+
+def run_turn_synchronous(envs: Sequence[Environment], engine: RolloutEngine, batches: AgentBatches,
+                         client: SimulatorClient, max_turns: int) -> tuple[list[BusyMeter], BusyMeter]:
+    """Run every dialogue to its outcome, one turn of all active dialogues at a time; returns the engine's and the
+    simulator's busy meters."""
+    busy, sim = BusyMeter(), BusyMeter()
+    for _ in tqdm(range(max_turns), desc="dialogue turns", leave=False):
+        active = [env for env in envs if env.active]
+        if not active:
+            break
+        call = batches([env.row for env in active], engine.world_size)
+        busy.begin(len(active))
+        try:
+            turns = call.run(engine)
+        finally:
+            busy.end(len(active))
+        pending: list[tuple[Environment, TurnRequest]] = []
+        for env, turn in zip(active, turns):
+            step = env.step(turn)
+            if step.request is not None:
+                pending.append((env, step.request))
+        while pending:
+            pending = _simulator_round(pending, client, sim)
+    return [busy], sim
+
+
+def _simulator_round(pending: list[tuple[Environment, TurnRequest]], client: SimulatorClient,
+                     sim: BusyMeter) -> list[tuple[Environment, TurnRequest]]:
+    """Send every pending request in one batch and hand each answer to its dialogue; returns the re-requests."""
+    requests = [request for _, request in pending]
+    sim.begin(len(requests))
+    try:
+        results = client.complete(requests)
+    finally:
+        sim.end(len(requests))
+    if len(results) != len(requests):
+        raise RuntimeError(f"the simulator client answered {len(results)} of {len(requests)} requests")
+    again = []
+    for (env, _), result in zip(pending, results):
+        step = env.answer(result)
+        if step.request is not None:
+            again.append((env, step.request))
+    return again

@@ -1,10 +1,7 @@
-"""Per-dialogue output of the rollout loop: `non_tensor_batch` columns, rollout-log lines and JSONL appends.
+"""The rollout loop's output helpers: `non_tensor_batch` columns, rollout-log lines and JSONL appends.
 
-The column names are the per-dialogue record of docs/rollout_loop.md (`uid`, `dialogue_id`, `profile`,
-`state_key`, `outcome`, `num_turns`, `turns`, `messages`, `cache_hits`, `format_errors`, `sim_retries`,
-`error`, `labels`) plus what the dialogue cost (`COST_COLUMNS`: `agent_tokens` generated, `sim_requests` sent,
-`wall_s`, its share of the rollout call's wall time); a rollout-log line is one JSON object per dialogue with those
-fields plus `step`, `split`, `reward`, `reward_components` and `turn_rewards`.
+A rollout-log line is one JSON object per dialogue: its `DialogueRecord.to_dict()` (`step`, `split`, then the
+record's fields, docs/rollout_loop.md), so logs of earlier runs read back with `DialogueRecord.from_dict`.
 """
 from __future__ import annotations
 
@@ -17,16 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from llm_agent.rollout.dialogue_record import DialogueRecord
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["COST_COLUMNS", "LOG_KEYS", "RECORD_COLUMNS", "append_jsonl", "log_lines", "object_column", "prefixed"]
-
-RECORD_COLUMNS: tuple[str, ...] = ("uid", "dialogue_id", "profile", "state_key", "outcome", "num_turns", "turns",
-                                   "messages", "cache_hits", "format_errors", "sim_retries", "error", "labels")
-COST_COLUMNS: tuple[str, ...] = ("agent_tokens", "sim_requests", "wall_s")  # read by llm_agent.metrics
-LOG_KEYS: tuple[str, ...] = ("uid", "dialogue_id", "profile", "state_key", "outcome", "num_turns", "turns",
-                             "messages", "reward", "reward_components", "turn_rewards", "cache_hits", "format_errors",
-                             "sim_retries", "error", "labels", *COST_COLUMNS)
+__all__ = ["append_jsonl", "log_lines", "object_column", "prefixed"]
 
 
 def object_column(values: Sequence[Any]) -> np.ndarray:
@@ -51,10 +43,14 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
-def log_lines(records: Iterable[Mapping[str, Any]], step: int, split: str) -> list[str]:
-    """One JSON line per dialogue record: `step`, `split` and the `LOG_KEYS` (missing keys as null)."""
-    return [json.dumps({"step": step, "split": split, **{k: record.get(k) for k in LOG_KEYS}},
-                       default=_jsonable, ensure_ascii=False) for record in records]
+def log_lines(records: Iterable[DialogueRecord], step: int, split: str) -> list[str]:
+    """One JSON line per dialogue record, with its `step` and `split`."""
+    lines = []
+    for record in records:
+        line = record.to_dict()
+        line.update(step=step, split=split)
+        lines.append(json.dumps(line, default=_jsonable, ensure_ascii=False))
+    return lines
 
 
 def append_jsonl(path: str | os.PathLike, lines: Sequence[str]) -> None:

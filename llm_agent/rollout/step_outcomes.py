@@ -7,11 +7,10 @@ dynamic sampling drops later; not a greedy ReMax baseline) and, at the step's en
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from llm_agent.rollout.config import ROOT_KEY
-from llm_agent.rollout.dialogue import Dialogue
+from llm_agent.rollout.dialogue_record import DialogueRecord
 from llm_agent.rollout.outcome import Outcome
 from llm_agent.user_sim.client import UserSimConfig
 
@@ -29,20 +28,20 @@ class StepOutcomes:
         self._dialogues = 0
         self.error_steps = 0  # consecutive steps above max_error_rate
 
-    def add(self, dialogues: Sequence[Dialogue]) -> None:
+    def add(self, records: Sequence[DialogueRecord]) -> None:
         """Count the dialogues of one generation batch of the step."""
-        for d in dialogues:
-            if d.outcome == Outcome.ERROR:
-                self._errors.append(d.error or Outcome.ERROR.value)
+        for r in records:
+            if r.outcome == Outcome.ERROR:
+                self._errors.append(r.error or Outcome.ERROR.value)
             else:
-                self._completions.append((d.profile.state_key, d.outcome == Outcome.COMPLETED))
-        self._dialogues += len(dialogues)
+                self._completions.append((r.state_key, r.outcome == Outcome.COMPLETED))
+        self._dialogues += len(records)
 
-    def take_completions(self, records: Sequence[Mapping[str, Any]]) -> list[tuple[str, bool]]:
+    def take_completions(self, records: Sequence[DialogueRecord]) -> list[tuple[str, bool]]:
         """The step's (state key, completed) pairs for the controller, then forgotten; from `records` (the trained
         batch) when nothing was sampled since the last call."""
-        completions = self._completions or [(r["state_key"], r["outcome"] == Outcome.COMPLETED) for r in records
-                                            if r["outcome"] != Outcome.ERROR]
+        completions = self._completions or [(r.state_key, r.outcome == Outcome.COMPLETED) for r in records
+                                            if r.outcome != Outcome.ERROR]
         self._completions = []
         return completions
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm_agent.scenario.tags import CueList
-from llm_agent.scenario.types import STATE_DIMS, ScriptedSpec, StateRange
+from llm_agent.scenario.types import ScriptedSpec, StateSchema
 
 __all__ = ["DiagnosisRule", "DoubtCues", "RULE_KINDS", "read_diagnosis"]
 
@@ -46,8 +46,9 @@ class DiagnosisRule:
     """One label and the rule that puts it on agent turns of a dialogue that did not complete.
 
     Only the parameters of the rule's kind are set: `doubts` (unanswered_doubt), `cues` (the claims of
-    false_claim, the pushes of premature_push), `ready` (premature_push: {dimension: least value}), `dimensions`,
-    `drop` and `window` (drop_before_hang_up).
+    false_claim, the pushes of premature_push), `ready` (premature_push: {dimension: the value the user must be at
+    least as well off as}), `dimensions`, `drop` and `window` (drop_before_hang_up; empty `dimensions`: every
+    dimension).
     """
 
     label: str
@@ -55,7 +56,7 @@ class DiagnosisRule:
     doubts: tuple[DoubtCues, ...] = ()
     cues: CueList | None = None
     ready: dict[str, int] = field(default_factory=dict)
-    dimensions: tuple[str, ...] = ("emotion",)
+    dimensions: tuple[str, ...] = ()
     drop: int = 1
     window: int = 2
 
@@ -128,8 +129,7 @@ def _doubts(r: Any, node: Any, where: str, scripted: ScriptedSpec) -> tuple[Doub
     return tuple(out)
 
 
-def _rule(r: Any, label: str, node: Any, where: str, scripted: ScriptedSpec,
-          ranges: Mapping[str, StateRange]) -> DiagnosisRule:
+def _rule(r: Any, label: str, node: Any, where: str, scripted: ScriptedSpec, schema: StateSchema) -> DiagnosisRule:
     if not isinstance(node, Mapping) or "rule" not in node:
         r.fail(where, f"must be a mapping with a 'rule' (one of {', '.join(RULE_KINDS)})")
     kind = node["rule"]
@@ -146,18 +146,19 @@ def _rule(r: Any, label: str, node: Any, where: str, scripted: ScriptedSpec,
         params["cues"] = _cues(r, node["claims"], f"{where}.claims", scripted)
     elif kind == "premature_push":
         params["cues"] = _cues(r, node["push"], f"{where}.push", scripted)
-        ready = r.mapping(node["ready"], f"{where}.ready", (), STATE_DIMS)
+        ready = r.mapping(node["ready"], f"{where}.ready", (), schema.names)
         if not ready:
-            r.fail(f"{where}.ready", f"name at least one of {list(STATE_DIMS)} with its least value")
+            r.fail(f"{where}.ready", f"name at least one of {list(schema.names)} with the value the user must be "
+                                     "at least as well off as")
         for dim, value in ready.items():
             value = r.integer(value, f"{where}.ready.{dim}")
-            if not ranges[dim].contains(value):
+            if not schema[dim].range.contains(value):
                 r.fail(f"{where}.ready.{dim}", f"{value} is outside the {dim} range")
             params.setdefault("ready", {})[dim] = value
     elif kind == "drop_before_hang_up":
-        dims = node.get("dimensions", ["emotion"])
-        if not isinstance(dims, list) or not dims or any(d not in STATE_DIMS for d in dims):
-            r.fail(f"{where}.dimensions", f"must be a non-empty list of {list(STATE_DIMS)}, got {dims!r}")
+        dims = node.get("dimensions", list(schema.names))
+        if not isinstance(dims, list) or not dims or any(d not in schema.names for d in dims):
+            r.fail(f"{where}.dimensions", f"must be a non-empty list of {list(schema.names)}, got {dims!r}")
         params["dimensions"] = tuple(dict.fromkeys(dims))
         for key, default in (("drop", 1), ("window", 2)):
             value = r.integer(node.get(key, default), f"{where}.{key}")
@@ -167,8 +168,7 @@ def _rule(r: Any, label: str, node: Any, where: str, scripted: ScriptedSpec,
     return DiagnosisRule(label=label, kind=kind, **params)
 
 
-def read_diagnosis(r: Any, node: Any, scripted: ScriptedSpec,
-                   ranges: Mapping[str, StateRange]) -> tuple[DiagnosisRule, ...]:
+def read_diagnosis(r: Any, node: Any, scripted: ScriptedSpec, schema: StateSchema) -> tuple[DiagnosisRule, ...]:
     """Validate the `diagnosis` section (`{labels: {label: {rule: kind, ...parameters}}}`) and return its rules in
     file order. `r` is the scenario loader's reader: `fail`, `mapping`, `integer` and `text` raise ScenarioError
     naming the file and key path."""
@@ -181,5 +181,5 @@ def read_diagnosis(r: Any, node: Any, scripted: ScriptedSpec,
         where = f"diagnosis.labels.{label}"
         if not isinstance(label, str) or not _LABEL.fullmatch(label):
             r.fail(where, "labels must be snake_case identifiers")
-        rules.append(_rule(r, label, spec, where, scripted, ranges))
+        rules.append(_rule(r, label, spec, where, scripted, schema))
     return tuple(rules)

@@ -19,15 +19,17 @@ import yaml
 from llm_agent.scenario.diagnosis_spec import read_diagnosis
 from llm_agent.scenario.tags import (CueList, TemplateError, bulleted_placeholders, is_identifier,
                                       placeholders, substitute)
-from llm_agent.scenario.types import (CUE_KEYS, EVENTS, LINE_KEYS, OPTIONAL_LINE_KEYS, STATE_DIMS, Behavior, CategoryScript,
-                                      ScenarioError, ScriptedRules, ScriptedSpec, ScriptedStep, Stage,
-                                      StateRange, TagProtocol)
+from llm_agent.scenario.types import (BETTER, CUE_KEYS, EVENTS, LINE_KEYS, OPTIONAL_LINE_KEYS, STATUS_ROLES, Behavior,
+                                      CategoryScript, Dimension, ScenarioError, ScriptedRules, ScriptedSpec,
+                                      ScriptedStep, Stage, StateRange, StateSchema, Statuses, TagProtocol)
 
 AGENT_DYNAMIC = ("stages", "facts", "output_format")
-USER_DYNAMIC = ("cooperation", "emotion", "trust", "behaviors", "output_format")
-AGENT_ROLES = {"required": ("reply", "stage", "status", *STATE_DIMS), "optional": ("think",)}
-USER_ROLES = {"required": ("reply", "status", *STATE_DIMS), "optional": ("think",)}
+USER_FIXED = ("behaviors", "output_format")  # the persona's placeholders besides one per state dimension
+AGENT_FIXED_ROLES = ("reply", "stage", "status")
+USER_FIXED_ROLES = ("reply", "status")
+RESERVED_NAMES = (*AGENT_DYNAMIC, *USER_FIXED, *AGENT_FIXED_ROLES, "think")  # never a state dimension's name
 _SNAKE = re.compile(r"[a-z][a-z0-9_]*")
+_SHORT = re.compile(r"[a-z]+")
 
 
 def load_behavior_library(path: str | os.PathLike, categories: Collection[str] | None = None) -> list[Behavior]:
@@ -160,33 +162,33 @@ def read_scenario_fields(path: str | os.PathLike) -> dict[str, Any]:
         raise ScenarioError(file, "", f"cannot read scenario: {exc}") from None
     r = _Reader(file)
     top = r.mapping(raw, "", ("name", "description", "state", "stages", "facts", "agent", "user", "scripted"),
-                    ("vars", "behavior_library", "behaviors", "diagnosis"))
-    r.vars = _vars(r, top.get("vars", {}))
+                    ("vars", "statuses", "behavior_library", "behaviors", "diagnosis"))
+    schema = StateSchema(_state(r, top["state"]), _statuses(r, top.get("statuses", {})))
+    r.vars = _vars(r, top.get("vars", {}), schema.names)
     name = r.raw_str(top["name"], "name")
     if not _SNAKE.fullmatch(name):
         r.fail("name", f"{name!r} must be a snake_case identifier")
-    ranges = _state(r, top["state"])
     stages = _stages(r, top["stages"])
-    scripted = _scripted(r, top["scripted"], ranges, [s.id for s in stages])
+    scripted = _scripted(r, top["scripted"], schema, [s.id for s in stages])
     description = r.text(top["description"], "description")
-    diagnosis = read_diagnosis(r, top["diagnosis"], scripted, ranges) if "diagnosis" in top else ()
+    diagnosis = read_diagnosis(r, top["diagnosis"], scripted, schema) if "diagnosis" in top else ()
     return {
         "name": name,
         "description": description,
         "path": file,
         "vars": dict(r.vars),
-        "state_ranges": ranges,
+        "state_schema": schema,
         "stages": stages,
         "facts": r.texts(top["facts"], "facts"),
         "behaviors": _behaviors(r, top, Path(path).parent, scripted.categories),
         "scripted": scripted,
         "diagnosis": diagnosis,
-        **_agent(r, top["agent"], description),
-        **_user(r, top["user"]),
+        **_agent(r, top["agent"], description, schema.names),
+        **_user(r, top["user"], schema.names),
     }
 
 
-def _vars(r: _Reader, node: Any) -> dict[str, str]:
+def _vars(r: _Reader, node: Any, dims: tuple[str, ...]) -> dict[str, str]:
     if not isinstance(node, Mapping):
         r.fail("vars", f"must be a mapping of name -> value, got {type(node).__name__}")
     out = {}
@@ -194,7 +196,7 @@ def _vars(r: _Reader, node: Any) -> dict[str, str]:
         where = f"vars.{key}"
         if not isinstance(key, str) or not is_identifier(key):
             r.fail(where, "a var name must be an identifier")
-        if key in AGENT_DYNAMIC or key in USER_DYNAMIC:
+        if key in AGENT_DYNAMIC or key in USER_FIXED or key in dims:
             r.fail(where, f"{key!r} is a dynamic placeholder name and cannot be a var")
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             r.fail(where, f"must be a string or number, got {value!r}")
@@ -204,16 +206,43 @@ def _vars(r: _Reader, node: Any) -> dict[str, str]:
     return out
 
 
-def _state(r: _Reader, node: Any) -> dict[str, StateRange]:
-    node = r.mapping(node, "state", STATE_DIMS)
-    out = {}
-    for dim in STATE_DIMS:
-        rng = r.mapping(node[dim], f"state.{dim}", ("min", "max"))
-        lo, hi = r.integer(rng["min"], f"state.{dim}.min"), r.integer(rng["max"], f"state.{dim}.max")
+def _state(r: _Reader, node: Any) -> tuple[Dimension, ...]:
+    """The `state:` section: dimension -> {min, max, [better: higher|lower], [short: letters]}, in file order."""
+    if not isinstance(node, Mapping) or not node:
+        r.fail("state", "must be a non-empty mapping of dimension -> {min, max}")
+    dims, shorts = [], set()
+    for dim, spec in node.items():
+        where = f"state.{dim}"
+        if not isinstance(dim, str) or not _SNAKE.fullmatch(dim) or dim in RESERVED_NAMES:
+            r.fail(where, f"a dimension name must be a snake_case identifier other than {list(RESERVED_NAMES)}")
+        spec = r.mapping(spec, where, ("min", "max"), ("better", "short"))
+        lo, hi = r.integer(spec["min"], f"{where}.min"), r.integer(spec["max"], f"{where}.max")
         if lo >= hi:
-            r.fail(f"state.{dim}", f"min ({lo}) must be below max ({hi})")
-        out[dim] = StateRange(lo, hi)
-    return out
+            r.fail(where, f"min ({lo}) must be below max ({hi})")
+        better = spec.get("better", "higher")
+        if better not in BETTER:
+            r.fail(f"{where}.better", f"must be one of {list(BETTER)}, got {better!r}")
+        short = spec.get("short", dim[0])
+        if not isinstance(short, str) or not _SHORT.fullmatch(short):
+            r.fail(f"{where}.short", f"must be lower-case letters, got {short!r}")
+        if short in shorts:
+            r.fail(f"{where}.short", f"{short!r} is another dimension's short name (the state key's prefix): give "
+                                     "one of them its own `short`")
+        shorts.add(short)
+        dims.append(Dimension(dim, StateRange(lo, hi), short, better))
+    return tuple(dims)
+
+
+def _statuses(r: _Reader, node: Any) -> Statuses:
+    """The optional `statuses:` section: the status tag's value per role (default completed 1, continue 0,
+    ended -1)."""
+    node = r.mapping(node, "statuses", (), STATUS_ROLES)
+    default = Statuses()
+    defaults = {"completed": default.completed, "continue": default.ongoing, "ended": default.ended}
+    values = {role: r.integer(node.get(role, defaults[role]), f"statuses.{role}") for role in STATUS_ROLES}
+    if len(set(values.values())) != len(values):
+        r.fail("statuses", f"the values must be distinct, got {values}")
+    return Statuses(values["completed"], values["continue"], values["ended"])
 
 
 def _stages(r: _Reader, node: Any) -> tuple[Stage, ...]:
@@ -245,23 +274,26 @@ def _tags(r: _Reader, node: Any, where: str, roles: dict[str, tuple[str, ...]]) 
     return TagProtocol(tags, abouts)
 
 
-def _agent(r: _Reader, node: Any, description: str) -> dict[str, Any]:
+def _agent(r: _Reader, node: Any, description: str, dims: tuple[str, ...]) -> dict[str, Any]:
     node = r.mapping(node, "agent", ("system_prompt", "opening", "tags"), ("compact_prompt",))
     compact = (r.text(node["compact_prompt"], "agent.compact_prompt") if "compact_prompt" in node
                else f"{' '.join(description.split())} Answer in the tags.")
     return {
         "agent_template": r.template(node["system_prompt"], "agent.system_prompt", AGENT_DYNAMIC, AGENT_DYNAMIC),
         "agent_opening": r.text(node["opening"], "agent.opening"),
-        "agent_tags": _tags(r, node["tags"], "agent.tags", AGENT_ROLES),
+        "agent_tags": _tags(r, node["tags"], "agent.tags",
+                            {"required": (*AGENT_FIXED_ROLES, *dims), "optional": ("think",)}),
         "agent_compact_prompt": " ".join(compact.split()),
     }
 
 
-def _user(r: _Reader, node: Any) -> dict[str, Any]:
+def _user(r: _Reader, node: Any, dims: tuple[str, ...]) -> dict[str, Any]:
     node = r.mapping(node, "user", ("persona", "tags"), ("no_behaviors", "silent_agent"))
+    dynamic = (*dims, *USER_FIXED)
     return {
-        "user_template": r.template(node["persona"], "user.persona", USER_DYNAMIC, USER_DYNAMIC),
-        "user_tags": _tags(r, node["tags"], "user.tags", USER_ROLES),
+        "user_template": r.template(node["persona"], "user.persona", dynamic, dynamic),
+        "user_tags": _tags(r, node["tags"], "user.tags", {"required": (*USER_FIXED_ROLES, *dims),
+                                                          "optional": ("think",)}),
         "no_behaviors": r.text(node.get("no_behaviors", "- nothing in particular"), "user.no_behaviors"),
         "silent_agent": r.text(node.get("silent_agent", "(silence on the line)"), "user.silent_agent"),
     }
@@ -282,7 +314,7 @@ def _behaviors(r: _Reader, top: dict, base: Path, categories: Collection[str]) -
     return tuple(_behavior(item, r.file, f"behaviors[{i}]", categories) for i, item in enumerate(top["behaviors"]))
 
 
-def _scripted(r: _Reader, node: Any, ranges: dict[str, StateRange], stage_ids: list[int]) -> ScriptedSpec:
+def _scripted(r: _Reader, node: Any, schema: StateSchema, stage_ids: list[int]) -> ScriptedSpec:
     w = "scripted"
     node = r.mapping(node, w, ("cues", "stage_cues", "steps", "categories", "lines", "effects", "rules"))
     cue_node = r.mapping(node["cues"], f"{w}.cues", CUE_KEYS)
@@ -319,47 +351,48 @@ def _scripted(r: _Reader, node: Any, ranges: dict[str, StateRange], stage_ids: l
     lines = {k: r.texts(line_node[k], f"{w}.lines.{k}") for k in LINE_KEYS}
     lines["overloaded"] = (r.texts(line_node["overloaded"], f"{w}.lines.overloaded") if "overloaded" in line_node
                            else lines["confused"])
-    return ScriptedSpec(cues, stage_cues, tuple(steps), categories, lines, _effects(r, node["effects"], ranges),
-                        _rules(r, node["rules"], ranges))
+    return ScriptedSpec(cues, stage_cues, tuple(steps), categories, lines, _effects(r, node["effects"], schema),
+                        _rules(r, node["rules"], schema))
 
 
-def _effects(r: _Reader, node: Any, ranges: dict[str, StateRange]) -> dict[str, dict[str, int]]:
+def _effects(r: _Reader, node: Any, schema: StateSchema) -> dict[str, dict[str, int]]:
     node = r.mapping(node, "scripted.effects", (), EVENTS)
     out = {}
     for event in EVENTS:
         where = f"scripted.effects.{event}"
-        deltas = r.mapping(node.get(event, {}), where, (), STATE_DIMS)
-        out[event] = {dim: r.integer(deltas.get(dim, 0), f"{where}.{dim}") for dim in STATE_DIMS}
+        deltas = r.mapping(node.get(event, {}), where, (), schema.names)
+        out[event] = {dim: r.integer(deltas.get(dim, 0), f"{where}.{dim}") for dim in schema.names}
         for dim, delta in out[event].items():
-            span = ranges[dim].max - ranges[dim].min
+            span = schema[dim].span
             if abs(delta) > span:
                 r.fail(f"{where}.{dim}", f"delta {delta} exceeds the whole {dim} range ({span})")
     return out
 
 
-def _rules(r: _Reader, node: Any, ranges: dict[str, StateRange]) -> ScriptedRules:
+def _rules(r: _Reader, node: Any, schema: StateSchema) -> ScriptedRules:
     w = "scripted.rules"
-    node = r.mapping(node, w, ("act_min_cooperation", "hang_up_at", "doubt_patience"), ("max_words", "max_topics", "act_min_trust"))
-    act = r.integer(node["act_min_cooperation"], f"{w}.act_min_cooperation")
-    if not ranges["cooperation"].contains(act):
-        r.fail(f"{w}.act_min_cooperation", f"{act} is outside the cooperation range")
-    hang = r.mapping(node["hang_up_at"], f"{w}.hang_up_at", (), STATE_DIMS)
+    gates = tuple(f"act_{bound}_{dim}" for dim in schema.names for bound in ("min", "max"))
+    node = r.mapping(node, w, ("hang_up_at", "doubt_patience"), ("max_words", "max_topics", *gates))
+    hang = r.mapping(node["hang_up_at"], f"{w}.hang_up_at", (), schema.names)
     hang_up_at = {}
     for dim, value in hang.items():
         hang_up_at[dim] = r.integer(value, f"{w}.hang_up_at.{dim}")
-        if not ranges[dim].contains(hang_up_at[dim]):
+        if not schema[dim].range.contains(hang_up_at[dim]):
             r.fail(f"{w}.hang_up_at.{dim}", f"{value} is outside the {dim} range")
     patience = r.integer(node["doubt_patience"], f"{w}.doubt_patience")
     if patience < 1:
         r.fail(f"{w}.doubt_patience", "must be >= 1")
-    limits = {}
+    limits: dict[str, Any] = {"act_min": {}, "act_max": {}}
     for key in ("max_words", "max_topics"):
         if key in node:
             limits[key] = r.integer(node[key], f"{w}.{key}")
             if limits[key] < 1:
                 r.fail(f"{w}.{key}", "must be >= 1")
-    if "act_min_trust" in node:
-        limits["act_min_trust"] = r.integer(node["act_min_trust"], f"{w}.act_min_trust")
-        if not ranges["trust"].contains(limits["act_min_trust"]):
-            r.fail(f"{w}.act_min_trust", f"{node['act_min_trust']} is outside the trust range")
-    return ScriptedRules(act, hang_up_at, patience, **limits)
+    for key in gates:
+        if key in node:
+            bound, dim = key[len("act_"):].split("_", 1)
+            value = r.integer(node[key], f"{w}.{key}")
+            if not schema[dim].range.contains(value):
+                r.fail(f"{w}.{key}", f"{value} is outside the {dim} range")
+            limits[f"act_{bound}"][dim] = value
+    return ScriptedRules(hang_up_at, patience, **limits)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from verl.trainer.cli_overrides import SCENARIO_DIR
 
-__all__ = ["DEFAULT_SCENARIO_NAME", "DEFAULT_SCENARIO_PATH", "SCENARIO_DIR", "SHIPPED_SCENARIO_PATHS", "scenario_path"]
+__all__ = ["DEFAULT_SCENARIO_NAME", "DEFAULT_SCENARIO_PATH", "SCENARIO_DIR", "SHIPPED_SCENARIO_PATHS",
+           "TOKENIZER_SCENARIO_PATHS", "scenario_path"]
 
 DEFAULT_SCENARIO_NAME = "outbound_ad_trial"
 """The scenario the demo, the trainer's config and every command line default to."""
@@ -19,8 +20,13 @@ DEFAULT_SCENARIO_NAME = "outbound_ad_trial"
 DEFAULT_SCENARIO_PATH = SCENARIO_DIR / f"{DEFAULT_SCENARIO_NAME}.yaml"
 """The default scenario file."""
 
-SHIPPED_SCENARIO_PATHS = tuple(SCENARIO_DIR / f"{name}.yaml" for name in ("inbound_support", DEFAULT_SCENARIO_NAME))
-"""The scenarios the repository ships (a user's new file beside them is not one): what the tiny test model learns."""
+TOKENIZER_SCENARIO_PATHS = tuple(SCENARIO_DIR / f"{name}.yaml" for name in ("inbound_support", DEFAULT_SCENARIO_NAME))
+"""The scenarios whose text every tiny test and demo tokenizer learns (utils/make_tiny_model.py), frozen: a scenario
+shipped later is not among them, so shipping one changes no existing tiny model (a run on it passes its file as
+`--scenario`, as with a user's own)."""
+
+SHIPPED_SCENARIO_PATHS = (*TOKENIZER_SCENARIO_PATHS, SCENARIO_DIR / "support_desk.yaml")
+"""The scenarios the repository ships (a user's new file beside them is not one)."""
 
 
 def scenario_path(name: str) -> Path:

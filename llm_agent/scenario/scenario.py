@@ -8,39 +8,55 @@ client parses replies with `parse_user_output`; the scripted simulator reads `Sc
 from __future__ import annotations
 
 import functools
-import itertools
+import hashlib
 import logging
 import os
 import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llm_agent.scenario.diagnosis_spec import DiagnosisRule
 from llm_agent.scenario.loading import load_behavior_library, read_scenario_fields
 from llm_agent.scenario.tags import (CueList, TagScan, bullets, format_tags, parse_int, strip_tags,
                                       substitute)
-from llm_agent.scenario.types import (CUE_KEYS, EVENTS, LINE_KEYS, STATE_DIMS, STATUS_COMPLETED,
-                                      STATUS_CONTINUE, STATUS_ENDED, STATUS_VALUES, AgentTurn, Behavior,
-                                      CategoryScript, ScenarioError, ScriptedRules, ScriptedSpec, ScriptedStep,
-                                      Stage, StateRange, TagProtocol, Turn, UserProfile, UserTurn)
+from llm_agent.scenario.types import (CUE_KEYS, EVENTS, LINE_KEYS, AgentTurn, Behavior, CategoryScript, Dimension,
+                                      ScenarioError, ScriptedRules, ScriptedSpec, ScriptedStep, Stage, StateRange,
+                                      StateSchema, Statuses, TagProtocol, Turn, UserProfile, UserTurn)
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CUE_KEYS", "EVENTS", "LINE_KEYS", "STATE_DIMS", "STATUS_COMPLETED", "STATUS_CONTINUE", "STATUS_ENDED",
-    "STATUS_VALUES", "AgentTurn", "Behavior", "CategoryScript", "CueList", "Scenario", "ScenarioError",
-    "ScriptedRules", "ScriptedSpec", "ScriptedStep", "Stage", "StateRange", "TagProtocol", "Turn", "UserProfile",
-    "UserTurn", "load_behavior_library", "load_scenario", "sample_behaviors",
+    "CUE_KEYS", "EVENTS", "LINE_KEYS", "AgentTurn", "Behavior", "CategoryScript", "CueList", "Dimension", "Scenario",
+    "ScenarioError", "ScriptedRules", "ScriptedSpec", "ScriptedStep", "Stage", "StateRange", "StateSchema",
+    "Statuses", "TagProtocol", "Turn", "UserProfile", "UserTurn", "load_behavior_library", "load_scenario",
+    "sample_behaviors",
 ]
+
+_LOADED: dict[tuple[str, str], "Scenario"] = {}  # (resolved path, sha256 of the bytes) -> the scenario
+_LOADED_LIMIT = 32
 
 
 def load_scenario(path: str | os.PathLike) -> "Scenario":
-    """Load and validate a scenario YAML; ScenarioError names the file and key path of any problem."""
+    """Load and validate a scenario YAML; ScenarioError names the file and key path of any problem.
+
+    A file is parsed once per process and content: the training and validation loops, the reward and the
+    metrics of one run share one `Scenario` (a file edited since is read anew)."""
+    try:
+        key = (os.path.realpath(path), hashlib.sha256(Path(path).read_bytes()).hexdigest())
+    except OSError:
+        key = None  # the loader names the problem
+    if key is not None and key in _LOADED:
+        return _LOADED[key]
     scenario = Scenario(**read_scenario_fields(path))
     logger.info("loaded scenario %r from %s (%d stages, %d behaviours)", scenario.name, path,
                 len(scenario.stages), len(scenario.behaviors))
+    if key is not None:
+        if len(_LOADED) >= _LOADED_LIMIT:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = scenario
     return scenario
 
 
@@ -62,7 +78,7 @@ class Scenario:
     description: str
     path: str
     vars: dict[str, str]
-    state_ranges: dict[str, StateRange]
+    state_schema: StateSchema
     stages: tuple[Stage, ...]
     facts: tuple[str, ...]
     behaviors: tuple[Behavior, ...]
@@ -84,29 +100,55 @@ class Scenario:
         """The stage ids in SOP order."""
         return tuple(s.id for s in self.stages)
 
-    def state_space(self) -> list[tuple[int, int, int]]:
-        """Every (cooperation, emotion, trust) combination inside the ranges."""
-        return list(itertools.product(*(range(self.state_ranges[d].min, self.state_ranges[d].max + 1)
-                                        for d in STATE_DIMS)))
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The user-state dimension names, in file order."""
+        return self.state_schema.names
+
+    @property
+    def state_ranges(self) -> dict[str, StateRange]:
+        """{dimension: its range}."""
+        return self.state_schema.ranges
+
+    @property
+    def statuses(self) -> Statuses:
+        """The status tag's values."""
+        return self.state_schema.statuses
+
+    def state_space(self) -> list[tuple[int, ...]]:
+        """Every combination of state values inside the ranges (values in dimension order)."""
+        return self.state_schema.space()
+
+    def state_key(self, state: Mapping[str, int] | Sequence[int]) -> str:
+        """The state key of a state, e.g. "c2-e1-t3"."""
+        return self.state_schema.key(state)
+
+    def profile(self, values: Sequence[int], behaviors: Sequence[Behavior] = ()) -> UserProfile:
+        """The profile of state `values` (in dimension order) and `behaviors`."""
+        return UserProfile(self.state_schema.state(values), tuple(behaviors))
 
     def check_profile(self, profile: UserProfile) -> None:
-        """Raise ValueError naming the dimension when the profile's initial state is outside the ranges."""
-        for dim in STATE_DIMS:
-            rng, value = self.state_ranges[dim], getattr(profile, dim)
-            if not rng.contains(value):
-                raise ValueError(f"profile {dim}={value} is outside [{rng.min}, {rng.max}] of scenario {self.name}")
+        """Raise ValueError naming the dimension when the profile's initial state does not hold exactly this
+        scenario's dimensions, each in its range."""
+        try:
+            self.state_schema.check(profile.state)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (scenario {self.name})") from None
 
     # ----------------------------------------------------------------- rendering
     def _output_format(self, protocol: TagProtocol) -> str:
         lines, notes = [], []
+        ranges = self.state_ranges
+        statuses = sorted(self.statuses.values)
         for role, tag in protocol.tags.items():
-            if role in STATE_DIMS:
-                rng = self.state_ranges[role]
+            if role in ranges:
+                rng = ranges[role]
                 value, kind = f"{rng.min}-{rng.max}", f"an integer from {rng.min} to {rng.max}; "
             elif role == "stage":
                 value, kind = "|".join(map(str, self.stage_ids)), "one of the stage ids; "
             elif role == "status":
-                value, kind = "-1|0|1", "-1, 0 or 1; "
+                value = "|".join(map(str, statuses))
+                kind = f"{', '.join(map(str, statuses[:-1]))} or {statuses[-1]}; "
             else:
                 value, kind = "...", ""
             lines.append(f"<{tag}>{value}</{tag}>")
@@ -173,9 +215,10 @@ class Scenario:
     # ------------------------------------------------------------------- parsing
     def _parse(self, text: Any, protocol: TagProtocol) -> tuple[dict[str, Any], list[str], bool]:
         if not isinstance(text, str):
-            return {}, [f"invalid:input({type(text).__name__})"], True
+            return {"state": {d: None for d in self.dims}}, [f"invalid:input({type(text).__name__})"], True
         all_tags = [*self.agent_tags.tags.values(), *self.user_tags.tags.values()]
         fields: dict[str, Any] = {}
+        state: dict[str, int | None] = {d: None for d in self.dims}
         flags: list[str] = []
         out_of_range = False
         scan = TagScan(text)
@@ -195,10 +238,13 @@ class Scenario:
                 flags.append(f"out_of_range:{role}")
                 out_of_range = True
                 continue
-            clamped = self.state_ranges[role].clamp(value) if role in STATE_DIMS else value
+            clamped = self.state_ranges[role].clamp(value) if role in state else value
             if clamped != value:
                 flags.append(f"clamped:{role}")
-            fields[role] = clamped
+            if role in state:
+                state[role] = clamped
+            else:
+                fields[role] = clamped
         reply = fields.get("reply")
         if reply is not None:
             reply, had_tags = strip_tags(reply, all_tags)
@@ -207,11 +253,12 @@ class Scenario:
                 flags.append("tags_in_reply")
             if not fields["reply"]:
                 flags.append("empty:reply")
+        fields["state"] = state
         return fields, flags, out_of_range or not fields.get("reply")
 
     def _allowed(self, role: str, value: int) -> bool:
         """True when `value` is one of the protocol's values for the discrete tag `role` (stage or status)."""
-        return value in (STATUS_VALUES if role == "status" else self.stage_ids)
+        return value in (self.statuses.values if role == "status" else self.stage_ids)
 
     def parse_agent_output(self, text: str) -> AgentTurn:
         """Parse a policy output into an AgentTurn; never raises (problems become flags / parse_error)."""
@@ -229,14 +276,14 @@ class Scenario:
     def format_user_output(self, reply: str, state: Mapping[str, int | None], status: int | None,
                            think: str | None = None) -> str:
         """Write a user turn in the user tag protocol (None values and an absent think tag are omitted)."""
-        values = {"reply": reply, "status": status, "think": think, **{d: state.get(d) for d in STATE_DIMS}}
+        values = {"reply": reply, "status": status, "think": think, **{d: state.get(d) for d in self.dims}}
         return format_tags((tag, values.get(role)) for role, tag in self.user_tags.tags.items())
 
     def format_agent_output(self, reply: str, stage: int | None, status: int | None,
                             state: Mapping[str, int | None], think: str | None = None) -> str:
         """Write an agent turn in the agent tag protocol, in the prompt's tag order (None values omitted)."""
         values = {"reply": reply, "stage": stage, "status": status, "think": think,
-                  **{d: state.get(d) for d in STATE_DIMS}}
+                  **{d: state.get(d) for d in self.dims}}
         return format_tags((tag, values.get(role)) for role, tag in self.agent_tags.tags.items())
 
     def recover_profile(self, persona: str) -> UserProfile:
@@ -245,7 +292,7 @@ class Scenario:
         Behaviours are matched to the scenario's library by text; a text not in the library gets the category
         "unknown". Raises ValueError when `persona` was not rendered from this scenario's template.
         """
-        pattern = _template_regex(self.user_template, self._output_format(self.user_tags))
+        pattern = _template_regex(self.user_template, self._output_format(self.user_tags), self.dims)
         m = pattern.fullmatch(persona.strip())
         if m is None:
             raise ValueError(f"the system message is not a persona of scenario {self.name!r}")
@@ -254,13 +301,13 @@ class Scenario:
         texts = [] if block.strip() == self.no_behaviors.strip() else [
             line.strip()[2:].strip() for line in block.splitlines() if line.strip().startswith("- ")]
         behaviors = tuple(by_text.get(t, Behavior("unknown", t)) for t in texts)
-        return UserProfile(*(int(m.group(d)) for d in STATE_DIMS), behaviors=behaviors)
+        return self.profile([int(m.group(d)) for d in self.dims], behaviors)
 
 
 @functools.lru_cache(maxsize=32)
-def _template_regex(template: str, output_format: str) -> re.Pattern:
+def _template_regex(template: str, output_format: str, dims: tuple[str, ...]) -> re.Pattern:
     """Turn the user template into a regex with named groups for the profile placeholders."""
-    groups = {d: rf"(?P<{d}>[+-]?\d+)" for d in STATE_DIMS}
+    groups = {d: rf"(?P<{d}>[+-]?\d+)" for d in dims}
     groups["behaviors"] = r"(?P<behaviors>.*?)"
     groups["output_format"] = re.escape(output_format)
     parts, pos, seen = [], 0, set()

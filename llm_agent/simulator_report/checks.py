@@ -25,7 +25,7 @@ import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from llm_agent.scenario import STATE_DIMS, Scenario, UserTurn
+from llm_agent.scenario import Scenario, UserTurn
 from llm_agent.simulator_report.reference import Reference
 from verl.utils.text_tokens import has_control_text
 
@@ -46,10 +46,10 @@ def jump_limits(scenario: Scenario, max_jump: int | None = None) -> dict[str, tu
     if max_jump is not None:
         if max_jump < 0:
             raise ValueError(f"max_jump must be >= 0, got {max_jump}")
-        return {d: (max_jump, max_jump) for d in STATE_DIMS}
+        return {d: (max_jump, max_jump) for d in scenario.dims}
     effects = scenario.scripted.effects.values()
     return {d: (-sum(min(0, e.get(d, 0)) for e in effects), sum(max(0, e.get(d, 0)) for e in effects))
-            for d in STATE_DIMS}
+            for d in scenario.dims}
 
 
 def _words(text: str) -> list[str]:
@@ -107,13 +107,13 @@ class ReplyChecker:
     def check(self, text: str, reference: Reference) -> ReplyCheck:
         """Check the reply `text` to the request whose scripted reaction is `reference`."""
         user = self.scenario.parse_user_output(text)
-        state = user.state
-        complete = all(isinstance(state[d], int) for d in STATE_DIMS)
-        delta: Mapping[str, int] = ({d: state[d] - reference.previous[d] for d in STATE_DIMS} if complete else {})
-        jump_ok = complete and all(-self.limits[d][0] <= delta[d] <= self.limits[d][1] for d in STATE_DIMS)
+        state, dims = user.state, self.scenario.dims
+        complete = all(isinstance(state[d], int) for d in dims)
+        delta: Mapping[str, int] = ({d: state[d] - reference.previous[d] for d in dims} if complete else {})
+        jump_ok = complete and all(-self.limits[d][0] <= delta[d] <= self.limits[d][1] for d in dims)
         direction_ok = complete and all(_sign(delta[d]) != -reference.polarity[d] or reference.polarity[d] == 0
-                                        for d in STATE_DIMS)
-        agrees_direction = complete and all(_sign(delta[d]) == reference.direction[d] for d in STATE_DIMS)
+                                        for d in dims)
+        agrees_direction = complete and all(_sign(delta[d]) == reference.direction[d] for d in dims)
         accepted = not user.parse_error
         control = has_control_text(text, self.control_texts)
         return ReplyCheck(

@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from llm_agent.rollout.env import stable_seed
+from llm_agent.envs import stable_seed
 from llm_agent.scenario import Scenario
 from llm_agent.simulator_report.turns import SimDialogue, SimTurn
 from llm_agent.stand_ins.scripted_calls import scripted_calls

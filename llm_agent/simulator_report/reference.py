@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from llm_agent.scenario import STATE_DIMS, Scenario
+from llm_agent.scenario import Scenario
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
 __all__ = ["Reference", "ScriptedReference", "carried_state"]
@@ -47,7 +47,7 @@ class Reference:
     @property
     def delta(self) -> dict[str, int]:
         """The persona's change of each dimension in this turn."""
-        return {d: self.state[d] - self.previous[d] for d in STATE_DIMS}
+        return {d: self.state[d] - self.previous[d] for d in self.state}
 
     @property
     def direction(self) -> dict[str, int]:
@@ -70,7 +70,7 @@ class ScriptedReference:
         messages = [dict(m) for m in messages]
         persona, outcome, _ = self._backend.replay(messages)
         effects = self.scenario.scripted.effects
-        totals = {d: sum(effects.get(e, {}).get(d, 0) for e in outcome.events) for d in STATE_DIMS}
+        totals = {d: sum(effects.get(e, {}).get(d, 0) for e in outcome.events) for d in self.scenario.dims}
         line = outcome.line
         doubt = line[1] if isinstance(line, tuple) and line[0] == "doubt" else None
         return Reference(previous=carried_state(self.scenario, messages), state=dict(persona.state),

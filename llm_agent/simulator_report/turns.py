@@ -14,11 +14,11 @@ turn holds only the accepted reply, re-written canonically, so its first-try che
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from llm_agent.scenario import STATUS_ENDED, Scenario, Turn, UserProfile
+from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
+from llm_agent.scenario import Scenario, Turn, UserProfile
 
 __all__ = ["SimDialogue", "SimTurn", "dialogues_from_log"]
 
@@ -45,72 +45,47 @@ class SimDialogue:
     logged_rerequests: int | None = None
 
 
-_TURN_FIELDS = {"agent_text": str, "user_reply": str, "user_source": str, "user_state": dict, "user_status": int,
-                "agent_status": int}
-
-
-def _checked_turn(turn: Any, where: str) -> Mapping[str, Any]:
-    """`turn` when each field the rebuild reads has its logged type (or is null); ValueError naming it otherwise."""
-    if not isinstance(turn, Mapping):
-        raise ValueError(f"{where} is a {type(turn).__name__}, not an object")
-    for name, kind in _TURN_FIELDS.items():
-        value = turn.get(name)
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-            raise ValueError(f"{where}: {name!r} must be a {kind.__name__} or null, got {type(value).__name__}")
-    state = turn.get("user_state") or {}
-    if any(v is not None and (isinstance(v, bool) or not isinstance(v, int)) for v in state.values()):
-        raise ValueError(f"{where}: 'user_state' must map each dimension to an integer or null")
-    return turn
-
-
-def _heard_turns(scenario: Scenario, record: Mapping[str, Any], where: str
-                 ) -> Iterable[tuple[Turn, Turn | None, Mapping[str, Any]]]:
+def _heard_turns(scenario: Scenario, record: DialogueRecord) -> Iterable[tuple[Turn, Turn | None, TurnRecord]]:
     """(agent turn, user turn or None, the logged turn) for each agent turn the simulator heard."""
-    turns = record.get("turns") or []
-    if not isinstance(turns, list):
-        raise ValueError(f"{where}: 'turns' must be a list, got {type(turns).__name__}")
-    for k, raw in enumerate(turns):
-        turn = _checked_turn(raw, f"{where} turn {k}")
-        source = turn.get("user_source")
+    for turn in record.turns:
+        source = turn.user_source
         if source == "format_error":
             continue
-        agent = scenario.parse_agent_output(turn.get("agent_text") or "")
+        agent = scenario.parse_agent_output(turn.agent_text or "")
         if source is None:
-            if turn.get("user_error") and turn.get("agent_status") != STATUS_ENDED:
+            if turn.user_error and turn.agent_status != scenario.statuses.ended:
                 yield agent, None, turn  # heard, but no acceptable answer came
             return
-        state = turn.get("user_state") or {}
-        canonical = scenario.format_user_output(turn.get("user_reply") or "", state, turn.get("user_status"))
+        canonical = scenario.format_user_output(turn.user_reply or "", turn.user_state or {}, turn.user_status)
         yield agent, scenario.parse_user_output(canonical), turn
 
 
-def dialogues_from_log(records: Sequence[Mapping[str, Any]], scenario: Scenario) -> list[SimDialogue]:
+def dialogues_from_log(records: Sequence[DialogueRecord], scenario: Scenario) -> list[SimDialogue]:
     """The simulator turns of logged dialogue records (rollout log or evaluation lines; see module docstring).
-    ValueError names the record whose profile or a field of whose turns cannot be read.
+    ValueError names the record whose profile does not fit the scenario (`DialogueRecord.from_dict` checked
+    the turns' fields when the log was read).
 
     A request repeats the dialogue so far: each is the previous one plus two messages, so the requests of a
     dialogue share their text (memory linear in the dialogue, however long its replies)."""
     dialogues = []
     for i, record in enumerate(records):
-        where = f"dialogue record {i} ({str(record.get('dialogue_id'))[:100]!r})"
+        where = f"dialogue record {i} ({record.dialogue_id[:100]!r})"
         try:
-            profile = UserProfile.from_dict(record.get("profile"))
+            profile = UserProfile.from_dict(record.profile)
+            scenario.check_profile(profile)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        retries = record.get("sim_retries") or 0
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"{where}: 'sim_retries' must be an integer >= 0, got {str(retries)[:50]}")
-        dialogue = SimDialogue(str(record.get("dialogue_id", i)), profile, logged_rerequests=retries)
+        dialogue = SimDialogue(record.dialogue_id or str(i), profile, logged_rerequests=record.sim_retries)
         history: list[Turn] = []
         messages: list[dict[str, str]] = []
-        for agent, user, logged in _heard_turns(scenario, record, where):
+        for agent, user, logged in _heard_turns(scenario, record):
             history.append(agent)
             messages = (messages + scenario.render_user_messages(profile, history[-2:])[1:] if messages
                         else scenario.render_user_messages(profile, history))
             if user is None:
-                dialogue.turns.append(SimTurn(messages, failure=str(logged.get("user_error")), first_try_known=False))
+                dialogue.turns.append(SimTurn(messages, failure=str(logged.user_error), first_try_known=False))
                 break
-            if logged.get("user_source") == "simulator":
+            if logged.user_source == "simulator":
                 canonical = scenario.format_user_output(user.reply or "", user.state, user.status)
                 dialogue.turns.append(SimTurn(messages, (canonical,), first_try_known=False))
             history.append(user)

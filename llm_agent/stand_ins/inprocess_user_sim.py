@@ -3,7 +3,7 @@
 `InProcessUserSim` answers each :class:`TurnRequest` with the scenario's :class:`ScriptedPersonaBackend` in the
 calling thread, so the rollout loop's tests and benchmarks run without servers. Two test switches:
 - `fail_ids`: every turn of these dialogue ids comes back as a :class:`TurnFailure` (injected fault);
-- `never_end=True`: every turn gets a non-terminal reply (status 0) from a precomputed pool of the scenario's
+- `never_end=True`: every turn gets a non-terminal reply (status `continue`) from a precomputed pool of the scenario's
   own lines and states, without running the persona (constant time). The pool entry is picked by a CRC of the
   dialogue id and the message count, so replies vary (the response cache deduplicates equal replies) and are
   reproducible.
@@ -16,7 +16,7 @@ import time
 import zlib
 from collections.abc import Collection, Sequence
 
-from llm_agent.scenario import STATE_DIMS, STATUS_CONTINUE, Scenario
+from llm_agent.scenario import Scenario
 from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest, TurnResult
 from llm_agent.user_sim.server.backend import BackendInputError, SamplingParams
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
@@ -37,7 +37,7 @@ def never_ending_replies(scenario: Scenario, max_states: int = 8) -> list[str]:
     states = scenario.state_space()
     stride = max(1, len(states) // max_states)
     picked = states[::stride][:max_states]
-    return [scenario.format_user_output(line, dict(zip(STATE_DIMS, state)), STATUS_CONTINUE)
+    return [scenario.format_user_output(line, scenario.state_schema.state(state), scenario.statuses.ongoing)
             for line, state in itertools.product(lines, picked)]
 
 

@@ -28,7 +28,7 @@ __all__ = ["BAD_KINDS", "MODES", "ScriptedProfileLLM"]
 
 MODES = ("good", "bad", "mixed", "error", "silent")
 BAD_KINDS = ("not_json", "changed_scores", "invented", "fenced_near_text", "too_many_repeated")
-_STATE_LINE = re.compile(r"^- (cooperation|emotion|trust): (-?\d+) on a scale from (-?\d+) to (-?\d+)", re.M)
+_STATE_LINE = re.compile(r"^- ([a-z][a-z0-9_]*): (-?\d+) on a scale from (-?\d+) to (-?\d+)", re.M)
 _LIBRARY_LINE = re.compile(r"^(\d+)\. \[([a-z_]+)\] (.+)$", re.M)
 _AVOID = {  # (dimension, level test) -> phrases such a user would not show
     "distrust": ("scam", "trick", "trust", "catch", "suspect", "genuine", "doubt", "guarded", "paid per"),

@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from llm_agent.scenario import STATUS_COMPLETED, STATUS_CONTINUE, Scenario, Turn, UserProfile, sample_behaviors
+from llm_agent.scenario import Scenario, Turn, UserProfile, sample_behaviors
 from llm_agent.user_sim.server.backend import SamplingParams
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
@@ -61,10 +61,11 @@ def play_scripted_call(scenario: Scenario, profile: UserProfile, agent: AgentFn,
                        max_turns: int, reply_seed: Callable[[int], int], quality: str = "") -> ScriptedCall:
     """Play one call (see the module docstring); the persona's answer to agent turn t uses seed `reply_seed(t)`."""
     call = ScriptedCall(profile, quality)
+    statuses = scenario.statuses
     for turn in range(max_turns):
         agent_turn = scenario.parse_agent_output(agent(scenario.render_agent_messages(call.dialogue)))
         call.dialogue.append(agent_turn)
-        if agent_turn.parse_error or agent_turn.status not in (None, STATUS_CONTINUE):
+        if agent_turn.parse_error or agent_turn.status not in (None, statuses.ongoing):
             call.outcome = "format_error" if agent_turn.parse_error else "agent_ended"
             return call
         messages = scenario.render_user_messages(profile, call.dialogue)
@@ -72,8 +73,8 @@ def play_scripted_call(scenario: Scenario, profile: UserProfile, agent: AgentFn,
         call.exchanges.append(SimulatorExchange(messages, reply))
         user_turn = scenario.parse_user_output(reply)
         call.dialogue.append(user_turn)
-        if user_turn.status not in (None, STATUS_CONTINUE):
-            call.outcome = "completed" if user_turn.status == STATUS_COMPLETED else "hung_up"
+        if user_turn.status not in (None, statuses.ongoing):
+            call.outcome = "completed" if user_turn.status == statuses.completed else "hung_up"
             return call
     return call
 
@@ -102,8 +103,7 @@ def scripted_calls(scenario: Scenario, n: int, quality_mix: Mapping[str, float],
     rng = random.Random(seed)
     for k in range(n):
         quality = rng.choices(names, weights)[0]
-        profile = UserProfile(*rng.choice(scenario.state_space()),
-                              behaviors=tuple(sample_behaviors(scenario.behaviors, rng)))
+        profile = scenario.profile(rng.choice(scenario.state_space()), sample_behaviors(scenario.behaviors, rng))
         agent = factory(quality, rng.randrange(2**31))
         yield play_scripted_call(scenario, profile, agent, backend, max_turns,
                                  lambda turn, k=k: seed * 1_000_003 + k * 101 + turn, quality)

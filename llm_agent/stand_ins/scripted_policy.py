@@ -1,6 +1,7 @@
 """A scripted stand-in for the actor worker group: rule-based agent turns for the rollout loop's tests and benchmark.
 
-`ScriptedPolicyWorkerGroup.generate_sequences` returns exactly the tensors of
+`ScriptedPolicyWorkerGroup` is a `RolloutEngine` (policy version 0) whose `generate_sequences` returns exactly the
+tensors of
 `verl.workers.rollout.hf_rollout.HFRollout` (left-padded prompts in, responses right-padded to
 `meta_info["response_length"]`, EOS-terminated, mask 1 up to and including the EOS), but the words come from a
 :class:`ScriptedAgent` instead of a model. The agent is stateless: it decodes each row, splits the chat with the
@@ -32,9 +33,10 @@ import torch
 from tensordict import TensorDict
 
 from llm_agent.rollout.chat_layout import ChatLayout
-from llm_agent.scenario import STATE_DIMS, STATUS_COMPLETED, STATUS_CONTINUE, CueList, Scenario
+from llm_agent.scenario import CueList, Scenario
 from verl.protocol import DataProto
 from verl.workers.batching import select_batch
+from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.hf_rollout import generation_tensors
 
 logger = logging.getLogger(__name__)
@@ -161,9 +163,10 @@ class SopLines:
     def instant_turns(self) -> list[str]:
         """One fixed well-formed turn per stage (status 0, mid-range estimates) for the instant policy."""
         ranges = self.scenario.state_ranges
-        mid = {d: (ranges[d].min + ranges[d].max) // 2 for d in STATE_DIMS}
+        mid = {d: (r.min + r.max) // 2 for d, r in ranges.items()}
         reply = f"{self.openers[0]} {self.intros[0]}".strip()
-        return [self.scenario.format_agent_output(reply, sid, STATUS_CONTINUE, mid) for sid in self.scenario.stage_ids]
+        ongoing = self.scenario.statuses.ongoing
+        return [self.scenario.format_agent_output(reply, sid, ongoing, mid) for sid in self.scenario.stage_ids]
 
 
 @functools.lru_cache(maxsize=16)
@@ -224,7 +227,8 @@ class ScriptedAgent:
             parts, position = self._good_parts(last, steps_done, said)
         reply = self._fresh(parts, said, rng)
         stage = self.lines.stage(position)
-        status = STATUS_COMPLETED if self.quality == "ender" and not said else STATUS_CONTINUE
+        statuses = self.scenario.statuses
+        status = statuses.completed if self.quality == "ender" and not said else statuses.ongoing
         estimate = self._estimate(kinds, steps_done)
         if self.quality == "malformed":
             return f"{self.scenario.format_agent_output(None, stage, status, estimate)}\n{reply}"
@@ -263,21 +267,23 @@ class ScriptedAgent:
         return text
 
     def _estimate(self, kinds: list[tuple[str, Any]], steps_done: int) -> dict[str, int]:
-        """A rough guess of the user's state from the replies: mid-range, +trust once introduced, +trust and
-        +cooperation per doubt moved past, +cooperation per step done, -emotion per confused/reluctant reply."""
-        ranges = self.scenario.state_ranges
-        guess = {d: (ranges[d].min + ranges[d].max) // 2 for d in STATE_DIMS}
+        """A rough guess of the user's state from the replies, expecting the persona's own `scripted.effects`:
+        mid-range, then `introduced`'s effect once introduced, `doubt_resolved`'s per doubt moved past,
+        `stage_progress`'s per step done and `no_progress`'s per confused/reluctant reply."""
+        ranges, effects = self.scenario.state_ranges, self.scenario.scripted.effects
+        guess = {d: (r.min + r.max) // 2 for d, r in ranges.items()}
         doubts = [value for kind, value in kinds if kind == "doubt"]
         settled = len(set(doubts)) - (1 if kinds and kinds[-1][0] == "doubt" else 0)
         introduced = any(kind not in ("ask_who", "other") for kind, _ in kinds)
         upset = sum(kind in ("confused", "overloaded", "reluctant") for kind, _ in kinds)
-        guess["trust"] += int(introduced) + settled
-        guess["cooperation"] += settled + steps_done
-        guess["emotion"] -= upset
+        for event, times in (("introduced", int(introduced)), ("doubt_resolved", settled),
+                             ("stage_progress", steps_done), ("no_progress", upset)):
+            for dim, delta in effects[event].items():
+                guess[dim] += delta * times
         return {d: ranges[d].clamp(v) for d, v in guess.items()}
 
 
-class ScriptedPolicyWorkerGroup:
+class ScriptedPolicyWorkerGroup(RolloutEngine):
     """Worker-group stand-in whose `generate_sequences` has HFRollout's contract but scripted words.
 
     `calls` records, per call, each row's returned response tokens (up to and including the EOS when there is
@@ -349,5 +355,5 @@ class ScriptedPolicyWorkerGroup:
         tensors = generation_tensors(input_ids, mask, batch["position_ids"], responses, eos_ids, pad)
         kept = tensors["response_mask"].sum(dim=1).tolist()
         self.calls.append([ids[:n] for ids, n in zip(sampled, kept)])
-        return DataProto(batch=TensorDict(tensors, batch_size=[rows]))
+        return self.versioned(DataProto(batch=TensorDict(tensors, batch_size=[rows])))
 

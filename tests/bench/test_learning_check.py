@@ -16,17 +16,19 @@ SCENARIO = DEFAULT_SCENARIO_PATH
 def _run(config: ControllerConfig, steps: int, seed: int) -> tuple[list[dict], list[dict]]:
     """Drive a real controller with random outcomes (easy states complete more); return the trainer-style
     per-step metrics and rollout-log lines."""
-    controller = StateController(config, load_scenario(SCENARIO))
+    scenario = load_scenario(SCENARIO)
+    controller = StateController(config, scenario)
     rng = random.Random(seed)
     train_steps, rollouts = [], []
     for step in range(1, steps + 1):
         outcomes = []
         for profile in controller.sample(24):
-            p = (profile.cooperation + profile.trust) / 8 * rng.choice([0.3, 1.0, 1.6])
+            p = (profile.state["cooperation"] + profile.state["trust"]) / 8 * rng.choice([0.3, 1.0, 1.6])
             outcome = "completed" if rng.random() < p else rng.choice(["hung_up", "timeout", "error"])
-            rollouts.append({"step": step, "split": "train", "state_key": profile.state_key, "outcome": outcome})
+            key = scenario.state_key(profile.state)
+            rollouts.append({"step": step, "split": "train", "state_key": key, "outcome": outcome})
             if outcome != "error":
-                outcomes.append((profile.state_key, outcome == "completed"))
+                outcomes.append((key, outcome == "completed"))
         metrics = controller.update(outcomes)
         train_steps.append({"step": step, "controller": {k.split("/", 1)[1]: v for k, v in metrics.items()}})
     return train_steps, rollouts

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from llm_agent.rollout.dialogue_record import DialogueRecord
+
 
 def record(outcome: str, num_turns: int = 3, index: int = 0, profile: tuple[int, int, int] = (2, 2, 2),
            step: int = 0, split: str = "eval") -> dict[str, Any]:
@@ -11,6 +13,11 @@ def record(outcome: str, num_turns: int = 3, index: int = 0, profile: tuple[int,
             "profile": dict(zip(("cooperation", "emotion", "trust"), profile), behaviors=[]),
             "outcome": outcome, "num_turns": num_turns, "turns": [{} for _ in range(num_turns)],
             "cache_hits": 0, "format_errors": 0}
+
+
+def typed_record(*args: Any, **kwargs: Any) -> DialogueRecord:
+    """`record(...)` read as the typed record the rollout loop makes (what the statistics take)."""
+    return DialogueRecord.from_dict(record(*args, **kwargs))
 
 
 def linear_percentile(values: list[float], q: float) -> float:

@@ -1,6 +1,6 @@
 """Test doubles and batch builders for the rollout-loop tests (not the loop itself).
 
-`ProgrammedPolicy` is a worker-group stand-in that answers each dialogue's agent turn from a per-key script
+`ProgrammedPolicy` is a `RolloutEngine` stand-in that answers each dialogue's agent turn from a per-key script
 (the key is written into the row's opening message as `[key]`) and records every id sequence it returned;
 `ProgrammedSim` is a simulator client answering each dialogue from a per-key script of user replies or failures.
 """
@@ -14,10 +14,13 @@ import numpy as np
 import torch
 
 from llm_agent.scenario import Scenario, UserProfile
+from llm_agent.rollout.dialogue_record import records_from_batch
 from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest
 from verl.protocol import DataProto
+from verl.workers.rollout.engine import RolloutEngine
 
 from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.profiles import profile3
 
 FAIL = "FAIL"
 _KEY = re.compile(r"\[(\w+)\]")
@@ -25,7 +28,18 @@ _KEY = re.compile(r"\[(\w+)\]")
 
 def agent_text(scenario: Scenario, reply: str, stage: int = 0, status: int = 0, state=(2, 2, 2)) -> str:
     """A well-formed agent turn in the scenario's tag protocol."""
-    return scenario.format_agent_output(reply, stage, status, dict(zip(("cooperation", "emotion", "trust"), state)))
+    return scenario.format_agent_output(reply, stage, status, dict(zip(scenario.dims, state)))
+
+
+def column(out: DataProto, key: str) -> list:
+    """Every row's `key` of its dialogue record, in the rollout log's JSON form (`DialogueRecord.to_dict`)."""
+    return [record.to_dict()[key] for record in records_from_batch(out)]
+
+
+def record_columns(out: DataProto) -> dict[str, list]:
+    """{key: every row's value} of the rows' dialogue records, in the rollout log's JSON form."""
+    rows = [record.to_dict() for record in records_from_batch(out)]
+    return {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
 
 
 def prompt_messages(scenario: Scenario, key: str) -> list[dict[str, str]]:
@@ -47,7 +61,7 @@ def make_gen_batch(tokenizer, scenario: Scenario, keys: list[str], uids: list[st
     for i, row in enumerate(rows):
         ids[i, width - len(row):] = torch.tensor(row)
         mask[i, width - len(row):] = 1
-    profiles = profiles or [UserProfile(2, 2, 2)] * len(keys)
+    profiles = profiles or [profile3(2, 2, 2)] * len(keys)
     uid = np.empty(len(keys), dtype=object)
     uid[:] = uids or keys
     prof = np.empty(len(keys), dtype=object)
@@ -64,8 +78,8 @@ def programmed_log_probs(key: str, turn: int, n: int) -> torch.Tensor:
     return -8.0 * torch.rand(n, generator=gen)
 
 
-class ProgrammedPolicy:
-    """Worker group answering turn t of dialogue `key` with `scripts[key][t]` (+ eos), cut to response_length;
+class ProgrammedPolicy(RolloutEngine):
+    """A rollout engine answering turn t of dialogue `key` with `scripts[key][t]` (+ eos), cut to response_length;
     with `log_probs`, also `rollout_log_probs` (programmed_log_probs per sampled token, 0 after them), as an engine
     with `calculate_log_probs` does. `returned` keeps every (key, turn)'s returned ids."""
 
@@ -74,8 +88,9 @@ class ProgrammedPolicy:
         self.calls: list[dict] = []
         self.returned: dict[tuple[str, int], list[int]] = {}
 
-    def generate_sequences(self, data: DataProto) -> DataProto:
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Answer every row; asserts the batch is a multiple of world_size and left-padded."""
+        data = prompts
         assert len(data) % self.world_size == 0, f"{len(data)} rows for world size {self.world_size}"
         meta = data.meta_info
         length, eos, pad = meta["response_length"], meta["eos_token_id"], meta["pad_token_id"]
@@ -101,7 +116,7 @@ class ProgrammedPolicy:
                    "response_mask": out_mask}
         if self.log_probs:
             tensors["rollout_log_probs"] = log_probs
-        return DataProto.from_dict(tensors=tensors)
+        return self.versioned(DataProto.from_dict(tensors=tensors))
 
 
 class ProgrammedSim(SimulatorClient):
@@ -166,4 +181,4 @@ def assert_same_dialogues(outs: dict[str, DataProto]) -> None:
         torch.testing.assert_close(outs["sync"].batch["rollout_log_probs"], outs["async"].batch["rollout_log_probs"],
                                    rtol=0, atol=1e-4)
     for key in ("outcome", "turns", "messages", "num_turns"):
-        assert list(outs["sync"].non_tensor_batch[key]) == list(outs["async"].non_tensor_batch[key]), key
+        assert column(outs["sync"], key) == column(outs["async"], key), key

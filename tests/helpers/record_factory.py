@@ -1,4 +1,5 @@
-"""Seeded random dialogue records in the rollout loop's per-dialogue format, for the reward and metrics tests.
+"""Seeded random dialogue records in the rollout log's JSON format, for the reward and metrics tests (`typed` reads
+them as the `DialogueRecord`s the loop makes; the reference computations read the plain dicts).
 
 They cover every outcome (errors included), format-error turns, cached turns, missing tags (None values or a
 None state) and non-monotone stage sequences, so the independent reference computations meet every branch.
@@ -11,7 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from llm_agent.scenario import STATE_DIMS, Scenario, scenario_path
+from llm_agent.rollout.dialogue_record import DIALOGUE_KEY, DialogueRecord
+from llm_agent.scenario import Scenario, scenario_path
+from tests.helpers.profiles import DIMS
 from verl.protocol import DataProto
 
 SCENARIO_PATH = str(scenario_path("inbound_support"))
@@ -21,14 +24,14 @@ MAX_TURNS = 8
 
 def _state(rng: random.Random, scenario: Scenario, p_none: float) -> dict[str, int | None]:
     return {d: None if rng.random() < p_none else rng.randint(scenario.state_ranges[d].min,
-                                                                scenario.state_ranges[d].max) for d in STATE_DIMS}
+                                                                scenario.state_ranges[d].max) for d in DIMS}
 
 
 def random_turn(rng: random.Random, scenario: Scenario, stage: int, last: bool) -> dict[str, Any]:
     """One agent turn and what followed it: ~12% format errors, ~20% cached replies, some missing tags."""
     if rng.random() < 0.12:
         return {"agent_text": "garbled", "agent_reply": None, "agent_stage": None, "agent_status": None,
-                "agent_state": {d: None for d in STATE_DIMS}, "agent_format_ok": False,
+                "agent_state": {d: None for d in DIMS}, "agent_format_ok": False,
                 "user_reply": "(format note)", "user_status": None, "user_state": None,
                 "user_source": "format_error", "user_error": None}
     status = rng.choice([0, 0, 1, 1, -1]) if last else 0
@@ -70,6 +73,12 @@ def random_records(seed: int, n: int, scenario: Scenario) -> list[dict[str, Any]
     return [random_record(rng, scenario, i) for i in range(n)]
 
 
+def typed(records: list[dict[str, Any]]) -> list[DialogueRecord]:
+    """The records as `DialogueRecord`s (each named as the metrics name a record: index and dialogue id)."""
+    return [DialogueRecord.from_dict(r, f"record {i} (dialogue_id {r.get('dialogue_id')!r})")
+            for i, r in enumerate(records)]
+
+
 def object_column(values: list[Any]) -> np.ndarray:
     """A 1-D object array with one element per value (never a 2-D array of lists)."""
     arr = np.empty(len(values), dtype=object)
@@ -93,12 +102,13 @@ def random_mask_row(rng: random.Random, length: int, turns: int) -> tuple[list[i
 
 
 def batch_of(records: list[dict[str, Any]], seed: int, length: int = 48) -> tuple[DataProto, list[int]]:
-    """A DataProto holding `records` as non-tensor columns with hand-built response masks, one agent span per
-    turn of each non-error record; returns it and the expected position of each row's reward."""
+    """A DataProto holding `records` (typed, in the `dialogue` column, as the rollout loop puts them, and their
+    `uid`) with hand-built response masks, one agent span per turn of each non-error record; returns it and the
+    expected position of each row's reward."""
     rng = random.Random(seed)
     rows = [random_mask_row(rng, length, 0 if r["outcome"] == "error" else r["num_turns"]) for r in records]
     mask = torch.tensor([m for m, _ in rows], dtype=torch.long)
     responses = torch.where(mask.bool(), torch.randint(3, 1000, mask.shape), torch.zeros_like(mask))
-    non_tensors = {key: object_column([r[key] for r in records]) for key in records[0]}
+    non_tensors = {"uid": object_column([r["uid"] for r in records]), DIALOGUE_KEY: object_column(typed(records))}
     data = DataProto.from_dict(tensors={"responses": responses, "response_mask": mask}, non_tensors=non_tensors)
     return data, [last for _, last in rows]

@@ -12,7 +12,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from llm_agent.scenario import STATE_DIMS, Scenario
+from llm_agent.scenario import Scenario
+from tests.helpers.profiles import DIMS
 
 OUTCOME_WEIGHTS = {"completed": 3, "hung_up": 3, "agent_ended": 1, "timeout": 1, "truncated": 1, "error": 1}
 SEARCH_WORD = "zucchini"
@@ -22,7 +23,7 @@ RATE_KEYS = {"completed": "completion_rate", "hung_up": "hang_up_rate", "agent_e
 
 
 def _state(rng: random.Random, scenario: Scenario) -> dict[str, int]:
-    return {d: rng.randint(scenario.state_ranges[d].min, scenario.state_ranges[d].max) for d in STATE_DIMS}
+    return {d: rng.randint(scenario.state_ranges[d].min, scenario.state_ranges[d].max) for d in DIMS}
 
 
 def synthetic_dialogue(rng: random.Random, scenario: Scenario, index: int, step: int, split: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ one without the other is caught.
 from __future__ import annotations
 
 from verl.protocol import DataProto
+from tests.helpers.gen_loop_helpers import column
 
 
 def loss_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
@@ -31,8 +32,8 @@ def misaligned_rows(batch: DataProto, tokenizer) -> list[int]:
     for row in range(len(batch)):
         ids = batch.batch["responses"][row].tolist()
         mask = batch.batch["response_mask"][row].tolist()
-        turns = batch.non_tensor_batch["turns"][row]
-        if batch.non_tensor_batch["outcome"][row] == "error":
+        turns = column(batch, "turns")[row]
+        if column(batch, "outcome")[row] == "error":
             if any(mask):
                 bad.append(row)
             continue

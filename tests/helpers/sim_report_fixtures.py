@@ -3,6 +3,7 @@ outbound scenario's `scripted` section: see each constant's comment)."""
 from __future__ import annotations
 
 from llm_agent.scenario import Scenario, UserProfile
+from tests.helpers.profiles import profile3
 
 INTRO = "Hello, this is Mia from FoodLoop."  # self_intro + organisation: `introduced`, trust +1, nothing else
 PUSHY = "You have to act now, right now!"  # pushy (c -1, e -1) + doubt_ignored (e -1) + no_progress (e -1)
@@ -33,4 +34,4 @@ def profile(scenario: Scenario, state: tuple[int, int, int], *categories: str) -
     first = {}
     for b in scenario.behaviors:
         first.setdefault(b.category, b)
-    return UserProfile(*state, behaviors=tuple(first[c] for c in categories))
+    return profile3(*state, behaviors=tuple(first[c] for c in categories))

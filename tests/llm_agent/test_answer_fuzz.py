@@ -101,10 +101,10 @@ def _profile_answers() -> st.SearchStrategy[str]:
 @example(text='{"behaviors": ["\ud800"]}', low=0, extra=3).via("a lone surrogate")
 @example(text='{"behaviors": ["\u00b2", "%s"]}' % ("9" * 5000), low=0, extra=3).via("digits int() refuses")
 def test_a_profile_answer_is_checked_without_raising(text, low, extra):
-    check = check_answer(text, STATE, SCENARIO.behaviors, low, low + extra)
+    check = check_answer(text, dict(zip(SCENARIO.dims, STATE)), SCENARIO.behaviors, low, low + extra)
     assert check.accepted != (check.reject_reason is not None) and _utf8(check.detail)
     if check.accepted:
         profile = check.profile
-        assert (profile.cooperation, profile.emotion, profile.trust) == STATE
+        assert (profile.state["cooperation"], profile.state["emotion"], profile.state["trust"]) == STATE
         assert low <= len(profile.behaviors) <= low + extra
         assert set(profile.behaviors) <= set(SCENARIO.behaviors)

@@ -15,14 +15,15 @@ from omegaconf import OmegaConf
 
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.metrics import OUTCOMES
-from llm_agent.rollout.dialogue import ChatMarkers, TokenBuffer
-from llm_agent.rollout.env import DialogueEnv, DialogueRules, RequestSeeds, Step
+from llm_agent.envs import DialogueEnv, EnvContext, RequestSeeds, Step
+from llm_agent.envs import ChatMarkers, TokenBuffer
+from verl.workers.rollout.engine import SampledTurn
 from llm_agent.rollout.outcome import Outcome
-from llm_agent.scenario import UserProfile
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest, UserSimClient, UserSimConfig
 from llm_agent.user_sim.server.chat_request import ChatRequest
 from verl.trainer.ppo.plugins import RolloutLoop, bind_reward
+from tests.helpers.profiles import profile3
 
 REPO = Path(__file__).resolve().parents[2]
 HOOKS = ("run_llm_loop", "state_dict", "load_state_dict", "on_train_step_end", "on_validation_end",
@@ -79,7 +80,7 @@ def test_a_client_writing_only_complete_gets_working_defaults(scenario):
     agent = scenario.parse_agent_output(agent_text(scenario, "Hello, this is Mia."))
     with InProcessUserSim(scenario) as sim:
         answer = sim.run_on_loop(sim.acomplete(TurnRequest(
-            "d#0", scenario.render_user_messages(UserProfile(2, 2, 2), [agent]), seed=1)))
+            "d#0", scenario.render_user_messages(profile3(2, 2, 2), [agent]), seed=1)))
         assert isinstance(answer, TurnReply) and scenario.parse_user_output(answer.text).well_formed
 
 
@@ -125,17 +126,17 @@ def test_each_outcome_has_one_handler():
 def _env(tok, scenario, max_turns=3, budget=600) -> tuple[DialogueEnv, TokenBuffer]:
     batch = make_gen_batch(tok, scenario, ["x"])
     buffer = TokenBuffer(batch.batch["input_ids"], batch.batch["attention_mask"], budget, tok.pad_token_id)
-    rules = DialogueRules(scenario=scenario, tokenizer=tok, markers=ChatMarkers.from_tokenizer(tok, tok.eos_token_id),
+    rules = EnvContext(scenario=scenario, tokenizer=tok, markers=ChatMarkers.from_tokenizer(tok, tok.eos_token_id),
                           eos_id=tok.eos_token_id, max_turns=max_turns, max_user_tokens=64,
                           user_sim=UserSimConfig(reply_retries=1), format_error_message="(format)",
                           range_error_message="(range)", cache=None, seeds=RequestSeeds(0, 1, True))
     env = DialogueEnv(rules, buffer, 0, "x", "x#0")
-    env.reset(UserProfile(2, 2, 2))
+    env.reset(profile3(2, 2, 2))
     return env, buffer
 
 
-def _ids(tok, text: str) -> torch.Tensor:
-    return torch.tensor(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
+def _ids(tok, text: str) -> SampledTurn:
+    return SampledTurn(torch.tensor(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]), None, 7)
 
 
 def test_env_steps_a_dialogue_without_a_loop(tok, scenario):
@@ -150,13 +151,14 @@ def test_env_steps_a_dialogue_without_a_loop(tok, scenario):
     reply = scenario.format_user_output("Who is this?", {"cooperation": 2, "emotion": 2, "trust": 2}, 0)
     answered = env.answer(TurnReply("x#0", reply, "fake", 0.0, 1))
     used = buffer.resp_len[0]
-    assert answered.request is None and answered.outcome is None and answered.record["user_reply"] == "Who is this?"
+    assert answered.request is None and answered.outcome is None and answered.record.user_reply == "Who is this?"
+    assert answered.record.policy_version == 7  # the version that sampled the turn, as the engine reported it
     assert buffer.ids[0, buffer.P + used - len(answered.user_ids):buffer.P + used].tolist() == answered.user_ids
     assert buffer.loss_mask[0, used - len(answered.user_ids):used].sum() == 0  # the user turn carries no loss
     claim = env.step(_ids(tok, agent_text(scenario, "All set.", status=1)))  # a claim of success is heard ...
     ended = env.answer(TurnReply("x#0", scenario.format_user_output("What?", {}, 0), "fake", 0.0, 1))
     assert claim.request is not None and ended.outcome is Outcome.AGENT_ENDED and not env.active  # ... not confirmed
-    assert env.dialogue.record()["outcome"] == "agent_ended"
+    assert env.record().outcome == "agent_ended"
     with pytest.raises(RuntimeError, match="already ended"):
         env.step(_ids(tok, "more"))
 
@@ -168,7 +170,7 @@ def test_env_error_takes_the_row_out_of_the_loss(tok, scenario):
     ended = env.answer(TurnFailure(step.request.dialogue_id, "all 3 attempts failed", 3))
     assert ended.outcome is Outcome.ERROR and buffer.loss_mask[0].sum() == 0
     assert env.dialogue.error == "user simulator turn failed: all 3 attempts failed"
-    assert ended.record["user_error"] == "all 3 attempts failed"
+    assert ended.record.user_error == "all 3 attempts failed"
 
 
 def test_env_answers_for_another_dialogue_are_refused(tok, scenario):

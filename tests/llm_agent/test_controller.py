@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from llm_agent.controller import ControllerConfig, StateController, bound_weights, parse_state_key
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, STATE_DIMS, load_scenario
+from llm_agent.controller import ControllerConfig, StateController, bound_weights
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
+from tests.helpers.profiles import DIMS
 
 SCENARIO_PATH = DEFAULT_SCENARIO_PATH
 VALID = {"cooperation": [1, 2, 3], "emotion": [1, 2], "trust": [1, 2, 3, 4]}  # the scenario's ranges minus extremes
@@ -73,7 +74,7 @@ def random_outcomes(seed: int, n: int, p_of) -> list[tuple[str, bool]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        c, e, t = (rng.choice(VALID[d]) for d in STATE_DIMS)
+        c, e, t = (rng.choice(VALID[d]) for d in DIMS)
         out.append((f"c{c}-e{e}-t{t}", rng.random() < p_of(c, e, t)))
     return out
 
@@ -193,10 +194,10 @@ def test_sampled_profiles_in_range_with_valid_behaviours(scenario, allow_extreme
     profiles = StateController(cfg, scenario).sample(3000)
     assert len(profiles) == 3000
     library = set(scenario.behaviors)
-    for dim in STATE_DIMS:
+    for dim in DIMS:
         rng = scenario.state_ranges[dim]
         want = set(range(rng.min, rng.max + 1)) if allow_extremes else set(VALID[dim])
-        assert {getattr(p, dim) for p in profiles} == want
+        assert {p.state[dim] for p in profiles} == want
     counts = set()
     for p in profiles:
         scenario.check_profile(p)
@@ -216,12 +217,12 @@ def test_sampling_frequencies_match_weights(scenario):
     ctrl.update([("c1-e1-t1", False)] * 30 + [("c3-e2-t4", True)] * 70 + [("c2-e1-t2", True)] * 20)
     n = 20000
     profiles = ctrl.sample(n)
-    for dim in STATE_DIMS:
+    for dim in DIMS:
         probs = ctrl.weights[dim]
         assert max(probs.values()) > 1.2 * min(probs.values())  # a non-uniform target
         observed = {}
         for p in profiles:
-            observed[str(getattr(p, dim))] = observed.get(str(getattr(p, dim)), 0) + 1
+            observed[str(p.state[dim])] = observed.get(str(p.state[dim]), 0) + 1
         assert chi_square(observed, probs, n) < 20.0  # df <= 3: p(chi2 > 16.3) = 0.001
 
 
@@ -229,7 +230,7 @@ def test_sampling_frequencies_match_weights(scenario):
 def test_joint_mode_update_and_sampling(scenario):
     cfg = ControllerConfig(joint=True, smoothing=0.7, seed=2)
     ctrl = StateController(cfg, scenario)
-    combos = [f"c{c}-e{e}-t{t}" for c, e, t in itertools.product(*(VALID[d] for d in STATE_DIMS))]
+    combos = [f"c{c}-e{e}-t{t}" for c, e, t in itertools.product(*(VALID[d] for d in DIMS))]
     assert list(ctrl.weights["joint"]) == combos
     expected = {"joint": [1 / 24] * 24}
     for step in range(2):
@@ -238,14 +239,15 @@ def test_joint_mode_update_and_sampling(scenario):
         ctrl.update(outcomes)
         assert list(ctrl.weights["joint"].values()) == pytest.approx(expected["joint"], abs=1e-12)
     metrics = ctrl.metrics()
-    for i, dim in enumerate(STATE_DIMS):
+    for i, dim in enumerate(DIMS):
         for v in VALID[dim]:
-            marginal = sum(w for k, w in zip(combos, expected["joint"]) if parse_state_key(k)[i] == v)
+            marginal = sum(w for k, w in zip(combos, expected["joint"]) if int(k.split("-")[i][1:]) == v)
             assert metrics[f"controller/weight/{dim}={v}"] == pytest.approx(marginal, abs=1e-12)
     n = 24000
     observed = {}
     for p in ctrl.sample(n):
-        observed[p.state_key] = observed.get(p.state_key, 0) + 1
+        key = "c{cooperation}-e{emotion}-t{trust}".format(**p.state)
+        observed[key] = observed.get(key, 0) + 1
     assert chi_square(observed, ctrl.weights["joint"], n) < 60.0  # df 23: p(chi2 > 49.7) = 0.001
 
 
@@ -257,7 +259,7 @@ def test_metrics_report_last_update(scenario):
     assert m["controller/cr"] == 0.5 and m["controller/n"] == 4.0 and m["controller/updates"] == 1.0
     assert m["controller/cr/cooperation=1"] == 0.5 and m["controller/cr/emotion=2"] == 0.5
     assert m["controller/cr/trust=4"] == 1.0 and "controller/cr/cooperation=0" not in m
-    for dim in STATE_DIMS:
+    for dim in DIMS:
         assert sum(m[f"controller/weight/{dim}={v}"] for v in VALID[dim]) == pytest.approx(1.0)
 
 

@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from llm_agent.cache import CacheConfig, UserResponseCache
-from llm_agent.rollout.dialogue import TokenBuffer
+from llm_agent.envs import TokenBuffer
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.rollout.config import ConfigError, GenerationConfig
 from llm_agent.scenario import UserProfile
 
-from tests.helpers.gen_loop_helpers import (FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
-                                            prompt_messages)
+from tests.helpers.gen_loop_helpers import (FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, column, make_gen_batch,
+                                            prompt_messages, record_columns)
 from tests.helpers.repo import SCENARIO_PATH
+from tests.helpers.profiles import profile3
 
 
 def base_config(tmp_path, **overrides):
@@ -59,7 +60,7 @@ def test_each_outcome_ends_or_continues_its_dialogue(tok, scenario, tmp_path):
             "slow": [("Hm.", 0), ("Hm.", 0), ("Hm.", 0)], "fail": [("Yes?", 0), FAIL],
             "junk": ["no tags at all"], "fmt": [("Who?", 0), ("Fine, done.", 1)]}
     loop, policy, sim, out, row = run(tok, scenario, tmp_path, agents, sims)
-    nt = out.non_tensor_batch
+    nt = record_columns(out)
     expect = {"done": ("completed", 2, 2), "hang": ("hung_up", 1, 1), "quit": ("agent_ended", 2, 1),
               "claim": ("completed", 2, 2), "false": ("agent_ended", 2, 2),
               "slow": ("timeout", 3, 3), "fail": ("error", 2, 2), "junk": ("error", 1, 3), "fmt": ("completed", 3, 2)}
@@ -113,7 +114,7 @@ def test_response_mask_is_exactly_the_sampled_tokens_and_user_blocks_match_the_t
         assert mask_one_ids(out, i) == sampled, key
         assert sampled.count(eos) == 3
         # the row's full token sequence is the chat template of the prompt + the agent-side messages
-        messages = prompt_messages(scenario, key) + list(out.non_tensor_batch["messages"][i])
+        messages = prompt_messages(scenario, key) + list(column(out, "messages")[i])
         last_user = messages[-1]["role"] == "user"
         text = tok.apply_chat_template(messages[:-1] if last_user else messages, tokenize=False)
         expected = tok.encode(text, add_special_tokens=False)
@@ -156,7 +157,7 @@ def test_per_turn_and_per_trajectory_limits(tok, scenario, tmp_path):
     sims = {"long": [(long_reply, 0)] * 5, "short": [("ok", 0)] * 5}  # long replies are cut to max_user_tokens
     loop, policy, sim, out, row = run(tok, scenario, tmp_path, agents, sims, max_turns=5,
                                       max_tokens_per_turn=64, max_response_length=400)
-    nt, eos = out.non_tensor_batch, tok.eos_token_id
+    nt, eos = record_columns(out), tok.eos_token_id
     i = row["long"]
     assert nt["outcome"][i] == "truncated"
     lengths = [len(policy.returned[("long", t)]) for t in range(nt["num_turns"][i])]
@@ -175,7 +176,7 @@ def test_user_reply_is_cut_to_max_user_tokens(tok, scenario, tmp_path):
     a = lambda reply: agent_text(scenario, reply)  # noqa: E731
     loop, policy, sim, out, _ = run(tok, scenario, tmp_path, {"u": [a("Hi.")] * 2},
                                     {"u": [(long_reply, 0), ("ok", 1)]}, max_user_tokens=8)
-    turn, shown = out.non_tensor_batch["turns"][0][0], out.non_tensor_batch["messages"][0][1]["content"]
+    turn, shown = column(out, "turns")[0][0], column(out, "messages")[0][1]["content"]
     assert turn["user_reply"] == long_reply.strip()
     assert shown == tok.decode(tok.encode(long_reply.strip(), add_special_tokens=False)[:8])
     heard = sim.requests[1].messages[2]["content"]  # the simulator keeps its own full reply
@@ -196,11 +197,11 @@ def test_validation_never_touches_the_cache_and_training_uses_it(tok, scenario, 
     sims = {"c": [("fresh one", 0), ("fresh two", 0), ("fresh three", 0)]}
     val, _, val_sim, out, _ = run(tok, scenario, tmp_path, agents, sims, validation=True, cache=cache_cfg)
     assert val.cache is None and val_sim.calls_for("c") == 3
-    assert [t["user_source"] for t in out.non_tensor_batch["turns"][0]] == ["simulator"] * 3
+    assert [t["user_source"] for t in column(out, "turns")[0]] == ["simulator"] * 3
     assert path.read_text() == before
     train, _, train_sim, out, _ = run(tok, scenario, tmp_path, agents, sims, cache=cache_cfg)
-    sources = [t["user_source"] for t in out.non_tensor_batch["turns"][0]]
-    assert sources == ["cache", "simulator", "cache"] and out.non_tensor_batch["cache_hits"][0] == 2
+    sources = [t["user_source"] for t in column(out, "turns")[0]]
+    assert sources == ["cache", "simulator", "cache"] and column(out, "cache_hits")[0] == 2
 
 
 def test_a_cached_turn_reuses_words_never_another_users_state(tok, scenario, tmp_path):
@@ -215,7 +216,7 @@ def test_a_cached_turn_reuses_words_never_another_users_state(tok, scenario, tmp
     agents = {"c": [a("Hi."), a("Hi again.")]}
     _, _, sim, out, _ = run(tok, scenario, tmp_path, agents, {"c": [("fresh", 0), ("fresh two", 0)]},
                             cache=cache_cfg, max_turns=2)
-    turns = out.non_tensor_batch["turns"][0]
+    turns = column(out, "turns")[0]
     assert [t["user_source"] for t in turns] == ["cache", "simulator"]
     assert turns[0]["user_reply"] == "A cached hello."
     assert turns[0]["user_state"] == {"cooperation": 2, "emotion": 2, "trust": 2}  # the profile's own state
@@ -233,19 +234,19 @@ def test_profiles_per_uid_group_from_controller_and_from_dataset(tok, scenario, 
     loop = LLMGenerationManager(tok, policy, base_config(tmp_path, controller={"enabled": True, "seed": 3}),
                                 is_validation=False, client=sim)
     out = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=keys))
-    nt = out.non_tensor_batch
+    nt = record_columns(out)
     assert list(nt["dialogue_id"]) == ["g1#0", "g1#1", "g1#2", "g2#0", "g2#1", "g2#2"]
     assert len({json.dumps(p) for p in nt["profile"][:3]}) == 1 and len({json.dumps(p) for p in nt["profile"][3:]}) == 1
     for req in sim.requests:  # each dialogue's persona is its own row's profile
         i = list(nt["dialogue_id"]).index(req.dialogue_id)
         persona = scenario.render_user_prompt(UserProfile.from_dict(nt["profile"][i]))
         assert req.messages[0] == {"role": "system", "content": persona}
-        assert nt["state_key"][i] == UserProfile.from_dict(nt["profile"][i]).state_key
+        assert nt["state_key"][i] == scenario.state_key(UserProfile.from_dict(nt["profile"][i]).state)
     # without the controller the dataset column decides, row by row
-    profiles = [UserProfile(1, 0, 2), UserProfile(3, 3, 4)]
+    profiles = [profile3(1, 0, 2), profile3(3, 3, 4)]
     loop = LLMGenerationManager(tok, policy, base_config(tmp_path), is_validation=True, client=sim)
     out = loop.run_llm_loop(make_gen_batch(tok, scenario, ["g1", "g2"], profiles=profiles))
-    assert list(out.non_tensor_batch["state_key"]) == ["c1-e0-t2", "c3-e3-t4"]
+    assert list(column(out, "state_key")) == ["c1-e0-t2", "c3-e3-t4"]
     bad = make_gen_batch(tok, scenario, ["g1", "g2"])
     bad.non_tensor_batch["user_profile"][1] = "{not json"
     with pytest.raises(ValueError, match=r"user_profile'\]\[1\].*uid 'g2'.*JSON"):
@@ -310,7 +311,7 @@ def test_hooks_log_metrics_and_state_roundtrip(tok, scenario, tmp_path):
     assert metrics["controller/updates"] == 1.0 and metrics["controller/n"] == 1.0  # the error row is excluded
     lines = [json.loads(x) for x in (tmp_path / "logs" / "rollout.jsonl").read_text().splitlines()]
     assert [(x["step"], x["split"], x["outcome"]) for x in lines] == [(4, "train", "completed"), (4, "train", "error")]
-    assert lines[0]["profile"] == out.non_tensor_batch["profile"][0] and lines[0]["reward"] is None
+    assert lines[0]["profile"] == column(out, "profile")[0] and lines[0]["reward"] is None
     state = json.loads(json.dumps(loop.state_dict()))
     fresh = LLMGenerationManager(tok, policy, cfg, is_validation=False, client=sim)
     fresh.load_state_dict(state)
@@ -359,9 +360,9 @@ def test_a_format_error_turn_between_two_cached_turns_is_not_a_cached_turn(tok, 
     sims = {"f": [("s1", 0), ("s2", 0), ("s3", 0), ("s4", 0)]}
     _, _, sim, out, _ = run(tok, scenario, tmp_path, agents, sims, max_turns=4,
                             cache=_seeded_cache(scenario, tmp_path))
-    sources = [t["user_source"] for t in out.non_tensor_batch["turns"][0]]
+    sources = [t["user_source"] for t in column(out, "turns")[0]]
     assert sources == ["cache", "format_error", "cache", "simulator"]
-    assert out.non_tensor_batch["cache_hits"][0] == 2 and sim.calls_for("f") == 1
+    assert column(out, "cache_hits")[0] == 2 and sim.calls_for("f") == 1
 
 
 def test_cache_flags_do_not_leak_from_a_failed_rollout_call(tok, scenario, tmp_path):
@@ -375,7 +376,7 @@ def test_cache_flags_do_not_leak_from_a_failed_rollout_call(tok, scenario, tmp_p
         loop.run_llm_loop(make_gen_batch(tok, scenario, ["u"]))
     policy.scripts["u"] = [a("Hi."), a("Again.")]
     out = loop.run_llm_loop(make_gen_batch(tok, scenario, ["u"]))  # same dialogue id "u#0" as the failed call
-    assert [t["user_source"] for t in out.non_tensor_batch["turns"][0]] == ["cache", "simulator"]
+    assert [t["user_source"] for t in column(out, "turns")[0]] == ["cache", "simulator"]
 
 
 def test_a_second_call_for_the_same_uids_keeps_their_sampled_profiles(tok, scenario, tmp_path):
@@ -389,17 +390,17 @@ def test_a_second_call_for_the_same_uids_keeps_their_sampled_profiles(tok, scena
     loop = LLMGenerationManager(tok, policy, cfg, is_validation=False, client=sim)
     first = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=keys))
     again = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=keys))
-    assert list(again.non_tensor_batch["profile"]) == list(first.non_tensor_batch["profile"])
+    assert list(column(again, "profile")) == list(column(first, "profile"))
     step2 = [f"{k}b" for k in keys]  # the next step's prompts: freshly sampled users
     fresh = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=step2))
-    assert list(fresh.non_tensor_batch["profile"]) != list(first.non_tensor_batch["profile"])
+    assert list(column(fresh, "profile")) != list(column(first, "profile"))
 
 
 def test_validation_meets_the_same_simulated_users_at_every_step_and_training_does_not(tok, scenario, tmp_path):
     a = lambda reply: agent_text(scenario, reply)  # noqa: E731
     agents = {"x": [a("Hi."), a("Hi again.")], "y": [a("Hello."), a("Hello again.")]}
     uids = {step: [f"val{step}_0_0", f"val{step}_0_1"] for step in (1, 2)}  # the trainer tags uids with the step
-    profiles = [UserProfile(1, 2, 3), UserProfile(2, 1, 1)]
+    profiles = [profile3(1, 2, 3), profile3(2, 1, 1)]
     seeds = {}
     for validation in (True, False):
         sim = ProgrammedSim(scenario, {u: [("one", 0), ("two", 0)] for step in uids for u in uids[step]})

@@ -9,7 +9,7 @@ from llm_agent.rollout.config import GenerationConfig
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 
-from tests.helpers.gen_loop_helpers import ProgrammedPolicy, agent_text, make_gen_batch
+from tests.helpers.gen_loop_helpers import record_columns, column, ProgrammedPolicy, agent_text, make_gen_batch
 from tests.helpers.repo import SCENARIO_PATH
 
 
@@ -29,7 +29,7 @@ def loop_for(tok, scenario, quality="good", sim=None, **overrides):
 def test_good_agent_completes_and_outcomes_match_transcripts(tok, scenario):
     keys = [f"g{i}" for i in range(4) for _ in range(2)]
     out = loop_for(tok, scenario).run_llm_loop(make_gen_batch(tok, scenario, keys, uids=keys))
-    nt = out.non_tensor_batch
+    nt = record_columns(out)
     assert "completed" in set(nt["outcome"])
     for i in range(len(out)):
         last = nt["turns"][i][-1]
@@ -42,7 +42,7 @@ def test_malformed_agent_gets_format_errors_and_never_reaches_the_simulator(tok,
     sim = InProcessUserSim(scenario)
     out = loop_for(tok, scenario, quality="malformed", sim=sim, max_turns=3).run_llm_loop(
         make_gen_batch(tok, scenario, ["m", "m"]))
-    nt = out.non_tensor_batch
+    nt = record_columns(out)
     assert list(nt["outcome"]) == ["timeout", "timeout"] and list(nt["format_errors"]) == [3, 3]
     assert sim.stats()["user_sim/turns"] == 0
     assert all(t["user_source"] == "format_error" for turns in nt["turns"] for t in turns)
@@ -54,9 +54,9 @@ def test_a_premature_claim_of_success_is_heard_and_counted_a_false_positive(tok,
     call ends as a false claim (FPR 1), never as a completion."""
     sim = InProcessUserSim(scenario)
     out = loop_for(tok, scenario, quality="ender", sim=sim).run_llm_loop(make_gen_batch(tok, scenario, ["e", "f"]))
-    assert list(out.non_tensor_batch["outcome"]) == ["agent_ended", "agent_ended"]
-    assert list(out.non_tensor_batch["num_turns"]) == [1, 1] and sim.stats()["user_sim/turns"] == 2
-    assert all(turns[-1]["user_source"] == "simulator" for turns in out.non_tensor_batch["turns"])
+    assert list(column(out, "outcome")) == ["agent_ended", "agent_ended"]
+    assert list(column(out, "num_turns")) == [1, 1] and sim.stats()["user_sim/turns"] == 2
+    assert all(turns[-1]["user_source"] == "simulator" for turns in column(out, "turns"))
     assert out.meta_info["metrics"]["rollout/false_positive_rate"] == 1.0
 
 
@@ -64,7 +64,7 @@ def test_injected_simulator_failures_hit_only_their_dialogues(tok, scenario):
     sim = InProcessUserSim(scenario, fail_ids={"b#1"})
     out = loop_for(tok, scenario, sim=sim).run_llm_loop(make_gen_batch(tok, scenario, ["a", "a", "b", "b"],
                                                                        uids=["a", "a", "b", "b"]))
-    nt = out.non_tensor_batch
+    nt = record_columns(out)
     assert [o == "error" for o in nt["outcome"]] == [False, False, False, True]
     assert list(nt["uid"]) == ["a", "a", "b", "b/error/b#1"]
     assert "injected failure" in nt["error"][3] and out.batch["response_mask"][3].sum() == 0

@@ -10,7 +10,7 @@ import pytest
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 
-from tests.helpers.gen_loop_helpers import ProgrammedSim, make_gen_batch
+from tests.helpers.gen_loop_helpers import column, ProgrammedSim, make_gen_batch
 from tests.helpers.hostile_openai import HostileOpenAIServer
 from tests.helpers.repo import SCENARIO_PATH
 
@@ -36,7 +36,7 @@ def test_a_reply_with_lone_surrogates_reaches_tokenizer_and_cache_clean(tok, sce
         loop.save_checkpoint(str(tmp_path / "ckpt"))  # the cache snapshot
     finally:
         loop.close()
-    replies = [t["user_reply"] for turns in out.non_tensor_batch["turns"] for t in turns if t.get("user_reply")]
+    replies = [t["user_reply"] for turns in column(out, "turns") for t in turns if t.get("user_reply")]
     assert replies and all("\ufffd" in r and "\ud800" not in r for r in replies)
     stored = [json.loads(line)["reply"] for line in cache_path.read_text(encoding="utf-8").splitlines()]
     assert stored and all(r == "Fine \ufffd tell me more" for r in stored)
@@ -56,7 +56,7 @@ def test_an_instance_answering_without_tags_loses_the_traffic_and_no_dialogue_er
         finally:
             loop.close()
         total = bad.requests + good.requests
-    outcomes = list(out.non_tensor_batch["outcome"])
+    outcomes = list(column(out, "outcome"))
     assert "error" not in outcomes, outcomes
     # before the fix 66% went there; the first batch splits evenly (nothing is known yet), and on a loaded box the
     # penalty decays between slow rounds (19 of 55 seen), so the bound leaves room above a third

@@ -15,14 +15,17 @@ from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.user_sim.client import TurnRequest
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 
-from tests.helpers.gen_loop_helpers import assert_same_dialogues, greedy_rollouts_in_both_modes, make_gen_batch
+from tests.helpers.gen_loop_helpers import (assert_same_dialogues, column, greedy_rollouts_in_both_modes,
+                                            make_gen_batch, record_columns)
 from tests.helpers.repo import SCENARIO_PATH
 from tests.helpers.sim_servers import SimServers
+from verl.workers.rollout.engine import RolloutEngine
+from verl.workers.rollout.replicas import WorkerGroupEngine
 
 pytestmark = pytest.mark.processes
 
 
-class KillDuringTurn:
+class KillDuringTurn(RolloutEngine):
     """Fault injection around the policy: when its `at_call`-th generation returns, SIGKILL a simulator server
     `delay_s` later, i.e. while that turn's simulator requests are in flight."""
 
@@ -56,7 +59,8 @@ def replay_matches(scenario, record) -> None:
         expected = scenario.parse_user_output(reply.text)
         got = (turn["user_reply"], turn["user_status"], turn["user_state"])
         assert got == (expected.reply, expected.status, expected.state), f"{record['dialogue_id']} turn {k}"
-        history.append(UserTurn(raw="", reply=turn["user_reply"], status=turn["user_status"], **turn["user_state"]))
+        history.append(UserTurn(raw="", reply=turn["user_reply"], status=turn["user_status"],
+                                state=dict(turn["user_state"])))
 
 
 def outcome_from_transcript(record, max_turns: int) -> str | None:
@@ -96,7 +100,7 @@ def test_loop_survives_a_simulator_killed_mid_loop(mode, tiny_model_path, tmp_pa
         assert servers.procs[a].poll() is not None, "the server was not killed during the loop"
     finally:
         servers.stop_all()
-    nt = out.non_tensor_batch
+    nt = record_columns(out)
     assert len(out) == 24 and len(set(nt["dialogue_id"])) == 24
     assert "error" not in set(nt["outcome"]), list(nt["error"])
     name_a = a.split("//")[1]
@@ -129,7 +133,7 @@ def actor_group(tiny_model_path):
         group = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config, role="actor_rollout"),
                                name_prefix="gen_loop_actor")
         group.init_model()
-        yield group
+        yield WorkerGroupEngine(group)
     finally:
         if group is not None:
             group.shutdown()
@@ -224,7 +228,7 @@ def test_real_policy_rollout_log_probs_match_an_independent_recomputation(actor_
                                                meta={"do_sample": True, "temperature": temperature}))
         b = out.batch
         mask = b["response_mask"].bool()
-        assert int(mask.sum()) > 0 and max(out.non_tensor_batch["num_turns"]) >= 2, mode
+        assert int(mask.sum()) > 0 and max(column(out, "num_turns")) >= 2, mode
         expected = recomputed_log_probs(tiny_model_path, out, temperature)
         got = b["rollout_log_probs"].double()
         assert float((got - expected).abs()[mask].max()) < 1e-4, mode

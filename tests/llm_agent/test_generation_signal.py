@@ -8,7 +8,7 @@ import torch
 from llm_agent.generation import CACHE_SNAPSHOT, LLMGenerationManager
 from llm_agent.user_sim.client import SimulatorClient, TurnReply, TurnRequest
 
-from tests.helpers.gen_loop_helpers import ProgrammedPolicy, agent_text, make_gen_batch
+from tests.helpers.gen_loop_helpers import record_columns, column, ProgrammedPolicy, agent_text, make_gen_batch
 from tests.helpers.repo import SCENARIO_PATH
 
 
@@ -53,7 +53,7 @@ def test_a_malformed_reply_is_re_requested_with_a_new_seed_and_the_dialogue_goes
     """Before: one malformed reply made the dialogue `error` (dropped from loss, CR and controller)."""
     sim = FlakySim(scenario, {"a": 2, "b": 0}, bad)
     _, out = _run(tok, scenario, tmp_path, ["a", "b"], sim)
-    nt = out.non_tensor_batch
+    nt = record_columns(out)
     assert list(nt["outcome"]) == ["timeout", "timeout"] and list(nt["sim_retries"]) == [2, 0]
     seeds = [r.seed for r in sim.requests if r.dialogue_id.startswith("a#")]
     assert len(seeds) == 3 and len(set(seeds)) == 3
@@ -64,7 +64,7 @@ def test_a_malformed_reply_is_re_requested_with_a_new_seed_and_the_dialogue_goes
 def test_retries_are_bounded_and_a_dialogue_still_malformed_is_an_error(tok, scenario, tmp_path):
     sim = FlakySim(scenario, {"a": 5})
     _, out = _run(tok, scenario, tmp_path, ["a"], sim, user_sim={"reply_retries": 1})
-    nt = out.non_tensor_batch
+    nt = record_columns(out)
     assert nt["outcome"][0] == "error" and nt["sim_retries"][0] == 1 and len(sim.requests) == 2
     assert "after 2 requests" in nt["error"][0] and out.batch["response_mask"][0].sum() == 0
     metrics = out.meta_info["metrics"]
@@ -75,9 +75,9 @@ def test_an_out_of_range_stage_is_a_format_error_naming_the_valid_stages(tok, sc
     sim = FlakySim(scenario, {})
     text = "<response>Hello.</response><stage>7</stage><status>0</status>"
     loop, out = _run(tok, scenario, tmp_path, ["a"], sim, agent=text)
-    turn = out.non_tensor_batch["turns"][0][0]
+    turn = column(out, "turns")[0][0]
     assert turn["agent_stage"] is None and not turn["agent_format_ok"] and turn["user_source"] == "format_error"
-    assert out.non_tensor_batch["format_errors"][0] == 1 and sim.requests == []
+    assert column(out, "format_errors")[0] == 1 and sim.requests == []
     assert turn["user_reply"] == loop.range_error_message and "0, 1, 2, 3" in loop.range_error_message
 
 

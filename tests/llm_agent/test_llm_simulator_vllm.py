@@ -22,6 +22,7 @@ import sys
 import pytest
 
 from llm_agent.scenario import load_scenario
+from tests.helpers.record_factory import typed
 from llm_agent.simulator_report import ProbeSampling, build_card, build_probe_set, dialogues_from_log, run_probes
 from llm_agent.user_sim.client import UserSimClient
 from llm_agent.user_sim.processes import free_port
@@ -130,7 +131,7 @@ def test_cpu_training_against_the_llm_simulator(llm_simulator, warm_model_path, 
         assert metrics[step]["dialogue/n_dialogues"] == PROMPTS * GROUP
     errors = [line for line in train if line["outcome"] == "error"]
     assert len(errors) <= len(train) // 2, [line["error"] for line in errors]
-    card = build_card(dialogues_from_log(train, scenario), scenario, "run log", {"kind": "logged dialogues"},
+    card = build_card(dialogues_from_log(typed(train), scenario), scenario, "run log", {"kind": "logged dialogues"},
                       n_resamples=100)
     failed = sum(1 for line in errors if line["turns"][-1]["user_error"])
     assert card["n_turns"] == len(heard) + failed

@@ -7,11 +7,13 @@ import math
 import numpy as np
 import pytest
 
-from llm_agent.metrics import METRIC_KEYS, dialogue_metrics, records_from_batch, stages_complete
+from llm_agent.metrics import metric_keys, records_from_batch, stages_complete
+from llm_agent.metrics import dialogue_metrics as typed_metrics
+from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
 from llm_agent.scenario import load_scenario
 from verl.protocol import DataProto
 
-from tests.helpers.record_factory import SCENARIO_PATH, batch_of, object_column, random_records
+from tests.helpers.record_factory import SCENARIO_PATH, batch_of, object_column, random_records, typed
 
 DIMS = ("cooperation", "emotion", "trust")
 
@@ -94,8 +96,9 @@ def test_metrics_match_independent_reference(scenario, seed):
     records = random_records(seed, 300, scenario)
     got = dialogue_metrics(records, scenario)
     ref = reference_metrics(records)
-    assert set(got) == set(METRIC_KEYS) == set(ref)  # the generator gives every metric a denominator
-    for key in METRIC_KEYS:
+    keys = metric_keys(scenario)
+    assert set(got) == set(keys) == set(ref)  # the generator gives every metric a denominator
+    for key in keys:
         assert got[key] == pytest.approx(ref[key], rel=1e-12, abs=1e-12), key
         assert math.isfinite(got[key])
     # the generator reaches every branch the metrics distinguish
@@ -118,8 +121,9 @@ def test_upa_normalises_each_dimension_by_its_own_range(scenario):
 
 def test_att_is_completed_only_and_adt_all(scenario):
     records = random_records(5, 40, scenario)
+    turn = random_records(5, 1, scenario)[0]["turns"][0]
     for r, (outcome, turns) in zip(records, [("completed", 2), ("hung_up", 6), ("completed", 4), ("error", 0)] * 10):
-        r.update(outcome=outcome, num_turns=turns, turns=r["turns"][:turns])
+        r.update(outcome=outcome, num_turns=turns, turns=[dict(turn) for _ in range(turns)])
     got = dialogue_metrics(records, scenario)
     assert got["att"] == 3.0 and got["adt"] == 4.0 and got["error_rate"] == 0.25 and got["n_dialogues"] == 40
 
@@ -145,12 +149,16 @@ def test_empty_denominators_leave_the_metric_undefined_never_zero(scenario):
 
 def test_stage_completeness_rule():
     ids = (0, 1, 2, 3)
-    assert stages_complete([{"agent_stage": s} for s in (0, 1, 2, 1, 3)], ids)
-    assert stages_complete([{"agent_stage": s} for s in (0, 0, None)], ids)
-    assert not stages_complete([{"agent_stage": s} for s in (0, 2, 3)], ids)
-    assert not stages_complete([{"agent_stage": None}], ids)
+
+    def turns(*stages):
+        return [TurnRecord(agent_text="", agent_stage=s) for s in stages]
+
+    assert stages_complete(turns(0, 1, 2, 1, 3), ids)
+    assert stages_complete(turns(0, 0, None), ids)
+    assert not stages_complete(turns(0, 2, 3), ids)
+    assert not stages_complete(turns(None), ids)
     with pytest.raises(ValueError, match="agent_stage 7"):
-        stages_complete([{"agent_stage": 7}], ids, "record 3")
+        stages_complete(turns(7), ids, "record 3")
 
 
 def test_bad_records_name_the_problem(scenario):
@@ -158,8 +166,10 @@ def test_bad_records_name_the_problem(scenario):
     good["outcome"] = "completed"
     with pytest.raises(ValueError, match="record 0 .*outcome 'won'"):
         dialogue_metrics([{**good, "outcome": "won"}], scenario)
-    with pytest.raises(KeyError, match="record 0 .*'num_turns'"):
-        dialogue_metrics([{k: v for k, v in good.items() if k != "num_turns"}], scenario)
+    with pytest.raises(KeyError, match="record 0 .*'turns'"):
+        dialogue_metrics([{k: v for k, v in good.items() if k != "turns"}], scenario)
+    with pytest.raises(ValueError, match="record 0 .*num_turns=9 but the record holds"):
+        dialogue_metrics([{**good, "num_turns": 9}], scenario)
     with pytest.raises(ValueError, match="'cache_hits' must be a non-negative int"):
         dialogue_metrics([{**good, "cache_hits": -1}], scenario)
     for bad in (float("nan"), -1.0, "3"):
@@ -167,13 +177,21 @@ def test_bad_records_name_the_problem(scenario):
             dialogue_metrics([{**good, "wall_s": bad}], scenario)
 
 
-def test_records_from_batch_round_trip_and_missing_key(scenario):
+def test_records_from_batch_are_the_loops_own_records_and_missing_ones_name_the_loop(scenario):
     records = random_records(7, 12, scenario)
     data, _ = batch_of(records, seed=7)
-    data.non_tensor_batch["num_turns"] = np.array([r["num_turns"] for r in records])  # an int column
     rows = records_from_batch(data)
-    assert rows == records and all(type(r["num_turns"]) is int for r in rows)
-    assert dialogue_metrics(rows, scenario) == dialogue_metrics(copy.deepcopy(records), scenario)
+    assert rows == list(data.non_tensor_batch["dialogue"]) and all(isinstance(r, DialogueRecord) for r in rows)
+    scalars = [k for k in records[0] if k != "turns"]
+    assert [r.to_dict()[k] for r in rows for k in scalars] == [r[k] for r in records for k in scalars]
+    assert [[{k: t[k] for k in records[0]["turns"][0]} for t in r.to_dict()["turns"]] for r in rows] == \
+        [r["turns"] for r in records]  # the log's turn keys, plus policy_version (None: not reported)
+    assert typed_metrics(rows, scenario) == dialogue_metrics(copy.deepcopy(records), scenario)
     partial = DataProto.from_dict(non_tensors={"outcome": object_column([r["outcome"] for r in records])})
-    with pytest.raises(KeyError, match="'profile'.*LLMGenerationManager"):
+    with pytest.raises(KeyError, match="'dialogue'.*LLMGenerationManager"):
         records_from_batch(partial)
+
+
+def dialogue_metrics(records, scenario):
+    """The metrics of records given in the rollout log's JSON form (read as `DialogueRecord`s, as logs are)."""
+    return typed_metrics(typed(records), scenario)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import llm_agent.reward as reward_mod
 from llm_agent.reward import COMPONENTS, compute_reward
+from llm_agent.rollout.dialogue_record import records_from_batch
 from llm_agent.scenario import load_scenario
 from verl.protocol import DataProto
 
@@ -57,10 +57,10 @@ def test_components_placement_and_metrics_match_reference(scenario, seed):
     assert rewards.dtype == torch.float32 and rewards.shape == data.batch["response_mask"].shape
     raws, totals = [], []
     for i, r in enumerate(records):
-        comps = data.non_tensor_batch["reward_components"][i]
+        comps = records_from_batch(data)[i].reward_components
         if r["outcome"] == "error":
             assert last[i] == -1 and not rewards[i].any()
-            assert data.non_tensor_batch["reward"][i] == 0.0 and set(comps.values()) == {0.0}
+            assert records_from_batch(data)[i].reward == 0.0 and set(comps.values()) == {0.0}
             continue
         raw = reference_raw(r, MAX_TURNS)
         raws.append(raw)
@@ -68,7 +68,7 @@ def test_components_placement_and_metrics_match_reference(scenario, seed):
             assert comps[name] == pytest.approx(WEIGHTS[name] * raw[name], abs=1e-12), (i, name)
         total = sum(WEIGHTS[n] * raw[n] for n in COMPONENTS)
         totals.append(total)
-        assert data.non_tensor_batch["reward"][i] == pytest.approx(total, abs=1e-12)
+        assert records_from_batch(data)[i].reward == pytest.approx(total, abs=1e-12)
         # the whole reward sits on the last agent token, after which come user blocks and padding
         assert rewards[i, last[i]].item() == pytest.approx(total, abs=1e-5)
         assert torch.count_nonzero(rewards[i]) == (total != 0.0)
@@ -115,16 +115,15 @@ def test_reward_follows_its_dialogue_through_reorder(scenario):
     before = copy.deepcopy(data)
     kwargs = {"scenario": SCENARIO_PATH, "weights": WEIGHTS, "turn_efficiency_max_turns": MAX_TURNS}
     rewards_before, _ = compute_reward(before, None, **kwargs)
-    by_dialogue = {d: (r, rewards_before[i]) for i, (d, r) in
-                   enumerate(zip(before.non_tensor_batch["dialogue_id"], before.non_tensor_batch["reward"]))}
+    by_dialogue = {r.dialogue_id: (r.reward, rewards_before[i]) for i, r in enumerate(records_from_batch(before))}
     perm = np.random.default_rng(0).permutation(len(data))
     assert (perm != np.arange(len(data))).mean() > 0.9
     data.reorder(perm)  # what the trainer's balancing does
     rewards_after, _ = compute_reward(data, None, **kwargs)
-    assert len(set(before.non_tensor_batch["reward"])) > 20  # rewards differ enough to expose a mix-up
-    for i, dialogue_id in enumerate(data.non_tensor_batch["dialogue_id"]):
-        reward, row = by_dialogue[dialogue_id]
-        assert data.non_tensor_batch["reward"][i] == reward
+    assert len({r.reward for r in records_from_batch(before)}) > 20  # rewards differ enough to expose a mix-up
+    for i, record in enumerate(records_from_batch(data)):
+        reward, row = by_dialogue[record.dialogue_id]
+        assert record.reward == reward
         assert torch.equal(rewards_after[i], row)
 
 
@@ -140,10 +139,10 @@ def test_unknown_or_bad_weight_is_rejected(scenario):
         compute_reward(data, None)
 
 
-def test_missing_key_names_key_and_rollout_loop(scenario):
+def test_missing_records_name_the_rollout_loop(scenario):
     data, _ = batch_of(random_records(2, 4, scenario), seed=2)
-    data.non_tensor_batch.pop("format_errors")
-    with pytest.raises(KeyError, match="'format_errors'.*llm_agent.generation.LLMGenerationManager"):
+    data.non_tensor_batch.pop("dialogue")
+    with pytest.raises(KeyError, match="'dialogue'.*llm_agent.generation.LLMGenerationManager"):
         compute_reward(data, None, scenario=SCENARIO_PATH)
     bare = DataProto.from_dict(non_tensors={"outcome": ["completed"]})
     with pytest.raises(KeyError, match="response_mask"):
@@ -158,13 +157,20 @@ def test_too_many_turns_for_max_turns_is_an_error(scenario):
         compute_reward(data, None, scenario=SCENARIO_PATH, turn_efficiency_max_turns=2)
 
 
-def test_scenario_loaded_once_per_path(scenario, caplog):
-    reward_mod._scenario.cache_clear()
+def test_scenario_loaded_once_per_run(scenario, caplog, tmp_path):
+    """The reward, the training and the validation loop of a run share one parsed scenario: a file is parsed
+    once per process and content (a copy elsewhere is a file of its own; an edited file is parsed again)."""
+    path = tmp_path / "inbound.yaml"
+    path.write_bytes(open(SCENARIO_PATH, "rb").read())
     data, _ = batch_of(random_records(6, 8, scenario), seed=6)
     with caplog.at_level(logging.INFO, logger="llm_agent.scenario"):
         for _ in range(3):
-            compute_reward(data, None, scenario=SCENARIO_PATH)
+            compute_reward(data, None, scenario=str(path))
+        assert load_scenario(path) is load_scenario(str(path))
     assert sum("loaded scenario" in rec.getMessage() for rec in caplog.records) == 1
+    path.write_text(path.read_text().replace("Brightcart", "Shopwise"))
+    edited = load_scenario(path)
+    assert edited is not load_scenario(SCENARIO_PATH) and "Shopwise" in edited.description
 
 
 def test_unplaced_reward_is_counted_and_logged(scenario, caplog):

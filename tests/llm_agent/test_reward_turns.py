@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from llm_agent.diagnosis import annotated
+from llm_agent.rollout.dialogue_record import records_from_batch
 from llm_agent.reward import TURN_COMPONENTS, compute_reward
 from llm_agent.scenario import load_scenario
 from verl.trainer.ppo.diagnosis_reweight import turn_weights
 from verl.trainer.ppo.turn_layout import TurnLayout, check_turn_scores
 
-from tests.helpers.record_factory import SCENARIO_PATH, batch_of, random_records
+from tests.helpers.record_factory import SCENARIO_PATH, batch_of, random_records, typed
 
 DIMS = ("cooperation", "emotion", "trust")
 SPANS = {"cooperation": 4.0, "emotion": 3.0, "trust": 5.0}  # inbound_support.yaml's state ranges, read by hand
@@ -66,17 +67,17 @@ def test_turn_scores_and_components_match_reference(scenario, seed):
     raw_turns = []
     for i, record in enumerate(records):
         if record["outcome"] == "error":
-            assert data.non_tensor_batch["turn_rewards"][i] is None
+            assert records_from_batch(data)[i].turn_rewards is None
             continue
         per_turn = reference_turns(record)
         raw_turns += per_turn
         totals = [TURN_WEIGHTS["state_change"] * c + TURN_WEIGHTS["stage_progress"] * p + TURN_WEIGHTS["format"] * f
                   for c, p, f in per_turn]
-        assert data.non_tensor_batch["turn_rewards"][i] == pytest.approx(totals, abs=1e-12)
+        assert records_from_batch(data)[i].turn_rewards == pytest.approx(totals, abs=1e-12)
         for end, total in zip(turn_ends(mask[i].tolist()), totals, strict=True):
             expected[i, end] = total
         # the per-turn state changes add up to the trajectory's raw state_transition
-        transition = data.non_tensor_batch["reward_components"][i]["state_transition"]
+        transition = records_from_batch(data)[i].reward_components["state_transition"]
         assert transition == 0.0  # weight 0 by default ...
         assert sum(c for c, _, _ in per_turn) == pytest.approx(sum(
             (([float(record["profile"][d])] + [float(t["user_state"][d]) for t in record["turns"]
@@ -100,12 +101,12 @@ def test_default_turn_weights_write_no_turn_scores_but_labels(scenario):
     assert all(metrics[f"turn/{name}"] == 0.0 for name in TURN_COMPONENTS)
     labels = data.non_tensor_batch["turn_labels"]
     assert labels.dtype == object and labels.shape == (len(records),)
-    for i, record in enumerate(annotated(records, scenario)):
-        if record["outcome"] == "error":
+    for i, record in enumerate(annotated(typed(records), scenario)):
+        if record.outcome == "error":
             assert labels[i] is None
         else:
-            assert labels[i] == [[e["label"] for e in t["diagnosis"]] for t in record["turns"]]
-            assert len(labels[i]) == record["num_turns"]
+            assert labels[i] == [[e["label"] for e in t.diagnosis] for t in record.turns]
+            assert len(labels[i]) == record.num_turns
     assert any(turn for row in labels if row for turn in row), "no labelled turn to check"
 
 
@@ -136,7 +137,7 @@ def test_loop_turn_ids_decide_where_turn_scores_go(scenario):
     compute_reward(data, None, scenario=SCENARIO_PATH, turn_weights={"format": 1.0, "state_change": 1.0})
     scores = data.batch["turn_scores"]
     for i in range(len(records)):
-        first, second = data.non_tensor_batch["turn_rewards"][i]
+        first, second = records_from_batch(data)[i].turn_rewards
         expected = torch.zeros(10)
         expected[1], expected[6] = first, second
         torch.testing.assert_close(scores[i], expected)
@@ -146,10 +147,8 @@ def test_loop_turn_ids_decide_where_turn_scores_go(scenario):
 def test_a_record_that_does_not_match_its_row_is_an_error(scenario):
     records = [r for r in random_records(10, 20, scenario) if r["outcome"] != "error" and r["num_turns"] > 1][:3]
     data, _ = batch_of(records, seed=10)
-    broken = copy.deepcopy(records)
-    broken[1]["turns"] = broken[1]["turns"][:-1]
-    data.non_tensor_batch["turns"] = np.array([None] * 3, dtype=object)
-    data.non_tensor_batch["turns"][:] = [r["turns"] for r in broken]
+    broken = records_from_batch(data)[1]
+    broken.turns = broken.turns[:-1]
     with pytest.raises(ValueError, match=r"record 1 .*has \d+ agent turns but its row's response has \d+"):
         compute_reward(data, None, scenario=SCENARIO_PATH)
 

@@ -31,6 +31,8 @@ from verl.protocol import DataProto
 from verl.trainer.config_schema import RolloutCorrectionConfig
 from verl.trainer.ppo.rollout_rejection import apply_rejection
 from verl.trainer.ppo.trainer_rollout_corr import correct_batch
+from verl.workers.rollout.engine import RolloutEngine
+from verl.workers.rollout.replicas import WorkerGroupEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -43,7 +45,7 @@ ACTOR = {"ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 4, "use_kl
 ENGINE = {"dtype": "bfloat16", "max_model_len": 3072, "max_num_batched_tokens": 3072}
 
 
-class UpdateBeforeCall:
+class UpdateBeforeCall(RolloutEngine):
     """The worker group with a policy that moves during a rollout: before its `at_call`-th generate call (0-based)
     it runs `update_actor(batch)`, which syncs the updated weights into the engines."""
 
@@ -64,7 +66,8 @@ def _rollout(tok, scenario, group, mode: str, keys: list[str]) -> DataProto:
     cfg = {"scenario": str(SCENARIO_PATH), "mode": mode, "max_turns": 3, "max_tokens_per_turn": PER_TURN,
            "max_user_tokens": USER, "max_response_length": BUDGET, "cache": {"enabled": False},
            "controller": {"enabled": False}, "async_rollout": {"max_batch_size": 4}}
-    loop = LLMGenerationManager(tok, group, cfg, is_validation=True, client=InProcessUserSim(scenario))
+    engine = group if isinstance(group, RolloutEngine) else WorkerGroupEngine(group)
+    loop = LLMGenerationManager(tok, engine, cfg, is_validation=True, client=InProcessUserSim(scenario))
     out = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, meta={"do_sample": True,
                                                                      "temperature": TEMPERATURE}))
     out.meta_info = {"temperature": TEMPERATURE}

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers.repo import SCENARIO_PATH
 from tests.helpers.sead_training_run import GROUP, PROMPTS, STEPS, make_trainer, training_config
+from tests.helpers.gen_loop_helpers import column
 
 SCENARIO = SCENARIO_PATH
 
@@ -142,6 +143,10 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
     lines = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     train = [line for line in lines if line["split"] == "train"]
     assert sorted(line["step"] for line in train) == [1] * 16 + [2] * 16
+    # the workers report the policy version that sampled each agent turn: the actor's updates so far
+    for step in (1, 2):
+        assert {t["policy_version"] for line in train if line["step"] == step for t in line["turns"]} == {step - 1}
+    assert {t["policy_version"] for line in lines if line["split"] == "val" for t in line["turns"]} == {STEPS}
     assert len({(line["step"], line["dialogue_id"]) for line in train}) == 32
     bad = [(line["dialogue_id"], line["outcome"]) for line in lines if not _outcome_matches_transcript(line)]
     assert bad == []
@@ -164,7 +169,7 @@ def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_ca
         expected, _ = compute_reward(alone, None, **reward_kwargs)
         assert torch.equal(expected[0], scores[row]), f"row {row}"
         mask = batch.batch["response_mask"][row]
-        if batch.non_tensor_batch["outcome"][row] == "error":
+        if column(batch, "outcome")[row] == "error":
             assert mask.sum() == 0 and "/error/" in batch.non_tensor_batch["uid"][row]
         else:
             last = int(mask.nonzero().max())

@@ -7,6 +7,7 @@ import pytest
 
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 from utils.create_prompt_data import create_prompt_data, main, valid_states
+from tests.helpers.profiles import profile3
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIO_PATH = DEFAULT_SCENARIO_PATH
@@ -26,7 +27,7 @@ def test_rows_hold_the_agent_prompt_and_in_range_profiles_without_extremes(tmp_p
         assert row["data_source"] == SCENARIO.name
         profile = UserProfile.from_dict(json.loads(row["user_profile"]))
         for dim, rng in SCENARIO.state_ranges.items():
-            assert rng.min < getattr(profile, dim) < rng.max, (dim, profile)
+            assert rng.min < profile.state[dim] < rng.max, (dim, profile)
         assert 1 <= len(profile.behaviors) <= 3
         assert all(b in SCENARIO.behaviors for b in profile.behaviors)
     assert [r["extra_info"]["index"] for r in test] == list(range(10))
@@ -48,7 +49,7 @@ def test_extremes_only_with_allow_extremes():
 
 
 def test_profiles_file_is_used_in_order_and_bad_lines_name_file_and_line(tmp_path):
-    good = [UserProfile(2, 1, 3, SCENARIO.behaviors[:2]), UserProfile(1, 2, 2)]
+    good = [profile3(2, 1, 3, SCENARIO.behaviors[:2]), profile3(1, 2, 2)]
     path = tmp_path / "profiles.jsonl"
     path.write_text("\n".join(json.dumps(p.to_dict()) for p in good) + "\n")
     paths = create_prompt_data(SCENARIO_PATH, tmp_path / "out", 1, 1, profiles_file=path)

@@ -61,11 +61,14 @@ def test_tag_tokens_make_each_agent_tag_one_token_and_round_trip(tmp_path):
     assert model.config.hidden_size == 128 and model.config.vocab_size == len(tagged)
 
 
-def test_only_the_shipped_and_the_runs_own_scenarios_tags_are_read(tmp_path):
-    """A run's new scenario (a tag of its own) reaches its tokenizer's tags; a broken draft beside it is never read."""
+def test_only_the_tokenizers_and_the_runs_own_scenarios_tags_are_read(tmp_path):
+    """A run's new scenario (a tag of its own) reaches its tokenizer's tags; a broken draft beside it is never read,
+    and neither is a scenario shipped after the tokenizer's set was frozen (the support desk): shipping one changes
+    no existing tiny model."""
     import yaml
 
-    from llm_agent.scenario import DEFAULT_SCENARIO_PATH, SHIPPED_SCENARIO_PATHS
+    from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, SHIPPED_SCENARIO_PATHS, TOKENIZER_SCENARIO_PATHS,
+                                    scenario_path)
     from utils.make_tiny_model import scenario_files, scenario_tags
 
     data = yaml.safe_load(DEFAULT_SCENARIO_PATH.read_text(encoding="utf-8"))
@@ -75,20 +78,23 @@ def test_only_the_shipped_and_the_runs_own_scenarios_tags_are_read(tmp_path):
     mine = tmp_path / "pizza_trial.yaml"
     mine.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     (tmp_path / "draft.yaml").write_text("name: [unfinished\n", encoding="utf-8")
-    assert scenario_files() == sorted(p.resolve() for p in SHIPPED_SCENARIO_PATHS)
+    assert scenario_files() == sorted(p.resolve() for p in TOKENIZER_SCENARIO_PATHS)
+    desk = scenario_path("support_desk")
+    assert desk in SHIPPED_SCENARIO_PATHS and desk.resolve() not in scenario_files()
+    assert desk.resolve() in scenario_files([desk])  # a run on it passes it, as a run's own
     assert scenario_files([mine]) == sorted([*scenario_files(), mine.resolve()])
     assert "<say>" not in scenario_tags() and {"<say>", "</say>"} <= set(scenario_tags([mine]))
 
 
 def _shipped_copies(where: Path, edit) -> list[Path]:
-    """Copies of the shipped scenarios in `where`, each passed through `edit(data)` (its YAML as a dict)."""
+    """Copies of the tokenizer's scenarios in `where`, each passed through `edit(data)` (its YAML as a dict)."""
     import yaml
 
-    from llm_agent.scenario import SHIPPED_SCENARIO_PATHS
+    from llm_agent.scenario import TOKENIZER_SCENARIO_PATHS
 
     where.mkdir()
     copies = []
-    for path in SHIPPED_SCENARIO_PATHS:
+    for path in TOKENIZER_SCENARIO_PATHS:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
         if "behavior_library" in data:
             data["behavior_library"] = str((path.parent / data["behavior_library"]).resolve())
@@ -114,7 +120,7 @@ def test_editing_the_shipped_scenarios_wording_leaves_the_tiny_model_byte_identi
         categories = data["scripted"]["categories"]
         categories[next(iter(categories))]["doubt"][0] = "Hmm, whoever invented this xylophone scheme?"
 
-    monkeypatch.setattr(tiny, "SHIPPED_SCENARIO_PATHS", _shipped_copies(tmp_path / "reworded", reword))
+    monkeypatch.setattr(tiny, "TOKENIZER_SCENARIO_PATHS", _shipped_copies(tmp_path / "reworded", reword))
     reworded = build_tiny_model(tmp_path / "reworded_model", seed=0, spec=spec)
     files = sorted(p.name for p in shipped.iterdir())
     assert files == sorted(p.name for p in reworded.iterdir()) and "tokenizer.json" in files
@@ -124,6 +130,6 @@ def test_editing_the_shipped_scenarios_wording_leaves_the_tiny_model_byte_identi
     def rename_tag(data):
         data["agent"]["tags"]["reply"]["tag"] = "say"
 
-    monkeypatch.setattr(tiny, "SHIPPED_SCENARIO_PATHS", _shipped_copies(tmp_path / "renamed", rename_tag))
+    monkeypatch.setattr(tiny, "TOKENIZER_SCENARIO_PATHS", _shipped_copies(tmp_path / "renamed", rename_tag))
     renamed = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "renamed_model", seed=0, spec=spec))
     assert len(renamed.tokenize("<say>")) == 1 and len(AutoTokenizer.from_pretrained(shipped).tokenize("<say>")) > 1

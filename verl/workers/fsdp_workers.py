@@ -52,10 +52,8 @@ def _rows_per_rank(prompts: int, n: int, world_size: int, where: str) -> int:
     """``prompts * n`` rows split over ``world_size`` ranks; raise unless it divides evenly."""
     rows = int(prompts) * int(n)
     if rows < 1 or rows % world_size != 0:
-        raise ValueError(
-            f"{where}={prompts} prompts x rollout.n={n} = {rows} rows must be >= 1 and divisible by the "
-            f"DP world size {world_size}"
-        )
+        raise ValueError(f"{where}={prompts} prompts x rollout.n={n} = {rows} rows must be >= 1 and divisible by "
+                         f"the DP world size {world_size}")
     return rows // world_size
 
 
@@ -202,15 +200,22 @@ class ActorRolloutRefWorker(Worker):
         return stats.metrics()
 
     def _release_rollout(self) -> None:
-        """Free the vLLM engine's GPU memory before a training phase (a no-op for hf and on CPU)."""
-        if self.rollout_name == "vllm" and self.rollout is not None:
-            self.rollout.release()
+        """Free the rollout engine's GPU memory before a training phase (vLLM's sleep; nothing for hf or on CPU)."""
+        if self.rollout is not None:
+            self.rollout.sleep()
 
     def _refresh_rollout_weights(self) -> None:
         """Give the vLLM engine the actor's weights again if its sleep freed them and no update has synced them
         since (e.g. a step without an actor update: ``trainer.critic_warmup``). A collective over all ranks."""
         if self.rollout_name == "vllm" and self.rollout.weights_discarded:
             self._sync_rollout_weights()
+
+    def _generation_input(self, prompts: DataProto) -> DataProto:
+        """``prompts`` with the tokenizer's EOS/pad as defaults; the engine told its policy version (the LR schedule's
+        steps: the actor's updates so far, checkpointed with it)."""
+        self.rollout.policy_version = self.lr_scheduler.last_epoch if self.lr_scheduler is not None else 0
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
 
     def _log_prob_defaults(self, section: DictConfig) -> dict[str, Any]:
         """meta_info defaults of a log-prob pass configured by ``section`` (rollout or ref): rows (or, with
@@ -224,8 +229,7 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generate one response per prompt row (see :class:`HFRollout`); tokenizer EOS/pad by default."""
         self._require(self._is_rollout, "generate_sequences", "rollout")
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        prompts = _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
+        prompts = self._generation_input(prompts)
         if self.rollout_name == "vllm":  # the engine holds its own copy of the weights
             self._refresh_rollout_weights()
             return self.rollout.generate_sequences(prompts)
@@ -252,9 +256,7 @@ class ActorRolloutRefWorker(Worker):
         """Generate every row of ``prompts`` on this rank's replica; called (unregistered, through
         ``RayWorkerGroup.execute_ranks_sync``) on exactly the ranks of one replica, each with the whole batch."""
         self._require(self._is_rollout and self.rollout_name == "vllm", "generate_replica_sequences", "vLLM rollout")
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        prompts = _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
-        return self.rollout.generate_replica_sequences(prompts)
+        return self.rollout.generate_replica_sequences(self._generation_input(prompts))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -373,9 +375,8 @@ class CriticWorker(Worker):
         self.tokenizer = _load_tokenizer(cfg.model, model_path)
         critic_cfg = copy.deepcopy(cfg)
         with open_dict(critic_cfg):
-            critic_cfg.ppo_mini_batch_size = _rows_per_rank(
-                cfg.ppo_mini_batch_size, cfg.get("rollout_n", 1), self.world_size, "critic.ppo_mini_batch_size"
-            )
+            critic_cfg.ppo_mini_batch_size = _rows_per_rank(cfg.ppo_mini_batch_size, cfg.get("rollout_n", 1),
+                                                            self.world_size, "critic.ppo_mini_batch_size")
             critic_cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
         seed = model_seed(cfg)
         module = build_critic_module(cfg, mesh, model_path, self.lora)

@@ -3,7 +3,7 @@
    The data is the JSON document in <script id="dialogue-data">, parsed once. Only the visible page of rows is
    rendered, so 10,000+ dialogues stay fast. Every text from the data is inserted with textContent, never as
    HTML. A dialogue has the keys:
-     i index, id dialogue_id, step, split, o outcome, s initial [cooperation, emotion, trust], b behaviour
+     i index, id dialogue_id, step, split, o outcome, s initial state (one value per data.dims), b behaviour
      indices into data.behaviors, n turns, r reward, rc reward components, ch cache hits, fe format errors,
      e error, lb failure labels {label: turns carrying it}, t turns.
    A turn: at agent text (raw), ar agent reply, as agent stage, ast agent status, ae agent's state estimate,
@@ -67,9 +67,14 @@
     addOptions($("f-outcome"), data.outcomes.filter((o) => outcomes.has(o)), (o) => o + " (" + outcomes.get(o) + ")");
     const splits = count((d) => d.split);
     addOptions($("f-split"), [...splits.keys()].sort(), (s) => s + " (" + splits.get(s) + ")");
-    data.dims.forEach((dim, k) => {
+    data.dims.forEach((dim, k) => {  // one filter per state dimension of the scenario
+      const select = el("select", {id: "f-" + dim});
+      select.append(el("option", {value: "", text: "any"}));
+      const label = el("label", {text: dim});
+      label.append(select);
+      $("f-dims").append(label);
       const values = [...new Set(dialogues.map((d) => d.s[k]))].filter((v) => v !== null).sort((a, b) => a - b);
-      addOptions($("f-" + dim), values);
+      addOptions(select, values);
     });
     const byCategory = new Map();
     data.behaviors.forEach((b, k) => {

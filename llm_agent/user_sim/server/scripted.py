@@ -10,9 +10,10 @@ request seed (hashed with the persona text, the server seed, the turn and the ch
 wording among a line's variants, and temperature 0 always picks the first variant.
 
 Where the reference semantics leave room, this implementation chooses:
-- hang-up (-1) when cooperation or emotion *falls* to its `hang_up_at` floor in this turn (a user who starts
-  at the floor can still be won over), when a voiced doubt stays unanswered for more than `doubt_patience`
-  agent turns, or when the agent says goodbye before the task is complete;
+- hang-up (status `ended`) when a dimension of `hang_up_at` *worsens* to its threshold in this turn (falls to it,
+  or rises to it for a dimension where lower is better; a user who starts there can still be won over), when a
+  voiced doubt stays unanswered for more than `doubt_patience` agent turns, or when the agent says goodbye before
+  the task is complete;
 - `self_intro` and `organisation` may be heard in different turns; the first answer after the introduction is
   the greeting followed by the first doubt;
 - doubts are raised one at a time in profile order; only a voiced doubt can be resolved; a behaviour whose
@@ -23,12 +24,12 @@ Where the reference semantics leave room, this implementation chooses:
   reading a hostile turn stays small; only that many first characters are searched for pushy or robotic cues)
   or hitting more than `rules.max_topics` task cue lists is overloaded:
   nothing in it counts and the `overloaded` effect applies (a repeated keyword soup can never complete);
-- a step is performed only at cooperation >= `act_min_cooperation` and, when set, trust >= `act_min_trust`;
+- a step is performed only when the state passes every `act_min_<dimension>` / `act_max_<dimension>` gate;
 - one step per turn: a turn that also guides a later step performs neither (`step_out_of_order`);
 - repetition means the same words as any earlier agent turn of the conversation, or nearly the same words as
   one of the last REPETITION_WINDOW agent turns (a bounded window keeps a turn's cost independent of the
   dialogue's length; real dialogues are far shorter than the window);
-- completion (1) needs every step done, in order, in earlier turns and then a `confirmation` cue.
+- completion (status `completed`) needs every step done, in order, in earlier turns and then a `confirmation` cue.
 Token counts (`usage`, `max_tokens` truncation with finish_reason 'length') count words and punctuation marks.
 """
 from __future__ import annotations
@@ -44,8 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from llm_agent.scenario import (STATE_DIMS, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, Behavior, Scenario,
-                                ScriptedSpec, UserProfile, UserTurn, load_scenario)
+from llm_agent.scenario import Behavior, Scenario, ScriptedSpec, UserProfile, UserTurn, load_scenario
 from llm_agent.user_sim.server.backend import BackendInputError, BackendResult, Completion, SamplingParams
 from llm_agent.user_sim.server.repetition import REPETITION_WINDOW, fingerprint, similar_to_any
 
@@ -61,7 +61,8 @@ class TurnOutcome:
     """The persona's reaction to one agent turn: events seen, what kind of line to say, and the status.
 
     `line` is a `scripted.lines` key, or ("doubt", category) / ("done", step index) for those lines;
-    `prefix` is an optional line key said first (the greeting before a first doubt).
+    `prefix` is an optional line key said first (the greeting before a first doubt); `status` is one of the
+    scenario's status values.
     """
 
     events: tuple[str, ...]
@@ -86,7 +87,7 @@ class ScriptedPersona:
     doubt_open_turns: int = 0
     steps_done: int = 0
     steps_done_before_turn: int = 0
-    status: int = STATUS_CONTINUE
+    status: int | None = None  # the scenario's `ongoing` status until the call ends
     recent_turns: tuple[str, ...] = ()  # the last REPETITION_WINDOW agent turns as joined capped tokens
     turn_digests: frozenset[bytes] = frozenset()  # digests of every agent turn's capped tokens
     furthest_stage: int = -1
@@ -96,6 +97,8 @@ class ScriptedPersona:
     def __post_init__(self) -> None:
         self.state = dict(self.profile.state)
         self.spec = self.scenario.scripted
+        if self.status is None:
+            self.status = self.scenario.statuses.ongoing
         known = self.spec.categories
         self.doubts = [b for b in self.profile.behaviors if b.category in known]
         skipped = [b.behavior for b in self.profile.behaviors if b.category not in known]
@@ -180,7 +183,7 @@ class ScriptedPersona:
         return PERSONA_BASE_BYTES + sum(len(t) for t in self.recent_turns) + 100 * len(self.turn_digests)
 
     def _apply(self, events: list[str]) -> dict[str, int]:
-        deltas = {dim: 0 for dim in STATE_DIMS}
+        deltas = {dim: 0 for dim in self.scenario.dims}
         for event in events:
             for dim, delta in self.spec.effects.get(event, {}).items():
                 deltas[dim] += delta
@@ -189,51 +192,50 @@ class ScriptedPersona:
         return deltas
 
     def _should_hang_up(self, deltas: dict[str, int]) -> bool:
-        rules = self.spec.rules
-        fell = any(deltas.get(dim, 0) < 0 and self.state[dim] <= floor for dim, floor in rules.hang_up_at.items())
-        return fell or self.doubt_open_turns > rules.doubt_patience
+        rules, schema = self.spec.rules, self.scenario.state_schema
+        worse = any(schema.improvement(dim, deltas.get(dim, 0)) < 0
+                    and schema.improvement(dim, self.state[dim] - at) <= 0 for dim, at in rules.hang_up_at.items())
+        return worse or self.doubt_open_turns > rules.doubt_patience
 
     def react(self, agent_text: str) -> TurnOutcome:
         """Update the state with one agent turn (its spoken words) and decide the reply and status."""
-        if self.status != STATUS_CONTINUE:
-            return TurnOutcome((), "completed" if self.status == STATUS_COMPLETED else "hang_up", self.status)
+        statuses = self.scenario.statuses
+        if self.status != statuses.ongoing:
+            return TurnOutcome((), "completed" if self.status == statuses.completed else "hang_up", self.status)
         events, seen = self._detect(agent_text)
         deltas = self._apply(events)
-        rules, steps = self.spec.rules, self.spec.steps
-        outcome = self._decide(events, seen, deltas, rules.act_min_cooperation, len(steps))
+        outcome = self._decide(events, seen, deltas, len(self.spec.steps))
         self.status = outcome.status
         if outcome.line == "greeting" or outcome.prefix == "greeting":
             self.greeted = True
         return outcome
 
-    def _decide(self, events: list[str], seen: dict[str, bool], deltas: dict[str, int], act_min: int,
-                n_steps: int) -> TurnOutcome:
-        ev = tuple(events)
+    def _decide(self, events: list[str], seen: dict[str, bool], deltas: dict[str, int], n_steps: int) -> TurnOutcome:
+        ev, statuses = tuple(events), self.scenario.statuses
         if self._should_hang_up(deltas):
-            return TurnOutcome(ev, "hang_up", STATUS_ENDED)
+            return TurnOutcome(ev, "hang_up", statuses.ended)
         if seen["overloaded"]:
-            return TurnOutcome(ev, "overloaded", STATUS_CONTINUE)
+            return TurnOutcome(ev, "overloaded", statuses.ongoing)
         if self.steps_done_before_turn == n_steps and seen["confirmation"]:
-            return TurnOutcome(ev, "completed", STATUS_COMPLETED)
+            return TurnOutcome(ev, "completed", statuses.completed)
         if seen["goodbye"]:
-            return TurnOutcome(ev, "hang_up", STATUS_ENDED)
+            return TurnOutcome(ev, "hang_up", statuses.ended)
         if not self.introduced:
-            return TurnOutcome(ev, "ask_who", STATUS_CONTINUE)
+            return TurnOutcome(ev, "ask_who", statuses.ongoing)
         if self.doubt_pending:
             prefix = None if self.greeted else "greeting"
             self.doubt_voiced = True
-            return TurnOutcome(ev, ("doubt", self.doubts[self.doubt_index].category), STATUS_CONTINUE, prefix)
+            return TurnOutcome(ev, ("doubt", self.doubts[self.doubt_index].category), statuses.ongoing, prefix)
         if seen["guided_next"]:
-            min_trust = self.spec.rules.act_min_trust
-            if self.state["cooperation"] < act_min or (min_trust is not None and self.state["trust"] < min_trust):
-                return TurnOutcome(ev, "reluctant", STATUS_CONTINUE)
+            if not self.spec.rules.may_act(self.state):
+                return TurnOutcome(ev, "reluctant", statuses.ongoing)
             self.steps_done += 1
-            return TurnOutcome(ev, ("done", self.steps_done - 1), STATUS_CONTINUE)
+            return TurnOutcome(ev, ("done", self.steps_done - 1), statuses.ongoing)
         if "step_out_of_order" in events:
-            return TurnOutcome(ev, "confused", STATUS_CONTINUE)
+            return TurnOutcome(ev, "confused", statuses.ongoing)
         if not self.greeted:
-            return TurnOutcome(ev, "greeting", STATUS_CONTINUE)
-        return TurnOutcome(ev, "confused" if "no_progress" in events else "agree", STATUS_CONTINUE)
+            return TurnOutcome(ev, "greeting", statuses.ongoing)
+        return TurnOutcome(ev, "confused" if "no_progress" in events else "agree", statuses.ongoing)
 
     def copy(self) -> "ScriptedPersona":
         """An independent copy (the state dict is the only mutable part that changes)."""
@@ -243,9 +245,10 @@ class ScriptedPersona:
 
     def resync(self, turn: UserTurn) -> None:
         """Adopt the state and a final status recorded in this persona's earlier reply (the record wins)."""
-        if all(isinstance(turn.state[d], int) for d in STATE_DIMS):
-            self.state = {d: int(turn.state[d]) for d in STATE_DIMS}
-        if turn.status in (STATUS_COMPLETED, STATUS_ENDED):
+        dims = self.scenario.dims
+        if all(isinstance(turn.state.get(d), int) for d in dims):
+            self.state = {d: int(turn.state[d]) for d in dims}
+        if turn.status in self.scenario.statuses.final:
             self.status = turn.status
 
 
@@ -351,7 +354,7 @@ class ScriptedPersonaBackend:
                 (persona, prompt_tokens), start = hit, len(messages) - 2
         if persona is None:
             persona, prompt_tokens = ScriptedPersona(self.scenario, profile), count_tokens(messages[0]["content"])
-        outcome = TurnOutcome((), "agree", STATUS_CONTINUE)
+        outcome = TurnOutcome((), "agree", self.scenario.statuses.ongoing)
         for i in range(start, len(messages)):
             role, content = messages[i]["role"], messages[i]["content"]
             prompt_tokens += count_tokens(content)

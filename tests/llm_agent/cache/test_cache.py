@@ -154,6 +154,7 @@ def test_terminal_and_empty_replies_are_never_stored(tmp_path):
     assert not cache.add(None, "no stage", STATE, 0)
     assert len(cache) == 0 and cache.lookup("d", 0) is None
     assert cache.add(0, "go on", STATE, 0) and not cache.add(0, "go on", STATE, 0)
+    cache.sync()  # the file is written off the caller's thread: sync waits for it
     assert len(cache) == 1 and [l["status"] for l in _file_lines(tmp_path / "cache.jsonl")] == [0]
     with pytest.raises(ValueError, match="stage must be an int"):
         cache.add("1", "x", STATE, 0)
@@ -261,6 +262,7 @@ def test_size_limits_hold_in_memory_and_on_disk(tmp_path):
         added.append((stage, f"reply {i}"))
         sizes = {s: len(b) for s, b in cache._buckets.items()}
         assert max(sizes.values()) <= max_per_stage and len(cache) == sum(sizes.values()) <= max_total
+        cache.sync()
         assert len(cache) <= len(_file_lines(path)) <= len(cache) + slack
     assert len(cache) == max_total
     cache.flush()
@@ -291,6 +293,7 @@ def test_load_applies_limits_to_an_oversized_file(tmp_path):
     path = tmp_path / "cache.jsonl"
     path.write_text("".join(_line(i % 2, f"old {i}") + "\n" for i in range(100)), encoding="utf-8")
     cache = _cache(tmp_path, max_per_stage=10, max_total=15)
+    cache.sync()
     assert len(cache) == 15 and len(_file_lines(path)) == 15
     assert [e.reply.reply for e in cache._buckets[(1, 0)]][-1] == "old 99"
 
@@ -300,6 +303,7 @@ def test_compaction_is_atomic(tmp_path, monkeypatch, target):
     path = tmp_path / "cache.jsonl"
     cache = _cache(tmp_path, max_per_stage=5, max_total=100, min_bucket_size=1)
     _fill(cache, 0, 12)                              # 7 evicted: surplus below the slack, no compaction yet
+    cache.sync()
     before = path.read_bytes()
     assert len(_file_lines(path)) == 12 and len(cache) == 5
 
@@ -350,6 +354,7 @@ def test_concurrent_add_and_lookup_keep_invariants(tmp_path):
     assert errors == []
     assert len(cache) == 60 and all(len(b) <= 40 for b in cache._buckets.values())
     cache.flush()
+    cache.sync()
     lines = _file_lines(path)
     assert len(lines) == 60 and all(o["status"] == 0 for o in lines)
     reloaded = _cache(tmp_path, max_per_stage=40, max_total=60)

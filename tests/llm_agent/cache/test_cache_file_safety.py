@@ -70,6 +70,7 @@ from llm_agent.cache import CacheConfig, UserResponseCache
 cache = UserResponseCache(CacheConfig(path=sys.argv[1], default_hit_rate=0.5), "outbound_ad_trial")
 for i in range(10):
     cache.add(0, f"from the other writer {i}", {"cooperation": 2, "emotion": 2, "trust": 2}, 0)
+cache.sync()
 print("ready", flush=True)
 time.sleep(60)
 """

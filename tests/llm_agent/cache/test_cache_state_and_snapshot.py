@@ -8,9 +8,11 @@ import pytest
 
 from llm_agent.cache import CacheConfig, UserResponseCache
 from llm_agent.cache.entries import state_level_fn
+from llm_agent.scenario import Dimension, StateRange, StateSchema
 
 SCENARIO = "test_scenario"
-RANGES = {"cooperation": (0, 4), "emotion": (0, 3), "trust": (0, 5)}
+RANGES = StateSchema(tuple(Dimension(d, StateRange(lo, hi), d[0]) for d, (lo, hi) in
+                           {"cooperation": (0, 4), "emotion": (0, 3), "trust": (0, 5)}.items()))
 HOSTILE = {"cooperation": 0, "emotion": 0, "trust": 0}
 WARM = {"cooperation": 4, "emotion": 3, "trust": 5}
 MIDDLE = {"cooperation": 2, "emotion": 2, "trust": 2}
@@ -71,6 +73,7 @@ def test_restore_snapshot_drops_replies_added_after_it_and_draws_as_uninterrupte
     expected = draws(first)  # what the uninterrupted run draws next
     for i in range(12, 30):  # after the checkpoint: more replies reach the live file, then a crash
         first.add(i % 2, f"late reply {i}", MIDDLE, 0)
+    first.sync()
     live_lines = (tmp_path / "cache.jsonl").read_text().splitlines()
     assert len(live_lines) == 30
     resumed = _cache(tmp_path)

@@ -13,12 +13,13 @@ import pytest
 
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.reward import compute_reward
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario, sample_behaviors
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario, sample_behaviors
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from verl.utils.dataset import load_tokenizer
 
-from tests.helpers.gen_loop_helpers import make_gen_batch
+from tests.helpers.gen_loop_helpers import record_columns, column, make_gen_batch
+from tests.helpers.profiles import profile3
 
 DIALOGUES = 24
 
@@ -36,7 +37,7 @@ def evasive_run(tiny_model_path, tmp_path_factory):
     scenario = load_scenario(DEFAULT_SCENARIO_PATH)
     tokenizer = load_tokenizer(tiny_model_path)
     rng = random.Random(3)
-    profiles = [UserProfile(rng.randint(1, 3), rng.randint(1, 2), rng.randint(1, 4),
+    profiles = [profile3(rng.randint(1, 3), rng.randint(1, 2), rng.randint(1, 4),
                             tuple(sample_behaviors(scenario.behaviors, rng, 1, 3))) for _ in range(DIALOGUES)]
     config = {"scenario": str(DEFAULT_SCENARIO_PATH), "max_turns": 10, "max_tokens_per_turn": 128,
               "max_response_length": 3000, "cache": {"enabled": False}, "controller": {"enabled": False},
@@ -54,7 +55,7 @@ def test_every_lost_call_is_labelled_on_the_skipped_doubt_it_was_lost_on(evasive
     scenario, answered, out, _, _ = evasive_run
     skipped = set(scenario.scripted.categories) - answered
     assert answered and skipped and len(answered) == len(scenario.scripted.categories) // 3
-    nt = out.non_tensor_batch
+    nt = record_columns(out)
     outcomes = list(nt["outcome"])
     assert "completed" in outcomes and outcomes.count("hung_up") >= DIALOGUES // 3, outcomes
     for i, outcome in enumerate(outcomes):
@@ -79,7 +80,7 @@ def test_the_reward_hands_the_records_labels_to_the_trainer(evasive_run):
     scenario, _, out, _, _ = evasive_run
     compute_reward(out, None, scenario=str(DEFAULT_SCENARIO_PATH))
     turn_labels = out.non_tensor_batch["turn_labels"]
-    for i, turns in enumerate(out.non_tensor_batch["turns"]):
+    for i, turns in enumerate(column(out, "turns")):
         assert turn_labels[i] == [[e["label"] for e in t["diagnosis"]] for t in turns]
     assert "turn_scores" not in out.batch.keys()  # every turn weight is 0 by default
 

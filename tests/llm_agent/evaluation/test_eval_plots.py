@@ -10,7 +10,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
 
 from for_evaluation import metrics_vis
-from llm_agent.evaluation.plots import FIGURE_NAMES, RunData, build_figures, load_run, plot_runs
+from llm_agent.evaluation.plots import RunData, build_figures, figure_names, load_run, plot_runs
+
+FIGURE_NAMES = figure_names(("cooperation", "emotion", "trust"))  # the shipped scenarios' figures
 from llm_agent.evaluation.run_data import find_latest_run, read_step_metrics, resolve_run
 from llm_agent.evaluation.series import cache_stage_series, ema, outcome_mix
 

@@ -10,12 +10,15 @@ import pytest
 from for_evaluation import report as report_cli
 from llm_agent.evaluation.browser_data import embed_json
 from llm_agent.evaluation.page_text import MAX_PAGE_STRING
-from llm_agent.evaluation.plots import FIGURE_NAMES
+from llm_agent.evaluation.plots import figure_names
 from llm_agent.evaluation.report import build_report, default_report_path, dialogue_groups
 from llm_agent.evaluation.run_data import resolve_run
 from llm_agent.metrics import dialogue_metrics
-
+from llm_agent.rollout.dialogue_record import DialogueRecord
+from tests.helpers.record_factory import typed
 from tests.helpers.report_fixtures import synthetic_dialogues, write_run
+
+FIGURE_NAMES = figure_names(("cooperation", "emotion", "trust"))  # the shipped scenarios' figures
 
 DATA_RE = re.compile(r'<script id="dialogue-data" type="application/json">(.*?)</script>', re.S)
 
@@ -58,7 +61,7 @@ def test_metrics_table_columns_are_the_last_steps_and_all_training(tmp_path, sce
     labels = [html.unescape(x) for x in re.findall(r"<th[^>]*>(.*?)</th>", header)]
     assert labels[0] == "metric" and labels[1:3] == ["train (steps 1-6)", "train (step 6)"]
     assert labels[3].startswith("val (step ")
-    expected = [dialogue_metrics(g, scenario)["completion_rate"] for g in (train, last_train, last_val)]
+    expected = [dialogue_metrics(typed(g), scenario)["completion_rate"] for g in (train, last_train, last_val)]
     assert _metric_row(page, "completion_rate") == [f"{v:.3f}" for v in expected]
     assert int(_metric_row(page, "n_dialogues")[0]) == len(train)
 
@@ -87,7 +90,8 @@ def test_analysis_section_per_split(tmp_path, scenario):
 def test_dialogue_groups():
     rows = [{"split": "train", "step": s} for s in (1, 2, 2)] + [{"split": "val", "step": s} for s in (0, 2)] + \
         [{"split": None, "step": None}]
-    table, analysis = dialogue_groups(rows)
+    table, analysis = dialogue_groups([DialogueRecord(f"d{i}", "completed", [], split=r["split"], step=r["step"])
+                                       for i, r in enumerate(rows)])
     assert [(g.label, len(g.records)) for g in table] == [("train (steps 1-2)", 3), ("train (step 2)", 2),
                                                           ("all", 1), ("val (step 2)", 1)]
     assert [g.label for g in analysis] == ["train (steps 1-2)", "all", "val (step 2)"]
@@ -134,7 +138,7 @@ def test_an_evaluations_headline_and_table_give_its_cr_one_interval_and_claim_no
 def test_bad_dialogue_line_names_the_file(tmp_path, scenario):
     path = tmp_path / "x_dialogues.jsonl"
     path.write_text('{"outcome": "completed", "profile": {}}\n')
-    with pytest.raises(ValueError, match="x_dialogues.jsonl: dialogue 1 .* has no \\['turns'\\]"):
+    with pytest.raises(ValueError, match="x_dialogues.jsonl:1: dialogue .* has no \\['turns'\\]"):
         build_report(resolve_run(path), scenario, bootstrap=0)
 
 
@@ -152,19 +156,20 @@ def test_headline_points_from_dialogues_val_metrics_or_nothing():
     from llm_agent.evaluation.headline import CRPoint, cr_points, headline_html
 
     def dialogue(step, outcome, split="val"):
-        return {"step": step, "split": split, "outcome": outcome}
+        return {"step": step, "split": split, "outcome": outcome, "turns": []}
 
     records = [dialogue(0, "completed"), dialogue(0, "hung_up"), dialogue(0, "error"), dialogue(3, "completed"),
                dialogue(3, "completed"), dialogue(3, "timeout"), dialogue(3, "completed"), dialogue(2, "hung_up", "train")]
-    before, after = cr_points(records, [], lambda group: (0.0, len(group) / 10))
+    before, after = cr_points(typed(records), [], lambda group: (0.0, len(group) / 10))
     assert (before.label, before.completed, before.n, before.cr) == ("before: val, step 0", 1, 2, 0.5)
     assert (after.label, after.completed, after.n, after.cr) == ("after: val, step 3", 3, 4, 0.75)
     assert before.interval == (0.0, 0.3) and after.interval == (0.0, 0.4)  # the groups the interval was given
     page = headline_html([before, after], "the table's")
     assert 'id="headline"' in page and "(+0.250)" in page and "&rarr;" in page and "brackets: the table&#x27;s" in page
-    assert cr_points(records, [])[0].interval is None and "bootstrap off" in headline_html(cr_points(records, []))
+    unbounded = cr_points(typed(records), [])
+    assert unbounded[0].interval is None and "bootstrap off" in headline_html(unbounded)
     # every validation dialogue of the first step failed: n/a, and no change is claimed
-    failed = cr_points([dialogue(0, "error"), dialogue(1, "completed")], [])
+    failed = cr_points(typed([dialogue(0, "error"), dialogue(1, "completed")]), [])
     assert failed[0].text() == "n/a (every dialogue failed)" and "cr-change" not in headline_html(failed)
     # no dialogues logged: the tracked val metrics, without an interval
     rows = [{"step": 0.0, "val/dialogue/completion_rate": 0.0}, {"step": 2.0, "x": 1.0},
@@ -179,7 +184,7 @@ def test_an_undefined_metric_is_na_in_the_metrics_table():
 
     page = metrics_html([("eval (step 2)", {"att": {"value": None, "low": None, "high": None},
                                             "adt": {"value": 2.5, "low": 2.0, "high": 3.0}}),
-                         ("train (steps 1-2)", {"adt": 2.5})], "note")
+                         ("train (steps 1-2)", {"adt": 2.5})], "note", ["att", "adt"])
     att_row = page.split("<code>att</code>", 1)[1].split("</tr>", 1)[0]
     assert att_row.count("n/a") == 2 and "None" not in page  # an interval of nothing, and a value left out
     assert "2.500 <span" in page.split("<code>adt</code>", 1)[1]

@@ -10,7 +10,7 @@ from llm_agent.evaluation.dialogue_log import read_dialogue_log
 from llm_agent.evaluation.runner import EvalSettings, dialogues_path, evaluate_agent, results_path
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.metrics import records_from_batch
-from llm_agent.rollout.records import RECORD_COLUMNS, object_column
+from llm_agent.rollout.records import object_column
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from utils.create_prompt_data import create_prompt_data
@@ -67,7 +67,7 @@ def test_dialogues_equal_the_validation_loop_run_directly(tok, scenario, test_fi
     loop = LLMGenerationManager(tok, ScriptedPolicyWorkerGroup(tok, scenario, world_size=2),
                                 settings(test_file).loop_config(None), is_validation=True,
                                 client=InProcessUserSim(scenario))
-    direct = records_from_batch(loop.run_llm_loop(batch), RECORD_COLUMNS)
+    direct = [r.to_dict() for r in records_from_batch(loop.run_llm_loop(batch))]
     for got, want in zip(logged, direct):
         assert (got["dialogue_id"], got["outcome"], got["num_turns"]) == (want["dialogue_id"], want["outcome"],
                                                                           want["num_turns"])

@@ -10,7 +10,8 @@ import pytest
 from llm_agent.evaluation.stats import (Interval, bootstrap_indices, mcnemar_exact, metric_intervals, pair_records,
                                         paired_comparison)
 
-from tests.helpers.eval_fixtures import linear_percentile, record
+from tests.helpers.eval_fixtures import linear_percentile
+from tests.helpers.eval_fixtures import typed_record as record
 
 
 def test_point_values_on_a_hand_computed_fixture(scenario):
@@ -35,7 +36,7 @@ def test_resamples_where_a_metric_is_undefined_are_skipped_and_counted(scenario)
     got = metric_intervals(records, scenario, n_resamples=400, seed=2)
     atts = []
     for rows in bootstrap_indices(len(records), 400, 2):
-        done = [records[i]["num_turns"] for i in rows if records[i]["outcome"] == "completed"]
+        done = [records[i].num_turns for i in rows if records[i].outcome == "completed"]
         if done:
             atts.append(sum(done) / len(done))
     assert 300 < len(atts) < 390
@@ -115,7 +116,7 @@ def test_pairing_needs_the_same_dialogue_and_profile():
     a = [record("completed", 2, i) for i in range(3)]
     b = [record("hung_up", 2, 0), record("hung_up", 2, 1, profile=(1, 1, 1)), record("hung_up", 2, 5)]
     pairs = pair_records(a, b)
-    assert [(x["dialogue_id"], y["dialogue_id"]) for x, y in pairs] == [("test0#0", "test0#0")]
+    assert [(x.dialogue_id, y.dialogue_id) for x, y in pairs] == [("test0#0", "test0#0")]
     with pytest.raises(ValueError, match="occurs twice"):
         pair_records(a + [record("timeout", 1, 0)], b)
 

@@ -91,7 +91,7 @@ def test_undefined_metrics_are_na_and_costs_are_per_thousand_dialogues(tmp_path)
              for i in range(6)]
     table = build_table([load_evaluation(write_results(tmp_path, "stuck", never))], n_resamples=30)
     text = render(table, "terminal")
-    cells = _terminal_row(text, ["agent", "N", "CR", "FPR", "SCR", "ATT", "ADT", "UPA", "EI", "TI", "CI",
+    cells = _terminal_row(text, ["agent", "N", "CR", "FPR", "SCR", "ATT", "ADT", "UPA", "CI", "EI", "TI",
                                  "tokens/1k", "sim calls/1k", "s/1k"])
     assert cells["ATT"] == "n/a" and cells["FPR"] == "n/a" and cells["CR"] == "0.000 [0.000, 0.000]"
     assert cells["ADT"].startswith("3.000 [")
@@ -119,8 +119,8 @@ def test_a_rollout_log_uses_the_last_validation_step(tmp_path):
                     + [record("completed", 3, i, step=4, split="val") for i in range(4)]
                     + [record("completed", 3, i, step=4, split="train") for i in range(8)])
     last = load_evaluation(log, scenario_path=str(SCENARIO_PATH))
-    assert len(last.records) == 4 and {r["step"] for r in last.records} == {4}
-    assert {r["step"] for r in load_evaluation(log, str(SCENARIO_PATH), split="val", step=2).records} == {2}
+    assert len(last.records) == 4 and {r.step for r in last.records} == {4}
+    assert {r.step for r in load_evaluation(log, str(SCENARIO_PATH), split="val", step=2).records} == {2}
     with pytest.raises(ValueError, match="no step 3"):
         load_evaluation(log, str(SCENARIO_PATH), split="val", step=3)
     with pytest.raises(ValueError, match="pass --scenario"):

@@ -8,8 +8,25 @@ import math
 import pytest
 
 from for_evaluation import analyze_mistakes
-from llm_agent.evaluation.analysis import (analyze_by_split, analyze_dialogues, highest_stage,
-                                           parse_controller_overrides, wilson_interval)
+from llm_agent.evaluation import analysis
+from llm_agent.evaluation.analysis import parse_controller_overrides, wilson_interval
+from llm_agent.rollout.dialogue_record import TurnRecord
+from tests.helpers.record_factory import typed
+
+
+def analyze_dialogues(records, *args, **kwargs):
+    """The analysis of records given as rollout-log lines (read as `DialogueRecord`s, as the CLI reads them)."""
+    return analysis.analyze_dialogues(typed(records), *args, **kwargs)
+
+
+def analyze_by_split(records, *args, **kwargs):
+    """`analysis.analyze_by_split` of records given as rollout-log lines."""
+    return analysis.analyze_by_split(typed(records), *args, **kwargs)
+
+
+def highest_stage(turns, stage_ids):
+    """`analysis.highest_stage` of turns given as rollout-log turn objects."""
+    return analysis.highest_stage([TurnRecord.from_dict(t, "turn") for t in turns], stage_ids)
 
 
 def _dialogue(state, outcome, stages=(), behaviors=("A",), step=1, split="train"):

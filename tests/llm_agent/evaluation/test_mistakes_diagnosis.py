@@ -10,6 +10,7 @@ import pytest
 from for_evaluation import analyze_mistakes
 from llm_agent.diagnosis import annotated
 from llm_agent.evaluation.analysis import analyze_dialogues
+from tests.helpers.record_factory import typed
 from llm_agent.evaluation.browser_data import browser_payload
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
@@ -39,7 +40,7 @@ def scenario():
 
 
 def test_failure_labels_by_hand(scenario):
-    result = analyze_dialogues(records(), scenario)["diagnosis"]
+    result = analyze_dialogues(typed(records()), scenario)["diagnosis"]
     assert result["failed"] == 3 and result["labelled"] == 3
     by_label = {row["label"]: row for row in result["labels"]}
     assert [row["label"] for row in result["labels"]][:3] == ["doubt_unanswered", "false_claim", "premature_push"]
@@ -51,11 +52,11 @@ def test_failure_labels_by_hand(scenario):
 
 
 def test_labels_stored_in_a_log_are_kept(scenario):
-    rows = records()[:1]
-    rows[0]["turns"] = [dict(t, signals={}, diagnosis=[]) for t in rows[0]["turns"]]
+    rows = [r.to_dict() for r in annotated(typed(records()[:1]), scenario)]  # a log line of an annotated record
+    rows[0]["turns"] = [dict(t, diagnosis=[]) for t in rows[0]["turns"]]
     rows[0]["turns"][0]["diagnosis"] = [{"label": "custom_label", "note": "from the run"}]
     rows[0]["labels"] = {"custom_label": 1}
-    result = analyze_dialogues(rows, scenario)["diagnosis"]
+    result = analyze_dialogues(typed(rows), scenario)["diagnosis"]
     by_label = {row["label"]: row for row in result["labels"]}
     assert by_label["custom_label"]["notes"] == {"from the run": 1} and by_label["doubt_unanswered"]["turns"] == 0
     assert result["labels"][-1]["label"] == "custom_label"
@@ -77,12 +78,12 @@ def test_command_line_prints_the_diagnosis(tmp_path, capsys):
 
 
 def test_browser_data_carries_the_labels_of_every_turn(scenario):
-    payload = browser_payload(annotated(records(), scenario), scenario)
+    payload = browser_payload(annotated(typed(records()), scenario), scenario)
     by_id = {d["id"]: d for d in payload["dialogues"]}
     assert by_id["c"]["lb"] == {"doubt_unanswered": 2} and by_id["d"]["lb"] == {}
     talked_past = [["doubt_unanswered", "cost_concerns"]]
     assert [t["dx"] for t in by_id["c"]["t"]] == [[], talked_past, talked_past]
     assert by_id["b"]["t"][0]["dx"] == [["format_error", "no usable reply tag or an out-of-range tag"],
                                         ["timeout_loop", "no progress in the whole call"]]
-    unlabelled = browser_payload(records()[:1], scenario)["dialogues"][0]  # a log written before the labels
+    unlabelled = browser_payload(typed(records()[:1]), scenario)["dialogues"][0]  # a log written before the labels
     assert unlabelled["lb"] == {} and all(t["dx"] == [] for t in unlabelled["t"])

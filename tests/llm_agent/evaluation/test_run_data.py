@@ -59,10 +59,9 @@ def test_retried_evaluation_dialogue_counts_once_as_its_last_record(tmp_path):
               "turns": []}]
     path = tmp_path / "x_dialogues.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert [(d["dialogue_id"], d["outcome"]) for d in read_dialogues(path)] == [("p1#0", "completed"),
-                                                                               ("p2#0", "hung_up")]
-    assert [(d["dialogue_id"], d["outcome"]) for d in read_dialogue_summaries(path)] == [("p1#0", "completed"),
-                                                                                        ("p2#0", "hung_up")]
+    assert [(d.dialogue_id, d.outcome) for d in read_dialogues(path)] == [("p1#0", "completed"), ("p2#0", "hung_up")]
+    assert [(d.dialogue_id, d.outcome) for d in read_dialogue_summaries(path)] == [("p1#0", "completed"),
+                                                                                  ("p2#0", "hung_up")]
     rollout = tmp_path / "rollouts.jsonl"  # a training log keeps every line (ids repeat across steps)
     rollout.write_text(path.read_text())
     assert len(read_dialogues(rollout)) == 3
@@ -71,10 +70,14 @@ def test_retried_evaluation_dialogue_counts_once_as_its_last_record(tmp_path):
 def test_summaries_keep_only_what_the_plots_need(tmp_path, scenario):
     written = write_run(tmp_path, "exp", scenario, n_dialogues=20)
     run = load_run(resolve_run(tmp_path / "logs" / "exp"))
-    assert [d["outcome"] for d in run.dialogues] == [d["outcome"] for d in written["dialogues"]]
-    assert set(run.dialogues[0]) == {"dialogue_id", "step", "split", "outcome", "profile"}
-    assert set(run.dialogues[0]["profile"]) == {"cooperation", "emotion", "trust"}
-    assert load_run(resolve_run(tmp_path / "logs" / "exp"), dialogues="full").dialogues == written["dialogues"]
+    assert [d.outcome for d in run.dialogues] == [d["outcome"] for d in written["dialogues"]]
+    assert run.dialogues[0].turns == [] and run.dialogues[0].messages == []  # a summary: no turns held
+    assert [(d.dialogue_id, d.step, d.split) for d in run.dialogues] == \
+        [(d["dialogue_id"], d["step"], d["split"]) for d in written["dialogues"]]
+    assert set(run.dialogues[0].profile) == {"cooperation", "emotion", "trust"} and run.dims == list(scenario.dims)
+    full = load_run(resolve_run(tmp_path / "logs" / "exp"), dialogues="full").dialogues
+    assert [{k: d.to_dict()[k] for k in w if k != "turns"} for d, w in zip(full, written["dialogues"])] == \
+        [{k: v for k, v in w.items() if k != "turns"} for w in written["dialogues"]]
     with pytest.raises(ValueError, match="dialogues must be"):
         load_run(resolve_run(tmp_path / "logs" / "exp"), dialogues="all")
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from llm_agent.profiles.rules import DEFAULT_RULES_PATH, load_rule_table, state_levels
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, Behavior, UserProfile, load_scenario, scenario_path
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, Behavior, load_scenario, scenario_path
+from tests.helpers.profiles import profile3
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
@@ -46,7 +47,7 @@ CASES = [
 @pytest.mark.parametrize("state, category, contradicts", CASES)
 def test_hand_worked_cases(state, category, contradicts):
     table = load_rule_table()
-    profile = UserProfile(*state, behaviors=(_b(category),))
+    profile = profile3(*state, behaviors=(_b(category),))
     assert bool(table.violations(profile, RANGES)) is contradicts
     assert (_b(category) in table.allowed(SCENARIO.behaviors, state, RANGES)) is (not contradicts)
 
@@ -71,7 +72,7 @@ def test_rule_sampling_never_violates_and_is_seeded():
         state = tuple(rng.randint(RANGES[d].min, RANGES[d].max) for d in ("cooperation", "emotion", "trust"))
         drawn = table.sample(SCENARIO.behaviors, state, RANGES, random.Random(7), 1, 3)
         assert 1 <= len(drawn) <= 3 and len(set(drawn)) == len(drawn)
-        assert not table.violations(UserProfile(*state, behaviors=tuple(drawn)), RANGES)
+        assert not table.violations(profile3(*state, behaviors=tuple(drawn)), RANGES)
         assert drawn == table.sample(SCENARIO.behaviors, state, RANGES, random.Random(7), 1, 3)
 
 
@@ -79,7 +80,7 @@ def test_rule_sampling_never_violates_and_is_seeded():
     ("categories: {a: {why: x}}", "exactly the keys 'why' and 'contradicts'"),
     ("categories: {a: {why: '', contradicts: []}}", r"categories\.a\.why"),
     ("categories: {a: {why: w, contradicts: [{trust: [0.8, 0.2]}]}}", r"contradicts\[0\]\.trust.*low <= high"),
-    ("categories: {a: {why: w, contradicts: [{mood: [0, 1]}]}}", r"contradicts\[0\]: must map"),
+    ("categories: {a: {why: w, contradicts: [[0, 1]]}}", r"contradicts\[0\]: must map"),
     ("categories: {a: {why: w, contradicts: [{trust: 1}]}}", r"must be \[low, high\]"),
     ("nothing: here", "'categories' mapping"),
 ])
@@ -97,3 +98,14 @@ def test_a_library_category_without_rule_is_an_error(tmp_path):
     with pytest.raises(ValueError, match=r"categories \['boundary_testing', 'communication', 'comparison'"):
         load_rule_table(path).check_library(SCENARIO.behaviors)
     assert DEFAULT_RULES_PATH.is_file()
+
+
+def test_a_rule_on_a_dimension_the_scenario_lacks_is_an_error(tmp_path):
+    path = tmp_path / "rules.yaml"
+    path.write_text("categories: {cost_concerns: {why: w, contradicts: [{mood: [0, 1]}]}}")
+    table = load_rule_table(path)  # a table serves several scenarios: its dimensions are checked per scenario
+    library = [b for b in SCENARIO.behaviors if b.category == "cost_concerns"]
+    table.check_library(library)
+    with pytest.raises(ValueError, match=r"categories.cost_concerns names dimension\(s\) \['mood'\].*"
+                                         r"\['cooperation', 'emotion', 'trust'\]"):
+        table.check_library(library, "scenario outbound_ad_trial", SCENARIO.dims)

@@ -9,7 +9,8 @@ import pytest
 
 from llm_agent.controller import ControllerConfig, StateController
 from llm_agent.profiles.rules import load_rule_table
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
+from tests.helpers.profiles import profile3
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
@@ -31,8 +32,8 @@ def test_rules_source_never_violates_while_uniform_does():
 def test_pool_source_draws_written_profiles_of_the_sampled_state(tmp_path):
     # Two written profiles for state c2-e1-t2, one for c1-e1-t1; every other state falls back to the rules.
     lib = SCENARIO.behaviors
-    written = [UserProfile(2, 1, 2, (lib[0],)), UserProfile(2, 1, 2, (lib[30], lib[31])),
-               UserProfile(1, 1, 1, (lib[50],))]
+    written = [profile3(2, 1, 2, (lib[0],)), profile3(2, 1, 2, (lib[30], lib[31])),
+               profile3(1, 1, 1, (lib[50],))]
     path = tmp_path / "pool.jsonl"
     path.write_text("".join(json.dumps({"index": i, "source": "llm", "profile": p.to_dict()}) + "\n"
                             for i, p in enumerate(written)))
@@ -40,13 +41,13 @@ def test_pool_source_draws_written_profiles_of_the_sampled_state(tmp_path):
     ctl.set_weights({"cooperation": {"1": 0.5, "2": 0.5, "3": 0.0}, "emotion": {"1": 1.0, "2": 0.0},
                      "trust": {"1": 0.5, "2": 0.5, "3": 0.0, "4": 0.0}})
     drawn = ctl.sample(400)
-    by_state = Counter(p.state_key for p in drawn)
+    by_state = Counter(SCENARIO.state_key(p.state) for p in drawn)
     hits = [p for p in drawn if p in written]
     pooled_states = {"c2-e1-t2", "c1-e1-t1"}
-    assert {p.state_key for p in hits} == pooled_states
+    assert {SCENARIO.state_key(p.state) for p in hits} == pooled_states
     assert len(hits) == sum(by_state[k] for k in pooled_states)  # a pooled state always gets a written profile
-    assert Counter(p for p in hits if p.state_key == "c2-e1-t2").keys() == set(written[:2])
-    misses = [p for p in drawn if p.state_key not in pooled_states]
+    assert Counter(p for p in hits if SCENARIO.state_key(p.state) == "c2-e1-t2").keys() == set(written[:2])
+    misses = [p for p in drawn if SCENARIO.state_key(p.state) not in pooled_states]
     assert misses and share_violating(misses) == 0.0  # the fallback is the rule filter
     assert ctl.metrics()["controller/pool_miss_rate"] == pytest.approx(len(misses) / 400)
     state = ctl.state_dict()
@@ -67,7 +68,7 @@ def test_bad_profile_source_settings_are_named(kwargs, match):
 
 def test_pool_with_a_behaviour_outside_the_library_names_file_and_line(tmp_path):
     path = tmp_path / "pool.jsonl"
-    good = UserProfile(2, 1, 2, (SCENARIO.behaviors[0],)).to_dict()
+    good = profile3(2, 1, 2, (SCENARIO.behaviors[0],)).to_dict()
     bad = {**good, "behaviors": [{"category": "cost_concerns", "behavior": "Asks for a free car."}]}
     path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match=r"pool\.jsonl:2: bad profile: behaviour\(s\) not in the library"):

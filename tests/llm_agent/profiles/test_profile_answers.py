@@ -17,7 +17,7 @@ STATE = (2, 1, 4)  # trust level 0.8: trust_and_scepticism and identity_verifica
 
 
 def check(text, state=STATE, rules=None, lo=1, hi=3):
-    return check_answer(text, state, LIB, lo, hi, rules, SCENARIO.state_ranges)
+    return check_answer(text, dict(zip(SCENARIO.dims, state)), LIB, lo, hi, rules, SCENARIO.state_ranges)
 
 
 def test_request_shows_state_and_numbered_library():
@@ -29,7 +29,8 @@ def test_request_shows_state_and_numbered_library():
 def test_numbers_and_exact_texts_are_taken_in_order():
     got = check(json.dumps({"cooperation": 2, "behaviors": [19, LIB[40].behavior.upper()]}))
     assert got.accepted and not got.repairs
-    assert got.profile.behaviors == (LIB[18], LIB[40]) and (got.profile.cooperation, got.profile.trust) == (2, 4)
+    assert got.profile.behaviors == (LIB[18], LIB[40])
+    assert (got.profile.state["cooperation"], got.profile.state["trust"]) == (2, 4)
 
 
 def test_changed_score_rejects_the_whole_answer():

@@ -10,6 +10,7 @@ import pytest
 from llm_agent.profiles.sources import load_weights
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
 from utils.create_prompt_data import create_prompt_data
+from tests.helpers.profiles import profile3
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIO_PATH = DEFAULT_SCENARIO_PATH
@@ -48,7 +49,7 @@ def test_weight_files_without_weights_are_named(tmp_path):
 
 def test_writer_rows_are_prompt_data(tmp_path):
     scenario = load_scenario(SCENARIO_PATH)
-    profiles = [UserProfile(1 + i % 3, 1, 2, (scenario.behaviors[i],)) for i in range(5)]
+    profiles = [profile3(1 + i % 3, 1, 2, (scenario.behaviors[i],)) for i in range(5)]
     path = tmp_path / "pool.jsonl"
     path.write_text("".join(json.dumps({"index": i, "source": "rule", "attempts": 0, "repairs": [],
                                         "profile": p.to_dict()}) + "\n" for i, p in enumerate(profiles)))

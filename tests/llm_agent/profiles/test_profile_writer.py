@@ -21,8 +21,9 @@ from llm_agent.profiles.pool import profile_of_row
 from llm_agent.profiles.rules import load_rule_table
 from llm_agent.profiles.sources import ChatEndpoint
 from llm_agent.profiles.writer import ProfileWriter, WriterSettings
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, STATE_DIMS, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.stand_ins.profile_llm import ScriptedProfileLLM
+from tests.helpers.profiles import DIMS
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
@@ -35,7 +36,7 @@ def rows(path):
 
 
 def state(row):
-    return tuple(row["profile"][d] for d in STATE_DIMS)
+    return tuple(row["profile"][d] for d in DIMS)
 
 
 def write(out, n, url=None, timeout=5.0, **settings):

@@ -10,19 +10,20 @@ import pytest
 import torch
 
 from llm_agent.rollout.async_engine import MicroBatchingEngine
-from llm_agent.rollout.generation_call import SampledTurn
-from verl.workers.rollout.replicas import RankGroupReplica, rollout_replicas
+from verl.workers.rollout.engine import SampledTurn
+from verl.workers.rollout.engine import RolloutEngine
+from verl.workers.rollout.replicas import RankGroupReplica, WorkerGroupEngine
 from llm_agent.rollout.pacing import BusyMeter, pacing_metrics
 
 
 class FakeCall:
-    """A GenerationCall stand-in: answers row r with the single token r, of log-prob -r/2."""
+    """A TurnBatch stand-in: answers row r with the single token r, of log-prob -r/2."""
 
     def __init__(self, rows: list[int]) -> None:
         self.rows = rows
 
-    def run(self, generate):
-        return generate(self.rows)
+    def run(self, engine):
+        return engine.generate_sequences(self.rows)
 
 
 class FakeReplica:
@@ -100,7 +101,7 @@ def test_a_failed_batch_fails_each_of_its_requests():
     assert all(isinstance(a, RuntimeError) and "replica down" in str(a) for a in answers)
 
 
-def test_rollout_replicas_follow_the_workers_replica_indices():
+def test_the_worker_groups_replicas_follow_the_workers_replica_indices():
     class Group:
         world_size = 4
 
@@ -114,11 +115,12 @@ def test_rollout_replicas_follow_the_workers_replica_indices():
             self.calls.append((method, list(ranks)))
             return [f"{batch}@{r}" for r in ranks]
 
-    hf = Group([None] * 4)
-    assert rollout_replicas(hf) == [hf] and rollout_replicas(object) == [object]
+    hf = WorkerGroupEngine(Group([None] * 4))
+    assert hf.replicas() == [hf] and hf.world_size == 4
     tp2 = Group([0, 0, 1, 1])
-    replicas = rollout_replicas(tp2)
+    replicas = WorkerGroupEngine(tp2).replicas()
     assert [r.ranks for r in replicas] == [[0, 1], [2, 3]] and all(isinstance(r, RankGroupReplica) for r in replicas)
+    assert all(isinstance(r, RolloutEngine) for r in replicas)
     assert replicas[1].generate_sequences("batch") == "batch@2"
     assert tp2.calls == [("generate_replica_sequences", [2, 3])] and replicas[0].world_size == 1
 

@@ -18,7 +18,7 @@ from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from llm_agent.user_sim.client import TurnReply
 
-from tests.helpers.gen_loop_helpers import FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch
+from tests.helpers.gen_loop_helpers import column, FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch
 from tests.helpers.repo import SCENARIO_PATH
 
 TENSORS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
@@ -56,7 +56,7 @@ def assert_same_rollout(sync_out, async_out, scenario):
     for key in TENSORS:
         assert torch.equal(sync_out.batch[key], async_out.batch[key]), key
     for key in RECORDS:
-        assert list(sync_out.non_tensor_batch[key]) == list(async_out.non_tensor_batch[key]), key
+        assert column(sync_out, key) == column(async_out, key), key
     rewards = [compute_reward(out, None, scenario=str(SCENARIO_PATH))[0] for out in (sync_out, async_out)]
     assert torch.equal(rewards[0], rewards[1])
     assert rewards[0].abs().sum() > 0
@@ -76,7 +76,7 @@ def test_scripted_agents_give_identical_dialogues_in_both_modes(tok, scenario):
             outs[mode].append(loop.run_llm_loop(make_gen_batch(tok, scenario, keys, uids=keys)))
     for sync_out, async_out in zip(outs["sync"], outs["async"]):
         assert_same_rollout(sync_out, async_out, scenario)
-    outcomes = {o for out in outs["sync"] for o in out.non_tensor_batch["outcome"]}
+    outcomes = {o for out in outs["sync"] for o in column(out, "outcome")}
     assert "completed" in outcomes and len(outcomes) >= 2, outcomes
 
 
@@ -98,10 +98,10 @@ def test_programmed_edge_cases_are_identical_in_both_modes(tok, scenario):
             is_validation=True, client=OnceMalformedSim(scenario, sim_scripts))
         outs[mode] = loop.run_llm_loop(make_gen_batch(tok, scenario, keys, meta={"do_sample": False}))
     assert_same_rollout(outs["sync"], outs["async"], scenario)
-    got = dict(zip(keys, outs["async"].non_tensor_batch["outcome"]))
+    got = dict(zip(keys, column(outs["async"], "outcome")))
     assert got == {"fmt": "completed", "retry": "completed", "fail": "error", "long": "truncated",
                    "claim": "agent_ended", "ok": "hung_up"}, got
-    assert list(outs["async"].non_tensor_batch["sim_retries"]) == [0, 2, 0, 0, 0, 0]
+    assert list(column(outs["async"], "sim_retries")) == [0, 2, 0, 0, 0, 0]
 
 
 class RecordingPolicy(ProgrammedPolicy):
@@ -162,7 +162,7 @@ def test_a_slow_simulator_turn_does_not_hold_up_the_other_dialogues(tok, scenari
         loop = LLMGenerationManager(tok, policy, config(mode, max_turns=4, controller={"enabled": False}),
                                     is_validation=True, client=DelayedSim(scenario, replies, slow_s=0.25))
         out = loop.run_llm_loop(make_gen_batch(tok, scenario, keys))
-        assert list(out.non_tensor_batch["outcome"]) == ["completed"] * 4
+        assert list(column(out, "outcome")) == ["completed"] * 4
         metrics[mode], batches[mode] = out.meta_info["metrics"], policy.batch_keys
         m = metrics[mode]
         assert m["rollout/generate_batches"] == len(policy.batch_keys) and m["rollout/sim_requests"] == 16

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llm_agent.rollout.config import ConfigError, GenerationConfig, MIN_AGENT_TURN_TOKENS, MIN_USER_TURN_TOKENS
-from llm_agent.rollout.dialogue import ChatMarkers
+from llm_agent.envs import ChatMarkers
 from llm_agent.scenario import SCENARIO_DIR, load_scenario
 
 from tests.helpers.repo import SCENARIO_PATH
@@ -64,7 +64,7 @@ def test_budget_that_fits_only_short_turns_is_a_warning_printed_once(caplog):
 def test_constants_are_below_real_minimal_turns(tok, path):
     """The rule must never reject a budget that real short turns fit: measure them with a real tokenizer."""
     scenario = load_scenario(path)
-    text = scenario.format_agent_output("Hi.", 0, 0, {"cooperation": 2, "emotion": 2, "trust": 2})
+    text = scenario.format_agent_output("Hi.", 0, 0, dict.fromkeys(scenario.dims, 2))
     agent_turn = len(tok.encode(text, add_special_tokens=False)) + 1  # + the end-of-turn token
     user_turn = len(ChatMarkers.from_tokenizer(tok, tok.eos_token_id).user_block(
         tok.encode("Okay.", add_special_tokens=False)))

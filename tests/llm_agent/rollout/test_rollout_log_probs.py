@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from llm_agent.generation import LLMGenerationManager
-from llm_agent.rollout.dialogue import TokenBuffer
+from llm_agent.envs import TokenBuffer
 from verl.protocol import DataProto
 from verl.utils.agent_turns import AGENT_TURN_IDS, agent_turn_ids
 
 from tests.helpers.gen_loop_helpers import (FAIL, ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch,
-                                            programmed_log_probs)
+                                            programmed_log_probs, record_columns)
 from tests.helpers.repo import SCENARIO_PATH
 
 KEYS = ["fmt", "fail", "long", "claim", "ok"]
@@ -57,7 +57,7 @@ def test_log_probs_and_turns_sit_under_exactly_the_sampled_tokens_in_both_modes(
     for key in ("rollout_log_probs", AGENT_TURN_IDS, "responses", "response_mask"):
         assert torch.equal(outs["sync"][0].batch[key], outs["async"][0].batch[key]), key
     out, policy = outs["async"]
-    b, nt = out.batch, out.non_tensor_batch
+    b, nt = out.batch, record_columns(out)
     assert dict(zip(KEYS, nt["outcome"])) == {"fmt": "completed", "fail": "error", "long": "truncated",
                                               "claim": "agent_ended", "ok": "hung_up"}
     assert b["rollout_log_probs"].dtype == torch.float32 and b["rollout_log_probs"].shape == (len(KEYS), BUDGET)
@@ -110,8 +110,9 @@ class ShortLogProbs(ProgrammedPolicy):
 
     def generate_sequences(self, data):
         out = super().generate_sequences(data)
-        return DataProto.from_dict(tensors={**{k: out.batch[k] for k in out.batch.keys()},
-                                            "rollout_log_probs": out.batch["rollout_log_probs"][:, :-1]})
+        return self.versioned(DataProto.from_dict(tensors={
+            **{k: out.batch[k] for k in out.batch.keys()},
+            "rollout_log_probs": out.batch["rollout_log_probs"][:, :-1]}))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

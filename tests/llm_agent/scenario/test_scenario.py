@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, STATE_DIMS, AgentTurn, Behavior, ScenarioError,
-                                UserProfile, UserTurn, load_behavior_library, load_scenario, sample_behaviors,
-                                scenario_path)
+from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, AgentTurn, Behavior, ScenarioError, UserProfile, UserTurn,
+                                load_behavior_library, load_scenario, sample_behaviors, scenario_path)
+from tests.helpers.profiles import DIMS, profile3
 
 ROOT = Path(__file__).resolve().parents[3]
 OUTBOUND = DEFAULT_SCENARIO_PATH
@@ -27,14 +27,14 @@ CATEGORIES = {"identity_verification", "trust_and_scepticism", "cost_concerns", 
 def _profile(scenario, seed: int) -> UserProfile:
     rng = random.Random(seed)
     state = rng.choice(scenario.state_space())
-    return UserProfile(*state, behaviors=tuple(sample_behaviors(scenario.behaviors, rng)))
+    return profile3(*state, behaviors=tuple(sample_behaviors(scenario.behaviors, rng)))
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
 def test_shipped_scenarios_load_and_render(path):
     sc = load_scenario(path)
     assert sc.name == path.stem
-    assert [sc.state_ranges[d].max for d in STATE_DIMS] == [4, 3, 5]
+    assert [sc.state_ranges[d].max for d in DIMS] == [4, 3, 5]
     assert sc.stage_ids == (0, 1, 2, 3)
     assert len(sc.scripted.steps) == 2
     assert {b.category for b in sc.behaviors} <= set(sc.scripted.categories)
@@ -51,7 +51,7 @@ def test_shipped_scenarios_load_and_render(path):
         persona = sc.render_user_prompt(profile)
         assert "${" not in persona and "- -" not in persona
         assert all(f"\n- {b.behavior}\n" in persona for b in profile.behaviors)
-        assert f"cooperation {profile.cooperation} " in persona
+        assert f"cooperation {profile.state['cooperation']} " in persona
         for tag in sc.user_tags.tags.values():
             assert f"<{tag}>" in persona
 
@@ -90,7 +90,7 @@ def test_scenario_pickles_for_ray_workers():
 
 def test_empty_behaviors_render_the_scenario_text():
     sc = load_scenario(OUTBOUND)
-    persona = sc.render_user_prompt(UserProfile(2, 1, 3))
+    persona = sc.render_user_prompt(profile3(2, 1, 3))
     assert sc.no_behaviors in persona and "${" not in persona
 
 
@@ -100,10 +100,10 @@ def test_recover_profile_inverts_render(path):
     for seed in range(20):
         profile = _profile(sc, seed)
         assert sc.recover_profile(sc.render_user_prompt(profile)) == profile
-    assert sc.recover_profile(sc.render_user_prompt(UserProfile(0, 0, 0))) == UserProfile(0, 0, 0)
-    multiline = UserProfile(1, 2, 3, (Behavior("cost_concerns", "Asks about\n  fees twice."),))
+    assert sc.recover_profile(sc.render_user_prompt(profile3(0, 0, 0))) == profile3(0, 0, 0)
+    multiline = profile3(1, 2, 3, (Behavior("cost_concerns", "Asks about\n  fees twice."),))
     assert sc.recover_profile(sc.render_user_prompt(multiline)).behaviors[0].behavior == "Asks about fees twice."
-    stranger = UserProfile(1, 1, 1, (Behavior("cost_concerns", "Asks about parking."),))
+    stranger = profile3(1, 1, 1, (Behavior("cost_concerns", "Asks about parking."),))
     got = sc.recover_profile(sc.render_user_prompt(stranger))
     assert got.behaviors == (Behavior("unknown", "Asks about parking."),)
     with pytest.raises(ValueError, match="not a persona"):
@@ -141,7 +141,7 @@ def test_user_messages_carry_spoken_words_only():
     with pytest.raises(ValueError):
         sc.render_user_messages(profile, [])
     with pytest.raises(ValueError, match="outside"):
-        sc.render_user_messages(UserProfile(9, 0, 0), [a1])
+        sc.render_user_messages(profile3(9, 0, 0), [a1])
 
 
 def test_agent_messages_hide_user_state():
@@ -160,19 +160,26 @@ def test_agent_messages_hide_user_state():
 
 def test_profile_roundtrip_and_state_key():
     b = (Behavior("cost_concerns", "Asks about fees."),)
-    p = UserProfile(2, 1, 3, b)
+    p = profile3(2, 1, 3, b)
     assert UserProfile.from_dict(p.to_dict()) == p
-    assert p.state_key == "c2-e1-t3" == UserProfile(2, 1, 3).state_key
+    sc = load_scenario(OUTBOUND)
+    assert sc.state_key(p.state) == "c2-e1-t3" == sc.state_key((2, 1, 3))
+    assert sc.state_schema.parse_key("c2-e1-t3") == (2, 1, 3) and sc.profile((2, 1, 3), b) == p
     assert p.to_dict() == {"cooperation": 2, "emotion": 1, "trust": 3,
                            "behaviors": [{"category": "cost_concerns", "behavior": "Asks about fees."}]}
-    with pytest.raises(ValueError, match="trust"):
-        UserProfile.from_dict({"cooperation": 1, "emotion": 1})
+    with pytest.raises(ValueError, match=r"missing \['trust'\]"):
+        sc.check_profile(UserProfile.from_dict({"cooperation": 1, "emotion": 1}))
+    with pytest.raises(ValueError, match=r"unknown \['mood'\]"):
+        sc.check_profile(UserProfile.from_dict({"cooperation": 1, "emotion": 1, "trust": 1, "mood": 2}))
+    for bad in ("c2-e1", "c2-e1-t3x", "e1-c2-t3", None):
+        with pytest.raises(ValueError, match="bad state_key"):
+            sc.state_schema.parse_key(bad)
     with pytest.raises(ValueError, match=r"behaviors\[0\]"):
         UserProfile.from_dict({"cooperation": 1, "emotion": 1, "trust": 1, "behaviors": [{"category": "x"}]})
     with pytest.raises(ValueError, match="int"):
-        UserProfile(1.5, 1, 1)
+        profile3(1.5, 1, 1)
     with pytest.raises(ValueError, match="emotion=7"):
-        load_scenario(OUTBOUND).check_profile(UserProfile(1, 7, 1))
+        load_scenario(OUTBOUND).check_profile(profile3(1, 7, 1))
 
 
 def test_sample_behaviors_is_seeded_and_distinct():
@@ -260,7 +267,7 @@ def test_anti_stuffing_rules_and_overloaded_lines_are_optional(tmp_path, raw_out
     for key in ("rules.max_words", "rules.max_topics", "rules.act_min_trust", "lines.overloaded"):
         data = _mutate(data, f"scripted.{key}", _DELETE)
     spec = load_scenario(_write(tmp_path, data)).scripted
-    assert (spec.rules.max_words, spec.rules.max_topics, spec.rules.act_min_trust) == (60, 8, None)
+    assert (spec.rules.max_words, spec.rules.max_topics, spec.rules.act_min) == (60, 8, {"cooperation": 3})
     assert spec.lines["overloaded"] == spec.lines["confused"]
     shipped = load_scenario(OUTBOUND).scripted
     assert shipped.lines["overloaded"] != shipped.lines["confused"]
@@ -345,9 +352,9 @@ def test_new_scenario_with_other_tags_needs_no_code(tmp_path):
     assert "costs $5 (write $ for a literal dollar: ${x})." in prompt
     assert "<plan>...</plan>" in prompt and "<speak>...</speak>" in prompt
     turn = sc.parse_user_output("<say>Fine.</say><user_cooperation>3</user_cooperation><done>1</done>")
-    assert (turn.reply, turn.status, turn.cooperation) == ("Fine.", 1, 3)
+    assert (turn.reply, turn.status, turn.state["cooperation"]) == ("Fine.", 1, 3)
     agent = sc.parse_agent_output("<plan>calm them</plan><speak>Sorry about that.</speak><status>0</status>")
     assert (agent.reply, agent.think, agent.status) == ("Sorry about that.", "calm them", 0)
-    msgs = sc.render_user_messages(UserProfile(2, 1, 2), [agent])
+    msgs = sc.render_user_messages(profile3(2, 1, 2), [agent])
     assert msgs[-1] == {"role": "user", "content": "Sorry about that."}
     assert isinstance(turn, UserTurn) and isinstance(agent, AgentTurn)

@@ -32,14 +32,14 @@ def test_well_formed_turns_parse_without_flags():
 
 def test_missing_tags_are_none_and_flagged():
     u = SC.parse_user_output("<user_reply>Who?</user_reply>")
-    assert u.reply == "Who?" and u.status is None and u.cooperation is None and not u.parse_error
+    assert u.reply == "Who?" and u.status is None and u.state["cooperation"] is None and not u.parse_error
     assert set(u.flags) == {"missing:status", "missing:cooperation", "missing:emotion", "missing:trust"}
     assert "missing:think" not in u.flags
 
 
 def test_unclosed_tags_read_to_next_tag_or_end():
     u = SC.parse_user_output("<user_reply>I'm busy <user_cooperation>1</user_cooperation><user_status>-1")
-    assert u.reply == "I'm busy" and u.cooperation == 1 and u.status == -1
+    assert u.reply == "I'm busy" and u.state["cooperation"] == 1 and u.status == -1
     assert "unclosed:reply" in u.flags and "unclosed:status" in u.flags and not u.parse_error
     a = SC.parse_agent_output("<stage>2</stage><response>Open the app and tap Boost")
     assert a.reply == "Open the app and tap Boost" and a.stage == 2 and "unclosed:reply" in a.flags
@@ -57,7 +57,7 @@ def test_minus_one_status_on_both_sides():
 ])
 def test_out_of_range_user_state_values_are_clamped_and_flagged(text, field, expected):
     u = SC.parse_user_output(text)
-    assert getattr(u, field) == expected and f"clamped:{field}" in u.flags and not u.parse_error
+    assert u.state[field] == expected and f"clamped:{field}" in u.flags and not u.parse_error
 
 
 @pytest.mark.parametrize("value", ["3", "-4", "2"])
@@ -72,7 +72,7 @@ def test_out_of_range_agent_stage_is_a_format_problem(stage):
     """Stage 7 used to be silently clamped to 3; it is now flagged and makes the turn a format error."""
     a = SC.parse_agent_output(f"<response>x</response><stage>{stage}</stage><emotion_score>5</emotion_score>")
     assert a.stage is None and a.parse_error and "out_of_range:stage" in a.flags
-    assert a.emotion == 3 and "clamped:emotion" in a.flags
+    assert a.state["emotion"] == 3 and "clamped:emotion" in a.flags
 
 
 def test_in_range_agent_stage_and_status_parse_cleanly():
@@ -84,7 +84,7 @@ def test_in_range_agent_stage_and_status_parse_cleanly():
 @pytest.mark.parametrize("content", ["high", "2.5", "", "  ", "two"])
 def test_non_integer_values_are_invalid(content):
     u = SC.parse_user_output(f"<user_reply>x</user_reply><user_trust>{content}</user_trust>")
-    assert u.trust is None and "invalid:trust" in u.flags and not u.parse_error
+    assert u.state["trust"] is None and "invalid:trust" in u.flags and not u.parse_error
 
 
 @pytest.mark.parametrize("digits", ["9" * 5000, "-" + "7" * 5000, "0" * 5000 + "1", "1" + "0" * 19])
@@ -93,18 +93,18 @@ def test_integers_with_thousands_of_digits_never_raise(digits):
     a = SC.parse_agent_output(f"<response>x</response><status>{digits}</status><stage>{digits}</stage>")
     u = SC.parse_user_output(f"<user_reply>x</user_reply><user_trust>{digits}</user_trust>")
     if digits.startswith("0"):
-        assert (a.status, a.stage, u.trust) == (1, 1, 1) and not a.parse_error
+        assert (a.status, a.stage, u.state["trust"]) == (1, 1, 1) and not a.parse_error
         return
     sign = -1 if digits.startswith("-") else 1
     assert a.status is None and a.stage is None and a.parse_error
     assert {"out_of_range:status", "out_of_range:stage"} <= set(a.flags)
-    assert u.trust == (SC.state_ranges["trust"].max if sign > 0 else SC.state_ranges["trust"].min)
+    assert u.state["trust"] == (SC.state_ranges["trust"].max if sign > 0 else SC.state_ranges["trust"].min)
     assert "clamped:trust" in u.flags
 
 
 def test_leading_integer_with_words_is_read():
     u = SC.parse_user_output("<user_reply>x</user_reply><user_emotion>2 (neutral)</user_emotion>")
-    assert u.emotion == 2 and "invalid:emotion" not in u.flags
+    assert u.state["emotion"] == 2 and "invalid:emotion" not in u.flags
 
 
 def test_several_blocks_take_the_last():

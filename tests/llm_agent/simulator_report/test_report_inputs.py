@@ -36,19 +36,20 @@ def _set(path, value):
     return change
 
 
-WRONG_TYPES = [
-    (("turns",), "many", "'turns' must be a list"),
-    (("turns", 0), 5, "turn 0 is a int, not an object"),
-    (("turns", 1, "user_reply"), 123, "turn 1: 'user_reply' must be a str or null, got int"),
-    (("turns", 0, "user_reply"), ["a"], "'user_reply' must be a str or null, got list"),
-    (("turns", 0, "agent_text"), {"a": 1}, "'agent_text' must be a str or null"),
-    (("turns", 0, "user_state"), [1, 2, 3], "'user_state' must be a dict or null"),
-    (("turns", 0, "user_state"), {"trust": "high"}, "'user_state' must map each dimension to an integer or null"),
-    (("turns", 0, "user_status"), "0", "'user_status' must be a int or null, got str"),
-    (("turns", 0, "user_status"), True, "'user_status' must be a int or null, got bool"),
-    (("turns", 0, "user_source"), 7, "'user_source' must be a str or null"),
-    (("sim_retries",), "many", "'sim_retries' must be an integer >= 0"),
-    (("profile",), "nobody", "dialogue record 1"),
+WRONG_TYPES = [  # read once, by DialogueRecord.from_dict: the error names the file, the line and the field
+    (("turns",), "many", "'turns' must be a list of turn dicts, got str"),
+    (("turns", 0), 5, "turn 0: a turn must be an object, got int"),
+    (("turns", 1, "user_reply"), 123, "turn 1.user_reply must be a string or null, got int"),
+    (("turns", 0, "user_reply"), ["a"], "turn 0.user_reply must be a string or null, got list"),
+    (("turns", 0, "agent_text"), {"a": 1}, "turn 0.agent_text must be a string or null"),
+    (("turns", 0, "user_state"), [1, 2, 3], "turn 0.user_state must be an object of dimension -> integer"),
+    (("turns", 0, "user_state"), {"trust": "high"}, "turn 0.user_state.trust must be an integer or null"),
+    (("turns", 0, "user_status"), "0", "turn 0.user_status must be an integer or null, got '0'"),
+    (("turns", 0, "user_status"), True, "turn 0.user_status must be an integer or null, got True"),
+    (("turns", 0, "user_status"), "9" * 100_000, "turn 0.user_status must be an integer or null, got '999"),
+    (("turns", 0, "user_source"), 7, "turn 0.user_source must be a string or null"),
+    (("sim_retries",), "many", "'sim_retries' must be a non-negative int, got 'many'"),
+    (("profile",), "nobody", "'profile' must be an object, got str"),
 ]
 
 
@@ -58,8 +59,8 @@ def test_the_card_names_a_wrong_typed_log_field_in_one_line(tmp_path, path, valu
     with pytest.raises(SystemExit) as exc:
         report_main(["--dialogues", str(log), "--bootstrap", "0", "--out", str(tmp_path / "card.json")])
     text = str(exc.value.code)
-    assert text.startswith("simulator report: dialogue record 1 ('bench#1')") and message in text, text
-    assert "\n" not in text
+    assert text.startswith(f"simulator report: {log}:2: ") and message in text, text
+    assert "\n" not in text and len(text) < 300 + len(str(log))  # a huge value is cut
 
 
 @pytest.mark.parametrize("path, value, message", WRONG_TYPES[:4])
@@ -70,7 +71,7 @@ def test_the_sft_names_a_wrong_typed_log_field_in_one_line(tmp_path, tiny_model_
     with pytest.raises(SystemExit) as exc:
         sft_main(["--model", tiny_model_path, "--out", str(tmp_path / "out"), "--rollouts", str(log), "--steps", "1"])
     text = str(exc.value.code)
-    assert text.startswith("simulator_sft: dialogue record 1") and message in text and "\n" not in text, text
+    assert text.startswith(f"simulator_sft: {log}:2: ") and message in text and "\n" not in text, text
     assert not (tmp_path / "out").exists()
 
 

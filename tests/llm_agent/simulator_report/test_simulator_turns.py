@@ -6,6 +6,7 @@ import copy
 import json
 
 from llm_agent.generation import LLMGenerationManager
+from tests.helpers.record_factory import typed
 from llm_agent.simulator_report import ProbeSampling, build_probe_set, dialogues_from_log, run_probes
 from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest
 from tests.helpers.gen_loop_helpers import ProgrammedPolicy, ProgrammedSim, agent_text, make_gen_batch
@@ -92,7 +93,7 @@ def test_turns_rebuilt_from_the_log_are_the_requests_the_loop_sent(tok, scenario
     sources = {s for r in records for s in (t["user_source"] for t in r["turns"])}
     assert {"simulator", "cache", "format_error"} <= sources, sources
     assert {r["outcome"] for r in records} >= {"agent_ended", "error"}
-    rebuilt = {d.dialogue_id: d for d in dialogues_from_log(records, scenario)}
+    rebuilt = {d.dialogue_id: d for d in dialogues_from_log(typed(records), scenario)}
     for record in records:
         sent = []
         for dialogue_id, messages in sim.sent:  # this dialogue's distinct requests in order (a re-request repeats)

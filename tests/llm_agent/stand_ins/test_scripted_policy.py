@@ -15,14 +15,14 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, SCENARIO_DIR, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED,
-                                UserProfile, load_scenario, sample_behaviors)
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, SCENARIO_DIR, UserProfile, load_scenario, sample_behaviors
 from llm_agent.stand_ins.scripted_policy import ScriptedAgent, ScriptedPolicyWorkerGroup, too_similar
 from llm_agent.user_sim.client import TurnReply, TurnRequest, TurnFailure
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from verl.protocol import DataProto
 from verl.utils.torch_functional import compute_position_id_with_mask
 from verl.workers.rollout.hf_rollout import HFRollout
+from tests.helpers.profiles import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.yaml"))
@@ -55,8 +55,7 @@ def profiles(scenario, n: int) -> list[UserProfile]:
     out = []
     for seed in range(n):
         rng = random.Random(seed)
-        c, e, t = rng.choice(scenario.state_space())
-        out.append(UserProfile(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng))))
+        out.append(scenario.profile(rng.choice(scenario.state_space()), sample_behaviors(scenario.behaviors, rng)))
     return out
 
 

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.user_sim.client import TurnFailure, TurnReply, TurnRequest, UserSimClient, parse_urls
 
 from tests.helpers.sim_servers import SimServers, free_port
+from tests.helpers.profiles import profile3
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIO = DEFAULT_SCENARIO_PATH
@@ -28,7 +29,7 @@ SCENARIO = DEFAULT_SCENARIO_PATH
 def personas() -> tuple[str, ...]:
     """The scenario's persona prompt for every initial state (what the rollout loop sends as `system`)."""
     scenario = load_scenario(SCENARIO)
-    return tuple(scenario.render_user_prompt(UserProfile(*state)) for state in scenario.state_space())
+    return tuple(scenario.render_user_prompt(profile3(*state)) for state in scenario.state_space())
 
 
 def dialogue_requests(n: int, prefix: str = "d") -> list[TurnRequest]:

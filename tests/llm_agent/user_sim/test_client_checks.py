@@ -9,6 +9,7 @@ from llm_agent.user_sim.client import SimulatorCheckError, TurnRequest, UserSimC
 
 from tests.helpers.repo import SCENARIO_PATH
 from tests.helpers.sim_servers import SimServers, free_port
+from tests.helpers.profiles import profile3
 
 SCENARIO = str(SCENARIO_PATH)
 
@@ -44,13 +45,12 @@ def test_start_up_check_names_each_dead_or_wrong_instance(servers):
 
 @pytest.mark.processes
 def test_a_restart_under_another_served_name_is_picked_up_unless_the_model_was_configured(servers, scenario):
-    from llm_agent.scenario import UserProfile
     from llm_agent.user_sim.client import TurnFailure
 
     port = free_port()
     url = servers.start("--scenario", SCENARIO, "--served-model-name", "before", port=port)
     servers.wait_ready(url)
-    messages = [{"role": "system", "content": scenario.render_user_prompt(UserProfile(3, 2, 3))},
+    messages = [{"role": "system", "content": scenario.render_user_prompt(profile3(3, 2, 3))},
                 {"role": "user", "content": "Hello, this is Mia from FoodLoop."}]
     discovered = UserSimClient([url], timeout_s=10, max_attempts=1)
     configured = UserSimClient([url], model="before", timeout_s=10, max_attempts=1)

@@ -7,13 +7,14 @@ import random
 import tracemalloc
 
 
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.user_sim.server.backend import SamplingParams
 from llm_agent.user_sim.server.repetition import REPETITION_WINDOW
 from llm_agent.user_sim.server.scripted import ScriptedPersona, ScriptedPersonaBackend
+from tests.helpers.profiles import profile3
 
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
-PROFILE = UserProfile(2, 2, 2, behaviors=())
+PROFILE = profile3(2, 2, 2, behaviors=())
 GREEDY = SamplingParams(n=1, temperature=0.0, top_p=1.0, seed=None, max_tokens=None)
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from llm_agent.scenario import (DEFAULT_SCENARIO_PATH, SCENARIO_DIR, STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED,
-                                UserProfile, load_scenario, sample_behaviors)
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, SCENARIO_DIR, UserProfile, load_scenario, sample_behaviors
 from llm_agent.user_sim.server.backend import BackendInputError, SamplingParams
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
+from tests.helpers.profiles import STATUS_COMPLETED, STATUS_CONTINUE, STATUS_ENDED, profile3
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
@@ -119,7 +119,7 @@ def run_dialogue(backend: ScriptedPersonaBackend, profile: UserProfile, agent, s
         user = SCENARIO.parse_user_output(result.choices[0].text)
         assert user.well_formed, (user.flags, user.raw)
         for dim in ("cooperation", "emotion", "trust"):
-            assert SCENARIO.state_ranges[dim].contains(getattr(user, dim))
+            assert SCENARIO.state_ranges[dim].contains(user.state[dim])
         dialogue.append(user)
         user_reply = user.reply
         if user.status in (STATUS_COMPLETED, STATUS_ENDED):
@@ -130,7 +130,7 @@ def run_dialogue(backend: ScriptedPersonaBackend, profile: UserProfile, agent, s
 def sample_profile(seed: int) -> UserProfile:
     rng = random.Random(seed)
     c, e, t = rng.choice(SCENARIO.state_space())
-    return UserProfile(c, e, t, tuple(sample_behaviors(SCENARIO.behaviors, rng)))
+    return profile3(c, e, t, tuple(sample_behaviors(SCENARIO.behaviors, rng)))
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_every_outcome_is_reachable(backend):
 
 
 def test_completion_needs_every_step_in_order_and_a_confirmation(backend):
-    profile = UserProfile(4, 3, 5, ())
+    profile = profile3(4, 3, 5, ())
     status, dialogue = run_dialogue(backend, profile, GoodAgent(), seed=1)
     assert status == STATUS_COMPLETED
     replies = [t.reply for t in dialogue[1::2]]
@@ -179,7 +179,7 @@ def test_completion_needs_every_step_in_order_and_a_confirmation(backend):
 
 
 def test_hang_up_when_a_doubt_is_ignored_past_patience(backend):
-    profile = UserProfile(4, 3, 5, (next(b for b in SCENARIO.behaviors if b.category == "cost_concerns"),))
+    profile = profile3(4, 3, 5, (next(b for b in SCENARIO.behaviors if b.category == "cost_concerns"),))
     # Kind but evasive: empathy keeps the mood up, so only the patience rule can end the call.
     agent_lines = [INTRO, "I understand, that matters to you.", "No worries, I hear you.",
                    "Sorry, that makes sense.", "I get it, take your time.", "I know you're busy, of course."]
@@ -199,10 +199,11 @@ def test_hang_up_when_a_doubt_is_ignored_past_patience(backend):
 
 
 def test_hang_up_when_emotion_falls_to_the_floor(backend):
-    profile = UserProfile(4, 1, 5, ())
+    profile = profile3(4, 1, 5, ())
     status, dialogue = run_dialogue(backend, profile, BadAgent(), seed=0)
     assert status == STATUS_ENDED
-    assert dialogue[-1].emotion == SCENARIO.state_ranges["emotion"].min or dialogue[-1].cooperation == 0
+    last = dialogue[-1].state
+    assert last["emotion"] == SCENARIO.state_ranges["emotion"].min or last["cooperation"] == 0
     assert len(dialogue) == 2, "emotion 1 minus a pushy first turn reaches the floor at once"
 
 
@@ -215,7 +216,7 @@ def test_same_input_same_output_and_state_independent_of_wording(backend):
     again = [c.text for c in ScriptedPersonaBackend(SCENARIO, seed=0).complete(messages, params).choices]
     assert first == again
     parsed = [SCENARIO.parse_user_output(t) for t in first]
-    assert len({(p.cooperation, p.emotion, p.trust, p.status) for p in parsed}) == 1
+    assert len({(p.state["cooperation"], p.state["emotion"], p.state["trust"], p.status) for p in parsed}) == 1
     assert parsed[0].state == dialogue[-1].state, "replay recomputes the recorded state"
     greedy = backend.complete(messages, SamplingParams(n=2, seed=1, temperature=0.0)).choices
     assert greedy[0].text == greedy[1].text
@@ -267,7 +268,7 @@ def test_prompt_tokens_counted_from_the_cache_equal_a_full_count(monkeypatch):
 
 
 def test_recorded_state_tags_override_the_replay(backend):
-    profile = UserProfile(2, 2, 2, ())
+    profile = profile3(2, 2, 2, ())
     dialogue = [SCENARIO.parse_agent_output(SCENARIO.format_agent_output(INTRO, 0, 0, {}))]
     messages = SCENARIO.render_user_messages(profile, dialogue)
     messages.append({"role": "assistant", "content": SCENARIO.format_user_output(
@@ -275,7 +276,7 @@ def test_recorded_state_tags_override_the_replay(backend):
     messages.append({"role": "user", "content": STEP_GUIDES[0][0]})
     user = SCENARIO.parse_user_output(backend.complete(messages, SamplingParams(seed=0)).choices[0].text)
     assert user.reply in SPEC.steps[0].done, "cooperation 4 from the record lets the user act"
-    assert user.cooperation == 4
+    assert user.state["cooperation"] == 4
 
 
 @pytest.mark.parametrize("messages, match", [
@@ -285,7 +286,7 @@ def test_recorded_state_tags_override_the_replay(backend):
     ("tool_role", "role 'tool'"),
 ])
 def test_bad_conversations_raise_backend_input_error(backend, messages, match):
-    persona = SCENARIO.render_user_prompt(UserProfile(2, 2, 2, ()))
+    persona = SCENARIO.render_user_prompt(profile3(2, 2, 2, ()))
     if messages == "persona_only":
         messages = [{"role": "system", "content": persona}]
     elif messages == "tool_role":
@@ -296,7 +297,7 @@ def test_bad_conversations_raise_backend_input_error(backend, messages, match):
 
 
 def test_max_tokens_truncates_with_finish_reason_length(backend):
-    messages = SCENARIO.render_user_messages(UserProfile(2, 2, 2, ()), [
+    messages = SCENARIO.render_user_messages(profile3(2, 2, 2, ()), [
         SCENARIO.parse_agent_output(SCENARIO.format_agent_output(INTRO, 0, 0, {}))])
     full = backend.complete(messages, SamplingParams(seed=0)).choices[0]
     short = backend.complete(messages, SamplingParams(seed=0, max_tokens=5)).choices[0]
@@ -337,8 +338,8 @@ def test_any_scenario_is_driven_by_its_data_alone(path):
                 break
         return dialogue
 
-    top = {d: r.max for d, r in scenario.state_ranges.items()}
-    finished = play(UserProfile(top["cooperation"], top["emotion"], top["trust"], ()), oracle, seed=0)
+    best = {d.name: d.range.max if d.sign > 0 else d.range.min for d in scenario.state_schema.dimensions}
+    finished = play(UserProfile(best), oracle, seed=0)
     assert finished[-1].status == STATUS_COMPLETED, [t.reply for t in finished]
 
     known = {line for lines in spec.lines.values() for line in lines}
@@ -350,8 +351,7 @@ def test_any_scenario_is_driven_by_its_data_alone(path):
     outcomes = set()
     for seed in range(30):
         rng = random.Random(seed)
-        c, e, t = rng.choice(scenario.state_space())
-        profile = UserProfile(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng)))
+        profile = scenario.profile(rng.choice(scenario.state_space()), sample_behaviors(scenario.behaviors, rng))
         texts = [" ".join(rng.sample(phrases, rng.randint(1, 4))) + "." for _ in range(12)]
         dialogue = play(profile, texts, seed)
         for user in dialogue[1::2]:
@@ -387,8 +387,7 @@ def test_a_repeated_keyword_soup_turn_never_completes(path):
     outcomes = []
     for seed in range(20):
         rng = random.Random(seed)
-        c, e, t = rng.choice(scenario.state_space())
-        profile = UserProfile(c, e, t, tuple(sample_behaviors(scenario.behaviors, rng)))
+        profile = scenario.profile(rng.choice(scenario.state_space()), sample_behaviors(scenario.behaviors, rng))
         dialogue: list = []
         for _ in range(12):
             user = _say(backend, scenario, profile, dialogue, soup, seed)
@@ -400,23 +399,23 @@ def test_a_repeated_keyword_soup_turn_never_completes(path):
 
 
 def test_an_overlong_or_stuffed_turn_counts_for_nothing(backend):
-    profile = UserProfile(4, 3, 5, ())
+    profile = profile3(4, 3, 5, ())
     padding = " ".join(["so"] * (SPEC.rules.max_words + 1))
     dialogue: list = []
     user = _say(backend, SCENARIO, profile, dialogue, f"{INTRO} {padding}")
     assert user.reply in SPEC.lines["overloaded"], "too long: the introduction is not taken in"
-    assert (user.cooperation, user.emotion) == (3, 2), "the overloaded effect applies"
+    assert (user.state["cooperation"], user.state["emotion"]) == (3, 2), "the overloaded effect applies"
     user = _say(backend, SCENARIO, profile, dialogue, INTRO)
     assert user.reply in SPEC.lines["greeting"], "the same introduction, short, is heard"
     stuffed = f"{STEP_GUIDES[0][0]} {_cue_soup(SCENARIO)}"
     assert len(stuffed.split()) <= 2 * SPEC.rules.max_words
-    before = user.cooperation
+    before = user.state["cooperation"]
     user = _say(backend, SCENARIO, profile, dialogue, stuffed)
-    assert user.reply in SPEC.lines["overloaded"] and user.cooperation == before - 1
+    assert user.reply in SPEC.lines["overloaded"] and user.state["cooperation"] == before - 1
 
 
 def test_two_steps_guided_in_one_turn_are_not_performed(backend):
-    profile = UserProfile(4, 3, 5, ())
+    profile = profile3(4, 3, 5, ())
     dialogue: list = []
     _say(backend, SCENARIO, profile, dialogue, INTRO)
     both = f"{STEP_GUIDES[0][0]} {STEP_GUIDES[1][0]}"
@@ -432,7 +431,7 @@ def test_two_steps_guided_in_one_turn_are_not_performed(backend):
 
 
 def test_repeating_any_earlier_turn_is_penalised(backend):
-    profile = UserProfile(4, 3, 5, ())
+    profile = profile3(4, 3, 5, ())
     effect = SPEC.effects["repetition"]
     assert effect["trust"] < 0 and effect["emotion"] < 0, "the shipped scenario penalises repetition"
     dialogue: list = []
@@ -441,7 +440,8 @@ def test_repeating_any_earlier_turn_is_penalised(backend):
     before = _say(backend, SCENARIO, profile, dialogue, "Good question, it's for your restaurant.")
     again = _say(backend, SCENARIO, profile, dialogue, PITCH.upper())  # the same words, two turns later
     assert "repetition" in again.think
-    assert again.trust == before.trust + effect["trust"] and again.emotion == before.emotion + effect["emotion"]
+    assert again.state["trust"] == before.state["trust"] + effect["trust"]
+    assert again.state["emotion"] == before.state["emotion"] + effect["emotion"]
 
 
 def test_repetition_check_cost_is_bounded():
@@ -464,12 +464,12 @@ def test_sounding_robotic_costs_completions(backend):
         def respond(self, user_reply):
             return "Kindly note: " + super().respond(user_reply)
 
-    assert SPEC.rules.act_min_trust is not None and SPEC.effects["robotic"]["trust"] < 0
+    assert SPEC.rules.act_min["trust"] > 0 and SPEC.effects["robotic"]["trust"] < 0
     plain = [run_dialogue(backend, sample_profile(s), GoodAgent(), seed=s)[0] for s in range(40)]
     robotic = [run_dialogue(backend, sample_profile(s), RoboticGoodAgent(), seed=s)[0] for s in range(40)]
     assert robotic.count(STATUS_COMPLETED) < plain.count(STATUS_COMPLETED) - 10, (plain, robotic)
-    status, dialogue = run_dialogue(backend, UserProfile(4, 3, 0, ()), GoodAgent(), seed=0)
+    status, dialogue = run_dialogue(backend, profile3(4, 3, 0, ()), GoodAgent(), seed=0)
     assert status == STATUS_COMPLETED, "trust 0 at the start is won back by the introduction"
-    status, dialogue = run_dialogue(backend, UserProfile(4, 3, 0, ()), RoboticGoodAgent(), seed=0, max_turns=6)
+    status, dialogue = run_dialogue(backend, profile3(4, 3, 0, ()), RoboticGoodAgent(), seed=0, max_turns=6)
     assert status != STATUS_COMPLETED
     assert any(t.reply in SPEC.lines["reluctant"] for t in dialogue[1::2]), "guided, but too distrustful to act"

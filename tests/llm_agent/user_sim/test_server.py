@@ -18,10 +18,11 @@ import httpx
 import openai
 import pytest
 
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.user_sim.server.app import ServerConfig, build_app
 from llm_agent.user_sim.server.faults import FaultConfig, FaultInjector
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
+from tests.helpers.profiles import profile3
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCENARIO_PATH = DEFAULT_SCENARIO_PATH
@@ -260,7 +261,7 @@ def scripted_server(tmp_path_factory):
 
 def _persona_messages(scenario, agent_text: str) -> list[dict]:
     turn = scenario.parse_agent_output(scenario.format_agent_output(agent_text, 0, 0, {}))
-    return scenario.render_user_messages(UserProfile(2, 2, 2, scenario.behaviors[:1]), [turn])
+    return scenario.render_user_messages(profile3(2, 2, 2, scenario.behaviors[:1]), [turn])
 
 
 def test_scripted_server_answers_in_the_user_tag_protocol(scripted_server, scenario):
@@ -272,7 +273,7 @@ def test_scripted_server_answers_in_the_user_tag_protocol(scripted_server, scena
     assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
     parsed = [scenario.parse_user_output(c.message.content) for c in first.choices]
     assert all(p.well_formed and p.status == 0 for p in parsed)
-    assert len({(p.cooperation, p.emotion, p.trust) for p in parsed}) == 1
+    assert len({(p.state["cooperation"], p.state["emotion"], p.state["trust"]) for p in parsed}) == 1
     doubt_lines = scenario.scripted.categories[scenario.behaviors[0].category].doubt
     assert any(d in parsed[0].reply for d in doubt_lines), "the profile's first behaviour is raised"
     nobody = client.chat.completions.create(model=MODEL, messages=_persona_messages(scenario, "Hello there."))

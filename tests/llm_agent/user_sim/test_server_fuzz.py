@@ -19,13 +19,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
 from tests.helpers.sim_servers import SimServers
+from tests.helpers.profiles import profile3
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
-PERSONA = SCENARIO.render_user_prompt(UserProfile(2, 1, 3, behaviors=()))
+PERSONA = SCENARIO.render_user_prompt(profile3(2, 1, 3, behaviors=()))
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 MAX_BODY = 256 * 1024

@@ -16,14 +16,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
 from tests.helpers.repo import REPO
 from tests.helpers.sim_servers import SimServers, free_port
+from tests.helpers.profiles import profile3
 
 pytestmark = pytest.mark.processes
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
-PERSONA = SCENARIO.render_user_prompt(UserProfile(2, 2, 2, behaviors=()))
+PERSONA = SCENARIO.render_user_prompt(profile3(2, 2, 2, behaviors=()))
 
 
 @pytest.fixture

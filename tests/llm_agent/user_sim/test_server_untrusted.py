@@ -9,14 +9,15 @@ import time
 import httpx
 import pytest
 
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, UserProfile, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.user_sim.server.app import ServerConfig, build_app
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
 from tests.helpers.sim_servers import SimServers
+from tests.helpers.profiles import profile3
 
 SCENARIO = load_scenario(DEFAULT_SCENARIO_PATH)
-MESSAGES = [{"role": "system", "content": SCENARIO.render_user_prompt(UserProfile(2, 2, 2))},
+MESSAGES = [{"role": "system", "content": SCENARIO.render_user_prompt(profile3(2, 2, 2))},
             {"role": "user", "content": "Hello."}]
 
 

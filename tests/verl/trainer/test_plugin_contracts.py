@@ -12,12 +12,13 @@ import torch
 from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError
 from verl.trainer.ppo.plugins import BatchOutputs, RolloutLoop, SingleTurnRollout, bind_reward, declared_outputs
+from verl.workers.rollout.engine import RolloutEngine
 
 REPO = Path(__file__).resolve().parents[3]
 
 # name -> (parameters after self, return annotation) of every method of the rollout-loop contract
 ROLLOUT_LOOP = {
-    "__init__": (["tokenizer", "actor_rollout_wg", "config", "is_validation"], "None"),
+    "__init__": (["tokenizer", "engine", "config", "is_validation"], "None"),
     "run_llm_loop": (["gen_batch"], "DataProto"),
     "state_dict": ([], "Mapping[str, Any] | None"),
     "load_state_dict": (["state"], "None"),
@@ -50,8 +51,14 @@ class _Minimal(RolloutLoop):
         return gen_batch
 
 
+class _Engine(RolloutEngine):
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        self.seen = prompts
+        return self.versioned(DataProto.from_dict(tensors={"responses": prompts.batch["input_ids"] + 1}))
+
+
 def test_every_hook_has_a_no_op_default():
-    loop = _Minimal(tokenizer=None, actor_rollout_wg=None, config={}, is_validation=True)
+    loop = _Minimal(tokenizer=None, engine=_Engine(), config={}, is_validation=True)
     batch = DataProto.from_dict(tensors={"responses": torch.zeros(2, 3, dtype=torch.long)})
     assert loop.is_validation is True and loop.console_metrics == () and loop.state_dict() is None
     assert loop.on_train_step_end(batch, 1) == {} and loop.on_validation_end([batch], 1) == {}
@@ -59,17 +66,23 @@ def test_every_hook_has_a_no_op_default():
     assert loop.load_checkpoint("/nonexistent") is None and loop.close() is None
     assert _Minimal.batch_outputs({}) is None  # undeclared: the config check can only warn
     with pytest.raises(TypeError, match="abstract"):
-        RolloutLoop(tokenizer=None, actor_rollout_wg=None, config={}, is_validation=False)
+        RolloutLoop(tokenizer=None, engine=_Engine(), config={}, is_validation=False)
+
+
+def test_a_loop_generates_through_a_rollout_engine_only():
+    class Group:  # a worker group's methods, but not the contract
+        world_size = 1
+
+        def generate_sequences(self, data):
+            return data
+
+    with pytest.raises(TypeError, match="RolloutEngine, got Group"):
+        _Minimal(tokenizer=None, engine=Group(), config={}, is_validation=False)
 
 
 def test_single_turn_rollout_sends_only_tensors_and_meta_to_the_workers():
-    class Group:
-        def generate_sequences(self, data):
-            self.seen = data
-            return DataProto.from_dict(tensors={"responses": data.batch["input_ids"] + 1})
-
-    group = Group()
-    loop = SingleTurnRollout(tokenizer=None, actor_rollout_wg=group, config={}, is_validation=False)
+    group = _Engine()
+    loop = SingleTurnRollout(tokenizer=None, engine=group, config={}, is_validation=False)
     ids = torch.arange(6).view(2, 3)
     batch = DataProto.from_dict(tensors={"input_ids": ids}, non_tensors={"uid": ["a", "b"]},
                                 meta_info={"temperature": 0.5})

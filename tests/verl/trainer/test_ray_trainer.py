@@ -129,8 +129,8 @@ CLOSED: list[bool] = []  # is_validation of every EchoRolloutLoop the trainer cl
 class EchoRolloutLoop(RolloutLoop):
     """Rollout-loop plug-in for the tests: single-turn generation plus per-row data derived from each row."""
 
-    def __init__(self, tokenizer, actor_rollout_wg, config, is_validation):
-        self.tokenizer, self.wg, self.config, self.is_validation = tokenizer, actor_rollout_wg, config, is_validation
+    def __init__(self, tokenizer, engine, config, is_validation):
+        self.tokenizer, self.wg, self.config, self.is_validation = tokenizer, engine, config, is_validation
         self.calls = 0
 
     def run_llm_loop(self, gen_batch: DataProto) -> DataProto:

@@ -46,8 +46,8 @@ class ProbeRolloutLoop(RolloutLoop):
     """Rollout-loop plug-in: single-turn generation, metrics in ``meta_info['metrics']`` and a record of what
     ``on_train_step_end`` received."""
 
-    def __init__(self, tokenizer, actor_rollout_wg, config, is_validation):
-        self.wg, self.is_validation = actor_rollout_wg, is_validation
+    def __init__(self, tokenizer, engine, config, is_validation):
+        self.wg, self.is_validation = engine, is_validation
         self.calls = 0
         self.step_end_batches: list[DataProto] = []
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 
 from llm_agent.scenario import load_scenario
-from verl.workers.rollout.replicas import rollout_replicas
+from verl.workers.rollout.replicas import WorkerGroupEngine
 
 from tests.helpers.gen_loop_helpers import assert_same_dialogues, greedy_rollouts_in_both_modes
 from tests.helpers.repo import SCENARIO_PATH
@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def group(request, tiny_model_path):
-    """Two engines of TP 1 (two replicas) or one of TP 2, with room for short dialogues (3,072 tokens: the scenario prompt alone is ~1,500)."""
+    """Two engines of TP 1 (two replicas) or one of TP 2, with room for short dialogues (3,072 tokens: the
+    scenario prompt alone is ~1,500)."""
     actor = {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2}
     with vllm_worker_group(tiny_model_path, request.param, "vllm_replicas", actor,
                            {"max_model_len": 3072, "max_num_batched_tokens": 3072}) as workers:
@@ -34,7 +35,7 @@ def group(request, tiny_model_path):
 def test_each_tp_group_is_a_replica_that_generates_a_batch_of_its_own(group, tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     tp = group.rollout_replica_index()
-    replicas = rollout_replicas(group)
+    replicas = WorkerGroupEngine(group).replicas()
     expected = [[0], [1]] if tp == [0, 1] else [[0, 1]]
     assert [r.ranks for r in replicas] == expected, tp
     prompts = make_prompts(5, len(tok), seed=3)
@@ -50,6 +51,7 @@ def test_each_tp_group_is_a_replica_that_generates_a_batch_of_its_own(group, tin
 
 def test_async_loop_on_vllm_replicas_gives_the_sync_dialogues(group, tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    outs = greedy_rollouts_in_both_modes(tok, group, load_scenario(SCENARIO_PATH), [f"v{i}" for i in range(5)],
+    outs = greedy_rollouts_in_both_modes(tok, WorkerGroupEngine(group), load_scenario(SCENARIO_PATH),
+                                         [f"v{i}" for i in range(5)],
                                          per_turn=12, budget=160, max_batch_size=2)
     assert_same_dialogues(outs)

@@ -1,6 +1,8 @@
 """The trainer's plug-in contracts: the rollout loop (``rollout_loop.path``) and the reward (``reward.path``).
 
-A rollout loop is a subclass of :class:`RolloutLoop`: one required method, ``run_llm_loop``, and hooks with
+A rollout loop is a subclass of :class:`RolloutLoop` that generates through a
+:class:`~verl.workers.rollout.engine.RolloutEngine` (the trainer's: the actor worker group,
+:class:`~verl.workers.rollout.replicas.WorkerGroupEngine`): one required method, ``run_llm_loop``, and hooks with
 no-op defaults that the trainer calls at fixed points of a run (after each training step, after validation, at
 checkpoint save and load, at shutdown). The engine's own default, plain single-turn generation, is
 :class:`SingleTurnRollout`. A reward plug-in is any callable of the :class:`RewardFunction` shape; the trainer
@@ -27,6 +29,7 @@ import torch
 
 from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError
+from verl.workers.rollout.engine import RolloutEngine
 
 __all__ = ["BatchOutputs", "ConsoleMetric", "RewardFunction", "RolloutLoop", "SingleTurnRollout", "bind_reward",
            "declare_outputs", "declared_outputs", "import_dotted"]
@@ -72,8 +75,9 @@ def import_dotted(path: str, key: str) -> Any:
 class RolloutLoop(abc.ABC):
     """Turns a generation batch into rollouts; the trainer builds two (training and validation) per run.
 
-    Constructed as ``cls(tokenizer=..., actor_rollout_wg=..., config=<rollout_loop.config mapping>,
-    is_validation=bool)``. ``run_llm_loop`` gets left-padded prompts (``input_ids``, ``attention_mask``,
+    Constructed as ``cls(tokenizer=..., engine=<a RolloutEngine>, config=<rollout_loop.config mapping>,
+    is_validation=bool)``; a constructor given anything but a ``RolloutEngine`` raises TypeError. ``run_llm_loop`` gets
+    left-padded prompts (``input_ids``, ``attention_mask``,
     ``position_ids``), the rows' ``non_tensor_batch`` (``uid`` and the dataset's extra columns) and the decoding
     ``meta_info``, and returns the generation-batch tensors (``prompts, responses, input_ids, attention_mask,
     position_ids``, optionally ``response_mask``) plus any per-row ``non_tensor_batch`` of its own; metrics it puts
@@ -84,9 +88,12 @@ class RolloutLoop(abc.ABC):
     # The metrics the per-step console line shows first, as (name or names, label) pairs.
     console_metrics: ClassVar[Sequence[ConsoleMetric]] = ()
 
-    def __init__(self, tokenizer: Any, actor_rollout_wg: Any, config: Mapping[str, Any], is_validation: bool) -> None:
+    def __init__(self, tokenizer: Any, engine: RolloutEngine, config: Mapping[str, Any], is_validation: bool) -> None:
+        if not isinstance(engine, RolloutEngine):
+            raise TypeError(f"{type(self).__name__} generates through a verl.workers.rollout.engine.RolloutEngine, "
+                            f"got {type(engine).__name__}")
         self.tokenizer = tokenizer
-        self.actor_rollout_wg = actor_rollout_wg
+        self.engine = engine
         self.is_validation = bool(is_validation)
 
     @abc.abstractmethod
@@ -125,7 +132,7 @@ class RolloutLoop(abc.ABC):
 
 
 class SingleTurnRollout(RolloutLoop):
-    """The default (``rollout_loop.path: null``): one ``generate_sequences`` call of the worker group per batch."""
+    """The default (``rollout_loop.path: null``): one ``generate_sequences`` call of the engine per batch."""
 
     @classmethod
     def batch_outputs(cls, config: Mapping[str, Any]) -> BatchOutputs:
@@ -133,9 +140,8 @@ class SingleTurnRollout(RolloutLoop):
         return BatchOutputs()
 
     def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
-        """The worker group's single-turn generation of the prompts (per-row non-tensor data stays here)."""
-        return self.actor_rollout_wg.generate_sequences(DataProto(batch=gen_batch.batch,
-                                                                  meta_info=dict(gen_batch.meta_info)))
+        """The engine's single-turn generation of the prompts (per-row non-tensor data stays here)."""
+        return self.engine.generate_sequences(DataProto(batch=gen_batch.batch, meta_info=dict(gen_batch.meta_info)))
 
 
 class RewardFunction(Protocol):

@@ -60,6 +60,7 @@ from verl.trainer.ppo.metric_utils import (
 from verl.utils.dataset import PromptLoader, create_dataset
 from verl.utils.torch_functional import masked_mean
 from verl.utils.tracking import Tracking
+from verl.workers.rollout.replicas import WorkerGroupEngine
 
 logger = logging.getLogger(__name__)
 
@@ -175,11 +176,11 @@ class RayPPOTrainer:
             self.critic_wg = RayWorkerGroup(self.resource_pool, critic_cls, name_prefix="critic")
             self.critic_wg.init_model()
         self.actor_rollout_wg.init_model()
-        loop_cfg = self.typed.rollout_loop.config
-        self.rollout_loop = self.loop_cls(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
-                                          config=loop_cfg, is_validation=False)
-        self.val_rollout_loop = self.loop_cls(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
-                                              config=loop_cfg, is_validation=True)
+        loop_cfg, engine = self.typed.rollout_loop.config, WorkerGroupEngine(self.actor_rollout_wg)
+        self.rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine, config=loop_cfg,
+                                          is_validation=False)
+        self.val_rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine, config=loop_cfg,
+                                              is_validation=True)
         self.rollouts = StepRollouts(self.typed, self.rollout_loop, self.val_rollout_loop, self.reward_fn,
                                      self._next_prompt_batch)
 

@@ -15,6 +15,7 @@ from verl.protocol import DataProto
 from verl.utils.fsdp_utils import generation_model, unwrap_model
 from verl.utils.torch_functional import get_response_mask
 from verl.workers.batching import select_batch
+from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.hf_logprobs import SampledTokenLogProbs
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ def generation_tensors(input_ids: torch.Tensor, prompt_mask: torch.Tensor, promp
     }
 
 
-class HFRollout:
-    """Generate responses for left-padded prompts with ``module.generate`` (veRL's ``HFRollout``).
+class HFRollout(RolloutEngine):
+    """Generate responses for left-padded prompts with ``module.generate`` (veRL's ``HFRollout``), a
+    :class:`~verl.workers.rollout.engine.RolloutEngine` on one rank (its ``policy_version`` set by its owner).
 
     ``config`` is the ``actor_rollout_ref.rollout`` block: ``do_sample``, ``temperature``, ``top_p``, ``top_k``
     (-1 = off), ``response_length``, ``micro_batch_size_per_gpu`` (rows per ``generate`` call; null = all) and
@@ -153,4 +155,4 @@ class HFRollout:
                          for micro in batch.split(micro_batch_size)]
         finally:
             self.module.train(was_training)
-        return DataProto(batch=torch.cat(parts, dim=0))
+        return self.versioned(DataProto(batch=torch.cat(parts, dim=0)))

@@ -38,6 +38,7 @@ from verl.protocol import DataProto
 from verl.utils.cuda_allocator import expandable_segments_off
 from verl.workers.batching import select_batch
 from verl.utils.lora import LoraSettings
+from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.hf_rollout import PROMPT_KEYS, check_left_padded, generation_tensors, sampling_setting
 from verl.workers.rollout.vllm_rollout.cpu_shm import remove_stale_segments
 from verl.workers.rollout.vllm_rollout.lora_adapter import (LORA_ID, check_in_memory_loading, load_adapter_in_memory,
@@ -134,8 +135,9 @@ def _set_launcher_env(device_type: str) -> None:
     os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if device_type == "cuda" else 0)
 
 
-class vLLMRollout:  # noqa: N801 (veRL's name)
-    """Generate responses for left-padded prompts with a vLLM engine colocated with the FSDP actor.
+class vLLMRollout(RolloutEngine):  # noqa: N801 (veRL's name)
+    """Generate responses for left-padded prompts with a vLLM engine colocated with the FSDP actor (a
+    :class:`~verl.workers.rollout.engine.RolloutEngine`; its owner sets ``policy_version`` with new weights).
 
     ``config`` is the ``actor_rollout_ref.rollout`` block (sampling keys as :class:`HFRollout`, plus the engine
     keys of ppo_trainer.yaml). ``generate_sequences`` takes and returns the same tensors as ``HFRollout``; the
@@ -182,10 +184,10 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
         if bool(config.get("free_cache_engine", True)) and not self._sleep_enabled:
             logger.info("rollout.free_cache_engine: vLLM sleep mode needs CUDA; on %s the engine keeps its weights "
                         "and KV cache between generations (a no-op)", device_type)
-        self.release()
+        self.sleep()
 
     # --------------------------------------------------------------------------------------------- memory
-    def release(self) -> None:
+    def sleep(self) -> None:
         """Free the engine's GPU memory for training (sleep level 2: weights and KV cache freed, nothing kept on
         the host; :attr:`weights_discarded` is then true until the next :meth:`update_weights`. An engine serving
         an adapter sleeps at level 1: its weights wait in host memory).
@@ -206,6 +208,10 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
             with expandable_segments_off(self.device_type):
                 self.llm.wake_up(tags=needed)
             self._asleep.difference_update(needed)
+
+    def wake_up(self) -> None:
+        """Bring back everything :meth:`sleep` freed (generation wakes the engine itself)."""
+        self._wake(SLEEP_TAGS)
 
     # ------------------------------------------------------------------------------------------- weights
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], stats: WeightSyncStats) -> None:
@@ -347,4 +353,4 @@ class vLLMRollout:  # noqa: N801 (veRL's name)
         tensors = generation_tensors(input_ids, prompt_mask, positions, responses, eos_ids, pad)
         if self.calculate_log_probs:
             tensors["rollout_log_probs"] = log_probs * tensors["response_mask"]
-        return DataProto.from_dict(tensors=tensors)
+        return self.versioned(DataProto.from_dict(tensors=tensors))

@@ -1,30 +1,50 @@
-"""Per-dialogue state of the rollout loop: the token buffer of all rows, the chat-template role markers, and
-each dialogue's plain-Python record.
+"""The environment contract of the rollout loop and the registry of environment kinds.
 
-`TokenBuffer` holds one preallocated (B, P + R) id tensor (the left-padded prompts in the first P columns, each
-row's response tokens appended after them) plus, per response token, the loss mask, the agent turn and the rollout
-engine's log-prob (B, R each), and per-row lengths, so building the next turn's left-padded generation batch is a
-single gather whose Python cost does not grow with the dialogue.
-`ChatMarkers` finds, once, the token pieces a chat template puts around a user turn. `Dialogue` is one row's
-record (turns, messages, the simulator's message list kept incrementally) and becomes the row's
-`non_tensor_batch` values.
+An environment is one episode on one row of a generation batch: the loop's schedulers (sync and async) hand it the
+policy's sampled turns (`step`) and the simulator's answers to the requests it makes (`answer`), and it decides
+what the row's context gets next and when the episode ends; it does no I/O itself. Every kind shares the
+constructor `cls(context, buffer, row, uid, dialogue_id)` and `reset(profile)`, and gives its `record()` (a
+`DialogueRecord`) when the episode is over.
+
+Every environment of a call writes its row of one `TokenBuffer` (the prompts and all rows' responses so far, with
+the loss mask, agent-turn ids and rollout log-probs beside them), from which the loop builds each generation
+batch; `ChatMarkers` are the token pieces the chat template puts around a user turn.
+
+Kinds are registered by name (`register_env("dialogue", DialogueEnv)`, or an entry point `"pkg.module:Class"`
+imported on first use) and chosen per run by `rollout_loop.config.env` and per row by the dataset column
+`env_class` (as SkyRL's `env_class`); a dotted class path also names a kind. Registration refuses a class that is
+not an `Environment` or leaves a method of the contract unimplemented, naming it.
 """
 from __future__ import annotations
 
+import abc
+import importlib
+import inspect
 import logging
-import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llm_agent.rollout.dialogue_record import DialogueRecord, TurnRecord
 from llm_agent.rollout.outcome import Outcome
-from llm_agent.scenario import AgentTurn, STATE_DIMS, UserProfile
+from llm_agent.user_sim.client import TurnRequest, TurnResult
+from verl.protocol import DataProto, pad_dataproto_to_divisor
 from verl.utils.agent_turns import AGENT_TURN_IDS
+from verl.workers.rollout.engine import SampledTurn, TurnBatch
+
+if TYPE_CHECKING:
+    from llm_agent.cache import UserResponseCache
+    from llm_agent.scenario import Scenario, UserProfile
+    from llm_agent.user_sim.client import UserSimConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChatMarkers", "Dialogue", "TokenBuffer"]
+__all__ = ["ENV_COLUMN", "AgentBatches", "ChatMarkers", "EnvContext", "Environment", "Step", "TokenBuffer",
+           "env_class", "register_env", "registered_envs"]
+
+ENV_COLUMN = "env_class"  # the dataset column that picks a row's environment kind
+
 
 _AGENT_PLACEHOLDER = "\u2063AGENT\u2063"
 _USER_PLACEHOLDER = "\u2063USER\u2063"
@@ -194,87 +214,141 @@ class TokenBuffer:
         return tensors
 
 
-def _state_or_none(state: dict[str, int | None] | None) -> dict[str, int | None] | None:
-    return None if state is None else {d: state.get(d) for d in STATE_DIMS}
+class AgentBatches:
+    """Builds the generation batch of some rows of `buffer`: their contexts, the rollout's decoding `meta`
+    (from the trainer), the eos/pad ids and a per-call `response_length` of at most `max_tokens_per_turn` (and no
+    more than the longest remaining budget among the rows)."""
+
+    def __init__(self, buffer: TokenBuffer, meta: dict[str, Any], eos_id: int, pad_id: int,
+                 max_tokens_per_turn: int) -> None:
+        self.buffer, self.meta = buffer, meta
+        self.eos_id, self.pad_id, self.max_tokens_per_turn = eos_id, pad_id, max_tokens_per_turn
+
+    def __call__(self, rows: list[int], world_size: int) -> TurnBatch:
+        """The left-padded batch of `rows`' contexts, padded to a multiple of `world_size` rows."""
+        response_length = min(self.max_tokens_per_turn, max(self.buffer.remaining(r) for r in rows))
+        batch = DataProto.from_dict(tensors=self.buffer.context_batch(rows), meta_info={
+            **self.meta, "eos_token_id": self.eos_id, "pad_token_id": self.pad_id,
+            "response_length": response_length})
+        padded, pad_size = pad_dataproto_to_divisor(batch, world_size)
+        return TurnBatch(padded, pad_size, response_length)
 
 
-@dataclass
-class Dialogue:
-    """One row's dialogue: identity, profile, per-turn records, agent-side messages and the simulator's messages.
+@dataclass(frozen=True)
+class EnvContext:
+    """What every environment of one rollout call shares: the scenario, the tokenizer and its chat markers, the
+    limits, the simulator's sampling settings, the loop's notes for unreadable turns, the cache (None: no cache)
+    and the simulator request seeds (`seeds(dialogue, turn, attempt)`)."""
 
-    `sim_messages` is exactly `Scenario.render_user_messages(profile, turns)` for the turns so far, grown by one
-    or two messages per turn instead of being re-rendered. `user_state` is the user's current state: the
-    profile's initial state, then each dimension as the simulator last reported it (a cached turn keeps it).
-    `sim_retries` counts the extra simulator requests made for malformed replies, `sim_requests` every request
-    sent (cached turns send none); `ended_at` is the `time.monotonic()` reading when the outcome was set.
+    scenario: Scenario
+    tokenizer: Any
+    markers: ChatMarkers
+    eos_id: int
+    max_turns: int
+    max_user_tokens: int
+    user_sim: UserSimConfig
+    format_error_message: str
+    range_error_message: str
+    cache: UserResponseCache | None
+    seeds: Any
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one `Environment.step` or `.answer` did.
+
+    `request`: the simulator must answer it (pass its answer to `answer`) before the turn is complete;
+    `user_ids`: the user turn appended to the context (role markers included; None when none was); `outcome`: set
+    once the episode has ended; `record`: the turn's record.
     """
 
-    row: int
-    uid: str
-    dialogue_id: str
-    profile: UserProfile
-    sim_messages: list[dict[str, str]]
-    turns: list[dict[str, Any]] = field(default_factory=list)
-    messages: list[dict[str, str]] = field(default_factory=list)
-    outcome: str | None = None
-    error: str | None = None
-    cache_hits: int = 0
-    format_errors: int = 0
-    sim_retries: int = 0
-    sim_requests: int = 0
-    user_state: dict[str, int | None] = field(default_factory=dict)
+    record: TurnRecord
+    request: TurnRequest | None = None
+    user_ids: list[int] | None = None
+    outcome: Outcome | None = None
+
+
+class Environment(abc.ABC):
+    """One episode on row `row` of `buffer` (see the module docstring). `ended_at`: the `time.monotonic()` reading
+    when the episode got its outcome (the loop's pacing metrics)."""
+
     ended_at: float | None = None
 
-    def __post_init__(self) -> None:
-        if not self.user_state:
-            self.user_state = {d: getattr(self.profile, d) for d in STATE_DIMS}
+    def __init__(self, context: EnvContext, buffer: TokenBuffer, row: int, uid: str, dialogue_id: str) -> None:
+        self.context, self.buffer, self.row, self.uid, self.dialogue_id = context, buffer, row, uid, dialogue_id
+
+    @abc.abstractmethod
+    def reset(self, profile: UserProfile) -> None:
+        """Start the episode with the simulated user `profile` (the row's prompt is already in the buffer)."""
 
     @property
+    @abc.abstractmethod
     def active(self) -> bool:
-        """True while no outcome is set."""
-        return self.outcome is None
+        """True from `reset` until the episode has an outcome."""
 
-    @property
-    def num_turns(self) -> int:
-        """Agent turns generated so far."""
-        return len(self.turns)
+    @abc.abstractmethod
+    def step(self, turn: SampledTurn) -> Step:
+        """Take the policy's next turn (its sampled ids, their log-probs and the policy version)."""
 
-    def end(self, outcome: Outcome, error: str | None = None) -> None:
-        """Set the outcome (once; the record keeps its string) and, for `error`, the reason."""
-        if self.outcome is not None:
-            raise RuntimeError(f"dialogue {self.dialogue_id} already ended as {self.outcome}")
-        self.outcome, self.error = Outcome(outcome).value, error
-        self.ended_at = time.monotonic()
+    @abc.abstractmethod
+    def answer(self, result: TurnResult) -> Step:
+        """Take the simulator's answer to the request the last step made."""
 
-    def add_agent_turn(self, text: str, turn: AgentTurn, spoken: str | None) -> dict[str, Any]:
-        """Record an agent turn (decoded text and parse); `spoken` is what the simulator hears of it, None when
-        the simulator does not hear it (a format error or an agent that ended the call)."""
-        record = {"agent_text": text, "agent_reply": turn.reply, "agent_stage": turn.stage,
-                  "agent_status": turn.status, "agent_state": _state_or_none(turn.state),
-                  "agent_format_ok": not turn.parse_error, "user_reply": None, "user_status": None,
-                  "user_state": None, "user_source": None, "user_error": None}
-        self.turns.append(record)
-        self.messages.append({"role": "assistant", "content": text})
-        if spoken is not None:
-            self.sim_messages.append({"role": "user", "content": spoken})
-        return record
+    @abc.abstractmethod
+    def record(self) -> DialogueRecord:
+        """The finished episode's record."""
 
-    def add_user_turn(self, reply: str, state: dict[str, int | None] | None, status: int | None, source: str,
-                      shown: str, sim_content: str | None) -> None:
-        """Fill the last turn's user side; `shown` is the text the agent sees (possibly truncated) and
-        `sim_content` the simulator's canonical own message (None when the simulator was not involved)."""
-        record = self.turns[-1]
-        record.update(user_reply=reply, user_status=status, user_state=_state_or_none(state), user_source=source)
-        if state is not None:
-            self.user_state.update({d: v for d, v in state.items() if d in STATE_DIMS and v is not None})
-        self.messages.append({"role": "user", "content": shown})
-        if sim_content is not None:
-            self.sim_messages.append({"role": "assistant", "content": sim_content})
 
-    def record(self) -> dict[str, Any]:
-        """The row's per-dialogue `non_tensor_batch` values (spec keys, uid as given)."""
-        return {"dialogue_id": self.dialogue_id, "profile": self.profile.to_dict(),
-                "state_key": self.profile.state_key, "outcome": self.outcome, "num_turns": self.num_turns,
-                "turns": self.turns, "messages": self.messages, "cache_hits": self.cache_hits,
-                "format_errors": self.format_errors, "sim_retries": self.sim_retries, "error": self.error,
-                "sim_requests": self.sim_requests}
+_REGISTRY: dict[str, type[Environment] | str] = {}
+
+
+def _checked(name: str, cls: Any) -> type[Environment]:
+    """`cls` when it is a complete Environment subclass; TypeError naming `name` and what is wrong otherwise."""
+    if not (inspect.isclass(cls) and issubclass(cls, Environment)):
+        raise TypeError(f"environment {name!r}: {cls!r} is not a subclass of llm_agent.envs.Environment")
+    missing = sorted(cls.__abstractmethods__)
+    if missing:
+        raise TypeError(f"environment {name!r}: {cls.__name__} does not implement {missing} of the Environment "
+                        "contract")
+    return cls
+
+
+def register_env(name: str, entry_point: type[Environment] | str) -> None:
+    """Register an environment kind under `name`: a class (checked now) or `"pkg.module:Class"` (checked when first
+    used). ValueError when `name` is taken by another kind."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an environment name must be a non-empty string, got {name!r}")
+    if not isinstance(entry_point, str):
+        _checked(name, entry_point)
+    if name in _REGISTRY and _REGISTRY[name] != entry_point:
+        raise ValueError(f"environment {name!r} is already registered ({_REGISTRY[name]!r})")
+    _REGISTRY[name] = entry_point
+
+
+def registered_envs() -> list[str]:
+    """The registered kinds' names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _import(path: str, name: str) -> Any:
+    module, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module or not sep or not attr:
+        raise KeyError(f"environment {name!r}: {path!r} is neither a registered kind ({registered_envs()}) nor a "
+                       "class path (pkg.module.Class)")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise KeyError(f"environment {name!r}: cannot import {path!r} ({exc})") from None
+
+
+def env_class(name: str) -> type[Environment]:
+    """The class of the environment kind `name`: a registered name or a class path; KeyError naming the
+    registered kinds when neither, TypeError when the class breaks the contract."""
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        if not isinstance(name, str) or "." not in name:
+            raise KeyError(f"unknown environment {name!r}; registered: {registered_envs()} (or give a class path)")
+        entry = name
+    cls = _checked(name, _import(entry, name) if isinstance(entry, str) else entry)
+    _REGISTRY.setdefault(name, cls)
+    return cls
