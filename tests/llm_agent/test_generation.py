@@ -191,6 +191,7 @@ def test_validation_never_touches_the_cache_and_training_uses_it(tok, scenario, 
     cache_cfg = {"enabled": True, "path": str(path), "stage_hit_rates": {0: 1.0}, "min_bucket_size": 1}
     seed_cache = UserResponseCache(CacheConfig.from_dict(cache_cfg), scenario.name)
     assert seed_cache.add(0, "A cached hello.", {"cooperation": 2, "emotion": 1, "trust": 3}, 0)
+    seed_cache.sync()  # the writer thread has appended it
     before = path.read_text()
     a = lambda reply: agent_text(scenario, reply)  # noqa: E731
     agents = {"c": [a("Hi."), a("Hi again."), a("Third.")]}
