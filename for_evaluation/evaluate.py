@@ -20,6 +20,11 @@ Per agent it writes `<out>/<name>_dialogues.jsonl` (appended chunk by chunk; a r
 and `<out>/<name>_results.json` (every metric with its bootstrap interval, the checkpoint's global_step, where
 each setting came from). Compare them with for_evaluation/metrics_table.py.
 
+Cross-judge evaluation: `--judge NAME=URLS` (repeatable, instead of --user-sim-urls) grades every agent under each
+simulator set on the same profiles and seeds, into `<out>/NAME/`, and prints (and writes as
+`<out>/cross_judge.{txt,md,csv,json}`) the metrics of every agent@judge side by side with the CR difference
+between judges paired by profile and the dialogues only one judge let complete (docs/simulator.md).
+
 API keys never go on the command line (every local user can read it in /proc/PID/cmdline): the simulators' from
 $SEAD_USER_SIM_API_KEY or --sim-api-key-file PATH, the agent endpoint's from $SEAD_AGENT_API_KEY or
 --agent-api-key-file PATH (files of mode 0600). No key is written to a file or printed.
@@ -51,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="outputs/eval", help="output directory (its own: the trainer's validation "
                    "metrics are under outputs/evaluation/)")
     p.add_argument("--user-sim-urls", default=None, help="running simulators (comma-separated base URLs)")
+    p.add_argument("--judge", action="append", default=None, metavar="NAME=URLS",
+                   help="grade every agent under this simulator set too (repeatable; instead of --user-sim-urls)")
     p.add_argument("--num-sims", type=int, default=2, help="scripted simulators to start without --user-sim-urls")
     p.add_argument("--max-dialogues", type=int, default=1000, help="first N test profiles")
     p.add_argument("--chunk-size", type=int, default=64, help="dialogues run concurrently (and appended) at once")
@@ -119,10 +126,10 @@ def run(args: argparse.Namespace) -> list[Path]:
     """Evaluate every agent; returns the results files."""
     from llm_agent.evaluation.agents import AgentSpec, LocalEngineOptions, build_agent
     from llm_agent.evaluation.checkpoint_settings import checkpoint_info
+    from llm_agent.evaluation.judges import judge_dir, parse_judges
     from llm_agent.evaluation.local_agents import pick_engine
     from llm_agent.evaluation.runner import EvalSettings, evaluate_agent
     from llm_agent.evaluation.sims import LocalSimulators
-    from llm_agent.metrics import NOT_AVAILABLE
     from llm_agent.rollout.config import resolve_path
     from llm_agent.scenario import load_scenario
     from llm_agent.user_sim.client import parse_urls
@@ -130,6 +137,9 @@ def run(args: argparse.Namespace) -> list[Path]:
     engine = pick_engine(args.engine)  # an engine that is not installed is refused before anything starts
     sim_key = api_key(SIM_KEY_ENV, args.sim_api_key_file, "--sim-api-key-file")
     agent_key = api_key(AGENT_KEY_ENV, args.agent_api_key_file, "--agent-api-key-file")
+    if args.judge and args.user_sim_urls:
+        raise ValueError("--judge and --user-sim-urls exclude each other: name every simulator set with --judge")
+    judges = parse_judges(args.judge or [])
     specs = [AgentSpec.parse(a) for a in args.agent]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -157,11 +167,13 @@ def run(args: argparse.Namespace) -> list[Path]:
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                trust_checkpoint=args.trust_checkpoint)
     sims = None
-    if args.user_sim_urls:
-        urls = parse_urls(args.user_sim_urls)
+    if judges:
+        runs = [(judge.name, list(judge.urls), judge_dir(args.out, judge.name)) for judge in judges]
+    elif args.user_sim_urls:
+        runs = [(None, parse_urls(args.user_sim_urls), Path(args.out))]
     else:
         sims = LocalSimulators(args.num_sims, str(scenario_path), Path(args.out) / "user_sims", seed=settings.seed)
-        urls = sims.start()
+        runs = [(None, sims.start(), Path(args.out))]
     written = []
     try:
         for spec in specs:
@@ -172,29 +184,55 @@ def run(args: argparse.Namespace) -> list[Path]:
                                            api_key=agent_key, concurrency=args.agent_concurrency,
                                            local=local)
             try:
-                summary = evaluate_agent(spec.name, agent, tokenizer, settings, args.out, user_sim_urls=urls,
-                                         chunk_size=args.chunk_size, retry_errors=args.retry_errors,
-                                         n_resamples=args.n_resamples, confidence=args.confidence,
-                                         agent_description=spec.describe(local.engine),
-                                         step=info.global_step if info else 0,
-                                         checkpoint=str(info.step_dir) if info else None, settings_origin=origin,
-                                         user_sim_api_key=sim_key)
+                for judge, urls, out in runs:
+                    summary = evaluate_agent(spec.name, agent, tokenizer, settings, out, user_sim_urls=urls,
+                                             chunk_size=args.chunk_size, retry_errors=args.retry_errors,
+                                             n_resamples=args.n_resamples, confidence=args.confidence,
+                                             agent_description=spec.describe(local.engine),
+                                             step=info.global_step if info else 0,
+                                             checkpoint=str(info.step_dir) if info else None, settings_origin=origin,
+                                             user_sim_api_key=sim_key)
+                    _print_summary(summary, info, judge, args.confidence)
+                    written.append(summary.results_file)
             finally:
                 agent.close()
-            at = f" at global_step {info.global_step}" if info else ""
-            print(f"{spec.name}{at}: {summary.n_selected} dialogues ({summary.n_resumed} resumed, {summary.n_run} run)")
-            for key, label in (("completion_rate", "CR"), ("att", "ATT"), ("adt", "ADT")):
-                m = summary.results["metrics"][key]
-                interval = "" if m["low"] is None else \
-                    f" [{args.confidence:.0%} interval {m['low']:.3f}, {m['high']:.3f}]"
-                value = NOT_AVAILABLE if m["value"] is None else f"{m['value']:.3f}{interval}"
-                print(f"  {label} {value}")
-            print(f"  dialogues: {summary.dialogues_file}\n  results:   {summary.results_file}")
-            written.append(summary.results_file)
     finally:
         if sims is not None:
             sims.stop()
+    if judges:
+        _cross_judge(args, [s.name for s in specs], [j.name for j in judges], settings.seed)
     return written
+
+
+def _print_summary(summary: Any, info: Any, judge: str | None, confidence: float) -> None:
+    """What one agent's evaluation (under `judge`, if any) ran and its CR, ATT and ADT with intervals."""
+    from llm_agent.metrics import NOT_AVAILABLE
+
+    at = f" at global_step {info.global_step}" if info else ""
+    under = f" under judge {judge}" if judge else ""
+    print(f"{summary.name}{at}{under}: {summary.n_selected} dialogues ({summary.n_resumed} resumed, "
+          f"{summary.n_run} run)")
+    for key, label in (("completion_rate", "CR"), ("att", "ATT"), ("adt", "ADT")):
+        m = summary.results["metrics"][key]
+        interval = "" if m["low"] is None else f" [{confidence:.0%} interval {m['low']:.3f}, {m['high']:.3f}]"
+        value = NOT_AVAILABLE if m["value"] is None else f"{m['value']:.3f}{interval}"
+        print(f"  {label} {value}")
+    print(f"  dialogues: {summary.dialogues_file}\n  results:   {summary.results_file}")
+
+
+def _cross_judge(args: argparse.Namespace, agents: list[str], judges: list[str], seed: int) -> None:
+    """Print every agent@judge side by side with the paired judge comparisons; write them as
+    `<out>/cross_judge.{txt,md,csv,json}`."""
+    from llm_agent.evaluation.judges import cross_judge_table, write_summary
+    from llm_agent.evaluation.table import render
+
+    table = cross_judge_table(args.out, agents, judges, args.n_resamples, args.confidence, seed)
+    out = Path(args.out)
+    for fmt, suffix in (("terminal", "txt"), ("markdown", "md"), ("csv", "csv")):
+        (out / f"cross_judge.{suffix}").write_text(render(table, fmt))
+    write_summary(out / "cross_judge.json", table)
+    print(render(table, "terminal"), end="")
+    print(f"cross-judge table: {out / 'cross_judge.txt'} (.md, .csv, .json)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,10 +25,11 @@ import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from llm_agent.cache import CacheConfig
 from llm_agent.controller import ControllerConfig
+from llm_agent.rollout.judges import parse_judge_urls
 from llm_agent.user_sim.client import UserSimConfig
 from verl.trainer.config_ranges import check_number
 from verl.trainer.config_schema import ConfigError
@@ -78,7 +79,8 @@ class GenerationConfig(ConfigSection):
     (every turn, all active dialogues generate as one batch, then all wait for the simulator) or `async` (each
     dialogue runs at its own pace; `async_rollout` tunes the batching of its agent turns). `rollout_log_path`
     (every dialogue, one JSON line each) and `val_metrics_path` (one line per validation) are not written when
-    null.
+    null. `judges` maps a name to other simulator instances' URLs that validation also runs against
+    (`llm_agent/rollout/judges.py`); none by default.
     """
 
     SECTION_KEY = ROOT_KEY
@@ -98,6 +100,7 @@ class GenerationConfig(ConfigSection):
     val_metrics_path: str | None = "outputs/evaluation/val_metrics.jsonl"
     seed: int = 0
     format_error_message: str | None = None
+    judges: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.scenario is None or not self.scenario.strip():
@@ -116,10 +119,25 @@ class GenerationConfig(ConfigSection):
                                 self.max_user_tokens)
         if not self.env.strip():
             raise ConfigError(f"{config_key('env')} must name an environment kind, got {self.env!r}")
+        self._check_judges()
         for name in ("rollout_log_path", "val_metrics_path", "format_error_message"):
             value = getattr(self, name)
             if value is not None and not value.strip():
                 raise ConfigError(f"{config_key(name)} must be a non-empty string or null, got {value!r}")
+
+
+    def _check_judges(self) -> None:
+        """Parse `judges` ({name: URLs}); a judge sharing an instance with `user_sim.urls` is not independent."""
+        try:
+            self.judges = parse_judge_urls(self.judges, config_key("judges"))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        training = set(self.user_sim.urls or ())
+        for name, urls in self.judges.items():
+            if shared := sorted(training.intersection(urls)):
+                raise ConfigError(f"{config_key('judges')}.{name} shares {shared} with "
+                                  f"{config_key('user_sim')}.urls: a judge must be other simulator instances than "
+                                  "the training ones")
 
 
 def _check_budget_fits_turns(budget: int, max_turns: int, per_turn: int, user_tokens: int) -> None:

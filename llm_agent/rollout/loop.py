@@ -31,6 +31,7 @@ from llm_agent.metrics import dialogue_metrics
 from llm_agent.rollout.async_loop import run_dialogues_async
 from llm_agent.rollout.config import ROOT_KEY, ConfigError, GenerationConfig
 from llm_agent.rollout.dialogue_record import DIALOGUE_KEY, DialogueRecord, records_from_batch
+from llm_agent.rollout.judges import judge_metrics, judge_split
 from llm_agent.rollout.outcome import Outcome
 from llm_agent.rollout.pacing import BusyMeter, pacing_metrics
 from llm_agent.rollout.records import append_jsonl, log_lines, object_column, prefixed
@@ -55,7 +56,8 @@ class LLMGenerationManager(RolloutLoop):
     `client` may inject any `SimulatorClient` (tests, benchmarks, evaluation); without it a `UserSimClient` is
     built from `rollout_loop.config.user_sim` and owned (closed by `close()`). Validation loops
     (`is_validation=True`) use no cache and no controller and read every row's profile from the dataset's
-    `user_profile` column.
+    `user_profile` column. A validation loop with `judges` also runs every batch against each judge
+    (`llm_agent/rollout/judges.py`).
     """
 
     # Completion rate and outcome mix first, then the generation vs simulator time split.
@@ -105,26 +107,36 @@ class LLMGenerationManager(RolloutLoop):
         self.profiles = UserProfiles(self.scenario, self.controller, self.is_validation)
         self.step_outcomes = StepOutcomes(self.config.user_sim)
         self.calls = 0  # run_llm_loop calls so far (checkpointed: training simulator seeds depend on it)
+        self.judge_clients: dict[str, UserSimClient] = {}
+        try:
+            for name, urls in (self.config.judges if self.is_validation else {}).items():
+                self.judge_clients[name] = self._build_client(urls, f"judge {name!r}")
+        except BaseException:
+            self.close()
+            raise
+        self.judged: dict[str, list[DialogueRecord]] = {name: [] for name in self.judge_clients}  # until validation end
         logger.info("rollout loop (%s): scenario %r, max_turns=%d, per-turn %d / per-trajectory %d tokens, "
                     "cache %s, controller %s", "validation" if self.is_validation else "training",
                     self.scenario.name, self.config.max_turns, self.config.max_tokens_per_turn,
                     self.config.max_response_length, "on" if self.cache is not None else "off",
                     "on" if self.controller is not None else "off")
 
-    def _build_client(self) -> UserSimClient:
+    def _build_client(self, urls: list[str] | None = None, what: str = "user simulators") -> UserSimClient:
+        """A client of `urls` (default: `user_sim.urls`) with the `user_sim` settings, its instances checked."""
         sim = self.config.user_sim
-        if not sim.urls:
+        urls = urls or sim.urls
+        if not urls:
             raise ConfigError(f"{ROOT_KEY}.user_sim.urls is required (the simulator instances' base URLs)")
-        client = UserSimClient(sim.urls, model=sim.model, api_key=sim.api_key, timeout_s=sim.timeout_s,
+        client = UserSimClient(urls, model=sim.model, api_key=sim.api_key, timeout_s=sim.timeout_s,
                                max_attempts=sim.max_attempts, deadline_s=sim.deadline_s)
         if sim.check_at_start:
             try:
                 served = client.check_instances()
             except SimulatorCheckError as exc:
                 client.close()
-                raise SimulatorCheckError(f"{exc}. Start the simulators (scripts/start_user_sims.sh) or fix "
-                                          f"{ROOT_KEY}.user_sim.urls / .model") from None
-            logger.info("user simulators ready: %s", served)
+                raise SimulatorCheckError(f"{what}: {exc}. Start the simulators (scripts/start_user_sims.sh) or fix "
+                                          f"{ROOT_KEY}.user_sim.urls / .judges / .user_sim.model") from None
+            logger.info("%s ready: %s", what, served)
         return client
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -136,6 +148,19 @@ class LLMGenerationManager(RolloutLoop):
                 raise ValueError(f"run_llm_loop needs gen_batch.batch[{key!r}] (left-padded agent prompts)")
         if "uid" not in gen_batch.non_tensor_batch:
             raise ValueError("run_llm_loop needs non_tensor_batch['uid'] (the trainer's prompt ids)")
+        records, buffer, engines, sim, pacing, wall = self._dialogues(gen_batch, self.client)
+        if not self.is_validation and gen_batch.meta_info.get("do_sample", True):  # not a greedy ReMax baseline
+            self.step_outcomes.add(records)
+        for name, client in self.judge_clients.items():  # the same prompts, profiles and seeds, another simulator
+            judged, judged_buffer, _, _, _, judged_wall = self._dialogues(gen_batch, client)
+            self._finish_records(judged, judged_buffer, judged_wall)
+            self.judged[name].extend(judged)
+        return self._output(records, buffer, engines, sim, pacing, wall)
+
+    def _dialogues(self, gen_batch: DataProto, client: SimulatorClient) -> tuple[
+            list[DialogueRecord], TokenBuffer, list[BusyMeter], BusyMeter, dict[str, float], float]:
+        """Run every row's dialogue with `client`'s simulators: the records, the token buffer, the engines' and
+        the simulator's busy meters, the pacing metrics and the wall time."""
         buffer = TokenBuffer(gen_batch.batch["input_ids"], gen_batch.batch["attention_mask"],
                              self.config.max_response_length, self.pad_id)
         envs = self._envs(gen_batch, buffer)
@@ -144,9 +169,9 @@ class LLMGenerationManager(RolloutLoop):
         started = time.monotonic()
         try:
             if self.config.mode == "async":
-                engines, sim = run_dialogues_async(envs, self.engine, batches, self.client, self.config.async_rollout)
+                engines, sim = run_dialogues_async(envs, self.engine, batches, client, self.config.async_rollout)
             else:
-                engines, sim = run_turn_synchronous(envs, self.engine, batches, self.client, self.config.max_turns)
+                engines, sim = run_turn_synchronous(envs, self.engine, batches, client, self.config.max_turns)
             wall = time.monotonic() - started
         finally:  # also when a call fails: no consecutive-hit flag may outlive its dialogue
             if self.cache is not None:
@@ -157,10 +182,8 @@ class LLMGenerationManager(RolloutLoop):
             if env.active:
                 raise RuntimeError(f"dialogue {env.dialogue_id} has no outcome after {self.config.max_turns} turns")
         records = [env.record() for env in envs]
-        if not self.is_validation and gen_batch.meta_info.get("do_sample", True):  # not a greedy ReMax baseline
-            self.step_outcomes.add(records)
         pacing = pacing_metrics(wall, engines, sim, [env.ended_at - started for env in envs])
-        return self._output(records, buffer, engines, sim, pacing, wall)
+        return records, buffer, engines, sim, pacing, wall
 
     def _envs(self, gen_batch: DataProto, buffer: TokenBuffer) -> list[Environment]:
         """One environment per row (its kind: the row's `env_class`, else `rollout_loop.config.env`), reset with the
@@ -196,8 +219,8 @@ class LLMGenerationManager(RolloutLoop):
                 raise ValueError(f"non_tensor_batch[{ENV_COLUMN!r}][{i}] (uid {uids[i]!r}): {exc.args[0]}") from None
         return out
 
-    def _output(self, records: list[DialogueRecord], buffer: TokenBuffer, engines: list[BusyMeter],
-                sim: BusyMeter, pacing: dict[str, float], wall: float) -> DataProto:
+    def _finish_records(self, records: list[DialogueRecord], buffer: TokenBuffer, wall: float) -> dict[str, Any]:
+        """Each record's cost and diagnosis (an error row gets its own uid); returns the buffer's final tensors."""
         tensors = buffer.final_tensors()
         # what each dialogue cost: its sampled (loss-carrying) tokens and its share of the call's wall time
         for record, tokens in zip(records, tensors["response_mask"].sum(dim=1).tolist()):
@@ -207,6 +230,11 @@ class LLMGenerationManager(RolloutLoop):
             # an error row (no loss) is its own GRPO group, so it does not shift its siblings' baseline
             if record.outcome == Outcome.ERROR:
                 record.uid = f"{record.uid}/error/{record.dialogue_id}"
+        return tensors
+
+    def _output(self, records: list[DialogueRecord], buffer: TokenBuffer, engines: list[BusyMeter],
+                sim: BusyMeter, pacing: dict[str, float], wall: float) -> DataProto:
+        tensors = self._finish_records(records, buffer, wall)
         columns = {"uid": object_column([r.uid for r in records]), DIALOGUE_KEY: object_column(records)}
         metrics = prefixed(dialogue_metrics(records, self.scenario), "rollout/")
         generate_s = sum(m.busy_s for m in engines)
@@ -234,29 +262,46 @@ class LLMGenerationManager(RolloutLoop):
             metrics.update(prefixed(self.controller.update(completions), "controller/"))
         if self.cache is not None:
             metrics.update(prefixed(self.cache.metrics(reset=True), "cache/"))
-        metrics.update(self._client_stats())
+        metrics.update(self._client_stats(self.client, "user_sim/"))
         if self.config.rollout_log_path:
             append_jsonl(self.config.rollout_log_path, log_lines(records, step, "train"))
         return metrics
 
     def on_validation_end(self, batches: Sequence[DataProto], step: int) -> dict[str, float]:
         """After validation: metrics over all validation dialogues (`dialogue/`, `diagnosis/labels/*`) and the
-        validation client's (`user_sim/`; the trainer adds `val/`), one `{"step", "n_dialogues", "metrics"}` line appended to
-        `val_metrics_path`, rollout-log lines (split val)."""
+        validation client's (`user_sim/`; the trainer adds `val/`), one `{"step", "n_dialogues", "metrics"}` line
+        appended to `val_metrics_path`, rollout-log lines (split val). With judges also each judge's metrics
+        (`<judge>/...`, its client's under `<judge>/user_sim/`) and the exploitation gaps (`judge_metrics`), the
+        line's `judges` ({name: {"n_dialogues", "metrics"}}) and `exploitation_gap`, and the judges' dialogues
+        (split `val@<judge>`)."""
         records = [r for batch in batches for r in records_from_batch(batch)]
         raw = dialogue_metrics(records, self.scenario)
-        client_stats = self._client_stats()
+        metrics = {**prefixed(raw, "dialogue/"), **diagnosis_metrics(records, self.scenario),
+                   **self._client_stats(self.client, "user_sim/")}
+        line: dict[str, Any] = {"step": step, "n_dialogues": len(records), "metrics": raw}
+        lines = log_lines(records, step, "val")
+        if self.judge_clients:
+            judged = {name: self.judged[name] for name in self.judge_clients}
+            self.judged = {name: [] for name in self.judge_clients}
+            gaps = judge_metrics(records, judged, self.scenario)
+            metrics.update(gaps)
+            line["judges"] = {name: {"n_dialogues": len(judged[name]),
+                                     "metrics": dialogue_metrics(judged[name], self.scenario)} for name in judged}
+            line["exploitation_gap"] = gaps.get("exploitation_gap")
+            for name, client in self.judge_clients.items():
+                metrics.update(self._client_stats(client, f"{name}/user_sim/"))
+                lines += log_lines(judged[name], step, judge_split(name))
         if self.config.val_metrics_path:
-            line = json.dumps({"step": step, "n_dialogues": len(records), "metrics": raw})
-            append_jsonl(self.config.val_metrics_path, [line])
+            append_jsonl(self.config.val_metrics_path, [json.dumps(line)])
         if self.config.rollout_log_path:
-            append_jsonl(self.config.rollout_log_path, log_lines(records, step, "val"))
-        return {**prefixed(raw, "dialogue/"), **diagnosis_metrics(records, self.scenario), **client_stats}
+            append_jsonl(self.config.rollout_log_path, lines)
+        return metrics
 
-    def _client_stats(self) -> dict[str, float]:
-        """The simulator client's counters since the last call (`user_sim/`), then reset."""
-        stats = prefixed(self.client.stats(), "user_sim/")
-        self.client.reset_stats()
+    @staticmethod
+    def _client_stats(client: SimulatorClient, prefix: str) -> dict[str, float]:
+        """A simulator client's counters since the last call (under `prefix`), then reset."""
+        stats = prefixed(client.stats(), prefix)
+        client.reset_stats()
         return stats
 
     def state_dict(self) -> dict[str, Any]:
@@ -301,6 +346,9 @@ class LLMGenerationManager(RolloutLoop):
         if self._owns_client and self.client is not None:
             self.client.close()
             self.client = None
+        for client in self.judge_clients.values():
+            client.close()
+        self.judge_clients = {}
         if self.cache is not None:
             self.cache.flush()
 
