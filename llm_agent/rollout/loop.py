@@ -262,7 +262,7 @@ class LLMGenerationManager(RolloutLoop):
             metrics.update(prefixed(self.controller.update(completions), "controller/"))
         if self.cache is not None:
             metrics.update(prefixed(self.cache.metrics(reset=True), "cache/"))
-        metrics.update(self._client_stats(self.client, "user_sim/"))
+        metrics.update(self._client_stats(self.client))
         if self.config.rollout_log_path:
             append_jsonl(self.config.rollout_log_path, log_lines(records, step, "train"))
         return metrics
@@ -277,7 +277,7 @@ class LLMGenerationManager(RolloutLoop):
         records = [r for batch in batches for r in records_from_batch(batch)]
         raw = dialogue_metrics(records, self.scenario)
         metrics = {**prefixed(raw, "dialogue/"), **diagnosis_metrics(records, self.scenario),
-                   **self._client_stats(self.client, "user_sim/")}
+                   **self._client_stats(self.client)}
         line: dict[str, Any] = {"step": step, "n_dialogues": len(records), "metrics": raw}
         lines = log_lines(records, step, "val")
         if self.judge_clients:
@@ -289,7 +289,7 @@ class LLMGenerationManager(RolloutLoop):
                                      "metrics": dialogue_metrics(judged[name], self.scenario)} for name in judged}
             line["exploitation_gap"] = gaps.get("exploitation_gap")
             for name, client in self.judge_clients.items():
-                metrics.update(self._client_stats(client, f"{name}/user_sim/"))
+                metrics.update(self._client_stats(client, name))
                 lines += log_lines(judged[name], step, judge_split(name))
         if self.config.val_metrics_path:
             append_jsonl(self.config.val_metrics_path, [json.dumps(line)])
@@ -298,11 +298,12 @@ class LLMGenerationManager(RolloutLoop):
         return metrics
 
     @staticmethod
-    def _client_stats(client: SimulatorClient, prefix: str) -> dict[str, float]:
-        """A simulator client's counters since the last call (under `prefix`), then reset."""
-        stats = prefixed(client.stats(), prefix)
+    def _client_stats(client: SimulatorClient, judge: str | None = None) -> dict[str, float]:
+        """A simulator client's counters since the last call (`user_sim/`, a judge's `<judge>/user_sim/`), then
+        reset."""
+        stats = prefixed(client.stats(), "user_sim/")
         client.reset_stats()
-        return stats
+        return stats if judge is None else {f"{judge}/{key}": value for key, value in stats.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """What the trainer checkpoints: the controller's and the cache's state (None without them; the cached

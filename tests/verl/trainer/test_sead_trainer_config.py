@@ -15,7 +15,7 @@ def _leaves(tree, prefix=""):
     out = {}
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and dotted not in ("stage_hit_rates", "cache.stage_hit_rates", "reward"):
+        if isinstance(value, dict) and dotted not in ("stage_hit_rates", "cache.stage_hit_rates", "reward", "judges"):
             out.update(_leaves(value, dotted + "."))
         else:
             out[dotted] = value
