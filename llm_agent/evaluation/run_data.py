@@ -161,14 +161,38 @@ def read_step_metrics(path: str | Path) -> list[dict[str, float]]:
 
 def read_val_metrics(path: str | Path) -> list[dict[str, float]]:
     """val_metrics.jsonl as one dict per validation, `step` plus the dialogue metrics under `val/dialogue/`
-    (the names the trainer tracks them by), sorted by step; the last line of a repeated step wins."""
+    (the names the trainer tracks them by), each judge's under `val/<judge>/` and `val/exploitation_gap` (when
+    validation ran judges), sorted by step; the last line of a repeated step wins."""
     by_step: dict[int, dict[str, float]] = {}
     for number, row in read_jsonl(path):
         step, metrics = row.get("step"), row.get("metrics")
         if isinstance(step, bool) or not isinstance(step, int) or not isinstance(metrics, dict):
             raise ValueError(f"{path}:{number}: expected {{'step': int, 'metrics': {{...}}}}, got keys {sorted(row)}")
-        by_step[step] = {"step": float(step), **{f"val/dialogue/{k}": float(v) for k, v in metrics.items()}}
+        by_step[step] = {"step": float(step), **{f"val/dialogue/{k}": float(v) for k, v in metrics.items()},
+                         **_judge_rows(row, f"{path}:{number}")}
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _judge_rows(row: dict[str, Any], where: str) -> dict[str, float]:
+    """A validation line's judge metrics as `val/<judge>/<metric>` and its `val/exploitation_gap`."""
+    judges, gap = row.get("judges", {}), row.get("exploitation_gap")
+    if not isinstance(judges, dict):
+        raise ValueError(f"{where}: 'judges' must be an object, got {type(judges).__name__}")
+    out: dict[str, float] = {}
+    for name, judged in judges.items():
+        metrics = judged.get("metrics") if isinstance(judged, dict) else None
+        if not isinstance(metrics, dict) or not all(_is_number(v) for v in metrics.values()):
+            raise ValueError(f"{where}: judge {name!r} needs {{'metrics': {{name: number}}}}")
+        out.update({f"val/{name}/{k}": float(v) for k, v in metrics.items()})
+    if gap is not None:
+        if not _is_number(gap):
+            raise ValueError(f"{where}: 'exploitation_gap' must be a number or null, got {gap!r}")
+        out["val/exploitation_gap"] = float(gap)
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 def read_dialogues(path: str | Path) -> list[DialogueRecord]:

@@ -6,9 +6,11 @@ values are config errors naming the key."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from llm_agent.evaluation.run_data import read_val_metrics
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.rollout.config import ConfigError, GenerationConfig
 from llm_agent.rollout.records import object_column
@@ -69,6 +71,23 @@ def test_exploitation_gap_is_the_cr_difference_recounted_from_the_validation_log
     assert line["judges"]["deaf"]["n_dialogues"] == N_DIALOGUES
     assert line["judges"]["deaf"]["metrics"]["completion_rate"] == pytest.approx(cr_judge)
     assert line["exploitation_gap"] == pytest.approx(cr_main - cr_judge)
+    (row,) = read_val_metrics(val_metrics)  # what the report and metrics_vis read
+    assert row["val/deaf/completion_rate"] == pytest.approx(cr_judge)
+    assert row["val/exploitation_gap"] == pytest.approx(cr_main - cr_judge)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"judges": [1]}, "'judges' must be an object"),
+    ({"judges": {"x": {"metrics": {"completion_rate": "high"}}}}, "judge 'x' needs"),
+    ({"judges": {"x": 3}}, "judge 'x' needs"),
+    ({"exploitation_gap": True}, "'exploitation_gap' must be a number"),
+])
+def test_bad_judge_entries_in_the_validation_log_name_file_and_line(tmp_path, extra, message):
+    path = tmp_path / "val_metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "metrics": {"completion_rate": 0.5}}) + "\n"
+                    + json.dumps({"step": 2, "metrics": {"completion_rate": 0.5}, **extra}) + "\n")
+    with pytest.raises(ValueError, match=f"val_metrics.jsonl:2: {re.escape(message)}"):
+        read_val_metrics(path)
 
 
 @pytest.mark.parametrize("judges, message", [
