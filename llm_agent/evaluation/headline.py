@@ -6,6 +6,11 @@ without validations has one group, its last step), CR = completed / non-error di
 bootstrap over dialogues, `llm_agent.evaluation.stats`: one number, one interval on the page). Without
 dialogues, the first and the last `val/dialogue/completion_rate` of the tracked metrics, without an interval
 (the counts are not logged).
+
+When validation ran judges (`rollout_loop.config.judges`), a second line gives the exploitation gap at the last
+validation: the training simulator's CR minus each judge's, on the same profiles, with the paired bootstrap
+interval of `llm_agent.evaluation.stats.paired_comparison` (from the dialogues of splits `val` and
+`val@<judge>`), else the last tracked `val/exploitation_gap` without an interval.
 """
 from __future__ import annotations
 
@@ -17,12 +22,17 @@ from llm_agent.evaluation.analysis import before_after_groups
 from llm_agent.metrics import NOT_AVAILABLE
 from llm_agent.rollout.dialogue_record import DialogueRecord
 
-__all__ = ["CRPoint", "IntervalOf", "cr_points", "headline_html"]
+__all__ = ["CRPoint", "GapPoint", "IntervalOf", "cr_points", "gap_points", "headline_html"]
 
 # The CR interval of a group of dialogues (None: none); the report passes its metrics table's bootstrap.
 IntervalOf = Callable[[Sequence[DialogueRecord]], "tuple[float, float] | None"]
 
 VAL_CR_KEY = "val/dialogue/completion_rate"
+VAL_GAP_KEY = "val/exploitation_gap"
+JUDGE_SPLIT = "val@"  # a judge's validation dialogues: split `val@<judge>`
+# The paired CR difference of two groups of dialogues: (value, interval or None), None when they share no profile.
+GapOf = Callable[[Sequence[DialogueRecord], Sequence[DialogueRecord]],
+                 "tuple[float, tuple[float, float] | None] | None"]
 
 
 @dataclass(frozen=True)
@@ -72,9 +82,47 @@ def cr_points(dialogues: Sequence[DialogueRecord] | None, val_rows: Sequence[Map
     return [CRPoint(f"{name}val, step {int(row['step'])}", float(row[VAL_CR_KEY])) for name, row in zip(names, ends)]
 
 
-def headline_html(points: Sequence[CRPoint], interval_note: str = "") -> str:
+@dataclass(frozen=True)
+class GapPoint:
+    """The exploitation gap against one judge (`judge` None: the tracked gap against the judges' mean CR) at
+    validation step `step`: training simulator's CR minus the judge's, with its paired interval (None: unknown)."""
+
+    judge: str | None
+    step: int
+    gap: float
+    interval: tuple[float, float] | None = None
+
+    def text(self) -> str:
+        """`vs persona at val step 16: +0.125 [0.031, 0.219]`."""
+        against = f"vs {self.judge}" if self.judge else "vs the judges' mean"
+        bracket = "" if self.interval is None else f" [{self.interval[0]:+.3f}, {self.interval[1]:+.3f}]"
+        return f"{against} at val step {self.step}: {self.gap:+.3f}{bracket}"
+
+
+def gap_points(dialogues: Sequence[DialogueRecord] | None, val_rows: Sequence[Mapping[str, float]],
+               paired: GapOf) -> list[GapPoint]:
+    """The exploitation gap per judge at the last validation step that has judged dialogues (`paired` gives the
+    paired CR difference), else the last tracked `val/exploitation_gap`; empty without judges."""
+    by_split: dict[str, dict[int, list[DialogueRecord]]] = {}
+    for d in dialogues or ():
+        if isinstance(d.step, int) and (d.split == "val" or str(d.split).startswith(JUDGE_SPLIT)):
+            by_split.setdefault(str(d.split), {}).setdefault(d.step, []).append(d)
+    judged_steps = {s for split, steps in by_split.items() if split != "val" for s in steps}
+    steps = sorted(judged_steps.intersection(by_split.get("val", {})))
+    if steps:
+        out = []
+        for split in sorted(s for s in by_split if s != "val" and steps[-1] in by_split[s]):
+            result = paired(by_split["val"][steps[-1]], by_split[split][steps[-1]])
+            if result is not None:
+                out.append(GapPoint(split[len(JUDGE_SPLIT):], steps[-1], result[0], result[1]))
+        return out
+    rows = [row for row in val_rows if VAL_GAP_KEY in row]
+    return [GapPoint(None, int(rows[-1]["step"]), float(rows[-1][VAL_GAP_KEY]))] if rows else []
+
+
+def headline_html(points: Sequence[CRPoint], interval_note: str = "", gaps: Sequence[GapPoint] = ()) -> str:
     """The headline paragraph (escaped; empty when there are no points); `interval_note` says what the brackets
-    are."""
+    are; `gaps` adds the exploitation gap line."""
     if not points:
         return ""
     parts = [f'<span class="cr-point" data-label="{html.escape(p.label, quote=True)}">'
@@ -89,5 +137,10 @@ def headline_html(points: Sequence[CRPoint], interval_note: str = "") -> str:
         note = "completed / non-error dialogues; no interval (bootstrap off)"
     else:
         note = "no interval: the dialogues were not logged"
+    gap_line = ""
+    if gaps:
+        gap_line = ('<br><span class="gap">Exploitation gap (CR under the training simulator minus under the judge, '
+                    'paired by profile; docs/simulator.md): '
+                    + "; ".join(f'<b class="gap-value">{html.escape(g.text())}</b>' for g in gaps) + "</span>")
     return (f'<p id="headline" class="headline">Completion rate (CR): {" &rarr; ".join(parts)}{change}'
-            f'<br><span class="note">{html.escape(note)}</span></p>')
+            f'{gap_line}<br><span class="note">{html.escape(note)}</span></p>')

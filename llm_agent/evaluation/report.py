@@ -20,13 +20,13 @@ from typing import Any
 from llm_agent.evaluation.analysis import analyze_dialogues, before_after_groups
 from llm_agent.evaluation.browser_data import browser_payload, embed_json
 from llm_agent.evaluation.defaults import DEFAULT_BROWSER_LIMIT, DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
-from llm_agent.evaluation.headline import IntervalOf, cr_points, headline_html
+from llm_agent.evaluation.headline import GapOf, IntervalOf, cr_points, gap_points, headline_html
 from llm_agent.evaluation.page_text import esc
 from llm_agent.evaluation.plots import RunData, build_figures, load_run
 from llm_agent.evaluation.report_sections import analysis_html, cr_by_state_caption, metrics_html, plots_html
 from llm_agent.evaluation.report_simulator import simulator_html
 from llm_agent.evaluation.run_data import RunFiles, output_root
-from llm_agent.evaluation.stats import metric_intervals
+from llm_agent.evaluation.stats import metric_intervals, paired_comparison
 from llm_agent.metrics import dialogue_metrics, index_keys, metric_keys
 from llm_agent.rollout.dialogue_record import DialogueRecord
 from llm_agent.scenario import Scenario
@@ -94,6 +94,19 @@ def _cr_interval(scenario: Scenario, bootstrap: int) -> IntervalOf | None:
     return interval
 
 
+def _paired_gap(scenario: Scenario, bootstrap: int) -> GapOf:
+    """The headline's exploitation gap of two groups: the paired CR difference and, with `bootstrap`, its paired
+    bootstrap interval (`paired_comparison`)."""
+    def gap(main: Sequence[DialogueRecord], judged: Sequence[DialogueRecord]) -> tuple[float, Any] | None:
+        comparison = paired_comparison(main, judged, scenario, n_resamples=max(bootstrap, 1))
+        if comparison is None or comparison.cr_difference.value is None:
+            return None
+        d = comparison.cr_difference
+        interval = (d.low, d.high) if bootstrap > 0 and d.low is not None and d.high is not None else None
+        return d.value, interval
+    return gap
+
+
 def _asset(name: str) -> str:
     return resources.files("llm_agent.evaluation").joinpath(ASSETS, name).read_text(encoding="utf-8")
 
@@ -125,7 +138,8 @@ def render_report(run: RunData, scenario: Scenario, sources: str, smooth: float 
         sources=esc(f"{sources} · scenario {scenario.name} · {len(records)} dialogues · generated {generated}"),
         css=_asset("report.css"),
         headline=headline_html(cr_points(records, run.val, _cr_interval(scenario, bootstrap)),
-                               f"the metrics table's {DEFAULT_CONFIDENCE:.0%} bootstrap interval"),
+                               f"the metrics table's {DEFAULT_CONFIDENCE:.0%} bootstrap interval",
+                               gap_points(records, run.val, _paired_gap(scenario, bootstrap))),
         plots=plots_html(figures, notes, {"cr_by_initial_state": cr_by_state_caption(
             [label for label, _ in before_after_groups(records)] if records else [])}),
         metrics=metrics_html(columns, "Every metric as defined in llm_agent/metrics.py ("

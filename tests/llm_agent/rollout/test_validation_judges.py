@@ -10,7 +10,9 @@ import re
 
 import pytest
 
-from llm_agent.evaluation.run_data import read_val_metrics
+from llm_agent.evaluation.headline import GapPoint, cr_points, gap_points, headline_html
+from llm_agent.evaluation.run_data import read_dialogues, read_val_metrics
+from llm_agent.evaluation.stats import paired_comparison
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.rollout.config import ConfigError, GenerationConfig
 from llm_agent.rollout.records import object_column
@@ -74,6 +76,19 @@ def test_exploitation_gap_is_the_cr_difference_recounted_from_the_validation_log
     (row,) = read_val_metrics(val_metrics)  # what the report and metrics_vis read
     assert row["val/deaf/completion_rate"] == pytest.approx(cr_judge)
     assert row["val/exploitation_gap"] == pytest.approx(cr_main - cr_judge)
+
+    # the report's headline: the gap at the last validation from the logged dialogues, with a paired interval
+    def paired(a, b):
+        d = paired_comparison(a, b, scenario, n_resamples=200).cr_difference
+        return d.value, (d.low, d.high)
+
+    (point,) = gap_points(read_dialogues(rollouts), [row], paired)
+    assert (point.judge, point.step) == ("deaf", STEP) and point.gap == pytest.approx(cr_main - cr_judge)
+    assert point.interval[0] <= point.gap <= point.interval[1]
+    page = headline_html(cr_points(read_dialogues(rollouts), [row]), gaps=[point])
+    assert f"vs deaf at val step {STEP}: {cr_main - cr_judge:+.3f} [" in page
+    # without dialogues: the tracked gap, no interval
+    assert gap_points(None, [row], paired) == [GapPoint(None, STEP, pytest.approx(cr_main - cr_judge))]
 
 
 @pytest.mark.parametrize("extra, message", [
