@@ -72,6 +72,8 @@ VALIDATION_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("val/dialogue/format_error_rate", "val/dialogue/stage_completeness")),
     ("reward (sequence score)", "mean per dialogue", ("val/reward/total",)),
 )
+VAL_CR, JUDGE_CR, GAP = "val/dialogue/completion_rate", "completion_rate", "exploitation_gap"
+GAP_PANEL = "exploitation gap (docs/simulator.md)"
 TIME_KEYS = {"generation": "rollout/time_generate_s", "user simulator": "rollout/time_user_sim_s"}
 
 
@@ -222,6 +224,17 @@ def _time_split_figure(runs: Sequence[RunData], notes: list[str]) -> Figure | No
                                   "Rollout time per step: generation vs user simulator", "seconds", fraction=False)
 
 
+def _with_judges(panels: list[tuple[str, str, tuple[str, ...]]], val_keys: set[str]
+                 ) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The validation panels with each judge's CR curve beside the training simulator's (`val/<judge>/
+    completion_rate`) and, when validation ran judges, an exploitation-gap panel."""
+    judge_crs = tuple(k for k in sorted(val_keys) if k.startswith("val/") and k.endswith(f"/{JUDGE_CR}")
+                      and k.count("/") == 2 and k != VAL_CR)
+    gaps = tuple(k for k in sorted(val_keys) if k.startswith("val/") and k.endswith(GAP))
+    out = [(title, label, (*keys, *judge_crs) if VAL_CR in keys else keys) for title, label, keys in panels]
+    return [*out, (GAP_PANEL, "CR(training sim) - CR(judge)", gaps)] if gaps else out
+
+
 def build_figures(runs: Sequence[RunData], smooth: float = 0.6) -> tuple[dict[str, Figure], list[str]]:
     """Every figure of the module docstring that has data, by file stem, and notes on what was skipped."""
     if not runs:
@@ -231,6 +244,7 @@ def build_figures(runs: Sequence[RunData], smooth: float = 0.6) -> tuple[dict[st
     val_keys = set().union(*(present_keys(r.val) for r in runs))
     indices = tuple(k for k in sorted(val_keys) if f"{k}_agent" in val_keys and k.startswith("val/dialogue/"))
     validation = [(title, label, indices if title == INDEX_PANEL else keys) for title, label, keys in VALIDATION_PANELS]
+    validation = _with_judges(validation, val_keys)
     figures: dict[str, Figure | None] = {
         "training_curves": _curves_figure(runs, TRAINING_PANELS, "steps", "Training", smooth, notes,
                                           "training_curves"),

@@ -124,3 +124,17 @@ def test_judges_parse_like_the_simulator_urls():
     assert cfg.judges == {"persona": ["http://127.0.0.1:5001", "http://127.0.0.1:5002"],
                           "llm": ["http://127.0.0.1:5003"]}
     assert GenerationConfig.from_dict(config()).judges == {}
+
+
+def test_validation_plots_draw_each_judges_cr_and_the_gap():
+    from llm_agent.evaluation.plots import RunData, build_figures
+
+    rows = [{"step": float(s), "val/dialogue/completion_rate": cr, "val/deaf/completion_rate": judge,
+             "val/deaf/exploitation_gap": cr - judge, "val/exploitation_gap": cr - judge}
+            for s, cr, judge in [(0, 0.25, 0.25), (4, 0.5, 0.375), (8, 0.75, 0.375)]]
+    figures, _ = build_figures([RunData("judged", val=rows)], smooth=0.0)
+    axes = {ax.get_title(): ax for ax in figures["validation_curves"].axes}
+    cr = {line.get_label(): list(line.get_ydata()) for line in axes["completion rate (CR)"].lines}
+    assert cr == {"dialogue/completion_rate": [0.25, 0.5, 0.75], "deaf/completion_rate": [0.25, 0.375, 0.375]}
+    gaps = {line.get_label(): list(line.get_ydata()) for line in axes["exploitation gap (docs/simulator.md)"].lines}
+    assert gaps == {"deaf/exploitation_gap = exploitation_gap": [0.0, 0.125, 0.375]}  # one judge: equal, drawn once
