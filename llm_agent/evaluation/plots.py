@@ -42,6 +42,7 @@ from llm_agent.evaluation.run_data import (RunFiles, read_dialogue_summaries, re
 from llm_agent.evaluation.series import OUTCOME_RATE_KEYS, metric_series, outcome_mix, present_keys
 from llm_agent.reward import COMPONENTS
 from llm_agent.rollout.dialogue_record import DialogueRecord
+from llm_agent.rollout.judges import RESERVED
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def _with_judges(panels: list[tuple[str, str, tuple[str, ...]]], val_keys: set[s
     """The validation panels with each judge's CR curve beside the training simulator's (`val/<judge>/
     completion_rate`) and, when validation ran judges, an exploitation-gap panel."""
     judge_crs = tuple(k for k in sorted(val_keys) if k.startswith("val/") and k.endswith(f"/{JUDGE_CR}")
-                      and k.count("/") == 2 and k != VAL_CR)
+                      and k.count("/") == 2 and k.split("/")[1] not in RESERVED)
     gaps = tuple(k for k in sorted(val_keys) if k.startswith("val/") and k.endswith(GAP))
     out = [(title, label, (*keys, *judge_crs) if VAL_CR in keys else keys) for title, label, keys in panels]
     return [*out, (GAP_PANEL, "CR(training sim) - CR(judge)", gaps)] if gaps else out

@@ -19,12 +19,15 @@ from llm_agent.metrics import dialogue_metrics
 from llm_agent.rollout.dialogue_record import DialogueRecord
 from llm_agent.scenario import Scenario
 
-__all__ = ["GAP_KEY", "JUDGE_NAME", "check_judge_name", "judge_metrics", "judge_split", "parse_judge_urls"]
+__all__ = ["GAP_KEY", "JUDGE_NAME", "RESERVED", "check_judge_name", "judge_metrics", "judge_split", "parse_judge_urls"]
 
 JUDGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 """A judge's name: it names a directory, a table row, a log split and the metric keys `val/<judge>/...`."""
 GAP_KEY = "exploitation_gap"
 CR_KEY = "completion_rate"
+RESERVED = frozenset({"dialogue", "diagnosis", "user_sim", "reward", "test_score", "response_length", "rollout",
+                      "generations", GAP_KEY})
+"""Names a judge may not take: its metrics `val/<judge>/...` would mix with the trainer's own `val/` metrics."""
 
 
 def check_judge_name(name: Any, where: str) -> str:
@@ -32,6 +35,9 @@ def check_judge_name(name: Any, where: str) -> str:
     if not isinstance(name, str) or not JUDGE_NAME.fullmatch(name):
         raise ValueError(f"{where}: judge name {name!r} must be 1-64 letters, digits, '_' or '-', starting with a "
                          "letter or digit")
+    if name in RESERVED:
+        raise ValueError(f"{where}: judge name {name!r} is taken by validation's own metrics (val/{name}/...); "
+                         "choose another")
     return name
 
 

@@ -107,6 +107,7 @@ def test_bad_judge_entries_in_the_validation_log_name_file_and_line(tmp_path, ex
 
 @pytest.mark.parametrize("judges, message", [
     ({"a b": "http://127.0.0.1:5001"}, "judge name 'a b'"),
+    ({"dialogue": "http://127.0.0.1:5001"}, "judge name 'dialogue' is taken"),
     ({"x": "ftp://127.0.0.1:5001"}, "rollout_loop.config.judges.x"),
     ({"x": 5}, "rollout_loop.config.judges.x must be"),
     ({"x": "http://127.0.0.1:5000/v1"}, "shares ['http://127.0.0.1:5000']"),
@@ -130,6 +131,7 @@ def test_validation_plots_draw_each_judges_cr_and_the_gap():
     from llm_agent.evaluation.plots import RunData, build_figures
 
     rows = [{"step": float(s), "val/dialogue/completion_rate": cr, "val/deaf/completion_rate": judge,
+             "val/rollout/completion_rate": cr,  # the loop's own rollout metrics: not a judge
              "val/deaf/exploitation_gap": cr - judge, "val/exploitation_gap": cr - judge}
             for s, cr, judge in [(0, 0.25, 0.25), (4, 0.5, 0.375), (8, 0.75, 0.375)]]
     figures, _ = build_figures([RunData("judged", val=rows)], smooth=0.0)
