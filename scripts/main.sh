@@ -15,7 +15,7 @@
 # First the scenario is checked (utils/check_scenario.py: it loads, its behaviour categories have rules), and
 # running simulators named in USER_SIM_URLS must answer: errors come in seconds, before anything is built.
 # With no settings this is the CPU demo: it builds the tiny local model (outputs/models/<experiment>/tiny_model)
-# and warm-starts it with two minutes of supervised fine-tuning on 1,024 scripted calls (.../tiny_model_warm;
+# and warm-starts it with supervised fine-tuning on 1,024 scripted calls (utils/cpu_recipe.py; .../tiny_model_warm;
 # WARM_START_STEPS=0 skips it), writes the prompt data (outputs/prompt_data), starts two scripted user simulators on loopback,
 # trains a few steps on Ray with 2 FSDP workers on gloo, validates and checkpoints, stops the simulators it
 # started, writes the HTML report (outputs/reports/) and prints where everything went. About 5 minutes on 2 cores.
