@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ GPU = {
 }
 # Today's CPU demo settings (CPU preset).
 CPU = {
-    "data.train_batch_size": "8", "actor_rollout_ref.rollout.n": "8", "actor_rollout_ref.actor.optim.lr": "2e-4",
+    "data.train_batch_size": "8", "actor_rollout_ref.rollout.n": "8", "actor_rollout_ref.actor.optim.lr": "0.0004",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
     "actor_rollout_ref.actor.use_kl_loss": "false", "actor_rollout_ref.actor.entropy_coeff": "0.0",
     "actor_rollout_ref.rollout.temperature": "0.7", "rollout_loop.config.max_turns": "10",
@@ -67,7 +68,7 @@ CPU = {
     "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "4", "trainer.experiment_name": "cpu_demo_outbound_ad_trial",
     "trainer.test_freq": "4", "data.max_prompt_length": "96", "rollout_loop.config.cache.min_bucket_size": "2",
     "trainer.device": "auto", "actor_rollout_ref.actor.use_dynamic_bsz": "false",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "16",  # a policy update's whole share per rank
 }
 
 
@@ -116,7 +117,7 @@ def test_without_model_path_the_cpu_preset_applies_and_nothing_is_built(tmp_path
     assert {k: cmd[k] for k in CPU} == CPU
     # the demo's models are the experiment's own (its name includes the scenario)
     assert cmd["actor_rollout_ref.model.path"] == f"{tmp_path / 'outputs'}/models/cpu_demo_outbound_ad_trial/tiny_model_warm"
-    assert block["LR"] == ("2e-4", "preset") and block["MAX_TURNS"] == ("10", "preset")
+    assert block["LR"] == ("0.0004", "preset") and block["MAX_TURNS"] == ("10", "preset")
     assert block["ROLLOUT_CORRECTION"] == ("off", "preset") and not any("rollout_correction" in k for k in cmd)
     assert not (tmp_path / "outputs").exists(), "the dry run built or wrote something"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in out
@@ -173,7 +174,7 @@ def test_environment_and_key_value_overrides_win(tmp_path):
     assert block["TEMPERATURE"] == ("1.2", "preset")
     assert overrides[-1] == "trainer.save_freq=7", "a key=value argument must come last so that it wins"
     _, _, forced, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", PRESET="cpu", USER_SIM_URLS="http://127.0.0.1:5000")
-    assert forced["actor_rollout_ref.actor.optim.lr"] == "2e-4" and forced["actor_rollout_ref.model.path"] == "/m/agent"
+    assert forced["actor_rollout_ref.actor.optim.lr"] == "0.0004" and forced["actor_rollout_ref.model.path"] == "/m/agent"
 
 
 def test_two_instance_script_runs_12_turns_on_the_gpu_preset(tmp_path):
@@ -216,8 +217,12 @@ def test_every_preset_value_is_printed(tmp_path, preset):
     names = preset_file.split("SEAD_PRESET_VARS=(", 1)[1].split(")", 1)[0].split()
     assert list(block) == names
     bodies = [preset_file.split(f"_sead_{which}_preset() {{", 1)[1].split("\n}", 1)[0] for which in ("cpu", "gpu")]
-    for name in names:  # each preset sets every variable
-        assert all(body.count(f"_sead_default {name} ") == 1 for body in bodies), name
+    recipe = subprocess.run([sys.executable, "-m", "utils.cpu_recipe", "preset"], cwd=REPO_ROOT, check=True,
+                            capture_output=True, text=True).stdout.split("\n")
+    from_recipe = {line.split(" ", 1)[0] for line in recipe if line}
+    for name in names:  # each preset sets every variable once (the CPU preset's learning settings: the recipe's)
+        set_in = [body.count(f"_sead_default {name} ") for body in bodies]
+        assert set_in[0] + (name in from_recipe) == 1 and set_in[1] == 1, name
 
 
 def _command_line(out: str) -> str:
