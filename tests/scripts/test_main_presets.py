@@ -141,7 +141,8 @@ def test_with_model_path_the_papers_gpu_preset_applies(tmp_path):
 
 
 def test_gpu_lora_preset_trains_a_rank_32_adapter_on_two_gpus_and_fits_the_plan(tmp_path):
-    from verl.trainer import plan
+    from verl.trainer.plan_phases import build_phases
+    from verl.trainer.plan_setup import Hardware, make_setup
     from verl.utils.memory_model import ModelShape
 
     model = tmp_path / "Qwen2.5-14B-Instruct"
@@ -159,8 +160,8 @@ def test_gpu_lora_preset_trains_a_rank_32_adapter_on_two_gpus_and_fits_the_plan(
     # the planner on the printed command at 14B: the training phases fit 80 GB with its 15% error to spare, the
     # rollout (vLLM's pool is a set fraction) no tighter than the full-model GPU preset's 74.6 GB
     config = build_config(compose_config(overrides, config_name="sead_trainer"))
-    setup, hw = plan.make_setup(config, ModelShape.from_model_dir(str(model)), None), plan.Hardware()
-    phases = {p.name: p.total for p in plan.build_phases(setup, hw)}
+    setup, hw = make_setup(config, ModelShape.from_model_dir(str(model)), None), Hardware()
+    phases = {p.name: p.total for p in build_phases(setup, hw)}
     assert phases.pop("rollout (vLLM)") <= 74.6e9
     assert 1.15 * max(phases.values()) <= hw.memory_bytes
 
