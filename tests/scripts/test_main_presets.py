@@ -166,6 +166,24 @@ def test_gpu_lora_preset_trains_a_rank_32_adapter_on_two_gpus_and_fits_the_plan(
     assert 1.15 * max(phases.values()) <= hw.memory_bytes
 
 
+def test_dry_run_prints_each_key_value_argument_as_an_override_of_the_value_it_replaces(tmp_path):
+    # a value's three origins: the preset, the environment (both in the block) and a key=value argument
+    out, block, cmd, _ = dry_run(tmp_path, "rollout_loop.config.max_turns=9", "trainer.val_before_train=false",
+                                 "trainer.logger=[console]", MODEL_PATH="/m/agent", MAX_TURNS="12",
+                                 USER_SIM_URLS="http://127.0.0.1:5000")
+    assert block["MAX_TURNS"] == ("12", "environment")
+    lines = out.splitlines()
+    at = lines.index("overrides (key=value arguments: last in the command, so they win):")
+    assert lines[at + 1:at + 5] == ["  rollout_loop.config.max_turns=9    override, replacing '12' set above",
+                                    "  trainer.val_before_train=false    override",
+                                    "  'trainer.logger=[console]'    override, replacing "
+                                    "'[console,jsonl,tensorboard]' set above",
+                                    "trainer command:"]
+    assert (cmd["rollout_loop.config.max_turns"], cmd["trainer.logger"]) == ("9", "[console]")
+    plain, _, _, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", USER_SIM_URLS="http://127.0.0.1:5000")
+    assert "overrides (" not in plain
+
+
 def test_environment_and_key_value_overrides_win(tmp_path):
     _, block, cmd, overrides = dry_run(tmp_path, "trainer.save_freq=7", MODEL_PATH="/m/agent", LR="3e-6",
                                        MAX_TURNS="12", EXPERIMENT="mine", USER_SIM_URLS="http://127.0.0.1:5000")
