@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from utils.make_tiny_model import build_tiny_model
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from verl.protocol import DataProto
 from verl.utils.fsdp_utils import build_fsdp_model, create_device_mesh
 from verl.utils.torch_functional import compute_position_id_with_mask
@@ -66,11 +66,10 @@ def build_model(shape: str, out: Path) -> Path:
 def turn_batches(tokenizer, dialogues: int, turns: int, context_cap: int) -> list[DataProto]:
     """One left-padded batch per agent turn: every dialogue's transcript up to that turn (last `context_cap`
     tokens), ending with the assistant prompt."""
-    from tests.helpers.repo import COMPACT_SYSTEM_PROMPT
     from utils.sft_warm_start import scripted_dialogues
 
     calls = scripted_dialogues(SCENARIO, dialogues, {"good": 1.0}, seed=0, max_turns=turns,
-                               system_prompt=COMPACT_SYSTEM_PROMPT)
+                               system_prompt=load_scenario(SCENARIO).agent_compact_prompt)
     batches = []
     for turn in range(1, turns + 1):
         rows = []

@@ -87,16 +87,16 @@ def planned_memory_mib(overrides: list[str]) -> dict[str, float]:
     (``log_prob``: the old-log-prob pass, ``update``: the actor update) for the trainer config ``overrides`` (with
     ``trainer.n_gpus_per_node`` the worker count), actor only, without the CUDA context, which the allocator's
     counters do not see. The planner assumes CUDA's bf16 compute dtype."""
-    from verl.trainer import plan as plan_mod
+    from verl.trainer import plan_phases, plan_setup
     from verl.trainer.config_schema import compose_config
     from verl.trainer.config_validation import build_config
 
     cfg = build_config(compose_config(overrides))
     actor = cfg.actor_rollout_ref
-    setup = plan_mod.make_setup(cfg, ModelShape.from_model_dir(actor.model.path), None)
-    hw = plan_mod.Hardware()
-    phases = {"log_prob": plan_mod.forward_phase(setup, hw, "old log-probs", "actor",
-                                                 actor.rollout.log_prob_micro_batch_size_per_gpu),
-              "update": plan_mod.update_phase(setup, hw, "actor", actor.actor.ppo_micro_batch_size_per_gpu,
-                                              actor.model.enable_gradient_checkpointing)}
+    setup = plan_setup.make_setup(cfg, ModelShape.from_model_dir(actor.model.path), None)
+    hw = plan_setup.Hardware()
+    phases = {"log_prob": plan_phases.forward_phase(setup, hw, "old log-probs", "actor",
+                                                    actor.rollout.log_prob_micro_batch_size_per_gpu),
+              "update": plan_phases.update_phase(setup, hw, "actor", actor.actor.ppo_micro_batch_size_per_gpu,
+                                                 actor.model.enable_gradient_checkpointing)}
     return {name: (phase.total - phase.memory.get("cuda contexts", 0.0)) / 2**20 for name, phase in phases.items()}

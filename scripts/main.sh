@@ -7,7 +7,8 @@
 # SEAD paper's settings: 60 prompts x 8 dialogues, lr 1e-6 with warm-up, KL loss, 15 turns, ...) and no MODEL_PATH
 # selects `cpu` (the embedded demo). `rehearsal` is the GPU preset on CPU with only the device and the sizes
 # changed (run it from the vLLM environment: PATH=$PWD/.venv-vllm/bin:$PATH PRESET=rehearsal bash scripts/main.sh). PRINT_CONFIG_ONLY=1 (or --dry-run as the first argument) prints the preset
-# and the trainer command, then exits without building, starting or training anything; --plan (the first argument)
+# (each value with its origin: preset or environment), the key=value arguments (origin: override, with the value
+# each replaces) and the trainer command, then exits without building, starting or training anything; --plan (the first argument)
 # prints the preset, then `python -m verl.trainer.plan`'s memory and time plan of that trainer command (the model's
 # config.json must exist; vLLM need not be installed); --trace prints the preset, then `python -m
 # verl.trainer.trace_preset`'s full-size trace of one step of that command on CPU beside the plan (a minute or two).
@@ -243,6 +244,16 @@ if [[ "$DRY_RUN" == 1 ]]; then
         exec "$PYTHON" -m verl.trainer.trace_preset --config-name sead_trainer "${TRAIN_CMD[@]:head}"
     fi
     [[ -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]] || echo "trainer environment: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"
+    if (( ${#ARGS[@]} )); then  # the third origin of a value, after preset and environment: a key=value argument
+        echo "overrides (key=value arguments: last in the command, so they win):"
+        preset_part=("${TRAIN_CMD[@]:head:${#TRAIN_CMD[@]}-head-${#ARGS[@]}}")
+        for arg in "${ARGS[@]}"; do
+            was=""
+            for earlier in "${preset_part[@]}"; do [[ "${earlier%%=*}" != "${arg%%=*}" ]] || was=${earlier#*=}; done
+            shown=$arg; [[ "$arg" =~ ^[A-Za-z0-9_./:=,@+-]*$ ]] || shown="'${arg//\'/\'\\\'\'}'"
+            echo "  $shown    override${was:+, replacing '$was' set above}"
+        done
+    fi
     echo "trainer command:"
     line="  ${TRAIN_CMD[*]:0:head}"
     for arg in "${TRAIN_CMD[@]:head}"; do  # one key=value per line, single-quoted where the shell needs it

@@ -91,6 +91,14 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def scenario():
+    """The default scenario (the outbound advertising trial)."""
+    from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
+
+    return load_scenario(DEFAULT_SCENARIO_PATH)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     """Directory of the tiny Qwen2 model and tokenizer (shared by both test passes, see tests/helpers/model_cache)."""

@@ -1,5 +1,6 @@
 """Repository layout rules that code review keeps forgetting: no `sys.path` edits outside the tests' conftest
-files, the default scenario file named in one module only, and the shared test helpers under tests/helpers/."""
+files, the default scenario file named in one module only, the shared test helpers under tests/helpers/ (and
+nothing outside tests/ importing them), no source file over 450 lines."""
 from __future__ import annotations
 
 import ast
@@ -64,3 +65,23 @@ def test_an_evaluation_command_runs_as_a_script_from_anywhere_and_as_a_module(tm
     for how, proc in runs.items():  # scripts/main.sh runs the report as a module
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0 and "usage:" in out, (how, err[-2000:])
+
+
+def test_no_source_file_is_over_450_lines():
+    # small files with one job: split a module by concept before it grows past this (tests are not source files)
+    long = {str(p.relative_to(REPO)): n for p in _files(".py") if p.relative_to(REPO).parts[0] != "tests"
+            and (n := len(p.read_text(encoding="utf-8").splitlines())) > 450}
+    assert long == {}
+
+
+def test_library_and_benchmarks_never_import_the_tests():
+    # what a benchmark or a library module needs lives in a library module (or bench/), not in tests/helpers
+    offenders = []
+    for path in _files(".py"):
+        if path.relative_to(REPO).parts[0] == "tests":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            offenders += [(str(path.relative_to(REPO)), n) for n in names if n.split(".")[0] == "tests"]
+    assert offenders == []

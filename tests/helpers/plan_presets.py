@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from verl.trainer import plan as plan_mod
 from verl.trainer.config_schema import compose_config
 from verl.trainer.config_validation import build_config
+from verl.trainer.plan_phases import build_phases
+from verl.trainer.plan_setup import Hardware, make_setup
 from verl.utils.memory_model import ModelShape
 
 QWEN25_14B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
@@ -42,6 +43,6 @@ def preset_phases(model_dir, extra=()):
     """(setup, hardware, phases by name) of the plan for the GPU preset plus the `extra` overrides."""
     cfg = build_config(compose_config([f"actor_rollout_ref.model.path={model_dir}", *PRESET_GPU, *extra],
                                       "sead_trainer"))
-    setup = plan_mod.make_setup(cfg, ModelShape.from_model_dir(model_dir), None)
-    hw = plan_mod.Hardware()
-    return setup, hw, {p.name.split(" (")[0]: p for p in plan_mod.build_phases(setup, hw)}
+    setup = make_setup(cfg, ModelShape.from_model_dir(model_dir), None)
+    hw = Hardware()
+    return setup, hw, {p.name.split(" (")[0]: p for p in build_phases(setup, hw)}

@@ -9,16 +9,10 @@ import random
 import pytest
 
 from llm_agent.controller import ControllerConfig, StateController, bound_weights
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
+
 from tests.helpers.profiles import DIMS
 
-SCENARIO_PATH = DEFAULT_SCENARIO_PATH
 VALID = {"cooperation": [1, 2, 3], "emotion": [1, 2], "trust": [1, 2, 3, 4]}  # the scenario's ranges minus extremes
-
-
-@pytest.fixture(scope="module")
-def scenario():
-    return load_scenario(SCENARIO_PATH)
 
 
 # ------------------------------------------------------------------ independent reference implementation

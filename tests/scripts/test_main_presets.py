@@ -142,7 +142,8 @@ def test_with_model_path_the_papers_gpu_preset_applies(tmp_path):
 
 
 def test_gpu_lora_preset_trains_a_rank_32_adapter_on_two_gpus_and_fits_the_plan(tmp_path):
-    from verl.trainer import plan
+    from verl.trainer.plan_phases import build_phases
+    from verl.trainer.plan_setup import Hardware, make_setup
     from verl.utils.memory_model import ModelShape
 
     model = tmp_path / "Qwen2.5-14B-Instruct"
@@ -160,10 +161,28 @@ def test_gpu_lora_preset_trains_a_rank_32_adapter_on_two_gpus_and_fits_the_plan(
     # the planner on the printed command at 14B: the training phases fit 80 GB with its 15% error to spare, the
     # rollout (vLLM's pool is a set fraction) no tighter than the full-model GPU preset's 74.6 GB
     config = build_config(compose_config(overrides, config_name="sead_trainer"))
-    setup, hw = plan.make_setup(config, ModelShape.from_model_dir(str(model)), None), plan.Hardware()
-    phases = {p.name: p.total for p in plan.build_phases(setup, hw)}
+    setup, hw = make_setup(config, ModelShape.from_model_dir(str(model)), None), Hardware()
+    phases = {p.name: p.total for p in build_phases(setup, hw)}
     assert phases.pop("rollout (vLLM)") <= 74.6e9
     assert 1.15 * max(phases.values()) <= hw.memory_bytes
+
+
+def test_dry_run_prints_each_key_value_argument_as_an_override_of_the_value_it_replaces(tmp_path):
+    # a value's three origins: the preset, the environment (both in the block) and a key=value argument
+    out, block, cmd, _ = dry_run(tmp_path, "rollout_loop.config.max_turns=9", "trainer.val_before_train=false",
+                                 "trainer.logger=[console]", MODEL_PATH="/m/agent", MAX_TURNS="12",
+                                 USER_SIM_URLS="http://127.0.0.1:5000")
+    assert block["MAX_TURNS"] == ("12", "environment")
+    lines = out.splitlines()
+    at = lines.index("overrides (key=value arguments: last in the command, so they win):")
+    assert lines[at + 1:at + 5] == ["  rollout_loop.config.max_turns=9    override, replacing '12' set above",
+                                    "  trainer.val_before_train=false    override",
+                                    "  'trainer.logger=[console]'    override, replacing "
+                                    "'[console,jsonl,tensorboard]' set above",
+                                    "trainer command:"]
+    assert (cmd["rollout_loop.config.max_turns"], cmd["trainer.logger"]) == ("9", "[console]")
+    plain, _, _, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", USER_SIM_URLS="http://127.0.0.1:5000")
+    assert "overrides (" not in plain
 
 
 def test_environment_and_key_value_overrides_win(tmp_path):

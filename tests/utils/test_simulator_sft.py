@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llm_agent.scenario import load_scenario
 from tests.helpers.repo import REPO, SCENARIO_PATH
 from tests.helpers.sim_servers import SimServers
 from utils.make_tiny_model import TinyModelSpec
@@ -22,11 +21,6 @@ from utils.simulator_sft import (QUICK_RECIPE, SimulatorExample, TinyRecipe, can
                                  filter_examples, logged_examples, parse_args, scripted_examples, tiny_fingerprint,
                                  tiny_simulator, weigh_numbers)
 from verl.trainer.fsdp_sft_trainer import SFTConfig, collate, masked_nll_sum
-
-
-@pytest.fixture(scope="module")
-def scenario():
-    return load_scenario(SCENARIO_PATH)
 
 
 @pytest.fixture(scope="module")

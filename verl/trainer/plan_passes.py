@@ -11,7 +11,7 @@ from verl.utils import memory_model as mm
 from verl.utils.memory_model_fsdp import FsdpUnits, fsdp2_update_moments, parameter_rows, sync_peak_bytes
 
 if TYPE_CHECKING:
-    from verl.trainer.plan import MicroBatch, Setup
+    from verl.trainer.plan_setup import MicroBatch, Setup
 
 
 def update_pass_moments(s: Setup, model: str, mb: MicroBatch, compute_bytes: int, checkpointing: bool,

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from verl.trainer import plan as planner
 from verl.trainer.cli_overrides import check_overrides
 from verl.trainer.config_schema import ConfigError, compose_config
 from verl.trainer.config_validation import build_config, validate_config
+from verl.trainer.plan_phases import build_phases
+from verl.trainer.plan_setup import Hardware, Phase, Setup, make_setup
 from verl.trainer.trace_models import build_models, fake_world, worker_section
 from verl.trainer.trace_phases import MicroBatchShape, StepSettings, micro_batch_shape, trace_step
 from verl.trainer.trace_report import TOLERANCE, TraceReport, compare
@@ -40,19 +41,19 @@ from verl.utils.memory_trace import MemoryTrace
 class TraceResult:
     """A traced step and the planner's phases for the same config."""
 
-    setup: planner.Setup
+    setup: Setup
     trace: MemoryTrace
     settings: StepSettings
-    plan: dict[str, planner.Phase]
+    plan: dict[str, Phase]
     report: TraceReport
 
 
-def _shape(s: planner.Setup, rows: int | None, dynamic: bool, budget: int, packed: bool) -> MicroBatchShape:
+def _shape(s: Setup, rows: int | None, dynamic: bool, budget: int, packed: bool) -> MicroBatchShape:
     """A pass's largest micro-batch: ``rows`` rows, or with ``dynamic`` a ``budget`` of tokens."""
     return micro_batch_shape(s.seq_len, s.response_len, int(rows or 1), budget if dynamic else None, packed)
 
 
-def _several_micro_batches(s: planner.Setup, mini_batch: int, micro_rows: int | None, dynamic: bool,
+def _several_micro_batches(s: Setup, mini_batch: int, micro_rows: int | None, dynamic: bool,
                            budget: int) -> bool:
     """Whether a mini-batch of ``mini_batch`` prompts (x rollout.n rows over the world) takes more than one
     micro-batch on a rank (full-length rows against a token budget)."""
@@ -62,7 +63,7 @@ def _several_micro_batches(s: planner.Setup, mini_batch: int, micro_rows: int | 
     return rows > int(micro_rows or 1)
 
 
-def step_settings(s: planner.Setup, actor_cfg: DictConfig, critic_cfg: DictConfig | None) -> StepSettings:
+def step_settings(s: Setup, actor_cfg: DictConfig, critic_cfg: DictConfig | None) -> StepSettings:
     """The passes' micro-batches and the offload keys of ``s``'s config; ``actor_cfg`` / ``critic_cfg`` are the
     workers' sections (the loss and clipping settings)."""
     a, c = s.cfg.actor_rollout_ref, s.cfg.critic
@@ -99,7 +100,7 @@ def step_settings(s: planner.Setup, actor_cfg: DictConfig, critic_cfg: DictConfi
 
 
 def trace_preset(overrides: list[str], config_name: str = "ppo_trainer",
-                 hardware: planner.Hardware | None = None) -> TraceResult:
+                 hardware: Hardware | None = None) -> TraceResult:
     """Compose and check the config, trace its step and compare it with the planner's phases."""
     raw = compose_config(overrides, config_name)
     cfg = build_config(raw)
@@ -110,9 +111,9 @@ def trace_preset(overrides: list[str], config_name: str = "ppo_trainer",
     critic_path = cfg.critic.model.path or model_path
     actor_shape = mm.ModelShape.from_model_dir(model_path)
     critic_shape = mm.ModelShape.from_model_dir(critic_path) if cfg.need_critic else None
-    setup = planner.make_setup(cfg, actor_shape, critic_shape)
-    hardware = hardware or planner.Hardware()
-    plan_phases = {p.name.split(" (")[0]: p for p in planner.build_phases(setup, hardware)}
+    setup = make_setup(cfg, actor_shape, critic_shape)
+    hardware = hardware or Hardware()
+    plan_phases = {p.name.split(" (")[0]: p for p in build_phases(setup, hardware)}
     actor_cfg = worker_section(raw.actor_rollout_ref)
     critic_cfg = worker_section(raw.critic) if cfg.need_critic else None
     settings = step_settings(setup, actor_cfg, critic_cfg)

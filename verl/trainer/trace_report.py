@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl.trainer import plan as planner
+from verl.trainer.plan_setup import Phase, Setup
 from verl.utils.memory_model import FP32
 from verl.utils.memory_model_fsdp import FsdpUnits, parameter_rows, pass_collectives, sync_buckets
 from verl.utils.memory_trace import ACTIVATIONS, CATEGORIES, GATHERED, LOGITS, MemoryTrace, PhaseMemory, dtype_name
@@ -112,7 +112,7 @@ def _traced_collectives(phase: PhaseMemory) -> dict[tuple[str, str], tuple[int, 
     return {key: (len(sizes), sum(sizes)) for key, sizes in groups.items()}
 
 
-def _planned_collectives(s: planner.Setup, phase: str) -> dict[tuple[str, str], tuple[int, int]]:
+def _planned_collectives(s: Setup, phase: str) -> dict[tuple[str, str], tuple[int, int]]:
     """What the memory model predicts a traced phase issues."""
     rollout = s.cfg.actor_rollout_ref.rollout
     if phase == "weight sync":
@@ -143,7 +143,7 @@ def _planned_collectives(s: planner.Setup, phase: str) -> dict[tuple[str, str], 
 _TRANSIENT = (GATHERED, ACTIVATIONS, LOGITS)
 
 
-def _planned_at_traced_moment(plan_phase: planner.Phase, traced: PhaseMemory) -> tuple[dict[str, float], str]:
+def _planned_at_traced_moment(plan_phase: Phase, traced: PhaseMemory) -> tuple[dict[str, float], str]:
     """The planner's items of a phase at the moment of the pass the trace peaked at: of the planner's candidate
     moments, the one whose transient items (gathered units, activations, logits) are nearest the trace's, each
     item's gap relative to the larger of the two (its resident items are the phase's); the peak line is the
@@ -176,8 +176,8 @@ def dtype_name_of(nbytes: int) -> str:
     return "bf16" if nbytes == 2 else "fp32"
 
 
-def compare(s: planner.Setup, trace: MemoryTrace, received: list[tuple[str, int]],
-            plan_phases: dict[str, planner.Phase], weight_dtype: Any) -> TraceReport:
+def compare(s: Setup, trace: MemoryTrace, received: list[tuple[str, int]],
+            plan_phases: dict[str, Phase], weight_dtype: Any) -> TraceReport:
     """The report of a traced step against the planner's phases of the same setup."""
     items: list[LineItem] = []
     collectives: list[CollectiveLine] = []

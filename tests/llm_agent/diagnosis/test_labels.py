@@ -9,18 +9,12 @@ import pytest
 
 from llm_agent.diagnosis import annotate_record, annotated, diagnosis_metrics, turn_label_lists, turn_signals
 from llm_agent.rollout.dialogue_record import DialogueRecord
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
 from tests.helpers.turn_records import record as record_dict
 from tests.helpers.turn_records import turn
 
 SPANS = {"cooperation": 4, "emotion": 3, "trust": 5}  # outbound_ad_trial.yaml's state ranges, read by hand
 COST_DOUBT = "So what's this going to cost me in the end?"  # a scripted cost_concerns doubt line
-
-
-@pytest.fixture(scope="module")
-def scenario():
-    return load_scenario(DEFAULT_SCENARIO_PATH)
 
 
 def record(*args, **kwargs) -> DialogueRecord:

@@ -12,7 +12,6 @@ from llm_agent.diagnosis import annotated
 from llm_agent.evaluation.analysis import analyze_dialogues
 from tests.helpers.record_factory import typed
 from llm_agent.evaluation.browser_data import browser_payload
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 
 from tests.helpers.turn_records import record, turn
 
@@ -32,11 +31,6 @@ def records():
         record("completed", [turn(user=COST_DOUBT), turn("Trial.", stage=1, user_status=1)], dialogue_id="d"),
         record("error", [turn(user=COST_DOUBT), turn("Trial.", stage=1)], dialogue_id="e"),
     ]
-
-
-@pytest.fixture(scope="module")
-def scenario():
-    return load_scenario(DEFAULT_SCENARIO_PATH)
 
 
 def test_failure_labels_by_hand(scenario):

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH
 from llm_agent.user_sim.server.app import ServerConfig, build_app
 from llm_agent.user_sim.server.faults import FaultConfig, FaultInjector
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
@@ -243,11 +243,6 @@ def test_fault_config_rejects_bad_values():
         FaultConfig(fault="error", fault_rate=1.5)
     with pytest.raises(ValueError, match="latency"):
         FaultConfig(latency_median_ms=-1)
-
-
-@pytest.fixture(scope="module")
-def scenario():
-    return load_scenario(SCENARIO_PATH)
 
 
 @pytest.fixture(scope="module")

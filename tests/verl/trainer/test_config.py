@@ -78,15 +78,6 @@ def test_default_config_builds(tmp_path: Path):
     assert cfg.world_size == 1
 
 
-@pytest.fixture()
-def paths(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    train = tmp_path / "train.parquet"
-    train.write_bytes(b"x")
-    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}"]
-
-
 def test_valid_config_passes(paths):
     cfg = load_config(compose_config(paths + ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4"]))
     assert cfg.algorithm.adv_estimator == "grpo"

@@ -21,15 +21,6 @@ REPO = Path(__file__).resolve().parents[3]
 D = "algorithm.diagnosis_reweight"
 
 
-@pytest.fixture()
-def paths(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    train = tmp_path / "train.parquet"
-    train.write_bytes(b"x")
-    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}"]
-
-
 def _load(paths: list[str], *overrides: str, config_name: str = "sead_trainer"):
     return load_config(compose_config([*paths, *overrides], config_name=config_name), check_paths=False)
 

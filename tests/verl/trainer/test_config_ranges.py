@@ -16,15 +16,6 @@ A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
 
 
-@pytest.fixture()
-def paths(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    train = tmp_path / "train.parquet"
-    train.write_bytes(b"x")
-    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}"]
-
-
 @pytest.mark.parametrize("override, message", [
     (f"{A}.optim.lr=inf", rf"{A}\.optim\.lr must be a finite number, got inf"),
     (f"{A}.optim.lr=nan", rf"{A}\.optim\.lr must be a finite number, got nan"),

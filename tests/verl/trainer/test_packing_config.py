@@ -1,20 +1,10 @@
 """Config keys of padding-free training, token-budget micro-batches and CPU offload (veRL's names)."""
 import re
-from pathlib import Path
 
 import pytest
 
 from verl.trainer.config_schema import ConfigError, compose_config
 from verl.trainer.config_validation import load_config
-
-
-@pytest.fixture()
-def paths(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    train = tmp_path / "train.parquet"
-    train.write_bytes(b"x")
-    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}"]
 
 
 def test_defaults_are_off_and_log_prob_budgets_follow_the_actor(paths):

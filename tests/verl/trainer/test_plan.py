@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from verl.trainer import plan as plan_mod
+from verl.trainer import plan, plan_advice, plan_phases, plan_setup
 from verl.trainer.config_schema import compose_config
 from verl.trainer.config_validation import build_config
 from verl.utils.memory_model import ModelShape, update_terms
 
-from tests.helpers.plan_presets import P_14B, PRESET_GPU, QWEN25_14B, preset_phases, write_model_14b
+from tests.helpers.plan_presets import P_14B, PRESET_GPU, QWEN25_14B, preset_phases
 
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -37,9 +37,9 @@ def _phases(model_dir, extra):
     cfg = build_config(compose_config([f"actor_rollout_ref.model.path={model_dir}", *SEAD_GPU, *extra],
                                       "sead_trainer"))
     critic = ModelShape.from_hf_config(QWEN25_7B) if cfg.need_critic else None
-    setup = plan_mod.make_setup(cfg, ModelShape.from_hf_config(QWEN25_7B), critic)
-    hw = plan_mod.Hardware()
-    phases = plan_mod.build_phases(setup, hw)
+    setup = plan_setup.make_setup(cfg, ModelShape.from_hf_config(QWEN25_7B), critic)
+    hw = plan_setup.Hardware()
+    phases = plan_phases.build_phases(setup, hw)
     return setup, hw, {p.name.split(" (")[0]: p for p in phases}
 
 
@@ -63,38 +63,38 @@ def test_gae_adds_the_critic_process(model_7b):
     assert {"values", "update critic"} <= set(phases)
     critic_params = P_7B - 152064 * 3584 + 3584 + 1  # the value head replaces the LM head
     assert phases["update critic"].memory["gradients"] == pytest.approx(4 * critic_params / 6, rel=1e-6)
-    assert phases["rollout"].memory["cuda contexts"] == 2 * plan_mod.CONTEXT_BYTES
+    assert phases["rollout"].memory["cuda contexts"] == 2 * plan_setup.CONTEXT_BYTES
 
 
 def test_advice_turns_on_checkpointing_and_shrinks_micro_batches(model_7b):
     setup, hw, phases = _phases(model_7b, ["actor_rollout_ref.rollout.micro_batch_size_per_gpu=64"])
     assert phases["update actor"].total > hw.memory_bytes
-    advice = plan_mod.advise(setup, hw, list(phases.values()))
+    advice = plan_advice.advise(setup, hw, list(phases.values()))
     assert any("enable_gradient_checkpointing=true" in a for a in advice)
     rollout_advice = [a for a in advice if "rollout.micro_batch_size_per_gpu=" in a]
     assert len(rollout_advice) == 1
     fit = int(rollout_advice[0].split("micro_batch_size_per_gpu=")[1].split()[0])
-    assert plan_mod.rollout_phase(setup, hw, fit).total <= hw.memory_bytes < plan_mod.rollout_phase(
+    assert plan_phases.rollout_phase(setup, hw, fit).total <= hw.memory_bytes < plan_phases.rollout_phase(
         setup, hw, fit + 1).total
 
 
 def test_cli_prints_every_phase_and_verdict(model_7b, capsys):
-    plan_mod.main(["--config-name", "sead_trainer", "--gpu-memory-gb", "80",
-                   f"actor_rollout_ref.model.path={model_7b}", *SEAD_GPU])
+    plan.main(["--config-name", "sead_trainer", "--gpu-memory-gb", "80",
+               f"actor_rollout_ref.model.path={model_7b}", *SEAD_GPU])
     out = capsys.readouterr().out
     assert "7.62B parameters" in out and "update actor" in out and "DOES NOT FIT" in out
-    plan_mod.main(["--config-name", "sead_trainer", f"actor_rollout_ref.model.path={model_7b}", *SEAD_GPU,
-                   "actor_rollout_ref.model.enable_gradient_checkpointing=true"])
+    plan.main(["--config-name", "sead_trainer", f"actor_rollout_ref.model.path={model_7b}", *SEAD_GPU,
+               "actor_rollout_ref.model.enable_gradient_checkpointing=true"])
     assert "fits in 80 GB" in capsys.readouterr().out
 
 
 def test_cli_errors_name_the_problem(tmp_path):
     with pytest.raises(SystemExit, match="model.path is required"):
-        plan_mod.main([])
+        plan.main([])
     with pytest.raises(SystemExit, match="config.json"):
-        plan_mod.main([f"actor_rollout_ref.model.path={tmp_path}"])
+        plan.main([f"actor_rollout_ref.model.path={tmp_path}"])
     with pytest.raises(SystemExit, match="not_a_key"):
-        plan_mod.main(["actor_rollout_ref.not_a_key=1"])
+        plan.main(["actor_rollout_ref.not_a_key=1"])
 
 
 def test_fsdp1_generation_gathers_one_unit_at_a_time(model_7b):
@@ -102,11 +102,6 @@ def test_fsdp1_generation_gathers_one_unit_at_a_time(model_7b):
     _, _, fsdp1 = _phases(model_7b, ["actor_rollout_ref.actor.strategy=fsdp"])
     assert fsdp2["rollout"].memory["gathered units"] == 2 * P_7B
     assert fsdp1["rollout"].memory["gathered units"] == fsdp1["old log-probs"].memory["gathered units"] < P_7B
-
-
-@pytest.fixture()
-def model_14b(tmp_path):
-    return write_model_14b(tmp_path)
 
 
 def test_vllm_phase_holds_the_resident_actor_beside_the_engine_pool_and_counts_kv_tokens(model_14b):
@@ -119,7 +114,7 @@ def test_vllm_phase_holds_the_resident_actor_beside_the_engine_pool_and_counts_k
     assert rollout.memory["optimizer"] == pytest.approx(8 * P_14B / 6, rel=1e-6)
     assert rollout.memory["vllm"] == pytest.approx(0.55 * 80e9)
     assert phases["reference log-probs"].memory["weights"] == pytest.approx((4 + 2) * P_14B / 6, rel=1e-6)
-    engine = plan_mod.vllm_engine(setup, hw)
+    engine = plan_phases.vllm_engine(setup, hw)
     # KV per token on one GPU of a TP-2 engine: 2 (K, V) x 48 layers x 4 of the 8 KV heads x 128 x 2 bytes
     assert engine.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
     assert engine.weights == pytest.approx(2 * P_14B / 2)
@@ -132,14 +127,14 @@ def test_vllm_phase_holds_the_resident_actor_beside_the_engine_pool_and_counts_k
 
 def test_vllm_advice_names_the_engine_settings(model_14b):
     setup, hw, phases = preset_phases(model_14b)
-    advice = plan_mod.advise(setup, hw, list(phases.values()))
+    advice = plan_advice.advise(setup, hw, list(phases.values()))
     kv = [a for a in advice if a.startswith("rollout (vLLM): the KV cache holds")]
     assert len(kv) == 1 and "optimizer_offload=true" in kv[0] and "max_num_seqs=" in kv[0]
     assert not any("micro_batch_size_per_gpu" in a for a in advice)  # HF generate's key is not the vLLM rollout's
     # an engine pool that cannot sit beside the actor: lower gpu_memory_utilization to what fits
     setup, hw, phases = preset_phases(model_14b, ["actor_rollout_ref.rollout.gpu_memory_utilization=0.9"])
     assert phases["rollout"].total > hw.memory_bytes
-    fix = [a for a in plan_mod.advise(setup, hw, list(phases.values())) if "does not fit beside" in a]
+    fix = [a for a in plan_advice.advise(setup, hw, list(phases.values())) if "does not fit beside" in a]
     util = float(fix[0].split("gpu_memory_utilization=")[1].split()[0])
     setup, hw, phases = preset_phases(model_14b, [f"actor_rollout_ref.rollout.gpu_memory_utilization={util}"])
     assert phases["rollout"].total <= hw.memory_bytes
@@ -156,11 +151,12 @@ def test_weight_sync_and_offload_phases(model_14b):
     padded = sum(math.ceil(rows / 6) * 6 * cols for rows, cols in params) * 2
     full = sum(rows * cols for rows, cols in params) * 2
     assert sync.memory["gathered units"] == 152064 * 5120 * 2 + 2 * padded // 6 + padded + full
-    assert sync.memory["vllm"] == pytest.approx(P_14B + plan_mod.VLLM_OTHER_BYTES + plan_mod.VLLM_CUDA_GRAPH_BYTES)
+    engine_rest = plan_phases.VLLM_OTHER_BYTES + plan_phases.VLLM_CUDA_GRAPH_BYTES
+    assert sync.memory["vllm"] == pytest.approx(P_14B + engine_rest)
     _, _, offloaded = preset_phases(model_14b, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
     assert offloaded["rollout"].memory["optimizer"] == 0 and offloaded["update actor"].memory["optimizer"] > 0
     # a sleeping engine keeps its CUDA graphs; one that does not sleep keeps its whole pool
-    assert phases["update actor"].memory["vllm"] == plan_mod.VLLM_OTHER_BYTES + plan_mod.VLLM_CUDA_GRAPH_BYTES
+    assert phases["update actor"].memory["vllm"] == plan_phases.VLLM_OTHER_BYTES + plan_phases.VLLM_CUDA_GRAPH_BYTES
     _, _, awake = preset_phases(model_14b, ["actor_rollout_ref.rollout.free_cache_engine=false"])
     assert awake["update actor"].memory["vllm"] == pytest.approx(0.55 * 80e9)
 
@@ -178,7 +174,7 @@ def test_the_presets_token_budget_update_fits_at_14b_with_the_bf16_logits(model_
 
 
 def test_cli_prints_the_vllm_phase(model_14b, capsys):
-    plan_mod.main(["--config-name", "sead_trainer", f"actor_rollout_ref.model.path={model_14b}", *PRESET_GPU])
+    plan.main(["--config-name", "sead_trainer", f"actor_rollout_ref.model.path={model_14b}", *PRESET_GPU])
     out = capsys.readouterr().out
     assert "rollout (vLLM)" in out and "weight sync (vLLM)" in out and "tokens;" in out and "fits in 80 GB" in out
 
@@ -189,7 +185,7 @@ def test_rollout_correction_costs_the_engine_a_log_softmax_and_bypass_drops_the_
                                                "algorithm.rollout_correction.rollout_is=null",
                                                "algorithm.rollout_correction.rollout_rs=null"])
     # the engine's log-probs: one more fp32 (max_num_seqs, vocab) tensor in the sampler
-    extra = plan_mod.vllm_engine(setup, hw).activations - plan_mod.vllm_engine(without, hw).activations
+    extra = plan_phases.vllm_engine(setup, hw).activations - plan_phases.vllm_engine(without, hw).activations
     assert extra == pytest.approx(setup.cfg.actor_rollout_ref.rollout.max_num_seqs * 152064 * 4)
     assert "old log-probs" in phases
     _, _, bypass = preset_phases(model_14b, ["algorithm.rollout_correction.bypass_mode=true"])

@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from verl.trainer import plan as plan_mod
+from verl.trainer import plan_phases, plan_setup
 from verl.trainer.config_schema import ConfigError, compose_config
 from verl.trainer.config_validation import build_config
 from verl.utils.memory_model import ModelShape, pass_flops
 
-from tests.helpers.plan_presets import P_14B, QWEN25_14B, preset_phases, write_model_14b
+from tests.helpers.plan_presets import P_14B, QWEN25_14B, preset_phases
 
 LORA_32 = ["actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=32"]
 # rank 32 on all seven linear layers of each of 48 layers: r x (in + out), in + out = q 10240, k 6144, v 6144,
 # o 10240, gate 18944, up 18944, down 18944
 ADAPTER_14B = 48 * 32 * (10240 + 6144 + 6144 + 10240 + 3 * 18944)
-
-
-@pytest.fixture()
-def model_14b(tmp_path):
-    return write_model_14b(tmp_path)
 
 
 def test_lora_states_are_hand_computed_and_the_reference_is_the_actor(model_14b):
@@ -35,7 +30,7 @@ def test_lora_states_are_hand_computed_and_the_reference_is_the_actor(model_14b)
     _, _, full = preset_phases(model_14b, ["trainer.n_gpus_per_node=2"])
     assert full["reference log-probs"].memory["weights"] > full["old log-probs"].memory["weights"]
     # the engine: bf16 weights over TP 2 plus one adapter slot for every linear layer at max_lora_rank 32
-    engine = plan_mod.vllm_engine(setup, hw)
+    engine = plan_phases.vllm_engine(setup, hw)
     assert engine.weights == pytest.approx(2 * P_14B / 2 + 2 * ADAPTER_14B / 2)
     sync = phases["weight sync"]
     # the adapter's factors, one bucket of 275 MB in bf16: its two shards, the gathered buffer and the copies held whole
@@ -65,9 +60,9 @@ def test_critic_lora_state_counts_its_value_head(model_14b):
     cfg = build_config(compose_config([f"actor_rollout_ref.model.path={model_14b}", "algorithm.adv_estimator=gae",
                                        "critic.model.lora_rank=16", "trainer.n_gpus_per_node=2"], "sead_trainer"))
     shape = ModelShape.from_hf_config(QWEN25_14B)
-    setup = plan_mod.make_setup(cfg, shape, shape)
+    setup = plan_setup.make_setup(cfg, shape, shape)
     trained = 48 * 16 * (10240 + 6144 + 6144 + 10240 + 3 * 18944) + 5120 + 1
-    critic = plan_mod.update_phase(setup, plan_mod.Hardware(), "critic", 1, True)
+    critic = plan_phases.update_phase(setup, plan_setup.Hardware(), "critic", 1, True)
     assert critic.memory["gradients"] == pytest.approx(4 * trained / 2, rel=1e-6)
 
 

@@ -21,13 +21,8 @@ KEY = "algorithm.rollout_correction"
 
 
 @pytest.fixture()
-def paths(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    train = tmp_path / "train.parquet"
-    train.write_bytes(b"x")
-    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}",
-            "actor_rollout_ref.rollout.calculate_log_probs=true"]
+def paths(paths: list[str]) -> list[str]:
+    return [*paths, "actor_rollout_ref.rollout.calculate_log_probs=true"]
 
 
 def test_default_is_off_and_valid_settings_load(paths):

@@ -3,7 +3,6 @@ defaults leave today's runs unchanged, bad values are refused naming the key, tu
 trainer's advantage call hands each estimator the inputs it names."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,15 +18,6 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 D = "algorithm.diagnosis_reweight"
 # a reward plug-in that writes what the turn-level options read (per-turn rewards, failure labels)
 TURN_REWARD = ["reward.path=llm_agent.reward.compute_reward", "+reward.kwargs.turn_weights={state_change:1.0}"]
-
-
-@pytest.fixture()
-def paths(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    train = tmp_path / "train.parquet"
-    train.write_bytes(b"x")
-    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}"]
 
 
 def test_defaults_leave_todays_runs_unchanged(paths):

@@ -1,6 +1,5 @@
 """The vLLM rollout keys of ppo_trainer.yaml: defaults, and errors that name the key (no vLLM needed)."""
 import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -11,14 +10,9 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 @pytest.fixture()
-def paths(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    train = tmp_path / "train.parquet"
-    train.write_bytes(b"x")
-    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "algorithm.adv_estimator=grpo",
-            "actor_rollout_ref.rollout.n=2",
-            "actor_rollout_ref.rollout.name=vllm"]
+def paths(paths: list[str]) -> list[str]:
+    return [*paths, "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.name=vllm"]
 
 
 def test_defaults_keep_hf_and_describe_a_colocated_engine():

@@ -2,7 +2,6 @@
 values, the accumulation over generation batches, rollout-metric merging and the config checks."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,12 +93,8 @@ def test_merge_rollout_metrics_sums_durations_and_averages_the_rest():
 
 
 @pytest.fixture()
-def paths(tmp_path: Path) -> list[str]:
-    """Minimal valid overrides (a model directory and a train file that exist)."""
-    (tmp_path / "model").mkdir()
-    (tmp_path / "train.parquet").write_bytes(b"x")
-    return [f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"data.train_files={tmp_path / 'train.parquet'}",
-            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4"]
+def paths(paths: list[str]) -> list[str]:
+    return [*paths, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4"]
 
 
 def test_filter_groups_config_is_checked(paths):
