@@ -150,7 +150,7 @@ def test_real_policy_tokens_and_masks(actor_group, tiny_model_path, tmp_path):
            "max_response_length": budget, "cache": {"enabled": False}, "controller": {"enabled": False}}
     loop = LLMGenerationManager(tok, actor_group, cfg, is_validation=True, client=InProcessUserSim(scenario))
     out = loop.run_llm_loop(make_gen_batch(tok, scenario, ["r0", "r1", "r2"], meta={"do_sample": False}))
-    eos, b, nt = tok.eos_token_id, out.batch, out.non_tensor_batch
+    eos, b, nt = tok.eos_token_id, out.batch, record_columns(out)
     assert b["responses"].shape == (3, budget)
     assert torch.equal(b["input_ids"][:, -budget:], b["responses"])
     for i in range(3):

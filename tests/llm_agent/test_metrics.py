@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 import math
 
-import numpy as np
 import pytest
 
 from llm_agent.metrics import metric_keys, records_from_batch, stages_complete

@@ -3,9 +3,6 @@ records, `turn_scores` on each agent turn's last token (from the mask's runs or 
 `turn_labels` per the engine's contract, metrics, and the errors."""
 from __future__ import annotations
 
-import copy
-
-import numpy as np
 import pytest
 import torch
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from llm_agent.scenario import load_scenario
+
 from tests.helpers.repo import REPO, SCENARIO_PATH
 from tests.helpers.sim_servers import SimServers
 from utils.make_tiny_model import TinyModelSpec

@@ -31,7 +31,7 @@ from verl.trainer.plan_phases import build_phases
 from verl.trainer.plan_setup import Hardware, Phase, Setup, make_setup
 from verl.trainer.trace_models import build_models, fake_world, worker_section
 from verl.trainer.trace_phases import MicroBatchShape, StepSettings, micro_batch_shape, trace_step
-from verl.trainer.trace_report import TOLERANCE, TraceReport, compare
+from verl.trainer.trace_report import TraceReport, compare
 from verl.utils import memory_model as mm
 from verl.utils.logging_setup import configure_logging
 from verl.utils.memory_trace import MemoryTrace

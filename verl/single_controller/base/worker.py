@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,8 +31,29 @@ __all__ = ["Worker", "get_free_port", "get_node_ip"]
 logger = logging.getLogger(__name__)
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel picks for port-0 binds and outgoing connections (Linux's ip_local_port_range)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def get_free_port() -> int:
-    """Return a TCP port that is free on this machine right now (bound to port 0 and released)."""
+    """Return a TCP port that is free on this machine right now, drawn below the kernel's ephemeral range: the
+    port is released before the rendezvous binds it, and an ephemeral one could meanwhile become the source port of
+    any outgoing connection (EADDRINUSE under load); a port-0 bind only when no drawn port is free."""
+    low = ephemeral_port_range()[0]
+    draw = random.SystemRandom()  # not the seeded global generator: parallel runs must not draw alike
+    for _ in range(64) if low > 10_000 else ():
+        port = draw.randrange(10_000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]

@@ -31,14 +31,13 @@ from verl.trainer.ppo._checks import _cfg_get, _check_same_shape, _registering_d
 from verl.trainer.ppo.advantages import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageEstimator,
+    _registry_name,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
-    get_adv_estimator_fn,
-    register_adv_est,
 )
 from verl.trainer.ppo.advantages_turn import compute_turn_gae_advantage_return, compute_turn_mixed_advantage
 from verl.trainer.ppo.advantages_vectorized import (
@@ -72,6 +71,25 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 
 # ------------------------------------------------------------------------------------------------- registries
+
+
+# Defined here, not re-exported: as in veRL, they look ``ADV_ESTIMATOR_REGISTRY`` up as this module's attribute, so
+# code that swaps ``core_algos.ADV_ESTIMATOR_REGISTRY`` changes what they see (tests/verl/compat pins it).
+def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable[[Callable], Callable]:
+    """Decorator registering an advantage estimator under ``name_or_enum`` (in this module's
+    ``ADV_ESTIMATOR_REGISTRY``, the dict of :mod:`~verl.trainer.ppo.advantages`, looked up at call time).
+
+    Registering a different function under a taken name raises ValueError.
+    """
+    return _registering_decorator(ADV_ESTIMATOR_REGISTRY, _registry_name(name_or_enum), "advantage estimator")
+
+
+def get_adv_estimator_fn(name_or_enum: str | AdvantageEstimator) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Return the advantage estimator registered as ``name_or_enum``; ValueError listing the known names if none."""
+    name = _registry_name(name_or_enum)
+    if name not in ADV_ESTIMATOR_REGISTRY:
+        raise ValueError(f"Unknown advantage estimator simply: {name} (registered: {sorted(ADV_ESTIMATOR_REGISTRY)})")
+    return ADV_ESTIMATOR_REGISTRY[name]
 
 
 POLICY_LOSS_REGISTRY: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
