@@ -38,16 +38,19 @@ VLLM_TEST_MARK = $(if $(wildcard $(VLLM_VENV)/.installed),(vllm or oldest) and n
 XDIST = -n 2 --dist loadgroup
 
 test: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not vllm and not extended" -q $(XDIST)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not vllm and not extended and not learning" \
+		-q $(XDIST)
 	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest \
 		-m "($(VLLM_TEST_MARK)) and not extended" -q -rs $(XDIST)
 
-# The tests marked `numerics` (their outcome rides on model float numerics: the demo's learning run, ...) once more on
-# another CPU's float path: ATEN_CPU_CAPABILITY=default, PyTorch's generic kernels, which every x86 CPU runs and none
-# picks by itself (BENCHMARKS.md "Learning" has the recipe under default, avx2 and the native kernels). CI runs it
+# The learning run (marked `learning`: the demo trains and its gain is tested; ~8 minutes, outside make test's 20) on
+# the native float path, then every test marked `numerics` (their outcome rides on model float numerics: the learning
+# run, the vLLM/HF greedy agreement) on another CPU's: ATEN_CPU_CAPABILITY=default, PyTorch's generic kernels, which
+# every x86 CPU runs and none picks by itself (BENCHMARKS.md "The CPU recipe per seed and float path"). CI runs it
 # after `make test`.
 FLOAT_PATH ?= default
 test-float-path: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "learning and not gpu" -q
 	ATEN_CPU_CAPABILITY=$(FLOAT_PATH) PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest \
 		-m "numerics and not gpu and not vllm and not extended" -q $(XDIST)
 	ATEN_CPU_CAPABILITY=$(FLOAT_PATH) PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest \
