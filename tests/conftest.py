@@ -128,3 +128,13 @@ def warm_model_path(tiny_model_path) -> str:
         sft_on_dialogues(tiny_model_path, out, dialogues, steps=160, lr=1e-2, batch_size=8, seed=0)
 
     return str(cached_model("warm_model", producer_key(**recipe), build))
+
+
+@pytest.fixture()
+def no_process_group():
+    """No default torch.distributed group in this process: an earlier module's in-process engine (vLLM, on the same
+    xdist worker) may have left one behind, and the memory trace must start its own fake one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -35,15 +35,18 @@ LOOP = dict(max_turns=4, max_tokens_per_turn=128, max_response_length=800, max_p
 def test_file(tmp_path_factory):
     """The test split with a different agent system prompt per row, so that the greedy dialogues start from
     different contexts whatever the tiny model writes (its turns may all be format errors on another CPU)."""
-    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq  # (pandas is not in the vLLM environment)
 
     out = tmp_path_factory.mktemp("prompt_data")
     path = create_prompt_data(SCENARIO_PATH, out, train_samples=1, test_samples=N_DIALOGUES, seed=5,
                               system_prompt=COMPACT_SYSTEM_PROMPT)["test"]
-    rows = pd.read_parquet(path)
-    rows["prompt"] = [[{**m, "content": f"{m['content']} This is call {i + 1} of the day."}
-                       if m["role"] == "system" else m for m in prompt] for i, prompt in enumerate(rows["prompt"])]
-    rows.to_parquet(path)
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    for i, row in enumerate(rows):
+        row["prompt"] = [{**m, "content": f"{m['content']} This is call {i + 1} of the day."}
+                         if m["role"] == "system" else m for m in row["prompt"]]
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path)
     return str(path)
 
 
@@ -82,8 +85,11 @@ def test_vllm_and_hf_agents_hold_identical_greedy_dialogues(warm_model_path, che
     want, got = lines(dialogues_path(tmp_path, "hf")), lines(dialogues_path(tmp_path, "vllm"))
     assert [r["dialogue_id"] for r in got] == [f"test{i}#0" for i in range(N_DIALOGUES)]
     # whatever the tiny model writes (turns that reach the simulator or format errors, any outcome), every
-    # dialogue starts from its own context, and a dialogue goes on after a turn unless the user ended it
-    assert len({json.dumps(r["messages"][0]) for r in want}) == N_DIALOGUES
+    # dialogue starts from its own context (its own system prompt), and goes on after a turn unless the user ended it
+    import pyarrow.parquet as pq
+
+    prompts = pq.read_table(test_file).to_pylist()[:N_DIALOGUES]
+    assert len({json.dumps(row["prompt"]) for row in prompts}) == N_DIALOGUES
     assert all(r["num_turns"] == len(r["turns"]) >= 1 for r in want)
     for g, w in zip(got, want):
         assert [t["agent_text"] for t in g["turns"]] == [t["agent_text"] for t in w["turns"]], g["dialogue_id"]

@@ -23,6 +23,7 @@ from verl.utils.memory_trace import GATHERED, GRADIENTS, WEIGHTS
 
 from tests.helpers.plan_presets import PRESET_GPU
 
+pytestmark = pytest.mark.usefixtures("no_process_group")
 MODELS = Path(__file__).resolve().parents[2] / "data" / "models"
 LORA_PRESET = ["actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=32",
                "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.gpu_memory_utilization=0.7"]

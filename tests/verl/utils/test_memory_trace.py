@@ -13,7 +13,8 @@ from verl.trainer.trace_models import fake_world
 from verl.utils.memory_trace import (ACTIVATIONS, GATHERED, GRADIENTS, LOGITS, OPTIMIZER, WEIGHTS, MemoryTrace,
                                      dtype_name, tensor_storages)
 
-pytestmark = pytest.mark.oldest  # also run under the lowest declared transformers (.venv-vllm)
+pytestmark = [pytest.mark.oldest,  # also run under the lowest declared transformers (.venv-vllm)
+              pytest.mark.usefixtures("no_process_group")]
 
 MB = 2**20
 
