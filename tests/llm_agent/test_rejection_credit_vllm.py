@@ -24,7 +24,7 @@ from tests.helpers import credit_reference as ref
 from tests.helpers.repo import SCENARIO_PATH
 from tests.helpers.sead_training_run import GROUP, PROMPTS, VLLM_ROLLOUT, make_trainer, training_config
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+pytestmark = [pytest.mark.vllm, pytest.mark.extended,  # ~4 min: make test-extended (CI), not make test's 20
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="needs vLLM: run with the vLLM environment's python (make vllm-env)")]
 
