@@ -76,7 +76,7 @@ class LearningSettings(CpuRecipe):
     turn_weight: float = 1.0  # algorithm.turn_mixed.turn_weight
     turn_weights: dict[str, float] = field(default_factory=dict)  # reward.kwargs.turn_weights (per-turn reward)
     diagnosis_weights: dict[str, float] = field(default_factory=dict)  # non-empty: algorithm.diagnosis_reweight on
-    diagnosis_apply_to: str = "all"
+    diagnosis_apply_to: str = "negative"
     critic_lr: float = 1e-3  # turn_gae's critic (built from the warm model, a fresh value head)
     overrides: str = ""  # more sead_trainer key=value overrides, space-separated (after the ones above)
 

@@ -282,7 +282,7 @@ class DiagnosisReweightConfig:
 
     enable: bool = False
     weights: dict[str, float] = field(default_factory=dict)
-    apply_to: DiagnosisApplyTo = "all"
+    apply_to: DiagnosisApplyTo = "negative"
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 
 from verl.errors import ContractError
 from verl.protocol import DataProto
-from verl.trainer.config_schema import ConfigError, compose_config
+from verl.trainer.config_schema import ConfigError, DiagnosisReweightConfig, compose_config
 from verl.trainer.config_validation import load_config
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.ray_trainer import compute_advantage
@@ -59,6 +59,14 @@ def test_turn_estimators_are_registered_and_turn_gae_trains_a_critic(paths):
 def test_bad_turn_credit_values_name_the_key(paths, override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(compose_config(paths + [override]))
+
+
+def test_diagnosis_reweighting_scales_only_negative_advantages_by_default(paths):
+    """The default (issue 35, BENCHMARKS.md "Diagnosis reweighting's apply_to"): a failure label never amplifies
+    positive credit; the YAML and the schema agree."""
+    cfg = load_config(compose_config(paths + TURN_REWARD + [f"{D}.enable=true", f"+{D}.weights={{false_claim:1.5}}"]))
+    assert cfg.algorithm.diagnosis_reweight.apply_to == "negative"
+    assert DiagnosisReweightConfig().apply_to == "negative"
 
 
 def test_valid_diagnosis_config_loads(paths):
