@@ -34,8 +34,9 @@ demo: $(STAMP)
 VLLM_TEST_PY = $(if $(wildcard $(VLLM_VENV)/.installed),$(VLLM_VENV),$(VENV))
 VLLM_TEST_MARK = $(if $(wildcard $(VLLM_VENV)/.installed),(vllm or oldest) and not gpu,vllm and not gpu)
 
-# Both passes run on two pytest-xdist workers; tests/conftest.py groups each module, and all `vllm` tests, onto one.
-XDIST = -n 2 --dist loadgroup
+# Both passes run on two pytest-xdist workers (tests/conftest.py orders the tests; the few that must not run at once
+# take a machine lock: tests/helpers/machine_lock.py).
+XDIST = -n 2 --dist load
 
 test: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not vllm and not extended and not learning" \

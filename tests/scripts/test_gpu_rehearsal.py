@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.machine_lock import cpu_tp_engine
+
 REPO = Path(__file__).resolve().parents[2]
 # What a rehearsal may change: the device and sizes (variables of scripts/presets.sh -> their trainer keys) ...
 DEVICE_AND_SIZES = {
@@ -123,7 +125,8 @@ def test_gpu_preset_rehearsal_trains_checkpoints_and_resumes(tmp_path, warm_mode
     for steps in (1, 2):
         log = tmp_path / f"run{steps}.log"
         start = time.perf_counter()
-        done = _run(tmp_path, log, STEPS=str(steps), **env)
+        with cpu_tp_engine(2):  # no other test's TP engine on this machine meanwhile
+            done = _run(tmp_path, log, STEPS=str(steps), **env)
         walls.append(time.perf_counter() - start)
         assert done.returncode == 0, log.read_text()[-6000:]
     print(f"rehearsal wall time: {walls[0]:.0f} s + {walls[1]:.0f} s (resumed)")

@@ -40,7 +40,7 @@ from verl.workers.batching import select_batch
 from verl.utils.lora import LoraSettings
 from verl.workers.rollout.engine import RolloutEngine
 from verl.workers.rollout.hf_rollout import PROMPT_KEYS, check_left_padded, generation_tensors, sampling_setting
-from verl.workers.rollout.vllm_rollout.cpu_shm import remove_stale_segments
+from verl.workers.rollout.vllm_rollout.cpu_shm import remove_stale_segments, wait_for_tp_segments
 from verl.workers.rollout.vllm_rollout.lora_adapter import (LORA_ID, check_in_memory_loading, load_adapter_in_memory,
                                                            lora_request, max_lora_rank)
 from verl.workers.rollout.vllm_rollout.weight_sync import DEFAULT_BUCKET_BYTES, Stopwatch, WeightSyncStats
@@ -122,12 +122,14 @@ def reprocess_tied_lm_heads(model: torch.nn.Module) -> int:
 def _set_launcher_env(device_type: str) -> None:
     """The variables vLLM's external launcher reads: this process's rank and local device.
 
-    On CPU, the first rank also removes the shared-memory segments a killed earlier run left (their names are
-    the TP group's, see :mod:`.cpu_shm`) before any rank builds its engine."""
+    On CPU, the first rank also waits for another TP engine's shared-memory segments to be released and removes
+    the ones a killed earlier run left (their names are the TP group's, see :mod:`.cpu_shm`) before any rank builds
+    its engine."""
     if not dist.is_initialized():
         raise RuntimeError("vLLMRollout needs the worker's torch.distributed group: call init_distributed() first")
     if device_type == "cpu" and dist.get_world_size() > 1:
         if dist.get_rank() == 0:
+            wait_for_tp_segments()
             remove_stale_segments()
         dist.barrier()
     os.environ.update(ENGINE_ENV)
