@@ -99,9 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_settings(args: argparse.Namespace, checkpoints: list[tuple[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
+def resolve_settings(args: argparse.Namespace, checkpoints: list[tuple[str, Any]], need_test_file: bool = True
+                     ) -> tuple[dict[str, Any], dict[str, str]]:
     """Every setting: the command line's, else the checkpoints' training config, else the defaults of the rollout
-    loop and the simulator client; and where each came from."""
+    loop and the simulator client; and where each came from (`args` has every `SETTING_KEYS` attribute)."""
     from llm_agent.evaluation.checkpoint_settings import SETTING_KEYS, settings_from_checkpoints
     from llm_agent.rollout.config import GenerationConfig
     from llm_agent.scenario import DEFAULT_SCENARIO_PATH
@@ -116,7 +117,7 @@ def resolve_settings(args: argparse.Namespace, checkpoints: list[tuple[str, Any]
     for name, value in defaults.items():
         if values.get(name) is None:
             values[name], origin[name] = value, "default"
-    if values.get("test_file") is None:
+    if values.get("test_file") is None and need_test_file:
         raise ValueError("no test file: pass --test-file (a checkpoint agent's training config gives its "
                          "data.val_files)")
     return values, origin
