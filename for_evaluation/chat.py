@@ -24,9 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from for_evaluation.evaluate import AGENT_KEY_ENV, CHECKPOINT, resolve_settings
 from llm_agent.api_keys import KeySafeArgumentParser, api_key, command_line_refusal
-from llm_agent.evaluation.defaults import ENGINES
+from llm_agent.evaluation.defaults import AGENT_KEY_ENV, CHECKPOINT, ENGINES
 
 logger = logging.getLogger("for_evaluation.chat")
 
@@ -63,22 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _prompt_file(scenario: Any, work: Path) -> str:
-    """A one-row prompt parquet of the scenario's own prompt (what utils/create_prompt_data.py writes; each call
-    puts its own profile in the row)."""
-    from utils.create_prompt_data import prompt_rows, write_rows
-
-    placeholder = scenario.profile([scenario.state_ranges[d].min for d in scenario.dims])
-    return str(write_rows(prompt_rows(scenario, [placeholder], "human"), work / "prompt.parquet"))
-
-
 def build_server(args: argparse.Namespace, work: Path) -> tuple[Any, Any]:
     """(the ChatServer, the agent) for `args`; `work` holds a prompt file when no prompt parquet is known."""
     from llm_agent.controller import ControllerConfig, StateController
     from llm_agent.evaluation.agents import AgentSpec, LocalEngineOptions, build_agent
     from llm_agent.evaluation.chat_server import ChatServer
-    from llm_agent.evaluation.checkpoint_settings import checkpoint_info
-    from llm_agent.evaluation.human_calls import HumanCall
+    from llm_agent.evaluation.checkpoint_settings import checkpoint_info, resolve_settings
+    from llm_agent.evaluation.human_calls import HumanCall, scenario_prompt_file
     from llm_agent.evaluation.local_agents import pick_engine
     from llm_agent.evaluation.runner import EvalSettings
     from llm_agent.rollout.config import resolve_path
@@ -100,7 +90,7 @@ def build_server(args: argparse.Namespace, work: Path) -> tuple[Any, Any]:
                                trust_checkpoint=args.trust_checkpoint)
     agent, tokenizer = build_agent(str(info.step_dir) if info else spec.spec, scenario, tokenizer_path=args.tokenizer,
                                    agent_model=args.agent_model, api_key=key, concurrency=1, local=local)
-    prompts = values["test_file"] or _prompt_file(scenario, work)
+    prompts = values["test_file"] or scenario_prompt_file(scenario, work / "prompt.parquet")
     dataset = RLHFDataset(prompts, tokenizer, max_prompt_length=values["max_prompt_length"])
     settings = EvalSettings(scenario=str(scenario_path), test_file=str(prompts), max_dialogues=1,
                             max_prompt_length=values["max_prompt_length"], max_turns=values["max_turns"],

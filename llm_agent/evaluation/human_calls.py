@@ -32,7 +32,8 @@ from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HUMAN_FILE", "HUMAN_JUDGE", "HumanCall", "HumanUserClient", "PersonTurn", "persona_card"]
+__all__ = ["HUMAN_FILE", "HUMAN_JUDGE", "HumanCall", "HumanUserClient", "PersonTurn", "persona_card",
+           "scenario_prompt_file"]
 
 HUMAN_JUDGE = "human"
 HUMAN_FILE = "human_dialogues.jsonl"
@@ -59,6 +60,18 @@ def persona_card(scenario: Scenario, profile: UserProfile) -> dict[str, Any]:
         doubts.append({"category": b.category, "lines": list(script.doubt) if script else []})
     return {"state": dict(profile.state), "behaviors": [b.to_dict() for b in profile.behaviors], "doubts": doubts,
             "persona": scenario.render_user_prompt(profile)}
+
+
+def scenario_prompt_file(scenario: Scenario, path: Path) -> Path:
+    """A one-row prompt parquet of the scenario's own agent prompt (the `prompt` column of
+    utils/create_prompt_data.py, when no prompt file is known; each call brings its own profile)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([{"prompt": scenario.render_agent_messages([]),
+                                          "data_source": scenario.name}]), path)
+    return path
 
 
 def _check_turn(scenario: Scenario, turn: PersonTurn) -> str:

@@ -15,9 +15,9 @@ from for_evaluation.chat import build_server, parse_args
 
 
 @contextlib.contextmanager
-def running_chat(tokenizer_dir: str, out: Path, *extra: str) -> Iterator[Any]:
-    """A ChatServer for `scripted:good` serving on a thread until the block ends."""
-    args = parse_args(["--agent", "scripted:good", "--tokenizer", tokenizer_dir, "--out", str(out),
+def running_chat(tokenizer_dir: str, out: Path, *extra: str, agent: str = "scripted:good") -> Iterator[Any]:
+    """A ChatServer for `agent` (default `scripted:good`) serving on a thread until the block ends."""
+    args = parse_args(["--agent", agent, "--tokenizer", tokenizer_dir, "--out", str(out),
                        "--max-turns", "12", "--log-level", "WARNING", *extra])
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)

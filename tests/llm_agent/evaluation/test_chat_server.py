@@ -14,6 +14,7 @@ from llm_agent.evaluation.run_data import read_dialogues
 from llm_agent.metrics import dialogue_metrics
 
 from tests.helpers.chat_fixtures import read_lines, request, running_chat
+from tests.helpers.hostile_openai import HostileOpenAIServer
 
 XSS = ('<img src=x onerror="window.__xss=1">', '</script><script>window.__xss=2</script>', '"><svg onload=alert(3)>')
 
@@ -130,3 +131,23 @@ def test_listening_beyond_loopback_needs_the_flag(tiny_model_path, tmp_path):
                        "--host", "0.0.0.0"])
     with pytest.raises(ValueError, match="--allow-remote"):
         build_server(args, tmp_path)
+
+
+def test_the_endpoint_key_reaches_neither_the_page_nor_the_record(tiny_model_path, tmp_path, scenario, monkeypatch):
+    key = "sk-test-" + "k" * 24
+    monkeypatch.setenv("SEAD_AGENT_API_KEY", key)
+    words = scenario.format_agent_output("Hello, this is Mia from FoodLoop. Am I speaking with the manager?", 0, 0,
+                                         {d: 2 for d in scenario.dims})
+    with HostileOpenAIServer("ok", content=words, api_key=key) as endpoint, \
+            running_chat(tiny_model_path, tmp_path, agent=endpoint.url) as server:
+        shown = [request(server, "GET", f"/?token={server.token}", token=None)[1], server.url]
+        status, call = request(server, "POST", "/api/call", {"profile": "sample"})
+        assert status == 200 and call["pending"]["agent"].startswith("Hello, this is Mia"), call
+        status, done = request(server, "POST", "/api/turn", {"reply": "Yes. Fine, done.",
+                                                             "state": call["card"]["state"], "end": "agreed"})
+        assert status == 200 and done["result"]["outcome"] == "completed"
+        shown += [json.dumps(x) for x in (call, done, request(server, "GET", "/api/scenario")[1])]
+        assert endpoint.requests >= 1  # the agent answered through the key
+    assert all(key not in text for text in shown)
+    record = (tmp_path / HUMAN_FILE).read_text()
+    assert key not in record and json.loads(record)["agent"] == endpoint.url
