@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_agent.api_keys import KeySafeArgumentParser, api_key, command_line_refusal
-from llm_agent.evaluation.defaults import AGENT_KEY_ENV, CHECKPOINT, ENGINES
+from llm_agent.evaluation.defaults import AGENT_KEY_ENV, CHECKPOINT, ENGINES, SIM_KEY_ENV
 
 logger = logging.getLogger("for_evaluation.chat")
 
@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max-turns", "max-tokens-per-turn", "max-response-length", "max-user-tokens", "seed"):
         p.add_argument(f"--{name}", type=int, default=None, help=loop)
     p.add_argument("--max-prompt-length", type=int, default=None, help=f"{CHECKPOINT}4096")
+    p.add_argument("--user-sim-urls", default=None, help="a running simulator (comma-separated base URLs) whose "
+                   "answer to the same request the page shows beside the scripted persona's")
+    p.add_argument("--sim-model", default=None, help="model name the simulators answer to (null: discovered)")
+    p.add_argument("--sim-api-key", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--sim-api-key-file", default=None,
+                   help=f"file (mode 0600) holding the simulators' API key; or set {SIM_KEY_ENV}")
     p.add_argument("--profile-seed", type=int, default=0, help="seed of the state controller's profile sampler")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir for endpoint and scripted agents")
     p.add_argument("--agent-model", default=None, help="model name at the agent endpoint (null: its first)")
@@ -59,11 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trust-checkpoint", action="store_true", help="open a checkpoint without a manifest")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(**{f"sim_{k}": None for k in ("temperature", "top_p", "max_tokens", "timeout_s", "max_attempts")})
+    # simulator sampling: the checkpoint's training config, else the simulator client's defaults (evaluate.py's)
     return p.parse_args(argv)
 
 
-def build_server(args: argparse.Namespace, work: Path) -> tuple[Any, Any]:
-    """(the ChatServer, the agent) for `args`; `work` holds a prompt file when no prompt parquet is known."""
+def build_server(args: argparse.Namespace, work: Path) -> tuple[Any, list[Any]]:
+    """(the ChatServer, what to close after it: the agent and a simulator client) for `args`; `work` holds a
+    prompt file when no prompt parquet is known."""
     from llm_agent.controller import ControllerConfig, StateController
     from llm_agent.evaluation.agents import AgentSpec, LocalEngineOptions, build_agent
     from llm_agent.evaluation.chat_server import ChatServer
@@ -80,6 +88,7 @@ def build_server(args: argparse.Namespace, work: Path) -> tuple[Any, Any]:
     spec = AgentSpec.parse(args.agent)
     engine = pick_engine(args.engine) if spec.is_local else args.engine
     key = api_key(AGENT_KEY_ENV, args.agent_api_key_file, "--agent-api-key-file")
+    sim_key = api_key(SIM_KEY_ENV, args.sim_api_key_file, "--sim-api-key-file")
     info = checkpoint_info(spec.spec) if spec.is_local else None
     values, _ = resolve_settings(args, [(spec.name, info)] if info else [], need_test_file=False)
     scenario_path = resolve_path(values["scenario"])
@@ -96,28 +105,39 @@ def build_server(args: argparse.Namespace, work: Path) -> tuple[Any, Any]:
                             max_prompt_length=values["max_prompt_length"], max_turns=values["max_turns"],
                             max_tokens_per_turn=values["max_tokens_per_turn"],
                             max_response_length=values["max_response_length"],
-                            max_user_tokens=values["max_user_tokens"], seed=values["seed"])
+                            max_user_tokens=values["max_user_tokens"], seed=values["seed"],
+                            user_sim={"temperature": values["sim_temperature"], "top_p": values["sim_top_p"],
+                                      "max_tokens": values["sim_max_tokens"], "timeout_s": values["sim_timeout_s"],
+                                      "max_attempts": values["sim_max_attempts"], "model": args.sim_model})
+    simulator = None
+    if args.user_sim_urls:
+        from llm_agent.user_sim.client import UserSimClient, parse_urls
+
+        simulator = UserSimClient(parse_urls(args.user_sim_urls), model=args.sim_model, api_key=sim_key,
+                                  timeout_s=values["sim_timeout_s"], max_attempts=values["sim_max_attempts"])
     sampler = StateController(ControllerConfig(seed=args.profile_seed), scenario)
     extra = {"agent": spec.describe(engine), "settings": settings.fingerprint()}
 
     def start_call(profile: Any) -> HumanCall:
         return HumanCall(agent, tokenizer, scenario, settings.loop_config(None), dataset.collate([0]), profile,
-                         args.out, step=info.global_step if info else 0, extra=extra, seed=values["seed"])
+                         args.out, step=info.global_step if info else 0, extra=extra, seed=values["seed"],
+                         simulator=simulator)
 
     server = ChatServer(scenario, start_call, lambda: sampler.sample(1)[0], spec.name, host=args.host,
                         port=args.port)
-    return server, agent
+    return server, [agent] + ([simulator] if simulator is not None else [])
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point; bad input exits with a one-line error."""
     args = parse_args(argv)
-    if args.agent_api_key is not None:
-        raise SystemExit(f"chat: {command_line_refusal('--agent-api-key', AGENT_KEY_ENV)}")
+    for flag, env_var in (("--sim-api-key", SIM_KEY_ENV), ("--agent-api-key", AGENT_KEY_ENV)):
+        if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
+            raise SystemExit(f"chat: {command_line_refusal(flag, env_var)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="sead-chat-") as work:
         try:
-            server, agent = build_server(args, Path(work))
+            server, owned = build_server(args, Path(work))
         except (ValueError, OSError, RuntimeError) as exc:
             raise SystemExit(f"chat: {exc}") from None
         print(f"talk to the agent at {server.url}\ncalls go to {Path(args.out) / 'human_dialogues.jsonl'}",
@@ -128,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
             pass
         finally:
             server.shutdown()
-            agent.close()
+            for thing in owned:
+                thing.close()
 
 
 if __name__ == "__main__":

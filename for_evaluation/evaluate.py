@@ -38,9 +38,7 @@ from typing import Any
 
 from llm_agent.api_keys import KeySafeArgumentParser, api_key, command_line_refusal
 from llm_agent.evaluation.defaults import (AGENT_KEY_ENV, CHECKPOINT, DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, ENGINES,
-                                           MAX_PROMPT_LENGTH)
-
-SIM_KEY_ENV = "SEAD_USER_SIM_API_KEY"
+                                           MAX_PROMPT_LENGTH, SIM_KEY_ENV)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -6,7 +6,7 @@ torch or matplotlib; the modules that use a value import it from here, so each i
 from __future__ import annotations
 
 __all__ = ["AGENT_KEY_ENV", "CHECKPOINT", "DEFAULT_BROWSER_LIMIT", "DEFAULT_CONFIDENCE", "DEFAULT_OUTPUTS", "DEFAULT_RESAMPLES", "DEFAULT_SMOOTH",
-           "ENGINES", "MAX_PROMPT_LENGTH", "MIN_SMOOTH_POINTS", "TABLE_FORMATS"]
+           "ENGINES", "MAX_PROMPT_LENGTH", "MIN_SMOOTH_POINTS", "SIM_KEY_ENV", "TABLE_FORMATS"]
 
 DEFAULT_RESAMPLES = 1000  # bootstrap resamples of every interval (table, results, report)
 DEFAULT_CONFIDENCE = 0.95
@@ -19,3 +19,4 @@ ENGINES = ("auto", "hf", "vllm")  # how a model or checkpoint agent generates (a
 MAX_PROMPT_LENGTH = 4096  # an agent's prompt limit when neither the command line nor a checkpoint gives one
 CHECKPOINT = "default: the checkpoint's training config, else "  # help text of the settings a checkpoint gives
 AGENT_KEY_ENV = "SEAD_AGENT_API_KEY"  # where an agent endpoint's API key comes from (or a key file)
+SIM_KEY_ENV = "SEAD_USER_SIM_API_KEY"  # where the simulators' API key comes from (or a key file)

@@ -4,8 +4,9 @@
 environment, reward and record as an evaluation) on its own thread. The loop's simulator is `HumanUserClient`:
 each `TurnRequest` waits until the person answers (`HumanCall.answer`: their words, the state they report and
 whether they end the call), formatted in the scenario's user tag protocol. Beside each request it keeps what the
-scripted persona would have answered to the same request. A finished call is one evaluation record (the
-rollout-log line of `log_lines`, split `eval`, with `judge: "human"`) appended to `<out>/human_dialogues.jsonl`.
+scripted persona and, when one is configured, a simulator would have answered to the same request. A finished call
+is one evaluation record (the rollout-log line of `log_lines`, split `eval`, with `judge: "human"` and those
+answers per person turn in `previews`) appended to `<out>/human_dialogues.jsonl`.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ INSTANCE = "human"
 SPLIT = "eval"
 END_CHOICES = {None: "ongoing", "agreed": "completed", "hung_up": "ended"}  # the page's choice -> status name
 MAX_REPLY_CHARS = 2000
+PREVIEWS = ("scripted", "simulator")  # the answers to the same request shown beside the person's
 
 
 @dataclass(frozen=True)
@@ -101,10 +103,29 @@ def _check_turn(scenario: Scenario, turn: PersonTurn) -> str:
 class HumanUserClient(SimulatorClient):
     """A simulator client whose answers a person writes (module docstring); one dialogue at a time."""
 
-    def __init__(self, scenario: Scenario, on_request: Any, seed: int = 0, timeout_s: float = 3600.0) -> None:
+    def __init__(self, scenario: Scenario, on_request: Any, seed: int = 0, timeout_s: float = 3600.0,
+                 simulator: SimulatorClient | None = None) -> None:
         self.scenario, self.on_request, self.timeout_s = scenario, on_request, timeout_s
         self.persona = ScriptedPersonaBackend(scenario, seed=seed)
+        self.simulator = simulator
         self.answers: queue.Queue[PersonTurn | None] = queue.Queue()
+
+    def _parsed(self, text: str) -> dict[str, Any]:
+        turn = self.scenario.parse_user_output(text)
+        return {"reply": turn.reply, "state": turn.state, "status": turn.status}
+
+    def simulator_answer(self, request: TurnRequest) -> dict[str, Any] | None:
+        """What the configured simulator answers to `request` (None without one; {"error"} when it failed)."""
+        if self.simulator is None:
+            return None
+        try:
+            result = self.simulator.complete([request])[0]
+        except Exception as exc:  # a preview must never end the call
+            logger.warning("the simulator preview failed: %s", exc)
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        if isinstance(result, TurnFailure):
+            return {"error": result.reason}
+        return self._parsed(result.text)
 
     def scripted_answer(self, request: TurnRequest) -> dict[str, Any] | None:
         """What the scripted persona answers to `request` (reply, state, status), None when it refuses it."""
@@ -115,8 +136,7 @@ class HumanUserClient(SimulatorClient):
         except BackendInputError as exc:
             logger.warning("the scripted persona refused the request: %s", exc)
             return None
-        turn = self.scenario.parse_user_output(text)
-        return {"reply": turn.reply, "state": turn.state, "status": turn.status}
+        return self._parsed(text)
 
     def complete(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
         """Each request's answer from the person (in order), a TurnFailure when the call was abandoned."""
@@ -124,7 +144,8 @@ class HumanUserClient(SimulatorClient):
 
     def _ask(self, request: TurnRequest) -> TurnResult:
         started = time.monotonic()
-        self.on_request(request, self.scripted_answer(request))
+        self.on_request(request, {"scripted": self.scripted_answer(request),
+                                  "simulator": self.simulator_answer(request)})
         try:
             turn = self.answers.get(timeout=self.timeout_s)
         except queue.Empty:
@@ -144,7 +165,8 @@ class HumanCall:
 
     def __init__(self, agent: Any, tokenizer: Any, scenario: Scenario, loop_config: Mapping[str, Any],
                  prompt_batch: Any, profile: UserProfile, out_dir: str | Path, step: int = 0,
-                 extra: Mapping[str, Any] | None = None, seed: int = 0) -> None:
+                 extra: Mapping[str, Any] | None = None, seed: int = 0,
+                 simulator: SimulatorClient | None = None) -> None:
         scenario.check_profile(profile)
         self.scenario, self.tokenizer, self.profile = scenario, tokenizer, profile
         self.out_file = Path(out_dir) / HUMAN_FILE
@@ -154,7 +176,7 @@ class HumanCall:
         self.phase, self.turns, self.pending, self.result, self.error = "agent", [], None, None, None
         self.version = 0
         self.abandoned = False
-        self.client = HumanUserClient(scenario, self._on_request, seed=seed)
+        self.client = HumanUserClient(scenario, self._on_request, seed=seed, simulator=simulator)
         self.loop = LLMGenerationManager(tokenizer, agent, loop_config, is_validation=True, client=self.client)
         batch = prompt_batch
         batch.non_tensor_batch["uid"] = object_column([self.uid])
@@ -170,8 +192,8 @@ class HumanCall:
             self.version += 1
             self.changed.notify_all()
 
-    def _on_request(self, request: TurnRequest, scripted: dict[str, Any] | None) -> None:
-        self._set(phase="user", pending={"agent": request.messages[-1]["content"], "scripted": scripted})
+    def _on_request(self, request: TurnRequest, previews: dict[str, Any]) -> None:
+        self._set(phase="user", pending={"agent": request.messages[-1]["content"], **previews})
 
     def _run(self, batch: Any) -> None:
         try:
@@ -181,8 +203,9 @@ class HumanCall:
                 return
             compute_reward(out, self.tokenizer, scenario=self.loop.config.scenario)
             records = records_from_batch(out)
-            lines = [json.dumps({**json.loads(line), **self.extra, "judge": HUMAN_JUDGE}, ensure_ascii=False)
-                     for line in log_lines(records, self.step, SPLIT)]
+            previews = [{k: t[k] for k in PREVIEWS} for t in self.turns]
+            lines = [json.dumps({**json.loads(line), **self.extra, "judge": HUMAN_JUDGE, "previews": previews},
+                                ensure_ascii=False) for line in log_lines(records, self.step, SPLIT)]
             append_jsonl(self.out_file, lines)
             record = records[0]
             metrics = dialogue_metrics(records, self.scenario)
@@ -203,8 +226,9 @@ class HumanCall:
             if self.phase != "user":
                 raise ValueError(f"the call is not waiting for your turn (it is {self.phase})")
             agent = self.pending["agent"] if self.pending else None
+            previews = {k: (self.pending or {}).get(k) for k in PREVIEWS}
             self.turns.append({"agent": agent, "user": turn.reply.strip(), "state": dict(turn.state),
-                               "end": turn.end, "scripted": self.pending.get("scripted") if self.pending else None})
+                               "end": turn.end, **previews})
             self.phase, self.pending = "agent", None
             self.version += 1
             self.changed.notify_all()

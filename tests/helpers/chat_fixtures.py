@@ -21,14 +21,15 @@ def running_chat(tokenizer_dir: str, out: Path, *extra: str, agent: str = "scrip
                        "--max-turns", "12", "--log-level", "WARNING", *extra])
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    server, agent = build_server(args, work)
+    server, owned = build_server(args, work)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         yield server
     finally:
         server.shutdown()
-        agent.close()
+        for thing in owned:
+            thing.close()
         thread.join(10)
 
 

@@ -4,6 +4,8 @@ serving, and markup in a person's turn kept as text."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -15,6 +17,7 @@ from llm_agent.metrics import dialogue_metrics
 
 from tests.helpers.chat_fixtures import read_lines, request, running_chat
 from tests.helpers.hostile_openai import HostileOpenAIServer
+from tests.helpers.sim_servers import SimServers
 
 XSS = ('<img src=x onerror="window.__xss=1">', '</script><script>window.__xss=2</script>', '"><svg onload=alert(3)>')
 
@@ -151,3 +154,51 @@ def test_the_endpoint_key_reaches_neither_the_page_nor_the_record(tiny_model_pat
     assert all(key not in text for text in shown)
     record = (tmp_path / HUMAN_FILE).read_text()
     assert key not in record and json.loads(record)["agent"] == endpoint.url
+
+
+@pytest.mark.processes
+def test_a_configured_simulator_answers_the_same_request(tiny_model_path, tmp_path):
+    """The scripted simulator server (seed 0, as the chat's persona) answers each request the person answers; over
+    HTTP it must say what the in-process scripted persona says, and both land in the record's previews."""
+    with SimServers(tmp_path / "sims") as sims:
+        url = sims.start_many(1)[0]
+        with running_chat(tiny_model_path, tmp_path / "out", "--user-sim-urls", url) as server:
+            status, call = request(server, "POST", "/api/call", {"profile": "sample"})
+            assert status == 200 and call["phase"] == "user"
+            shown = call["pending"]
+            assert "error" not in shown["simulator"] and shown["simulator"] == shown["scripted"]
+            assert set(shown["simulator"]["state"]) == set(server.scenario.dims)
+            status, done = request(server, "POST", "/api/turn", {"reply": "Fine, done.",
+                                                                 "state": call["card"]["state"], "end": "agreed"})
+            assert status == 200 and done["phase"] == "done"
+    line = read_lines(tmp_path / "out" / HUMAN_FILE)[-1]
+    assert line["previews"] == [{"scripted": shown["scripted"], "simulator": shown["simulator"]}]
+
+
+def test_health_answers_while_the_agent_generates(tiny_model_path, tmp_path):
+    args = parse_args(["--agent", "scripted:good", "--tokenizer", tiny_model_path, "--out", str(tmp_path)])
+    server, (agent,) = build_server(args, tmp_path)
+    generate, release = agent.generate_sequences, threading.Event()
+
+    def slow(prompts):  # the agent busy until the test has asked for /health
+        release.wait(30)
+        return generate(prompts)
+
+    agent.generate_sequences = slow
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    try:
+        started = threading.Thread(target=request, args=(server, "POST", "/api/call", {"profile": "sample"}))
+        started.start()
+        time.sleep(0.3)
+        begun = time.monotonic()
+        assert request(server, "GET", "/health") == (200, {"ok": True})
+        assert time.monotonic() - begun < 2.0 and started.is_alive()
+        assert request(server, "GET", "/api/call")[1]["phase"] == "agent"
+        release.set()
+        started.join(30)
+        assert request(server, "GET", "/api/call")[1]["phase"] == "user"
+    finally:
+        release.set()
+        server.shutdown()
+        agent.close()
