@@ -104,8 +104,13 @@ class ChatServer:
         else:
             raise HttpError(400, 'profile must be "sample" or {"state": {...}, "behaviors": [...]}')
         with self.lock:
-            if self.call is not None and self.call.phase in ("agent", "user"):
-                self.call.abandon()
+            old = self.call
+            if old is not None and old.phase in ("agent", "user"):
+                old.abandon()
+            if old is not None:  # one call on the agent at a time: the old one ends after its current turn
+                old.thread.join(WAIT_S)
+                if old.thread.is_alive():
+                    raise HttpError(503, "the previous call is still generating; try again")
             self.call = self.start_call(profile)
             return self.call
 
