@@ -202,3 +202,20 @@ def test_health_answers_while_the_agent_generates(tiny_model_path, tmp_path):
         release.set()
         server.shutdown()
         agent.close()
+
+
+def test_an_abandoned_call_leaves_no_record(chat):
+    server, path = chat
+    before = len(read_lines(path)) if path.exists() else 0
+    status, first = request(server, "POST", "/api/call", {"profile": "sample"})
+    assert status == 200 and first["phase"] == "user"
+    status, second = request(server, "POST", "/api/call", {"profile": "sample"})  # leaves the first one
+    assert status == 200 and second["phase"] == "user" and second["id"] != first["id"]
+    assert request(server, "POST", "/api/abandon", {})[1] == {"phase": "abandoned"}
+    deadline = time.monotonic() + 10
+    while request(server, "GET", "/api/call")[1]["phase"] != "abandoned" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert request(server, "GET", "/api/call")[1]["phase"] == "abandoned"
+    assert (len(read_lines(path)) if path.exists() else 0) == before
+    status, body = request(server, "POST", "/api/turn", {"reply": "hello?", "state": first["card"]["state"]})
+    assert status == 409 and "not waiting" in body["error"]
