@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,10 @@ def build_server(args: argparse.Namespace, work: Path) -> tuple[Any, list[Any]]:
     return server, [agent] + ([simulator] if simulator is not None else [])
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point; bad input exits with a one-line error."""
     args = parse_args(argv)
@@ -140,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             server, owned = build_server(args, Path(work))
         except (ValueError, OSError, RuntimeError) as exc:
             raise SystemExit(f"chat: {exc}") from None
+        signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: the call in progress abandoned, no record
         print(f"talk to the agent at {server.url}\ncalls go to {Path(args.out) / 'human_dialogues.jsonl'}",
               flush=True)
         try:
