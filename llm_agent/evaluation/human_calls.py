@@ -5,8 +5,10 @@ environment, reward and record as an evaluation) on its own thread. The loop's s
 each `TurnRequest` waits until the person answers (`HumanCall.answer`: their words, the state they report and
 whether they end the call), formatted in the scenario's user tag protocol. Beside each request it keeps what the
 scripted persona and, when one is configured, a simulator would have answered to the same request. A finished call
-is one evaluation record (the rollout-log line of `log_lines`, split `eval`, with `judge: "human"` and those
-answers per person turn in `previews`) appended to `<out>/human_dialogues.jsonl`.
+is one evaluation record (the rollout-log line of `log_lines`, split `eval`, the person's turns with
+`user_source: "human"`, with `judge: "human"` and those answers per person turn in `previews`) appended to
+`<out>/human_dialogues.jsonl`; `python -m for_evaluation.simulator_report --dialogues` grades the previews
+against the person's turns.
 """
 from __future__ import annotations
 
@@ -24,25 +26,25 @@ from typing import Any
 from llm_agent.generation import LLMGenerationManager
 from llm_agent.metrics import dialogue_metrics
 from llm_agent.reward import compute_reward
-from llm_agent.rollout.dialogue_record import records_from_batch
+from llm_agent.rollout.dialogue_record import HUMAN_USER_SOURCE, DialogueRecord, records_from_batch
 from llm_agent.rollout.records import append_jsonl, log_lines, object_column
 from llm_agent.scenario import Scenario, UserProfile
+from llm_agent.simulator_report.human import HUMAN_JUDGE, PREVIEW_SOURCES
 from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest, TurnResult
 from llm_agent.user_sim.server.backend import BackendInputError, SamplingParams
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HUMAN_FILE", "HUMAN_JUDGE", "HumanCall", "HumanUserClient", "PersonTurn", "persona_card",
-           "scenario_prompt_file"]
+__all__ = ["HUMAN_FILE", "HUMAN_JUDGE", "HumanCall", "HumanUserClient", "PersonTurn", "mark_person_turns",
+           "persona_card", "scenario_prompt_file"]
 
-HUMAN_JUDGE = "human"
 HUMAN_FILE = "human_dialogues.jsonl"
 INSTANCE = "human"
 SPLIT = "eval"
 END_CHOICES = {None: "ongoing", "agreed": "completed", "hung_up": "ended"}  # the page's choice -> status name
 MAX_REPLY_CHARS = 2000
-PREVIEWS = ("scripted", "simulator")  # the answers to the same request shown beside the person's
+PREVIEWS = PREVIEW_SOURCES  # the answers to the same request shown beside the person's
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,14 @@ def _check_turn(scenario: Scenario, turn: PersonTurn) -> str:
     return text
 
 
+def mark_person_turns(records: Sequence[DialogueRecord]) -> None:
+    """Set `user_source` to "human" on the user turns a person wrote (the loop records them as a simulator's)."""
+    for record in records:
+        for turn in record.turns:
+            if turn.user_source == "simulator":
+                turn.user_source = HUMAN_USER_SOURCE
+
+
 class HumanUserClient(SimulatorClient):
     """A simulator client whose answers a person writes (module docstring); one dialogue at a time."""
 
@@ -112,7 +122,7 @@ class HumanUserClient(SimulatorClient):
 
     def _parsed(self, text: str) -> dict[str, Any]:
         turn = self.scenario.parse_user_output(text)
-        return {"reply": turn.reply, "state": turn.state, "status": turn.status}
+        return {"reply": turn.reply, "state": turn.state, "status": turn.status, "format_valid": turn.well_formed}
 
     def simulator_answer(self, request: TurnRequest) -> dict[str, Any] | None:
         """What the configured simulator answers to `request` (None without one; {"error"} when it failed)."""
@@ -203,6 +213,7 @@ class HumanCall:
                 return
             compute_reward(out, self.tokenizer, scenario=self.loop.config.scenario)
             records = records_from_batch(out)
+            mark_person_turns(records)
             previews = [{k: t[k] for k in PREVIEWS} for t in self.turns]
             lines = [json.dumps({**json.loads(line), **self.extra, "judge": HUMAN_JUDGE, "previews": previews},
                                 ensure_ascii=False) for line in log_lines(records, self.step, SPLIT)]

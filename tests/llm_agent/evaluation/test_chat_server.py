@@ -9,11 +9,12 @@ import time
 
 import pytest
 
+from for_evaluation import simulator_report
 from for_evaluation.chat import build_server, parse_args
 from llm_agent.evaluation.chat_server import MAX_BODY_BYTES
 from llm_agent.evaluation.human_calls import HUMAN_FILE
 from llm_agent.evaluation.run_data import read_dialogues
-from llm_agent.metrics import dialogue_metrics
+from llm_agent.metrics import dialogue_metrics, user_turn_count
 
 from tests.helpers.chat_fixtures import read_lines, request, running_chat
 from tests.helpers.hostile_openai import HostileOpenAIServer
@@ -74,6 +75,8 @@ def test_a_whole_call_ended_as_agreed_is_recorded(chat):
     assert [t["user_state"] for t in line["turns"]] == states
     assert [t["user_status"] for t in line["turns"]] == [0, 0, 1]
     assert line["outcome"] == "completed" and line["num_turns"] == 3
+    assert [t["user_source"] for t in line["turns"]] == ["human"] * 3  # a person's turns, not a simulator's
+    assert user_turn_count(read_dialogues(path)[-1].turns) == 3
     # the completion metric of the file: completed calls over all calls, counted here from the lines
     expected = sum(x["outcome"] == "completed" for x in lines) / len(lines)
     assert dialogue_metrics(read_dialogues(path), server.scenario)["completion_rate"] == pytest.approx(expected)
@@ -173,6 +176,18 @@ def test_a_configured_simulator_answers_the_same_request(tiny_model_path, tmp_pa
             assert status == 200 and done["phase"] == "done"
     line = read_lines(tmp_path / "out" / HUMAN_FILE)[-1]
     assert line["previews"] == [{"scripted": shown["scripted"], "simulator": shown["simulator"]}]
+    assert shown["scripted"]["format_valid"] is True and shown["simulator"]["format_valid"] is True
+    # the report card grades both previews against the person's one turn (the initial state, agreed)
+    card_file = tmp_path / "card.json"
+    assert simulator_report.main(["--dialogues", str(tmp_path / "out" / HUMAN_FILE), "--out", str(card_file),
+                                  "--bootstrap", "0"]) == 0
+    human = json.loads(card_file.read_text())["human"]
+    assert human["n_calls"] == 1 and human["n_person_turns"] == 1
+    for source in ("scripted", "simulator"):
+        metrics = human["sources"][source]["metrics"]
+        assert metrics["state_agreement"] == float(shown[source]["state"] == call["card"]["state"])
+        assert metrics["status_agreement"] == float(shown[source]["status"] == server.scenario.statuses.completed)
+        assert metrics["format_valid_rate"] == 1.0
 
 
 def test_health_answers_while_the_agent_generates(tiny_model_path, tmp_path):
