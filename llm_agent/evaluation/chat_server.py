@@ -9,6 +9,8 @@ its own thread and the agent generates on the call's thread, so `/health` answer
     GET  /health          {"ok": true}
     GET  /api/scenario    dimensions and ranges, the behaviour library, the agent's name
     GET  /api/call        the current call (HumanCall.snapshot) or {"phase": "none"}
+    GET  /api/stream      Server-Sent Events of the current call's progress ({version, phase, agent_turns, partial}:
+                          the agent's turn so far where the engine streams) until its next turn is done or it ends
     POST /api/call        {"profile": "sample" | {"state": {dim: int}, "behaviors": [library index, ...]}}
     POST /api/turn        {"reply": str, "state": {dim: int}, "end": null | "agreed" | "hung_up"}
     POST /api/abandon     stop the current call (no record)
@@ -20,6 +22,7 @@ import json
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -181,10 +184,32 @@ def _handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
                 return self._json(200, server.scenario_info())
             if method == "GET" and path == "/api/call":
                 return self._json(200, server.call.snapshot() if server.call else {"phase": "none"})
+            if method == "GET" and path == "/api/stream":
+                return self._stream()
             if method == "POST" and path in ("/api/call", "/api/turn", "/api/abandon"):
                 return self._post(path, self._body())
             raise HttpError(404 if path not in ("/", "/health") and not path.startswith("/api/") else 405,
                             f"no {method} {path}")
+
+        def _stream(self) -> None:
+            call = server.call
+            if call is None:
+                raise HttpError(409, "no call: start one first")
+            self.send_response(200)
+            for key, value in {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-store",
+                               "X-Content-Type-Options": "nosniff", "Connection": "close"}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.close_connection = True
+            deadline, since, first = time.monotonic() + WAIT_S, -1, None
+            while (left := deadline - time.monotonic()) > 0:
+                event = call.progress(since, left)
+                self.wfile.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode("utf-8"))
+                self.wfile.flush()
+                first = event["agent_turns"] if first is None else first
+                if event["phase"] not in ("agent", "user") or event["agent_turns"] > first:
+                    return  # the call ended, or the agent's next turn waits for the person
+                since = event["version"]
 
         def _post(self, path: str, body: dict[str, Any]) -> None:
             if path == "/api/call":

@@ -4,7 +4,9 @@
 environment, reward and record as an evaluation) on its own thread. The loop's simulator is `HumanUserClient`:
 each `TurnRequest` waits until the person answers (`HumanCall.answer`: their words, the state they report and
 whether they end the call), formatted in the scenario's user tag protocol. Beside each request it keeps what the
-scripted persona and, when one is configured, a simulator would have answered to the same request. A finished call
+scripted persona and, when one is configured, a simulator would have answered to the same request. An engine
+with `stream_tokens` (a local HF model) hands each token of the agent's turn over as it comes (`partial`, for the
+page; the turn and record are the loop's as without it). A finished call
 is one evaluation record (the rollout-log line of `log_lines`, split `eval`, the person's turns with
 `user_source: "human"`, with `judge: "human"` and those answers per person turn in `previews`) appended to
 `<out>/human_dialogues.jsonl`; `python -m for_evaluation.simulator_report --dialogues` grades the previews
@@ -176,7 +178,7 @@ class HumanCall:
     def __init__(self, agent: Any, tokenizer: Any, scenario: Scenario, loop_config: Mapping[str, Any],
                  prompt_batch: Any, profile: UserProfile, out_dir: str | Path, step: int = 0,
                  extra: Mapping[str, Any] | None = None, seed: int = 0,
-                 simulator: SimulatorClient | None = None) -> None:
+                 simulator: SimulatorClient | None = None, stream: bool = True) -> None:
         scenario.check_profile(profile)
         self.scenario, self.tokenizer, self.profile = scenario, tokenizer, profile
         self.out_file = Path(out_dir) / HUMAN_FILE
@@ -185,7 +187,13 @@ class HumanCall:
         self.changed = threading.Condition()
         self.phase, self.turns, self.pending, self.result, self.error = "agent", [], None, None, None
         self.version = 0
+        self.agent_turns = 0  # agent turns the person was asked to answer so far
         self.abandoned = False
+        self.agent = agent
+        stream_tokens = getattr(agent, "stream_tokens", None)
+        self.streams = stream and callable(stream_tokens)  # an engine that hands out its tokens as they come
+        self.streamed: list[int] = []
+        self.partial: str | None = "" if self.streams else None  # the agent turn so far, while it is generated
         self.client = HumanUserClient(scenario, self._on_request, seed=seed, simulator=simulator)
         self.loop = LLMGenerationManager(tokenizer, agent, loop_config, is_validation=True, client=self.client)
         batch = prompt_batch
@@ -203,9 +211,20 @@ class HumanCall:
             self.changed.notify_all()
 
     def _on_request(self, request: TurnRequest, previews: dict[str, Any]) -> None:
-        self._set(phase="user", pending={"agent": request.messages[-1]["content"], **previews})
+        self._set(phase="user", pending={"agent": request.messages[-1]["content"], **previews},
+                  partial=None, agent_turns=self.agent_turns + 1)
+
+    def _on_token(self, token: int | None) -> None:
+        """One more token of the agent's turn (None: the turn's generation ended)."""
+        if token is None:  # the next generation starts afresh; `partial` keeps this one's text until then
+            self.streamed = []
+            return
+        self.streamed.append(token)
+        self._set(partial=self.tokenizer.decode(self.streamed, skip_special_tokens=True))
 
     def _run(self, batch: Any) -> None:
+        if self.streams:
+            self.agent.stream_tokens(self._on_token)
         try:
             out = self.loop.run_llm_loop(batch)
             if self.abandoned:
@@ -228,6 +247,8 @@ class HumanCall:
             logger.exception("call %s failed", self.uid)
             self._set(phase="error", pending=None, error=f"{type(exc).__name__}: {exc}")
         finally:
+            if self.streams:
+                self.agent.stream_tokens(None)
             self.loop.close()
 
     def answer(self, turn: PersonTurn) -> None:
@@ -241,6 +262,7 @@ class HumanCall:
             self.turns.append({"agent": agent, "user": turn.reply.strip(), "state": dict(turn.state),
                                "end": turn.end, **previews})
             self.phase, self.pending = "agent", None
+            self.streamed, self.partial = [], "" if self.streams else None
             self.version += 1
             self.changed.notify_all()
         self.client.answers.put(turn)
@@ -260,9 +282,20 @@ class HumanCall:
                     return
                 self.changed.wait(left)
 
+    def progress(self, since: int, timeout_s: float) -> dict[str, Any]:
+        """After the call moved past version `since` (or `timeout_s`): its version, phase, agent turns answered so
+        far and the agent's turn being generated (`partial`, None when the engine does not stream it)."""
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while self.version <= since and (left := deadline - time.monotonic()) > 0:
+                self.changed.wait(left)
+            return {"version": self.version, "phase": self.phase, "agent_turns": self.agent_turns,
+                    "partial": self.partial}
+
     def snapshot(self) -> dict[str, Any]:
         """What the page shows: the persona card, the turns so far, the agent turn waiting and the result."""
         with self.changed:
             return {"id": self.uid, "phase": self.phase, "version": self.version,
                     "card": persona_card(self.scenario, self.profile), "turns": list(self.turns),
-                    "pending": self.pending, "result": self.result, "error": self.error}
+                    "pending": self.pending, "result": self.result, "error": self.error, "partial": self.partial,
+                    "streams": self.streams}
