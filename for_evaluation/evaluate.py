@@ -37,13 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from llm_agent.api_keys import KeySafeArgumentParser, api_key, command_line_refusal
-from llm_agent.evaluation.defaults import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, ENGINES
-
-CHECKPOINT = "default: the checkpoint's training config, else "  # help text of the settings a checkpoint gives
-MAX_PROMPT_LENGTH = 4096  # when neither the command line nor a checkpoint gives one
-
-SIM_KEY_ENV = "SEAD_USER_SIM_API_KEY"
-AGENT_KEY_ENV = "SEAD_AGENT_API_KEY"
+from llm_agent.evaluation.defaults import (AGENT_KEY_ENV, CHECKPOINT, DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, ENGINES,
+                                           MAX_PROMPT_LENGTH, SIM_KEY_ENV)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,27 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_settings(args: argparse.Namespace, checkpoints: list[tuple[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every setting: the command line's, else the checkpoints' training config, else the defaults of the rollout
-    loop and the simulator client; and where each came from."""
-    from llm_agent.evaluation.checkpoint_settings import SETTING_KEYS, settings_from_checkpoints
-    from llm_agent.rollout.config import GenerationConfig
-    from llm_agent.scenario import DEFAULT_SCENARIO_PATH
-    from llm_agent.user_sim.client import UserSimConfig
+def resolve_settings(args: argparse.Namespace, checkpoints: list[tuple[str, Any]], need_test_file: bool = True
+                     ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every setting and where it came from (`llm_agent.evaluation.checkpoint_settings.resolve_settings`)."""
+    from llm_agent.evaluation.checkpoint_settings import resolve_settings as resolve
 
-    values, origin = settings_from_checkpoints({name: getattr(args, name) for name in SETTING_KEYS}, checkpoints)
-    defaults = {"scenario": str(DEFAULT_SCENARIO_PATH), "max_prompt_length": MAX_PROMPT_LENGTH,
-                **{name: getattr(GenerationConfig, name) for name in ("max_turns", "max_tokens_per_turn",
-                                                                     "max_response_length", "max_user_tokens", "seed")},
-                **{f"sim_{name}": getattr(UserSimConfig, name) for name in ("temperature", "top_p", "max_tokens",
-                                                                            "timeout_s", "max_attempts")}}
-    for name, value in defaults.items():
-        if values.get(name) is None:
-            values[name], origin[name] = value, "default"
-    if values.get("test_file") is None:
-        raise ValueError("no test file: pass --test-file (a checkpoint agent's training config gives its "
-                         "data.val_files)")
-    return values, origin
+    return resolve(args, checkpoints, need_test_file)
 
 
 def run(args: argparse.Namespace) -> list[Path]:

@@ -3,6 +3,12 @@
     python for_evaluation/report.py                                    # the latest run under outputs/
     python for_evaluation/report.py outputs/logs/cpu_demo_outbound_ad_trial --out /tmp/cpu_demo_outbound_ad_trial.html
     python for_evaluation/report.py outputs/eval/cpu_demo_outbound_ad_trial/rl_dialogues.jsonl
+    python for_evaluation/report.py outputs/eval/cpu_demo_outbound_ad_trial/rl_dialogues.jsonl \\
+        --human outputs/eval/human/human_dialogues.jsonl
+
+Calls a person played (python -m for_evaluation.chat) show as their own group (split `eval@human`) beside the
+simulated dialogues: a `human_dialogues.jsonl` beside the evaluation's dialogues file is read along, others with
+--human.
 
 The report is one self-contained file (nothing is loaded from the network; open it from disk). It prints its
 path. Default location: `<root>/reports/<experiment>.html` for a run, `<dir>/<name>_report.html` beside an
@@ -30,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="the HTML file to write")
     p.add_argument("--dialogues", default=None,
                    help="the run's rollout log when it is not where main.sh puts it (<root>/rollouts/<experiment>)")
+    p.add_argument("--human", action="append", default=[], metavar="FILE",
+                   help="dialogues of calls a person played (for_evaluation/chat.py's human_dialogues.jsonl) to "
+                        "show beside the run's (repeatable)")
     p.add_argument("--scenario", default=None,
                    help="the run's scenario YAML (stage names, state ranges; default: the demo's)")
     p.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH, help="EMA weight of the training curves (0: raw)")
@@ -66,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(exc)) from None
     if args.dialogues:
         files = dataclasses.replace(files, dialogues=Path(args.dialogues))
+    extra = tuple(Path(h) for h in args.human if Path(h) not in files.human)
+    if extra:
+        files = dataclasses.replace(files, human=files.human + extra)
     cards = []
     for card in args.simulator_card:
         try:

@@ -10,10 +10,13 @@ SEAD_USER_SIM_API_KEY) answers the fixed probes (`--probe-dialogues` scripted ca
 profiles and agent turns for every simulator) with the rollout loop's decoding settings, malformed replies
 re-requested as the loop does. A file of logged dialogues (a rollout log or an evaluation's dialogues) is graded
 turn by turn instead. Either way each reply is checked against the scripted persona answering the same request
-(llm_agent/simulator_report). Prints the metrics side by side with `--card` files given, writes the card as
-JSON (`--out`, default outputs/simulator_reports/<name>.json; a log's card is named after its run and split, so
-two runs' cards do not overwrite each other) and, with `--html`, a page of all cards; the run
-report shows cards with `python -m for_evaluation.report ... --simulator-card FILE`.
+(llm_agent/simulator_report). Human calls in the file (`judge: human`, from `python -m for_evaluation.chat`) are
+not simulator turns: the card's `human` section says how the scripted persona's and the simulator's answers to
+the same requests (the records' `previews`) agree with the person's (llm_agent/simulator_report/human.py).
+Prints the metrics side by side with `--card` files given, writes the card as JSON (`--out`, default
+outputs/simulator_reports/<name>.json; a log's card is named after its run and split, so two runs' cards do not
+overwrite each other) and, with `--html`, a page of all cards; the run report shows cards
+with `python -m for_evaluation.report ... --simulator-card FILE`.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from llm_agent.simulator_report import (PROBE_SEED, ProbeSampling, build_card, b
                                         run_probes)
 from llm_agent.simulator_report.card import METRIC_KEYS
 from llm_agent.simulator_report.card_file import read_card
+from llm_agent.simulator_report.human import human_records, human_section
 from llm_agent.user_sim.client.wire import SimulatorCheckError
 
 logger = logging.getLogger("simulator_report")
@@ -94,10 +98,13 @@ def _log_card(args: argparse.Namespace, scenario: Any, name: str) -> dict[str, A
     records = read_dialogues(args.dialogues)
     if args.split is not None:
         records = [r for r in records if r.split == args.split]
-    dialogues = dialogues_from_log(records, scenario)
+    humans = human_records(records)
+    person = {id(r) for r in humans}
+    dialogues = dialogues_from_log([r for r in records if id(r) not in person], scenario)
     source = {"kind": "logged dialogues", "path": args.dialogues, "split": args.split or "all"}
+    human = human_section(humans, scenario, n_resamples=args.bootstrap, seed=args.seed)
     return build_card(dialogues, scenario, name, source, n_resamples=args.bootstrap, seed=args.seed,
-                      max_jump=args.max_jump)
+                      max_jump=args.max_jump, human=human)
 
 
 def log_card_name(dialogues: str, split: str | None) -> str:
@@ -108,20 +115,37 @@ def log_card_name(dialogues: str, split: str | None) -> str:
     return f"{name}_{split}" if split else name
 
 
-def cards_table(cards: list[dict[str, Any]]) -> str:
-    """The cards' metrics side by side as text: value [low, high] per card."""
+def _cell(value: Any) -> str:
     def number(value: Any) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    def cell(value: Any) -> str:
-        if isinstance(value, dict):
-            return f"{number(value.get('value'))} [{number(value.get('low'))}, {number(value.get('high'))}]"
-        return number(value)
+    if isinstance(value, dict):
+        return f"{number(value.get('value'))} [{number(value.get('low'))}, {number(value.get('high'))}]"
+    return number(value)
 
-    names = [str(c.get("name")) for c in cards]
-    rows = [["metric", *names]] + [[key, *(cell(c["metrics"].get(key)) for c in cards)] for key in METRIC_KEYS]
+
+def _aligned(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows)
+
+
+def cards_table(cards: list[dict[str, Any]]) -> str:
+    """The cards' metrics side by side as text: value [low, high] per card; then, for cards graded on human
+    calls, the agreement of each preview source with the person's turns."""
+    names = [str(c.get("name")) for c in cards]
+    text = _aligned([["metric", *names]] + [[key, *(_cell(c["metrics"].get(key)) for c in cards)]
+                                            for key in METRIC_KEYS])
+    columns = [(c, source, part) for c in cards if isinstance(c.get("human"), dict)
+               and isinstance(c["human"].get("sources"), dict)
+               for source, part in c["human"]["sources"].items()
+               if isinstance(part, dict) and isinstance(part.get("metrics"), dict)]
+    if not columns:
+        return text
+    keys = list(dict.fromkeys(k for _, _, part in columns for k in part["metrics"]))
+    rows = [["agreement with the person", *(f"{c.get('name')}:{source}" for c, source, _ in columns)],
+            ["person turns answered", *(str(part.get("n_turns")) for _, _, part in columns)]]
+    rows += [[key, *(_cell(part["metrics"].get(key)) for _, _, part in columns)] for key in keys]
+    return text + "\n\n" + _aligned(rows)
 
 
 def main(argv: list[str] | None = None) -> int:

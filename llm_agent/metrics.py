@@ -33,7 +33,7 @@ trackers and JSONL files never hold NaN or null, `metric_keys(scenario)` lists e
   had
   not confirmed (outcome not `completed`)
 - `format_error_rate` = sum format_errors / sum num_turns
-- `cache_hit_rate` = sum cache_hits / #user turns (turns whose user_source is "simulator" or "cache")
+- `cache_hit_rate` = sum cache_hits / #user turns (turns whose user_source is "simulator", "cache" or "human")
 - `sim_reply_retries` = sum over all records of `sim_retries` (re-requests of malformed simulator replies)
 - `agent_tokens_per_dialogue`, `sim_requests_per_dialogue`, `seconds_per_dialogue` = mean over the records that
   carry it (errors included: they cost too) of `agent_tokens` (tokens the agent generated), `sim_requests`
@@ -58,7 +58,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llm_agent.rollout.dialogue_record import OUTCOMES, DialogueRecord, TurnRecord, records_from_batch
+from llm_agent.rollout.dialogue_record import (HUMAN_USER_SOURCE, OUTCOMES, DialogueRecord, TurnRecord,
+                                               records_from_batch)
 from llm_agent.scenario import Scenario
 
 __all__ = [
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 NOT_AVAILABLE = "n/a"  # how displays show an undefined metric
-USER_TURN_SOURCES: tuple[str, ...] = ("simulator", "cache")
+USER_TURN_SOURCES: tuple[str, ...] = ("simulator", "cache", HUMAN_USER_SOURCE)
 # record field -> the metric that averages it over the records carrying it (what a dialogue cost)
 COST_FIELDS: dict[str, str] = {"agent_tokens": "agent_tokens_per_dialogue", "sim_requests": "sim_requests_per_dialogue",
                                "wall_s": "seconds_per_dialogue"}
@@ -141,7 +142,7 @@ def is_false_positive(outcome: str, turns: Sequence[TurnRecord], completed: int)
 
 
 def user_turn_count(turns: Sequence[TurnRecord]) -> int:
-    """Turns answered by the user side (a simulator reply or a cached one; format-error notes do not count)."""
+    """Turns answered by the user side (a simulator, cached or person's reply; format-error notes do not count)."""
     return sum(1 for t in turns if t.user_source in USER_TURN_SOURCES)
 
 

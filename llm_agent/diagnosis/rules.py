@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from llm_agent.rollout.dialogue_record import TurnRecord, TurnSignals
+from llm_agent.rollout.dialogue_record import HUMAN_USER_SOURCE, TurnRecord, TurnSignals
 from llm_agent.scenario import DiagnosisRule, StateSchema
 
 __all__ = ["DIAGNOSED_OUTCOMES", "Finding", "apply_rule"]
 
 DIAGNOSED_OUTCOMES: tuple[str, ...] = ("hung_up", "agent_ended", "timeout", "truncated")
-USER_SOURCES = ("simulator", "cache")
+USER_SOURCES = ("simulator", "cache", HUMAN_USER_SOURCE)
 
 Finding = tuple[int, str]  # (turn index, note)
 Turns = Sequence[TurnRecord]

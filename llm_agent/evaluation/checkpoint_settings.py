@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llm_agent.evaluation.defaults import MAX_PROMPT_LENGTH
 from llm_agent.evaluation.local_agents import resolve_model_dir
 from verl.utils.checkpoint import load_trainer_state, step_of
 from verl.utils.run_config import CONFIG_FILE, RunConfig, load_run_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointInfo", "SETTING_KEYS", "checkpoint_info", "settings_from_checkpoints"]
+__all__ = ["CheckpointInfo", "SETTING_KEYS", "checkpoint_info", "resolve_settings", "settings_from_checkpoints"]
 
 # evaluation setting (evaluate.py's option without "--", dashes as underscores) -> the training config key
 SETTING_KEYS: dict[str, str] = {
@@ -106,3 +107,26 @@ def settings_from_checkpoints(given: Mapping[str, Any], checkpoints: Sequence[tu
             settings[name] = value
             origin[name] = f"{key} of {agent}'s training config"
     return settings, origin
+
+
+def resolve_settings(args: Any, checkpoints: list[tuple[str, Any]], need_test_file: bool = True
+                     ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every setting: the command line's, else the checkpoints' training config, else the defaults of the rollout
+    loop and the simulator client; and where each came from (`args` has every `SETTING_KEYS` attribute)."""
+    from llm_agent.rollout.config import GenerationConfig
+    from llm_agent.scenario import DEFAULT_SCENARIO_PATH
+    from llm_agent.user_sim.client import UserSimConfig
+
+    values, origin = settings_from_checkpoints({name: getattr(args, name) for name in SETTING_KEYS}, checkpoints)
+    defaults = {"scenario": str(DEFAULT_SCENARIO_PATH), "max_prompt_length": MAX_PROMPT_LENGTH,
+                **{name: getattr(GenerationConfig, name) for name in ("max_turns", "max_tokens_per_turn",
+                                                                     "max_response_length", "max_user_tokens", "seed")},
+                **{f"sim_{name}": getattr(UserSimConfig, name) for name in ("temperature", "top_p", "max_tokens",
+                                                                            "timeout_s", "max_attempts")}}
+    for name, value in defaults.items():
+        if values.get(name) is None:
+            values[name], origin[name] = value, "default"
+    if values.get("test_file") is None and need_test_file:
+        raise ValueError("no test file: pass --test-file (a checkpoint agent's training config gives its "
+                         "data.val_files)")
+    return values, origin

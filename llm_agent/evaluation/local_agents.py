@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -152,6 +153,10 @@ class HFRolloutAgent(RolloutEngine):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """HFRollout's `generate_sequences` on this process's model."""
         return self.rollout.generate_sequences(prompts)
+
+    def stream_tokens(self, listener: Callable[[int | None], None] | None) -> None:
+        """Hand each token of a one-row generation to `listener` as it comes (None after the last); None: stop."""
+        self.rollout.token_listener = listener
 
 
 def _join_single_rank_group(device: str) -> bool:

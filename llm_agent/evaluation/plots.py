@@ -134,7 +134,8 @@ def load_run(files: RunFiles, dialogues: str = "summary") -> RunData:
     train = [row for row in train if len(row) > 1]
     records = None
     if files.dialogues is not None and dialogues != "none":
-        records = (read_dialogues if dialogues == "full" else read_dialogue_summaries)(files.dialogues)
+        read = read_dialogues if dialogues == "full" else read_dialogue_summaries
+        records = read(files.dialogues) + [r for path in files.human for r in read(path)]
     return RunData(name=files.name, steps=train, val=val, dialogues=records)
 
 

@@ -2,7 +2,8 @@
 
 `simulator_html(cards)` puts simulator report cards (`llm_agent.simulator_report.build_card` JSON) side by side:
 one row per metric, one column per card, each value with its bootstrap interval, then what each card measured
-and a few of its failing replies. `render_simulator_page(cards)` wraps it in a self-contained page with the run
+and a few of its failing replies; `human_html(cards)` the agreement with people's turns of cards graded on
+human calls. `render_simulator_page(cards)` wraps it in a self-contained page with the run
 report's stylesheet. Every value from a card is escaped.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from llm_agent.evaluation.page_text import esc as _esc
 from llm_agent.simulator_report.card import METRIC_KEYS
 
-__all__ = ["METRIC_NOTES", "render_simulator_page", "simulator_html"]
+__all__ = ["HUMAN_NOTES", "METRIC_NOTES", "human_html", "render_simulator_page", "simulator_html"]
 
 METRIC_NOTES = {
     "first_try_valid_rate": "first reply in the exact tag protocol",
@@ -74,6 +75,53 @@ def _examples(card: Mapping[str, Any]) -> str:
             f"<ul>{''.join(items)}</ul></details>")
 
 
+def _get(value: Any, key: str) -> Any:
+    return value.get(key) if isinstance(value, Mapping) else None
+
+
+def _items(value: Any) -> list[tuple[Any, Any]]:
+    return list(value.items()) if isinstance(value, Mapping) else []
+
+
+HUMAN_NOTES = {
+    "format_valid_rate": "the answer was in the exact tag protocol",
+    "state_agreement": "the same new state as the person, all dimensions",
+    "direction_agreement": "the same direction of change as the person, all dimensions",
+    "status_agreement": "the same status as the person (continue, agreed, hung up)",
+}
+
+
+def human_html(cards: Sequence[Mapping[str, Any]]) -> str:
+    """The agreement with the person's turns of each card graded on human calls (its `human` section), one
+    column per card and preview source; empty when no card has one."""
+    columns = [(c, source, part) for c in cards if isinstance(c.get("human"), Mapping)
+               and isinstance(c["human"].get("sources"), Mapping)
+               for source, part in c["human"]["sources"].items() if isinstance(part, Mapping)]
+    if not columns:
+        return ""
+    head = "".join(f'<th class="num">{_esc(c.get("name"))}: {_esc(source)}</th>' for c, source, _ in columns)
+    keys = list(dict.fromkeys(k for _, _, part in columns if isinstance(part.get("metrics"), Mapping)
+                              for k in part["metrics"]))
+    counts = "".join(f'<td class="num">{_esc(part.get("n_turns"))} ({_esc(part.get("n_errors"))} failed)</td>'
+                     for _, _, part in columns)
+    rows = [f"<tr><td>person turns answered</td>{counts}</tr>"]
+    for key in keys:
+        cells = "".join(f'<td class="num">{_cell(_get(part.get("metrics"), key))}</td>' for _, _, part in columns)
+        rows.append(f"<tr><td><code>{_esc(key)}</code> <span class=note>"
+                    f"{_esc(HUMAN_NOTES.get(str(key).split('/')[0], ''))}</span></td>{cells}</tr>")
+    pairs = "".join(f"<td>{_esc(', '.join(f'{k}: {v}' for k, v in _items(part.get('status_pairs'))))}</td>"
+                    for _, _, part in columns)
+    rows.append(f"<tr><td>status, person->answer: turns</td>{pairs}</tr>")
+    calls = "; ".join(f"{_esc(c.get('name'))}: {_esc(c['human'].get('n_calls'))} calls, "
+                      f"{_esc(c['human'].get('n_person_turns'))} person turns"
+                      for c in cards if isinstance(c.get("human"), Mapping))
+    return (f'<h3 id="simulator-human">Agreement with people</h3><table class="human-agreement"><thead><tr>'
+            f"<th>metric</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            '<p class="note">Human calls (<code>python -m for_evaluation.chat</code>): what the scripted persona and '
+            "the configured simulator answered to the same request as the person, against the person's turn "
+            f"(llm_agent/simulator_report/human.py); intervals over calls. {calls}</p>")
+
+
 def simulator_html(cards: Sequence[Mapping[str, Any]]) -> str:
     """The report cards side by side (see the module docstring); a note when there are none."""
     if not cards:
@@ -90,7 +138,7 @@ def simulator_html(cards: Sequence[Mapping[str, Any]]) -> str:
     note = ('<p class="note">Each turn is graded against the scenario\'s scripted persona answering the same request '
             "(llm_agent/simulator_report). Brackets: percentile bootstrap intervals over dialogues; – not "
             "measurable (first-try checks and latency of logged dialogues).</p>")
-    return table + note + sources + "".join(_examples(c) for c in cards)
+    return table + note + sources + human_html(cards) + "".join(_examples(c) for c in cards)
 
 
 def render_simulator_page(cards: Sequence[Mapping[str, Any]], title: str = "SEAD simulator report") -> str:

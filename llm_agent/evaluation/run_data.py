@@ -9,7 +9,10 @@ A *run* is what `scripts/main.sh` leaves under its output directory (default `ou
 
 `resolve_run` accepts that output root (its most recently written experiment is taken), a log directory, a
 `metrics.jsonl`, a rollout log or an evaluation's `<name>_dialogues.jsonl` (same line format as the rollout
-log), or a directory holding one of those. Every reader names the file and line of a bad line.
+log), or a directory holding one of those. Calls a person played (`python -m for_evaluation.chat`:
+`human_dialogues.jsonl`, lines with a `judge`) beside an evaluation's dialogues come along (`RunFiles.human`); a
+line with a `judge` reads back with the split `<split>@<judge>`, so a report shows those calls as a group of
+their own beside the simulated ones. Every reader names the file and line of a bad line.
 """
 from __future__ import annotations
 
@@ -28,12 +31,13 @@ from llm_agent.rollout.dialogue_record import DialogueRecord
 logger = logging.getLogger(__name__)
 
 __all__ = ["RunFiles", "default_plot_dir", "find_latest_run", "output_root", "read_dialogue_summaries",
-           "read_dialogues", "read_jsonl", "read_step_metrics", "read_val_metrics", "resolve_run"]
+           "judged_split", "read_dialogues", "read_jsonl", "read_step_metrics", "read_val_metrics", "resolve_run"]
 
 METRICS_FILE = "metrics.jsonl"
 ROLLOUT_FILE = "rollouts.jsonl"
 VAL_FILE = "val_metrics.jsonl"
 DIALOGUES_SUFFIX = "_dialogues.jsonl"
+HUMAN_DIALOGUES = "human_dialogues.jsonl"  # for_evaluation/chat.py's calls
 _PROGRESS_BYTES = 32 << 20  # show a progress bar when reading files larger than this
 
 
@@ -45,11 +49,13 @@ class RunFiles:
     metrics: Path | None = None
     val_metrics: Path | None = None
     dialogues: Path | None = None
+    human: tuple[Path, ...] = ()  # dialogue files of calls a person played, shown beside `dialogues`
 
     def describe(self) -> str:
         """One line per file that was found, for logs and the report header."""
         parts = [f"{label}: {path}" for label, path in (("training metrics", self.metrics),
-                 ("validation metrics", self.val_metrics), ("dialogues", self.dialogues)) if path is not None]
+                 ("validation metrics", self.val_metrics), ("dialogues", self.dialogues),
+                 *(("human calls", path) for path in self.human)) if path is not None]
         return "; ".join(parts) if parts else "no files"
 
 
@@ -70,7 +76,9 @@ def _run_from_dialogues(path: Path) -> RunFiles:
     """A rollout log or an evaluation's dialogues file; a rollout log under `<root>/rollouts/<experiment>/`
     brings that experiment's metrics along."""
     if path.name.endswith(DIALOGUES_SUFFIX):
-        return RunFiles(name=path.name[:-len(DIALOGUES_SUFFIX)], dialogues=path)
+        human = path.parent / HUMAN_DIALOGUES
+        extra = (human,) if human.is_file() and path.name != HUMAN_DIALOGUES else ()
+        return RunFiles(name=path.name[:-len(DIALOGUES_SUFFIX)], dialogues=path, human=extra)
     name = path.parent.name
     log_dir = path.parent.parent.parent / "logs" / name
     if path.parent.parent.name == "rollouts" and (log_dir / METRICS_FILE).is_file():
@@ -110,6 +118,8 @@ def resolve_run(path: str | Path) -> RunFiles:
     if (path / ROLLOUT_FILE).is_file():
         return _run_from_dialogues(path / ROLLOUT_FILE)
     evaluations = sorted(path.glob(f"*{DIALOGUES_SUFFIX}"))
+    if len(evaluations) > 1:  # the person's calls ride along with the one simulated evaluation
+        evaluations = [p for p in evaluations if p.name != HUMAN_DIALOGUES]
     if len(evaluations) == 1:
         return _run_from_dialogues(evaluations[0])
     if len(evaluations) > 1:
@@ -211,7 +221,15 @@ def read_dialogues(path: str | Path) -> list[DialogueRecord]:
     rows = log.records
     if path.name.endswith(DIALOGUES_SUFFIX):
         rows = list(latest_per_dialogue(rows).values())
-    return [DialogueRecord.from_dict(row, f"{path}:{numbers[id(row)]}") for row in rows]
+    return [DialogueRecord.from_dict(judged_split(row), f"{path}:{numbers[id(row)]}") for row in rows]
+
+
+def judged_split(row: dict[str, Any]) -> dict[str, Any]:
+    """A dialogue line whose `judge` is set (a person's call, `judge: human`) with the split `<split>@<judge>`."""
+    judge = row.get("judge")
+    if isinstance(judge, str) and judge and not str(row.get("split")).endswith(f"@{judge}"):
+        return {**row, "split": f"{row.get('split') or 'eval'}@{judge}"}
+    return row
 
 
 def read_dialogue_summaries(path: str | Path) -> list[DialogueRecord]:
@@ -226,7 +244,8 @@ def read_dialogue_summaries(path: str | Path) -> list[DialogueRecord]:
         if "outcome" not in row or not isinstance(profile, dict):
             raise ValueError(f"{path}:{number}: a dialogue line needs 'outcome' and a 'profile' object "
                              "(see llm_agent/rollout/dialogue_record.py)")
-        summary = {"dialogue_id": row.get("dialogue_id"), "step": row.get("step"), "split": row.get("split"),
+        summary = {"dialogue_id": row.get("dialogue_id"), "step": row.get("step"),
+                   "split": judged_split(row).get("split"),
                    "outcome": row["outcome"], "turns": [],
                    "profile": {k: v for k, v in profile.items() if k != "behaviors"}}
         out.append(DialogueRecord.from_dict(summary, f"{path}:{number}"))

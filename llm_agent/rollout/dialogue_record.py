@@ -25,7 +25,10 @@ from llm_agent.rollout.outcome import Outcome
 if TYPE_CHECKING:  # the metrics and the CLIs on them read records without torch
     from verl.protocol import DataProto
 
-__all__ = ["DIALOGUE_KEY", "OUTCOMES", "DialogueRecord", "TurnRecord", "TurnSignals", "records_from_batch"]
+__all__ = ["DIALOGUE_KEY", "HUMAN_USER_SOURCE", "OUTCOMES", "DialogueRecord", "TurnRecord", "TurnSignals",
+           "records_from_batch"]
+
+HUMAN_USER_SOURCE = "human"  # `user_source` of a turn a person wrote (python -m for_evaluation.chat)
 
 DIALOGUE_KEY = "dialogue"  # the non_tensor_batch column of the records
 OUTCOMES: tuple[str, ...] = tuple(outcome.value for outcome in Outcome)
@@ -99,9 +102,10 @@ class TurnSignals:
 class TurnRecord:
     """One agent turn and what the user side answered to it (None fields: nothing of that kind happened).
 
-    `user_source` says where the answer came from: `simulator`, `cache`, `format_error` (the loop's note), or
-    None when no user turn followed. `policy_version` is the policy's version that sampled the agent's tokens
-    (None where the engine did not say). `signals` and `diagnosis` are set by `llm_agent.diagnosis`.
+    `user_source` says where the answer came from: `simulator`, `cache`, `human` (a person's, in a human call),
+    `format_error` (the loop's note), or None when no user turn followed. `policy_version` is the policy's version
+    that sampled the agent's tokens (None where the engine did not say). `signals` and `diagnosis` are set by
+    `llm_agent.diagnosis`.
     """
 
     agent_text: str

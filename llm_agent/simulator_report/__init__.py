@@ -4,7 +4,8 @@ scenario's users, measured on fixed probes or on logged dialogues.
 `reference.py`: the scripted persona's reaction to a request (the reference). `checks.py`: the checks of one
 reply (protocol, jump limits, direction, agreement, voiced doubts), also the simulator fine-tuning's filter.
 `turns.py`: graded turns and their reconstruction from rollout logs. `probes.py`: the fixed probe set and running
-a simulator on it. `card.py`: the metrics with bootstrap intervals, as JSON. The command line is
+a simulator on it. `card.py`: the metrics with bootstrap intervals, as JSON. `human.py`: the card's section on
+human calls (how the scripted persona's and a simulator's answers agree with a person's turns). The command line is
 `python -m for_evaluation.simulator_report`; the HTML section is `llm_agent.evaluation.report_simulator`.
 """
 from llm_agent.simulator_report.card import METRIC_KEYS, build_card, card_metrics, score_dialogues

@@ -186,14 +186,16 @@ def probe_fingerprint(messages: Iterable[Sequence[Mapping[str, str]]]) -> str:
 
 def build_card(dialogues: Sequence[SimDialogue], scenario: Scenario, name: str, source: Mapping[str, Any],
                n_resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE, seed: int = 0,
-               max_jump: int | None = None) -> dict[str, Any]:
+               max_jump: int | None = None, human: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The report card of `dialogues` as a JSON-ready dict: `name`, `source` (what was measured and how), counts,
     `metrics` ({value, low, high, resamples} with intervals when `n_resamples` > 0, else plain values; None when
-    not measurable), the jump limits used and a few failing examples."""
-    if not any(d.turns for d in dialogues):
+    not measurable), the jump limits used, a few failing examples and, when given, the `human` section
+    (`llm_agent.simulator_report.human.human_section`)."""
+    graded = any(d.turns for d in dialogues)
+    if not graded and human is None:
         raise ValueError(f"simulator report {name!r}: no simulator turns to grade")
     scored = score_dialogues(dialogues, scenario, max_jump)
-    if n_resamples > 0:
+    if n_resamples > 0 and graded:
         metrics: dict[str, Any] = bootstrap_intervals(scored, lambda rows: card_metrics(rows, diversity=False),
                                                       n_resamples, confidence, seed)
         metrics.update({k: v for k, v in card_metrics(scored).items() if k in DIVERSITY_KEYS})
@@ -206,4 +208,4 @@ def build_card(dialogues: Sequence[SimDialogue], scenario: Scenario, name: str, 
             "metrics": {key: _interval_json(metrics.get(key)) for key in METRIC_KEYS},
             "bootstrap": {"n_resamples": n_resamples, "confidence": confidence, "seed": seed},
             "jump_limits": {d: {"fall": lo, "rise": hi} for d, (lo, hi) in checker.limits.items()},
-            "examples": _examples(scored)}
+            "examples": _examples(scored), **({"human": dict(human)} if human is not None else {})}

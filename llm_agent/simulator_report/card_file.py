@@ -2,8 +2,8 @@
 
 The file is decoded within size and nesting limits (`verl.utils.untrusted`) and must be a card: an object with a
 string `name`, a `metrics` object whose every value is null, a finite number or {value, low, high} of those, and,
-when present, `source` and `examples` objects (each example an object). Anything else is one ValueError naming the
-file and the first wrong field, so the commands that show cards print one line instead of a traceback.
+when present, `source`, `examples` and `human` objects (each example an object). Anything else is one ValueError
+naming the file and the first wrong field, so the commands that show cards print one line instead of a traceback.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _check(card: Any) -> str | None:
         parts = [value.get(k) for k in ("value", "low", "high")] if isinstance(value, dict) else [value]
         if not all(_number(v) for v in parts):
             return f"metric {key[:100]!r} must be null, a finite number or {{value, low, high}} of those"
-    for key in ("source", "examples"):
+    for key in ("source", "examples", "human"):
         if key in card and not isinstance(card[key], dict):
             return f"{key!r} must be an object"
     for kind, rows in (card.get("examples") or {}).items():

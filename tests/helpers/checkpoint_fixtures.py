@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.repo import REPO
+from tests.helpers.repo import REPO, SCENARIO_PATH
+from verl.utils.checkpoint import save_trainer_state
+from verl.utils.run_config import save_run_config
 
 
 def write_checkpoint(model_path: str, root: Path, step: int = 1, hf_export: bool = False) -> Path:
@@ -25,6 +27,27 @@ def write_checkpoint(model_path: str, root: Path, step: int = 1, hf_export: bool
     if proc.returncode != 0:
         raise RuntimeError(f"writing the checkpoint failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return root / f"global_step_{step}"
+
+
+def fake_checkpoint(root, step, config=None, cwd="/the/run"):
+    """A committed `global_step_<step>` with an actor/ export marker, its trainer state and (optionally) config."""
+    step_dir = root / f"global_step_{step}"
+    (step_dir / "actor").mkdir(parents=True)
+    (step_dir / "actor" / "config.json").write_text("{}")
+    save_trainer_state(step_dir, {"global_step": step})
+    if config is not None:
+        save_run_config(step_dir, config, cwd=cwd)
+    (root / "latest_checkpointed_iteration.txt").write_text(str(step))
+    return step_dir
+
+
+def demo_config(max_turns=10, val_files="outputs/prompt_data/demo/test.parquet"):
+    """A demo-like training config (the settings an evaluation takes from a checkpoint)."""
+    return {"data": {"val_files": val_files, "max_prompt_length": 96},
+            "rollout_loop": {"config": {"scenario": str(SCENARIO_PATH), "max_turns": max_turns,
+                                        "max_tokens_per_turn": 64, "max_response_length": 768, "max_user_tokens": 48,
+                                        "seed": 3, "user_sim": {"temperature": 0.5, "top_p": 0.9, "max_tokens": 200,
+                                                                "timeout_s": 30.0, "max_attempts": 2}}}}
 
 
 def _main(model_path: str, root: str, step: int, hf_export: bool) -> None:

@@ -48,6 +48,14 @@ def test_generic_doubt_cues_and_cached_replies_count(scenario):
     assert rec.turns[1].diagnosis[0]["note"] == "cost_concerns"
 
 
+def test_a_persons_doubt_counts_like_a_simulators(scenario):
+    """A human call's turns (user_source "human") are diagnosed as a simulator's; a format note is not heard."""
+    for source, expected in (("human", ["doubt_unanswered"]), ("format_error", [])):
+        rec = record("timeout", [turn(user="Wait, is there a hidden fee?", source=source),
+                                 turn("Quick check first: manager?", stage=0, state=(3, 2, 2))])
+        assert labels_of(scenario, rec)[1] == expected, source
+
+
 def test_false_claim_by_status_and_by_words(scenario):
     rec = record("agent_ended", [
         turn("Great, you're all set then.", stage=3, user="What? I did nothing yet."),      # claimed in words

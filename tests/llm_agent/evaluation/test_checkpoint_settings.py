@@ -10,31 +10,10 @@ from llm_agent.evaluation.runner import evaluate_agent
 from llm_agent.stand_ins.inprocess_user_sim import InProcessUserSim
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from utils.create_prompt_data import create_prompt_data
-from verl.utils.checkpoint import save_trainer_state
-from verl.utils.run_config import save_run_config
 
+from tests.helpers.checkpoint_fixtures import demo_config, fake_checkpoint
 from tests.helpers.for_evaluation_cli import load_script
 from tests.helpers.repo import SCENARIO_PATH
-
-
-def fake_checkpoint(root, step, config=None, cwd="/the/run"):
-    """A committed `global_step_<step>` with an actor/ export marker, its trainer state and (optionally) config."""
-    step_dir = root / f"global_step_{step}"
-    (step_dir / "actor").mkdir(parents=True)
-    (step_dir / "actor" / "config.json").write_text("{}")
-    save_trainer_state(step_dir, {"global_step": step})
-    if config is not None:
-        save_run_config(step_dir, config, cwd=cwd)
-    (root / "latest_checkpointed_iteration.txt").write_text(str(step))
-    return step_dir
-
-
-def demo_config(max_turns=10, val_files="outputs/prompt_data/demo/test.parquet"):
-    return {"data": {"val_files": val_files, "max_prompt_length": 96},
-            "rollout_loop": {"config": {"scenario": str(SCENARIO_PATH), "max_turns": max_turns,
-                                        "max_tokens_per_turn": 64, "max_response_length": 768, "max_user_tokens": 48,
-                                        "seed": 3, "user_sim": {"temperature": 0.5, "top_p": 0.9, "max_tokens": 200,
-                                                                "timeout_s": 30.0, "max_attempts": 2}}}}
 
 
 def test_a_checkpoint_root_is_its_latest_step_with_its_config(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers.repo import REPO
 
-COMMANDS = ("evaluate", "metrics_table", "metrics_vis", "report", "analyze_mistakes")
+COMMANDS = ("evaluate", "metrics_table", "metrics_vis", "report", "analyze_mistakes", "chat")
 HEAVY = ("numpy", "matplotlib", "torch", "transformers", "pandas", "pyarrow", "httpx", "yaml")
 
 # one fresh interpreter (the test session has numpy loaded): every command's --help, then what got imported

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
 
 import pytest
@@ -18,10 +16,9 @@ from PIL import Image
 from llm_agent.evaluation.report import build_report
 from llm_agent.evaluation.run_data import resolve_run
 
+from tests.helpers.headless_chromium import require_browser, start_chromium
 from tests.helpers.report_fixtures import SEARCH_WORD, synthetic_dialogues
 
-CHROMIUM = os.environ.get("SEAD_CHROMIUM", "/usr/bin/chromium")
-CHROMEDRIVER = os.environ.get("SEAD_CHROMEDRIVER", "/usr/bin/chromedriver")
 N_DIALOGUES = 10_000
 PAGE_SIZE = 50
 logger = logging.getLogger(__name__)
@@ -29,17 +26,10 @@ logger = logging.getLogger(__name__)
 pytestmark = pytest.mark.processes
 
 
-def _require_browser() -> None:
-    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
-        if not (os.path.isfile(path) and os.access(path, os.X_OK)) and shutil.which(path) is None:
-            pytest.skip(f"{path} not found: install Debian's {package} (apt-get install -y chromium chromium-driver)")
-    pytest.importorskip("selenium", reason="selenium is not installed (pip install -e '.[test]')")
-
-
 @pytest.fixture(scope="module")
 def big_report(tmp_path_factory, scenario):
     """A report over 10,000 synthetic dialogues (a rollout log of 10 steps) and the dialogues themselves."""
-    _require_browser()
+    require_browser()
     root = tmp_path_factory.mktemp("browser")
     dialogues = synthetic_dialogues(scenario, N_DIALOGUES, seed=7, steps=10)
     log = root / "rollouts" / "big" / "rollouts.jsonl"
@@ -55,20 +45,7 @@ def big_report(tmp_path_factory, scenario):
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     """Headless Chromium with a fresh profile and no background network traffic."""
-    _require_browser()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    options = Options()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1400,1000",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(120)
+    driver = start_chromium(tmp_path_factory.mktemp("chromium-profile"))
     yield driver
     driver.quit()
 

@@ -84,6 +84,7 @@ CARDS = [
     ('{"name": "x", "metrics": {"failed_rate": NaN}}', "non-finite number NaN"),
     ('{"name": "x", "metrics": {}, "examples": {"bad": ["reply"]}}', "examples 'bad' must be a list of objects"),
     ('{"name": "x", "metrics": {}, "source": "me"}', "'source' must be an object"),
+    ('{"name": "x", "metrics": {}, "human": [1]}', "'human' must be an object"),
     ("[" * 5000, "nested 5000 levels deep"),
     ("{not json", "not valid JSON"),
 ]
@@ -100,6 +101,18 @@ def test_a_malformed_card_file_is_one_line(tmp_path, text, message):
     with pytest.raises(SystemExit) as exc:
         report.main([str(_log(tmp_path)), "--simulator-card", str(card), "--out", str(tmp_path / "r.html")])
     assert str(exc.value.code).startswith(f"--simulator-card: {card}") and message in str(exc.value.code)
+
+
+def test_a_card_with_an_odd_human_section_still_prints(tmp_path, capsys):
+    """A hand-edited `human` section: what is not an object is skipped, the rest shown."""
+    card = tmp_path / "card.json"
+    card.write_text('{"name": "x", "metrics": {}, "human": {"sources": {"scripted": {"n_turns": 2, "metrics": '
+                    '{"status_agreement": 0.5}}, "simulator": [3], "other": {"metrics": "high"}}}}')
+    assert report_main(["--card", str(card), "--html", str(tmp_path / "c.html")]) == 0
+    out = capsys.readouterr().out
+    assert "x:scripted" in out and "x:simulator" not in out and "x:other" not in out
+    assert next(line for line in out.splitlines() if line.startswith("status_agreement")).split()[1] == "0.500"
+    assert "Agreement with people" in (tmp_path / "c.html").read_text()
 
 
 def test_a_card_with_missing_bounds_still_prints(tmp_path, capsys):

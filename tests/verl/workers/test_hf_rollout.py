@@ -108,3 +108,30 @@ def test_calculate_log_probs_match_the_models_log_probs(tiny_model_path, tokeniz
     assert out["rollout_log_probs"].dtype == torch.float32
     assert (out["rollout_log_probs"].double() - expected).abs()[mask].max() < 1e-4
     assert (out["rollout_log_probs"][~mask] == 0).all()
+
+
+def test_a_token_listener_hears_each_token_and_changes_nothing(rollout, tokenizer):
+    """One row: the listener gets the response's tokens (through the first EOS) in order, then None, and the output
+    is the one without it (greedy and seeded sampling); a batch of several rows is not streamed."""
+    for meta in ({"do_sample": False}, {"do_sample": True}):
+        prompts = _prompts(tokenizer, n=1, **meta)
+        torch.manual_seed(7)
+        plain = rollout.generate_sequences(prompts).batch
+        heard = []
+        rollout.token_listener = heard.append
+        try:
+            torch.manual_seed(7)
+            streamed = rollout.generate_sequences(prompts).batch
+        finally:
+            rollout.token_listener = None
+        for key in ("responses", "response_mask", "input_ids"):
+            assert torch.equal(plain[key], streamed[key]), key
+        n = int(plain["response_mask"][0].sum())
+        assert heard == plain["responses"][0, :n].tolist() + [None], meta
+    heard = []
+    rollout.token_listener = heard.append
+    try:
+        rollout.generate_sequences(_prompts(tokenizer, n=2, do_sample=False))
+    finally:
+        rollout.token_listener = None
+    assert heard == []

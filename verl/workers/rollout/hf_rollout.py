@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from tensordict import TensorDict
 from transformers import GenerationConfig, LogitsProcessorList
+from transformers.generation.streamers import BaseStreamer
 
 from verl.protocol import DataProto
 from verl.utils.fsdp_utils import generation_model, unwrap_model
@@ -60,6 +62,26 @@ def generation_tensors(input_ids: torch.Tensor, prompt_mask: torch.Tensor, promp
     }
 
 
+class TokenStreamer(BaseStreamer):
+    """Hands each generated token id of a one-row ``generate`` (the prompt's are skipped) to ``listener``, then
+    None when generation ends."""
+
+    def __init__(self, listener: Callable[[int | None], None]) -> None:
+        self.listener, self.prompt_seen = listener, False
+
+    def put(self, value: torch.Tensor) -> None:
+        """``generate``'s first call holds the prompt, every later one the new token."""
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.listener(int(token))
+
+    def end(self) -> None:
+        """Generation ended."""
+        self.listener(None)
+
+
 class HFRollout(RolloutEngine):
     """Generate responses for left-padded prompts with ``module.generate`` (veRL's ``HFRollout``), a
     :class:`~verl.workers.rollout.engine.RolloutEngine` on one rank (its ``policy_version`` set by its owner).
@@ -71,12 +93,14 @@ class HFRollout(RolloutEngine):
     the KV cache of a micro-batch, not the weights, bounds its size (``python -m verl.trainer.plan`` estimates it).
     The prompt batch's ``meta_info`` overrides the sampling keys per call and must carry ``eos_token_id`` and
     ``pad_token_id`` unless the model's generation config has them. Sampling draws from the global torch RNG,
-    so results are reproducible given the torch seed.
+    so results are reproducible given the torch seed. With ``token_listener`` set, a one-row micro-batch hands
+    each token to it as it is generated (:class:`TokenStreamer`; the outputs are unchanged).
     """
 
     def __init__(self, module: torch.nn.Module, config: DictConfig):
         self.module = module
         self.config = config
+        self.token_listener: Callable[[int | None], None] | None = None
 
     def _setting(self, meta_info: dict[str, Any], key: str, default: Any) -> Any:
         """``meta_info[key]`` if given, else ``config[key]``, else ``default``."""
@@ -125,9 +149,11 @@ class HFRollout(RolloutEngine):
         recorder = None
         if self.config.get("calculate_log_probs", False):
             recorder = SampledTokenLogProbs(float(self._setting(meta_info, "temperature", 1.0)))
+        listener = self.token_listener
+        streamer = TokenStreamer(listener) if listener is not None and input_ids.size(0) == 1 else None
         output = model.generate(
             input_ids=input_ids, attention_mask=prompt_mask, generation_config=gen_config, synced_gpus=synced,
-            logits_processor=LogitsProcessorList([recorder] if recorder is not None else []),
+            logits_processor=LogitsProcessorList([recorder] if recorder is not None else []), streamer=streamer,
         )
         responses = output[:, input_ids.size(1) :]
         log_probs = recorder.log_probs(responses) if recorder is not None else None
