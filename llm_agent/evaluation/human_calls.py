@@ -35,6 +35,7 @@ from llm_agent.simulator_report.human import HUMAN_JUDGE, PREVIEW_SOURCES
 from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest, TurnResult
 from llm_agent.user_sim.server.backend import BackendInputError, SamplingParams
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
+from verl.workers.rollout.engine import TokenStreaming
 
 logger = logging.getLogger(__name__)
 
@@ -190,8 +191,7 @@ class HumanCall:
         self.agent_turns = 0  # agent turns the person was asked to answer so far
         self.abandoned = False
         self.agent = agent
-        stream_tokens = getattr(agent, "stream_tokens", None)
-        self.streams = stream and callable(stream_tokens)  # an engine that hands out its tokens as they come
+        self.streams = stream and isinstance(agent, TokenStreaming)  # an engine that hands out its tokens as they come
         self.streamed: list[int] = []
         self.partial: str | None = "" if self.streams else None  # the agent turn so far, while it is generated
         self.client = HumanUserClient(scenario, self._on_request, seed=seed, simulator=simulator)

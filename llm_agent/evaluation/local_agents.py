@@ -37,7 +37,7 @@ from verl.utils.dataset import load_tokenizer
 from verl.utils.device import get_device_name, get_dist_backend
 from verl.utils.fsdp_utils import SHARDED_STATE_DIR
 from verl.utils.lora import ADAPTER_WEIGHTS_FILE, is_adapter_dir, read_adapter_config
-from verl.workers.rollout.engine import RolloutEngine
+from verl.workers.rollout.engine import RolloutEngine, TokenStreaming
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.vllm_rollout import vllm_available
 
@@ -136,7 +136,7 @@ def load_policy_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", 
     return model.to(device)
 
 
-class HFRolloutAgent(RolloutEngine):
+class HFRolloutAgent(RolloutEngine, TokenStreaming):
     """A local model generating through the trainer's `HFRollout` (greedy unless the batch's meta_info samples)."""
 
     def __init__(self, model_dir: str | Path, micro_batch_size: int | None = None, device: str | None = None,

@@ -20,7 +20,7 @@ from llm_agent.rollout.outcome import Outcome
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError
-from verl.workers.rollout.engine import RolloutEngine
+from verl.workers.rollout.engine import RolloutEngine, TokenStreaming
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.replicas import RankGroupReplica, WorkerGroupEngine
 from verl.workers.rollout.vllm_rollout import vLLMRollout
@@ -49,6 +49,14 @@ def test_the_rollout_engine_contract_is_pinned():
 def test_every_engine_is_a_rollout_engine(engine):
     assert issubclass(engine, RolloutEngine) and not inspect.isabstract(engine)
     assert _params(engine.generate_sequences) == _params(RolloutEngine.generate_sequences)
+
+
+def test_token_streaming_is_a_contract_of_its_own():
+    """Streaming an agent's turn (the chat page) is a capability a caller checks with isinstance, never a probe."""
+    assert TokenStreaming.__abstractmethods__ == {"stream_tokens"}
+    assert _params(TokenStreaming.stream_tokens) == ["listener"]
+    assert issubclass(HFRolloutAgent, TokenStreaming) and not issubclass(VLLMRolloutAgent, TokenStreaming)
+    assert not issubclass(OpenAIChatAgent, TokenStreaming)
 
 
 def test_an_engine_without_generate_sequences_fails_when_built():

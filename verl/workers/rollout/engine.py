@@ -14,13 +14,14 @@ row (its ids, log-probs and policy version).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from verl.protocol import DataProto, unpad_dataproto
 
-__all__ = ["POLICY_VERSION", "RolloutEngine", "SampledTurn", "TurnBatch", "output_policy_version"]
+__all__ = ["POLICY_VERSION", "RolloutEngine", "SampledTurn", "TokenStreaming", "TurnBatch", "output_policy_version"]
 
 POLICY_VERSION = "policy_version"  # the meta_info key of a generation's policy version
 
@@ -60,6 +61,15 @@ class RolloutEngine(abc.ABC):
         """``output`` with ``meta_info["policy_version"]`` set to this engine's ``policy_version``."""
         output.meta_info[POLICY_VERSION] = int(self.policy_version)
         return output
+
+
+class TokenStreaming(abc.ABC):
+    """An engine that can hand out the tokens of a one-row generation as they are sampled (a page showing an agent's
+    turn while it is written); callers check for it with ``isinstance``."""
+
+    @abc.abstractmethod
+    def stream_tokens(self, listener: Callable[[int | None], None] | None) -> None:
+        """Call ``listener`` with each token of a one-row generation (None after its last); None stops it."""
 
 
 @dataclass(frozen=True)
