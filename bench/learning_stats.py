@@ -31,14 +31,15 @@ def _profile_key(line: Mapping[str, Any]) -> str:
     return f"{position}#{sample}|{json.dumps(line['profile'], sort_keys=True)}"
 
 
-def val_outcomes(rollouts: Iterable[Mapping[str, Any]], step: int) -> dict[str, bool]:
-    """Per validation call of `step` (keyed by profile and position): whether it completed.
+def val_outcomes(rollouts: Iterable[Mapping[str, Any]], step: int, split: str = "val") -> dict[str, bool]:
+    """Per validation call of `step` (keyed by profile and position): whether it completed (`split`: `val`, or
+    `val@<judge>` for a second judge's calls).
 
     ValueError when two calls of the step share a key (the pairing would be ambiguous).
     """
     outcomes: dict[str, bool] = {}
     for line in rollouts:
-        if line["split"] != "val" or line["step"] != step:
+        if line["split"] != split or line["step"] != step:
             continue
         key = _profile_key(line)
         if key in outcomes:
@@ -47,12 +48,14 @@ def val_outcomes(rollouts: Iterable[Mapping[str, Any]], step: int) -> dict[str, 
     return outcomes
 
 
-def paired_comparison(rollouts: list[Mapping[str, Any]], before_step: int, after_step: int) -> dict[str, Any]:
-    """Completed calls before and after, the gained / lost profiles and the one-sided sign-test p-value.
+def paired_comparison(rollouts: list[Mapping[str, Any]], before_step: int, after_step: int,
+                      split: str = "val") -> dict[str, Any]:
+    """Completed calls before and after, the gained / lost profiles and the one-sided sign-test p-value (of the
+    validation calls of `split`).
 
     ValueError when the two validations did not call the same profiles.
     """
-    before, after = val_outcomes(rollouts, before_step), val_outcomes(rollouts, after_step)
+    before, after = val_outcomes(rollouts, before_step, split), val_outcomes(rollouts, after_step, split)
     if not before or set(before) != set(after):
         raise ValueError(f"validations {before_step} and {after_step} did not call the same profiles "
                          f"({len(before)} and {len(after)} calls, {len(set(before) & set(after))} in common)")

@@ -6,8 +6,9 @@ scripts/start_user_sims.sh / stop_user_sims.sh).
 The persona prompt is rendered by the client, the model's tagged replies are parsed by the scenario, malformed
 replies are re-requested, on the real LLM path: the report card grades the simulator on the fixed probes (its
 figures checked against the graded replies re-parsed here, and the re-requests of replies cut short), then the real
-trainer (Ray, 2 FSDP workers, the warm-started tiny policy) trains 2 GRPO steps against it, and the card is computed
-again from the run's rollout log. The quick recipe's simulator follows the protocol on most turns, not all; the
+trainer (Ray, 2 FSDP workers, the warm-started tiny policy) trains 2 GRPO steps against it, validating under it and
+under a second judge (the scripted persona; the per-judge CRs and the exploitation gap checked against the rollout
+log), and the card is computed again from the run's rollout log. The quick recipe's simulator follows the protocol on most turns, not all; the
 figures of the full recipe, before and after fine-tuning, are bench/simulator_sft.py's (BENCHMARKS.md). Needs the
 vLLM environment (`make vllm-env`); run with its python.
 """
@@ -44,12 +45,9 @@ VLLM_CPU_FLAGS = ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-
 def llm_simulator(tmp_path_factory):
     """The quick recipe's tiny simulator (made once, kept in the tests' model cache) served by one vLLM instance
     on a free port: (url, model directory)."""
-    from tests.helpers.model_cache import cached_model, producer_key
-    from utils.simulator_sft import QUICK_RECIPE, tiny_fingerprint, tiny_simulator
+    from tests.helpers.llm_simulator import quick_simulator_model
 
-    recipe = QUICK_RECIPE
-    key = producer_key(model="tiny_simulator", fingerprint=tiny_fingerprint(recipe, SCENARIO))
-    model = cached_model("tiny_simulator", key, lambda out: tiny_simulator(out, SCENARIO, recipe))
+    model = quick_simulator_model()
     run_dir = tmp_path_factory.mktemp("llm_sim_run")
     env = {**os.environ, "VLLM_PYTHON": sys.executable, "VLLM_CPU_KVCACHE_SPACE": "1", "RUN_DIR": str(run_dir)}
     start = subprocess.run(["bash", "scripts/start_user_sims.sh", "--backend", "vllm", "--model", str(model),
@@ -100,19 +98,27 @@ def test_report_card_of_the_served_tiny_simulator(llm_simulator, tmp_path):
 
 
 def test_cpu_training_against_the_llm_simulator(llm_simulator, warm_model_path, tmp_path, ray_cluster):
-    from tests.helpers.sead_training_run import GROUP, PROMPTS, make_trainer, training_config
+    from tests.helpers.judges import completion_rate
+    from tests.helpers.sead_training_run import GROUP, PROMPTS, STEPS, make_trainer, training_config
+    from tests.helpers.sim_servers import SimServers
 
     url, _ = llm_simulator
-    config = training_config(warm_model_path, tmp_path, [url], 2, ("rollout_loop.config.user_sim.max_tokens=128",
-                                                                   "rollout_loop.config.user_sim.timeout_s=120",
-                                                                   "trainer.save_freq=-1"))
-    trainer, pool = make_trainer(config)
+    persona = SimServers(tmp_path / "persona")  # the second judge: the scripted persona, validating at step 2
     try:
-        trainer.init_workers()
-        trainer.fit()
+        persona_url = persona.start()
+        persona.wait_ready(persona_url)
+        config = training_config(warm_model_path, tmp_path, [url], 2, (
+            "rollout_loop.config.user_sim.max_tokens=128", "rollout_loop.config.user_sim.timeout_s=120",
+            "trainer.save_freq=-1", f"+rollout_loop.config.judges.persona={persona_url}"))
+        trainer, pool = make_trainer(config)
+        try:
+            trainer.init_workers()
+            trainer.fit()
+        finally:
+            trainer.shutdown()
+            pool.remove()
     finally:
-        trainer.shutdown()
-        pool.remove()
+        persona.stop_all()
     metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())}
     assert sorted(metrics) == [1, 2]
     lines = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
@@ -137,3 +143,15 @@ def test_cpu_training_against_the_llm_simulator(llm_simulator, warm_model_path, 
     assert card["n_turns"] == len(heard) + failed
     assert card["metrics"]["failed_rate"]["value"] == pytest.approx(failed / card["n_turns"])
     assert card["metrics"]["first_try_valid_rate"] is None  # a log keeps only the accepted replies
+
+    # validation at step 2 under both judges, on the same profiles: the logged per-judge CRs and the exploitation
+    # gap recounted from the rollout log
+    val = [line for line in lines if line["split"] == "val"]
+    judged = [line for line in lines if line["split"] == "val@persona"]
+    assert val and {line["step"] for line in val + judged} == {STEPS}
+    assert sorted((m["dialogue_id"], json.dumps(m["profile"], sort_keys=True)) for m in val) == \
+        sorted((j["dialogue_id"], json.dumps(j["profile"], sort_keys=True)) for j in judged)
+    cr_llm, cr_persona = completion_rate(val), completion_rate(judged)
+    assert metrics[STEPS]["val/dialogue/completion_rate"] == pytest.approx(cr_llm)
+    assert metrics[STEPS]["val/persona/completion_rate"] == pytest.approx(cr_persona)
+    assert metrics[STEPS]["val/exploitation_gap"] == pytest.approx(cr_llm - cr_persona)
