@@ -11,10 +11,10 @@ its training. The server listens on 127.0.0.1 (another address only with --allow
 address with a random access token; every request without it is refused. The page shows the persona to play
 (a profile drawn by the state controller's sampler, seeded, or picked by hand), the dialogue, what the scripted
 persona would have answered, and the controls of the protocol: the state you report after each turn and ending
-the call (agreed / hung up). A local HF model's answers to your turns appear as they are generated (Server-Sent
-Events; --no-stream: only once done; the record is the same either way). Each finished call is appended to
-`<out>/human_dialogues.jsonl` in evaluate.py's record format with `judge: "human"`; for_evaluation/report.py,
-metrics_table.py and analyze_mistakes.py read it.
+the call (agreed / hung up). A local HF model's or an endpoint's answers to your turns appear as they are
+written (Server-Sent Events; --no-stream: only once done; the record is the same either way). Each finished call
+is appended to `<out>/human_dialogues.jsonl` in evaluate.py's record format with `judge: "human"`;
+for_evaluation/report.py, metrics_table.py and analyze_mistakes.py read it.
 The agent endpoint's key comes from $SEAD_AGENT_API_KEY or --agent-api-key-file, as in evaluate.py; it never
 reaches the page or a record.
 """
@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback unless --allow-remote)")
     p.add_argument("--port", type=int, default=0, help="port (0: a free one)")
     p.add_argument("--no-stream", action="store_true",
-                   help="show the agent's turn only once generated (a local HF model streams it by default)")
+                   help="show the agent's turn only once generated (a local HF model or an endpoint streams it "
+                   "by default)")
     p.add_argument("--allow-remote", action="store_true", help="allow a --host other than loopback (the token is "
                    "still required; the page is plain HTTP)")
     loop = f"{CHECKPOINT}the rollout loop's"

@@ -7,7 +7,8 @@ and `world_size`), so the rollout loop drives them exactly as it drives the trai
   left-padded context is decoded, split into chat messages with the tokenizer's chat template
   (`llm_agent.rollout.chat_layout.ChatLayout`), sent to the endpoint, and the answer is tokenized with the same
   tokenizer (plus EOS unless it stopped on the length limit). The rollout loop's token budgets therefore count
-  this tokenizer's tokens, not the hosted model's.
+  this tokenizer's tokens, not the hosted model's. With a text listener (`stream_text`), a one-row batch is
+  requested streamed and its text handed on as it comes; the turn is the same as without it.
 - `scripted:<quality>`: the scripted stand-in agent (`llm_agent.stand_ins`), a reference point for tests and demos.
 
 `build_agent(spec, ...)` picks one from a command-line spec: a directory, an `http(s)://` URL or `scripted:...`.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,7 @@ from verl.protocol import DataProto
 from verl.utils.dataset import load_tokenizer
 from verl.utils.text_tokens import encode_text
 from verl.workers.batching import select_batch
-from verl.workers.rollout.engine import RolloutEngine
+from verl.workers.rollout.engine import RolloutEngine, TextStreaming
 from verl.workers.rollout.hf_rollout import PROMPT_KEYS, generation_tensors
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ __all__ = ["AgentSpec", "LocalEngineOptions", "OpenAIChatAgent", "build_agent"]
 SCRIPTED_PREFIX = "scripted:"
 
 
-class OpenAIChatAgent(RolloutEngine):
+class OpenAIChatAgent(RolloutEngine, TextStreaming):
     """A rollout engine over an OpenAI-compatible `/v1/chat/completions` endpoint (see the module docstring; its
     policy version is 0: the evaluation never changes it).
 
@@ -61,6 +63,7 @@ class OpenAIChatAgent(RolloutEngine):
         self.concurrency, self.max_attempts = max(1, concurrency), max(1, max_attempts)
         self.model = model or self._served_model()
         self.requests = 0
+        self.listener: Callable[[str | None], None] | None = None
 
     def _served_model(self) -> str:
         """The first model id of GET /v1/models (used when no model name was given)."""
@@ -74,18 +77,28 @@ class OpenAIChatAgent(RolloutEngine):
         """The chat messages of one decoded agent-side context (system prompt, then user/assistant turns)."""
         return self.layout.messages(text)
 
-    def _complete(self, messages: list[dict[str, str]], settings: dict[str, Any]) -> tuple[str, str]:
+    def stream_text(self, listener: Callable[[str | None], None] | None) -> None:
+        """Stream a one-row batch's answer, handing its text to `listener` in pieces (None after each attempt);
+        None: stop."""
+        self.listener = listener
+
+    def _complete(self, messages: list[dict[str, str]], settings: dict[str, Any],
+                  listener: Callable[[str | None], None] | None = None) -> tuple[str, str]:
         """(text, finish_reason) of one chat completion, retried on timeouts, connection errors, 408/429/5xx and
-        replies that are not a chat completion; each attempt has a total deadline (`timeout_s`)."""
+        replies that are not a chat completion; each attempt has a total deadline (`timeout_s`). With `listener`,
+        each attempt is streamed to it, None after it."""
         body = {"model": self.model, "messages": messages, **settings}
         last = ""
         for attempt in range(1, self.max_attempts + 1):
             try:
-                return self.http.chat(body)
+                return self.http.chat(body) if listener is None else self.http.chat_stream(body, listener)
             except EndpointError as exc:
                 if exc.kind == "rejected":  # 4xx: the request itself is wrong, retrying cannot help
                     raise RuntimeError(f"agent endpoint rejected a request: {exc}") from None
                 last = f"{exc.kind}: {exc}"
+            finally:
+                if listener is not None:
+                    listener(None)
             if attempt < self.max_attempts:
                 time.sleep(min(2.0, 0.2 * 2 ** attempt))
         raise RuntimeError(f"agent endpoint: {self.max_attempts} attempts failed, last: {last}")
@@ -108,8 +121,11 @@ class OpenAIChatAgent(RolloutEngine):
                 conversations.append(self.messages(text))
             except ValueError as exc:
                 raise ValueError(f"generate_sequences: row {i}: {exc}") from None
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(texts))) as pool:
-            answers = list(pool.map(lambda m: self._complete(m, settings), conversations))
+        if self.listener is not None and len(conversations) == 1:
+            answers = [self._complete(conversations[0], settings, self.listener)]
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(texts))) as pool:
+                answers = list(pool.map(lambda m: self._complete(m, settings), conversations))
         self.requests += len(answers)
         rows = []
         for text, finish in answers:

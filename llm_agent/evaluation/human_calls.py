@@ -5,8 +5,9 @@ environment, reward and record as an evaluation) on its own thread. The loop's s
 each `TurnRequest` waits until the person answers (`HumanCall.answer`: their words, the state they report and
 whether they end the call), formatted in the scenario's user tag protocol. Beside each request it keeps what the
 scripted persona and, when one is configured, a simulator would have answered to the same request. An engine
-with `stream_tokens` (a local HF model) hands each token of the agent's turn over as it comes (`partial`, for the
-page; the turn and record are the loop's as without it). A finished call
+that streams text (`TextStreaming`: a local HF model, an OpenAI-compatible endpoint) hands the agent's turn over
+in pieces as it is written (`partial`, for the page, at most `MAX_PARTIAL_CHARS`; the turn and record are the
+loop's as without it). A finished call
 is one evaluation record (the rollout-log line of `log_lines`, split `eval`, the person's turns with
 `user_source: "human"`, with `judge: "human"` and those answers per person turn in `previews`) appended to
 `<out>/human_dialogues.jsonl`; `python -m for_evaluation.simulator_report --dialogues` grades the previews
@@ -35,7 +36,7 @@ from llm_agent.simulator_report.human import HUMAN_JUDGE, PREVIEW_SOURCES
 from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, TurnRequest, TurnResult
 from llm_agent.user_sim.server.backend import BackendInputError, SamplingParams
 from llm_agent.user_sim.server.scripted import ScriptedPersonaBackend
-from verl.workers.rollout.engine import TokenStreaming
+from verl.workers.rollout.engine import TextStreaming
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ INSTANCE = "human"
 SPLIT = "eval"
 END_CHOICES = {None: "ongoing", "agreed": "completed", "hung_up": "ended"}  # the page's choice -> status name
 MAX_REPLY_CHARS = 2000
+MAX_PARTIAL_CHARS = 32_000  # what the page is shown of an agent turn being written (far more than a turn's tokens)
 PREVIEWS = PREVIEW_SOURCES  # the answers to the same request shown beside the person's
 
 
@@ -191,8 +193,8 @@ class HumanCall:
         self.agent_turns = 0  # agent turns the person was asked to answer so far
         self.abandoned = False
         self.agent = agent
-        self.streams = stream and isinstance(agent, TokenStreaming)  # an engine that hands out its tokens as they come
-        self.streamed: list[int] = []
+        self.streams = stream and isinstance(agent, TextStreaming)  # an engine that hands out its text as it comes
+        self.fresh = True  # the next piece of text starts a generation
         self.partial: str | None = "" if self.streams else None  # the agent turn so far, while it is generated
         self.client = HumanUserClient(scenario, self._on_request, seed=seed, simulator=simulator)
         self.loop = LLMGenerationManager(tokenizer, agent, loop_config, is_validation=True, client=self.client)
@@ -214,17 +216,23 @@ class HumanCall:
         self._set(phase="user", pending={"agent": request.messages[-1]["content"], **previews},
                   partial=None, agent_turns=self.agent_turns + 1)
 
-    def _on_token(self, token: int | None) -> None:
-        """One more token of the agent's turn (None: the turn's generation ended)."""
-        if token is None:  # the next generation starts afresh; `partial` keeps this one's text until then
-            self.streamed = []
+    def _on_text(self, piece: str | None) -> None:
+        """One more piece of the agent's turn (None: the generation, or an attempt at it, ended)."""
+        if piece is None:  # the next generation starts afresh; `partial` keeps this one's text until then
+            self.fresh = True
             return
-        self.streamed.append(token)
-        self._set(partial=self.tokenizer.decode(self.streamed, skip_special_tokens=True))
+        with self.changed:
+            text = "" if self.fresh else (self.partial or "")
+            self.fresh = False
+            if len(text) >= MAX_PARTIAL_CHARS:
+                return
+            self.partial = text + piece[:MAX_PARTIAL_CHARS - len(text)]
+            self.version += 1
+            self.changed.notify_all()
 
     def _run(self, batch: Any) -> None:
         if self.streams:
-            self.agent.stream_tokens(self._on_token)
+            self.agent.stream_text(self._on_text)
         try:
             out = self.loop.run_llm_loop(batch)
             if self.abandoned:
@@ -248,7 +256,7 @@ class HumanCall:
             self._set(phase="error", pending=None, error=f"{type(exc).__name__}: {exc}")
         finally:
             if self.streams:
-                self.agent.stream_tokens(None)
+                self.agent.stream_text(None)
             self.loop.close()
 
     def answer(self, turn: PersonTurn) -> None:
@@ -262,7 +270,7 @@ class HumanCall:
             self.turns.append({"agent": agent, "user": turn.reply.strip(), "state": dict(turn.state),
                                "end": turn.end, **previews})
             self.phase, self.pending = "agent", None
-            self.streamed, self.partial = [], "" if self.streams else None
+            self.fresh, self.partial = True, "" if self.streams else None
             self.version += 1
             self.changed.notify_all()
         self.client.answers.put(turn)

@@ -23,6 +23,7 @@ import gc
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,13 +38,14 @@ from verl.utils.dataset import load_tokenizer
 from verl.utils.device import get_device_name, get_dist_backend
 from verl.utils.fsdp_utils import SHARDED_STATE_DIR
 from verl.utils.lora import ADAPTER_WEIGHTS_FILE, is_adapter_dir, read_adapter_config
-from verl.workers.rollout.engine import RolloutEngine, TokenStreaming
+from verl.workers.rollout.engine import RolloutEngine, TextStreaming
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.vllm_rollout import vllm_available
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINES", "HFRolloutAgent", "VLLMRolloutAgent", "load_policy_model", "pick_engine", "resolve_model_dir"]
+__all__ = ["ENGINES", "DecodedPieces", "HFRolloutAgent", "VLLMRolloutAgent", "load_policy_model", "pick_engine",
+           "resolve_model_dir"]
 
 TRUST_FLAG = "--trust-checkpoint"  # evaluate.py's option opening a checkpoint without a manifest
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -136,7 +138,37 @@ def load_policy_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", 
     return model.to(device)
 
 
-class HFRolloutAgent(RolloutEngine, TokenStreaming):
+class DecodedPieces:
+    """A token listener that hands the text of the tokens to a text listener in pieces, as they are decoded
+    (`skip_special_tokens`); text the next token may still change (a character's first bytes, trailing spaces a
+    tokenizer's clean-up may drop) is held back until it is settled or the generation ends."""
+
+    def __init__(self, tokenizer: Any, listener: Callable[[str | None], None]) -> None:
+        self.tokenizer, self.listener = tokenizer, listener
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def _emit(self, text: str) -> None:
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            self.listener(text[len(self.sent):])
+            self.sent = text
+
+    def __call__(self, token: int | None) -> None:
+        if token is not None:
+            self.ids.append(token)
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            self._emit(text.rstrip().rstrip("\ufffd"))
+            return
+        if self.ids:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if not text.startswith(self.sent):  # the decoder rewrote settled text: the page keeps what it got
+                logger.warning("a streamed turn's decoded text changed after it was shown")
+            self._emit(text)
+        self.ids, self.sent = [], ""
+        self.listener(None)
+
+
+class HFRolloutAgent(RolloutEngine, TextStreaming):
     """A local model generating through the trainer's `HFRollout` (greedy unless the batch's meta_info samples)."""
 
     def __init__(self, model_dir: str | Path, micro_batch_size: int | None = None, device: str | None = None,
@@ -154,9 +186,10 @@ class HFRolloutAgent(RolloutEngine, TokenStreaming):
         """HFRollout's `generate_sequences` on this process's model."""
         return self.rollout.generate_sequences(prompts)
 
-    def stream_tokens(self, listener: Callable[[int | None], None] | None) -> None:
-        """Hand each token of a one-row generation to `listener` as it comes (None after the last); None: stop."""
-        self.rollout.token_listener = listener
+    def stream_text(self, listener: Callable[[str | None], None] | None) -> None:
+        """Hand the decoded text of a one-row generation to `listener` in pieces (None after the last); None:
+        stop."""
+        self.rollout.token_listener = None if listener is None else DecodedPieces(self.tokenizer, listener)
 
 
 def _join_single_rank_group(device: str) -> bool:

@@ -59,3 +59,12 @@ def request(server: Any, method: str, path: str, body: Any = None, token: str | 
 def read_lines(path: Path) -> list[dict[str, Any]]:
     """The JSON lines of a file."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+PER_CALL = {"uid", "dialogue_id", "wall_s"}  # what differs between two calls of the same agent and profile
+
+
+def same_part(line: dict[str, Any]) -> dict[str, Any]:
+    """A record without what differs per call (and the server's own prompt file's place)."""
+    settings = {k: v for k, v in line["settings"].items() if k != "test_file"}
+    return {**{k: v for k, v in line.items() if k not in PER_CALL}, "settings": settings}

@@ -20,7 +20,7 @@ from llm_agent.rollout.outcome import Outcome
 from llm_agent.stand_ins.scripted_policy import ScriptedPolicyWorkerGroup
 from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError
-from verl.workers.rollout.engine import RolloutEngine, TokenStreaming
+from verl.workers.rollout.engine import RolloutEngine, TextStreaming
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.replicas import RankGroupReplica, WorkerGroupEngine
 from verl.workers.rollout.vllm_rollout import vLLMRollout
@@ -51,12 +51,16 @@ def test_every_engine_is_a_rollout_engine(engine):
     assert _params(engine.generate_sequences) == _params(RolloutEngine.generate_sequences)
 
 
-def test_token_streaming_is_a_contract_of_its_own():
-    """Streaming an agent's turn (the chat page) is a capability a caller checks with isinstance, never a probe."""
-    assert TokenStreaming.__abstractmethods__ == {"stream_tokens"}
-    assert _params(TokenStreaming.stream_tokens) == ["listener"]
-    assert issubclass(HFRolloutAgent, TokenStreaming) and not issubclass(VLLMRolloutAgent, TokenStreaming)
-    assert not issubclass(OpenAIChatAgent, TokenStreaming)
+def test_text_streaming_is_a_contract_of_its_own():
+    """Streaming an agent's turn as text (the chat page) is a capability a caller checks with isinstance, never a
+    probe: a local HF model and an OpenAI-compatible endpoint have it, vLLM and the scripted agent do not."""
+    assert TextStreaming.__abstractmethods__ == {"stream_text"}
+    assert _params(TextStreaming.stream_text) == ["listener"]
+    assert inspect.signature(TextStreaming.stream_text).parameters["listener"].annotation == \
+        "Callable[[str | None], None] | None"
+    assert issubclass(HFRolloutAgent, TextStreaming) and issubclass(OpenAIChatAgent, TextStreaming)
+    for engine in (VLLMRolloutAgent, ScriptedPolicyWorkerGroup, HFRollout):
+        assert not issubclass(engine, TextStreaming), engine
 
 
 def test_an_engine_without_generate_sequences_fails_when_built():

@@ -58,11 +58,14 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def load_json(data: bytes | str, *, what: str, max_bytes: int, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+def load_json(data: bytes | str, *, what: str, max_bytes: int, max_depth: int = DEFAULT_MAX_DEPTH,
+              clean: bool = True) -> Any:
     """Decode `data` (UTF-8 when bytes) as JSON, refusing more than `max_bytes` bytes or `max_depth` levels of
     nesting (UntrustedInputError naming `what`); every string of the result is `clean_text`-ed. NaN and Infinity
     literals are refused too: no outside number may be non-finite, and so are bytes in another encoding (the
-    standard decoder would guess UTF-16 or UTF-32 from a byte-order mark)."""
+    standard decoder would guess UTF-16 or UTF-32 from a byte-order mark). `clean=False` leaves the strings as
+    decoded, for a caller that joins pieces of text first (a surrogate pair split between two) and cleans the
+    whole."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
         raise UntrustedInputError(f"{what}: {len(raw)} bytes, over the limit of {max_bytes}")
@@ -73,7 +76,7 @@ def load_json(data: bytes | str, *, what: str, max_bytes: int, max_depth: int = 
         value = json.loads(raw.decode("utf-8", "surrogatepass"), parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise UntrustedInputError(f"{what}: not valid JSON ({_short(exc)})") from None
-    return _clean(value)
+    return _clean(value) if clean else value
 
 
 def _refuse_constant(name: str) -> Any:

@@ -1,5 +1,6 @@
 """Streaming the agent's turn: a local HF agent's call streamed (the page's `partial`, Server-Sent Events at
-/api/stream) gives the same record and final turn as with --no-stream; the event stream of a person's turn."""
+/api/stream) gives the same record and final turn as with --no-stream; the event stream of a person's turn; the
+partial turn restarting with a retried attempt, and its cap."""
 from __future__ import annotations
 
 import http.client
@@ -7,20 +8,11 @@ import json
 import threading
 from urllib.parse import urlsplit
 
-from llm_agent.evaluation.human_calls import HUMAN_FILE
+from llm_agent.evaluation.human_calls import HUMAN_FILE, MAX_PARTIAL_CHARS, HumanCall
 
-from tests.helpers.chat_fixtures import read_lines, request, running_chat
+from tests.helpers.chat_fixtures import read_lines, request, running_chat, same_part
 
 PROFILE = {"profile": {"state": {"cooperation": 2, "emotion": 2, "trust": 2}, "behaviors": [0]}}
-PER_CALL = {"uid", "dialogue_id", "wall_s"}  # what differs between two calls of the same agent and profile
-
-
-def _same_part(line):
-    """A record without what differs per call (and the server's own prompt file's place)."""
-    settings = {k: v for k, v in line["settings"].items() if k != "test_file"}
-    return {**{k: v for k, v in line.items() if k not in PER_CALL}, "settings": settings}
-
-
 def _events(server, seen, ready):
     """The /api/stream events until the server ends the stream, into `seen`."""
     parts = urlsplit(server.url)
@@ -51,7 +43,7 @@ def test_a_streamed_call_is_recorded_as_without_streaming(tiny_model_path, tmp_p
     plain, plain_line = _call(tiny_model_path, tmp_path / "p", "--no-stream")
     assert streamed["streams"] is True and plain["streams"] is False and plain["partial"] is None
     assert line["num_turns"] == plain_line["num_turns"] == 3  # greedy: the same three agent turns
-    assert _same_part(line) == _same_part(plain_line)
+    assert same_part(line) == same_part(plain_line)
     assert streamed["result"]["last_agent"] == plain["result"]["last_agent"]
     # what the page was shown last is the text of the last agent turn, as generated
     assert streamed["partial"] == line["turns"][-1]["agent_text"]
@@ -76,3 +68,19 @@ def test_the_event_stream_follows_a_persons_turn_to_the_agents_answer(tiny_model
     assert events[0]["phase"] == "user" and events[0]["agent_turns"] == 1  # the greeting turn waits for the person
     assert events[-1]["phase"] == "user" and events[-1]["agent_turns"] == 2  # ends with the agent's answer
     assert all(e["partial"] is None for e in seen[1:])
+
+
+def test_the_partial_turn_restarts_with_a_retried_attempt_and_is_capped():
+    """The text pieces since the last None are the turn so far (a retried endpoint request starts afresh); the page
+    is shown at most MAX_PARTIAL_CHARS of it."""
+    call = HumanCall.__new__(HumanCall)  # only what `_on_text` and `progress` touch
+    call.changed, call.version, call.phase, call.agent_turns = threading.Condition(), 0, "agent", 0
+    call.fresh, call.partial = True, ""
+    for piece in ("Hel", "lo th", None, "Hello", " there", "."):
+        call._on_text(piece)
+    assert call.progress(0, 1)["partial"] == "Hello there." and call.version == 5
+    call._on_text(None)
+    call._on_text("x" * (MAX_PARTIAL_CHARS - 3))
+    call._on_text("abcdef")
+    call._on_text("more")
+    assert call.partial == "x" * (MAX_PARTIAL_CHARS - 3) + "abc"

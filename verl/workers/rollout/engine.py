@@ -21,7 +21,7 @@ import torch
 
 from verl.protocol import DataProto, unpad_dataproto
 
-__all__ = ["POLICY_VERSION", "RolloutEngine", "SampledTurn", "TokenStreaming", "TurnBatch", "output_policy_version"]
+__all__ = ["POLICY_VERSION", "RolloutEngine", "SampledTurn", "TextStreaming", "TurnBatch", "output_policy_version"]
 
 POLICY_VERSION = "policy_version"  # the meta_info key of a generation's policy version
 
@@ -63,13 +63,16 @@ class RolloutEngine(abc.ABC):
         return output
 
 
-class TokenStreaming(abc.ABC):
-    """An engine that can hand out the tokens of a one-row generation as they are sampled (a page showing an agent's
-    turn while it is written); callers check for it with ``isinstance``."""
+class TextStreaming(abc.ABC):
+    """An engine that can hand out the text of a one-row generation as it is written (a page showing an agent's
+    turn while it is generated): a local model its decoded tokens, an endpoint the pieces it streams. Callers check
+    for it with ``isinstance``."""
 
     @abc.abstractmethod
-    def stream_tokens(self, listener: Callable[[int | None], None] | None) -> None:
-        """Call ``listener`` with each token of a one-row generation (None after its last); None stops it."""
+    def stream_text(self, listener: Callable[[str | None], None] | None) -> None:
+        """Call ``listener`` with each new piece of text of a one-row generation, then None when the generation
+        (or an attempt at it that is retried) ends: the pieces since the last None, joined, are the text so far.
+        None as ``listener`` stops it."""
 
 
 @dataclass(frozen=True)
