@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.results import write_result
+from llm_agent.evaluation.human_calls import END_CHOICES
 
-END_BY_STATUS = {"completed": "agreed", "ended": "hung_up"}  # the scripted answer's status role -> the page's end
+END_BY_STATUS = {role: end for end, role in END_CHOICES.items() if end}  # a status role -> the page's end
 
 
 def _post(url: str, token: str, path: str, body: dict[str, Any]) -> dict[str, Any]:

