@@ -1,0 +1,123 @@
+"""The presets as YAML groups (verl/trainer/config/preset/) resolve to exactly the values of the shell presets they
+replace, keep each value's origin, and refuse a wrong name, a removed variable or a value set in two places."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.repo import REPO
+from verl.trainer.config_schema import ConfigError, compose_config
+from verl.trainer.launch_settings import check_environment, main as launch_main
+from verl.trainer.presets import SEED_KEYS, preset_names, preset_settings, resolve, trainer_overrides
+
+# The values each preset of scripts/presets.sh resolved to at commit 61a6982 (scripts/main.sh --dry-run with
+# MODEL_PATH=/models/Qwen2.5-14B-Instruct on the GPU presets, none on cpu and rehearsal, OUTPUT_DIR=outputs),
+# less the scenario's absolute path and the simulators' URLs: computed once from that code, not from the YAML.
+FIXTURE = json.loads((REPO / "tests" / "scripts" / "fixtures" / "presets_61a6982.json").read_text())
+MODEL = "/models/Qwen2.5-14B-Instruct"
+SCENARIO = str(REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+
+
+def launcher_keys(preset: str) -> list[str]:
+    """What scripts/main.sh passes as its own keys for the fixture's runs."""
+    model = [f"actor_rollout_ref.model.path={MODEL}"] if preset.startswith("gpu") else [
+        "actor_rollout_ref.model.path=outputs/models/{experiment}/tiny_model_warm", "data.max_prompt_length=96"]
+    return [*model, f"rollout_loop.config.scenario={SCENARIO}",
+            "data.train_files=outputs/prompt_data/{experiment}/train.parquet",
+            "data.val_files=outputs/prompt_data/{experiment}/test.parquet",
+            "rollout_loop.config.rollout_log_path=outputs/rollouts/{experiment}/rollouts.jsonl",
+            "rollout_loop.config.val_metrics_path=outputs/evaluation/{experiment}/val_metrics.jsonl",
+            "trainer.default_local_dir=outputs/checkpoints/{experiment}", "trainer.log_dir=outputs/logs/{experiment}"]
+
+
+def expected_trainer(preset: str) -> dict[str, str]:
+    expected = dict(FIXTURE[preset]["trainer"])
+    if preset == "cpu":  # the shell preset chose the engine by what the running python imports, as {engine} does
+        expected["actor_rollout_ref.rollout.name"] = "vllm" if importlib.util.find_spec("vllm") else "hf"
+    return expected
+
+
+@pytest.mark.parametrize("preset", ["cpu", "gpu", "gpu_lora", "rehearsal"])
+def test_each_preset_resolves_to_the_values_of_the_shell_preset_it_replaces(preset):
+    settings = resolve(preset, [("scripts/main.sh", launcher_keys(preset))])
+    got = dict(arg.split("=", 1) for arg in trainer_overrides(settings))
+    got.pop("rollout_loop.config.scenario")
+    assert got == expected_trainer(preset)  # the same keys (none more, none less) with the same text
+    launch = {name: settings[f"launch.{name.lower()}"].value
+              for name in ("TRAIN_SAMPLES", "TEST_SAMPLES", "POLICY_GPUS")}
+    launch["SEED"] = None if settings["launch.seed"].value == "null" else settings["launch.seed"].value
+    assert launch == FIXTURE[preset]["launch"]
+    # and the composed configs agree (types as the trainer reads them)
+    old = compose_config([f"{k}={v}" for k, v in expected_trainer(preset).items()], config_name="sead_trainer")
+    new = compose_config(trainer_overrides(settings), config_name="sead_trainer")
+    old.rollout_loop.config.scenario = new.rollout_loop.config.scenario
+    assert new == old
+
+
+def test_every_value_keeps_its_origin_and_the_value_it_replaced():
+    settings = resolve("gpu_lora", [("scripts/main.sh", [f"actor_rollout_ref.model.path={MODEL}"]),
+                                    ("command line", ["rollout_loop.config.max_turns=9", "data.train_batch_size=30"])])
+    assert settings["actor_rollout_ref.actor.optim.lr"].origin == "preset gpu_lora"
+    assert settings["actor_rollout_ref.actor.optim.lr"].replaced.value == "1e-6"
+    assert settings["actor_rollout_ref.actor.kl_loss_coef"].origin == "preset gpu"
+    turns = settings["rollout_loop.config.max_turns"]
+    assert (turns.value, turns.origin, turns.replaced.value, turns.replaced.origin) == ("9", "command line", "15",
+                                                                                       "preset gpu")
+    # values that follow others follow the command line: the mini-batch, the prompt data, the trainer's GPUs
+    assert settings["actor_rollout_ref.actor.ppo_mini_batch_size"].value == "30"
+    assert settings["launch.train_samples"].value == str(30 * 50)
+    assert settings["launch.policy_gpus"].value == "0,1"
+
+
+def test_launch_seed_seeds_the_trainer_unless_a_seed_key_is_given():
+    cpu = resolve("cpu")
+    assert {cpu[k].value for k in SEED_KEYS} == {"0"}
+    assert not any(k in resolve("gpu") for k in SEED_KEYS)  # null: the trainer's own defaults
+    mine = resolve("gpu", [("command line", ["launch.seed=3", "trainer.seed=5"])])
+    assert mine["data.seed"].value == "3" and mine["data.seed"].origin == "launch.seed (command line)"
+    assert mine["trainer.seed"].value == "5"
+
+
+def test_the_cpu_presets_learning_values_have_one_source_the_recipe(monkeypatch):
+    import dataclasses
+
+    import utils.cpu_recipe as recipe
+
+    own = preset_settings("cpu")
+    from_recipe = {k for k, s in own.items() if s.origin == "preset cpu (utils.cpu_recipe)"}
+    assert from_recipe == set(recipe.RECIPE.preset_values())
+    text = (REPO / "verl/trainer/config/preset/cpu.yaml").read_text()
+    assert not any(f"\n{key}:" in text for key in from_recipe), "a recipe value is copied into cpu.yaml"
+    monkeypatch.setattr(recipe, "RECIPE", dataclasses.replace(recipe.RECIPE, steps=7))
+    changed = resolve("cpu")
+    assert changed["trainer.total_training_steps"].value == "7" and changed["trainer.test_freq"].value == "7"
+
+
+def test_a_wrong_preset_name_is_refused_with_the_choices():
+    assert preset_names() == ["cpu", "gpu", "gpu_lora", "rehearsal"]
+    with pytest.raises(ConfigError, match="unknown preset 'tpu'; presets: cpu, gpu, gpu_lora, rehearsal"):
+        resolve("tpu")
+
+
+def test_a_preset_that_sets_a_recipe_value_again_is_refused(tmp_path, monkeypatch):
+    import verl.trainer.presets as presets
+
+    (tmp_path / "mine.yaml").write_text("recipe: utils.cpu_recipe\ntrainer.total_training_steps: '9'\n")
+    (tmp_path / "loop.yaml").write_text("inherits: loop\n")
+    monkeypatch.setattr(presets, "PRESET_DIR", tmp_path)
+    with pytest.raises(ConfigError, match="sets trainer.total_training_steps, which its recipe"):
+        resolve("mine")
+    with pytest.raises(ConfigError, match="inherits itself"):
+        resolve("loop")
+
+
+def test_the_old_preset_variables_are_refused_naming_their_key(monkeypatch, capsys):
+    check_environment({"PRESET": "gpu", "MODEL_PATH": "/m"})  # process-level inputs stay
+    with pytest.raises(ConfigError, match=r"MAX_TURNS \(now rollout_loop.config.max_turns=...\)"):
+        check_environment({"MAX_TURNS": "12"})
+    monkeypatch.setenv("SEAD_GPU_MAX_TURNS", "12")
+    assert launch_main(["gpu"]) == 2
+    assert "SEAD_GPU_MAX_TURNS (now rollout_loop.config.max_turns=...)" in capsys.readouterr().err
