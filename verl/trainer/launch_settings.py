@@ -85,7 +85,7 @@ def _shown(text: str) -> str:
 def settings_text(settings: Mapping[str, Setting], preset: str) -> str:
     """Every value set by the preset, the script or the command line, one `key=value  (origin)` line each."""
     lines = [f"settings (preset {preset} over sead_trainer.yaml, whose defaults hold for every other key; "
-             f"key=value arguments win):"]
+             f"key=value arguments win; launch.* are scripts/main.sh's):"]
     for key, s in settings.items():
         note = s.origin
         if s.replaced is not None and s.replaced.value != s.value:
@@ -106,6 +106,19 @@ def shell_assignments(settings: Mapping[str, Setting], preset: str) -> str:
     out.append("TRAIN_ARGS=(" + " ".join(shlex.quote(a) for a in args) + ")")
     out.append(f"SETTINGS_TEXT={shlex.quote(settings_text(settings, preset))}")
     return "\n".join(out)
+
+
+def describe(argv: Sequence[str]) -> str:
+    """The trainer's dry run (`python -m verl.trainer.main_ppo [preset=NAME] key=value ... --dry-run`): every value
+    the preset or the command line set, with where it came from, checked as the trainer checks its arguments."""
+    from verl.trainer.cli_overrides import check_overrides, expand_preset
+
+    checked = check_overrides(argv)
+    scenario = [a for a in checked if a.startswith("rollout_loop.config.scenario=")]  # format_prompt=, resolved
+    _, preset, settings = expand_preset([*argv, *scenario])
+    if settings is None:
+        settings = resolve(None, [("command line", [a for a in checked if "=" in a and not a.startswith("-")])])
+    return settings_text(settings, preset or "none")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -121,3 +121,33 @@ def test_the_old_preset_variables_are_refused_naming_their_key(monkeypatch, caps
     monkeypatch.setenv("SEAD_GPU_MAX_TURNS", "12")
     assert launch_main(["gpu"]) == 2
     assert "SEAD_GPU_MAX_TURNS (now rollout_loop.config.max_turns=...)" in capsys.readouterr().err
+
+
+def test_the_trainer_takes_preset_name_under_its_other_key_value_arguments():
+    from verl.trainer.cli_overrides import check_overrides
+
+    argv = check_overrides(["--config-name", "sead_trainer", "preset=gpu", "format_prompt=support_desk",
+                            f"actor_rollout_ref.model.path={MODEL}", "rollout_loop.config.max_turns=9"])
+    assert argv[:2] == ["--config-name", "sead_trainer"]
+    got = dict(a.split("=", 1) for a in argv[2:])
+    assert len(got) == len(argv) - 2 and not any(k.startswith("launch.") for k in got)
+    assert got["rollout_loop.config.max_turns"] == "9" and got["actor_rollout_ref.actor.optim.lr"] == "1e-6"
+    assert got["trainer.experiment_name"] == "Qwen2.5-14B-Instruct_support_desk"
+    compose_config(argv[2:], config_name="sead_trainer")
+    with pytest.raises(ConfigError, match="unknown preset 'gpu2'"):
+        check_overrides(["--config-name", "sead_trainer", "preset=gpu2"])
+
+
+@pytest.mark.processes
+def test_the_trainers_dry_run_prints_each_value_with_its_origin_and_trains_nothing():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "--config-name", "sead_trainer",
+                           "preset=gpu_lora", "rollout_loop.config.max_turns=12", "--dry-run"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("settings (preset gpu_lora over sead_trainer.yaml")
+    assert "  rollout_loop.config.max_turns=12    (command line, replacing 15 of preset gpu)" in lines
+    assert "  actor_rollout_ref.actor.optim.lr=1e-5    (preset gpu_lora, replacing 1e-6 of preset gpu)" in lines
