@@ -26,7 +26,8 @@ import yaml
 
 from verl.trainer.config_schema import CONFIG_DIR, ConfigError
 
-__all__ = ["PRESET_DIR", "SEED_KEYS", "Setting", "preset_names", "preset_settings", "resolve", "trainer_overrides"]
+__all__ = ["PRESET_DIR", "SEED_KEYS", "Setting", "preset_args", "preset_names", "preset_settings", "resolve",
+           "trainer_overrides"]
 
 PRESET_DIR = CONFIG_DIR / "preset"
 LAUNCH = "launch."
@@ -92,6 +93,15 @@ def preset_settings(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Setting
     for key, value in raw.items():
         settings[key] = Setting(value, f"preset {name}").over(settings.get(key))
     return settings
+
+
+def preset_args(name: str, keys: Iterable[str]) -> tuple[str, ...]:
+    """`key=value` of the preset's resolved value of each key (for what runs part of a preset: no copy)."""
+    settings = resolve(name)
+    missing = [key for key in keys if key not in settings]
+    if missing:
+        raise ConfigError(f"preset {name!r} sets no {', '.join(missing)}")
+    return tuple(f"{key}={settings[key].value}" for key in keys)
 
 
 def _layer(settings: dict[str, Setting], origin: str, args: Iterable[str]) -> None:
