@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.repo import REPO
+from tests.helpers.repo import REPO, SCENARIO_PATH
 from verl.trainer.config_schema import ConfigError, compose_config
 from verl.trainer.launch_settings import check_environment, main as launch_main
 from verl.trainer.presets import SEED_KEYS, preset_names, preset_settings, resolve, trainer_overrides
@@ -18,7 +18,7 @@ from verl.trainer.presets import SEED_KEYS, preset_names, preset_settings, resol
 # less the scenario's absolute path and the simulators' URLs: computed once from that code, not from the YAML.
 FIXTURE = json.loads((REPO / "tests" / "scripts" / "fixtures" / "presets_61a6982.json").read_text())
 MODEL = "/models/Qwen2.5-14B-Instruct"
-SCENARIO = str(REPO / "verl/trainer/config/format_prompt/outbound_ad_trial.yaml")
+SCENARIO = str(SCENARIO_PATH)
 
 
 def launcher_keys(preset: str) -> list[str]:
