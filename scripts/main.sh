@@ -68,18 +68,11 @@ for _arg in "$@"; do
 done
 CHECKED=$("$PYTHON" -m utils.check_scenario ${SCENARIO:+"$SCENARIO"} --for-scripts "${CHECK_ARGS[@]}") || exit 2
 { read -r SCENARIO_SUMMARY; read -r SCENARIO; read -r SCENARIO_COMPACT_PROMPT; } <<< "$CHECKED"  # SCENARIO: resolved
-for _arg in "$@"; do  # one scenario per run: the prompt data, the simulators and the trainer all use $SCENARIO
-    case "$_arg" in
-        rollout_loop.config.scenario=*|reward.kwargs.scenario=*) _other=${_arg#*=} ;;
-        format_prompt=*) _other=verl/trainer/config/format_prompt/${_arg#*=}.yaml ;;
-        *) continue ;;
-    esac
-    if [[ "$(realpath -m "$_other")" != "$(realpath -m "$SCENARIO")" ]]; then
-        echo "$_arg disagrees with SCENARIO=$SCENARIO (the prompt data and the simulators use SCENARIO): set the" \
-             "scenario with SCENARIO=... only" >&2
-        exit 2
-    fi
-done
+if [[ -n "$USER_SIM_MODEL" ]]; then  # GPU box: one vLLM instance on GPUs 6,7 (TP 2) unless told otherwise
+    SIM_INSTANCES=${SIM_INSTANCES:-1}; SIM_TP=${SIM_TP:-2}; SIM_GPUS=${SIM_GPUS:-6,7}
+else                                 # CPU: two scripted instances
+    SIM_INSTANCES=${SIM_INSTANCES:-2}; SIM_TP=${SIM_TP:-1}; SIM_GPUS=${SIM_GPUS:-}
+fi
 if [[ -n "${PRESET:-}" ]]; then WHY="PRESET=$PRESET in the environment"; fi
 LAUNCH_KEYS=()  # what this script sets: the model, the scenario and where the run's files go ({experiment}: its name)
 if [[ -n "$MODEL_PATH" ]]; then
@@ -99,29 +92,13 @@ LAUNCH_KEYS+=(rollout_loop.config.scenario="$SCENARIO"
               rollout_loop.config.val_metrics_path="$OUTPUT_DIR/evaluation/{experiment}/val_metrics.jsonl"
               trainer.default_local_dir="$OUTPUT_DIR/checkpoints/{experiment}"
               trainer.log_dir="$OUTPUT_DIR/logs/{experiment}")
-# Every value, resolved in one place: EXPERIMENT, MODEL_PATH, STEPS, DEVICE, N_GPUS, MAX_TURNS, SEED, TRAIN_SAMPLES,
-# TEST_SAMPLES, POLICY_GPUS, DATA_DIR, CKPT_DIR, LOG_DIR, ROLLOUT_LOG, VAL_METRICS, TRAIN_ARGS and SETTINGS_TEXT.
-RESOLVED=$("$PYTHON" -m verl.trainer.launch_settings "$PRESET" "${LAUNCH_KEYS[@]}" -- "$@") || exit 2
+# Every value, resolved in one place (and refused there: a second scenario, trainer GPUs miscounted or shared with
+# SIM_GPUS; a warning when the checkpoints already reach the step count): EXPERIMENT, MODEL_PATH, STEPS, DEVICE,
+# N_GPUS, MAX_TURNS, SEED, TRAIN_SAMPLES, TEST_SAMPLES, POLICY_GPUS, DATA_DIR, CKPT_DIR, LOG_DIR, ROLLOUT_LOG,
+# VAL_METRICS, TRAIN_ARGS and SETTINGS_TEXT.
+RESOLVED=$(SIM_GPUS="$SIM_GPUS" ITERATIONS="${ITERATIONS:-1}" "$PYTHON" -m verl.trainer.launch_settings "$PRESET" \
+           "${LAUNCH_KEYS[@]}" -- "$@") || exit 2
 eval "$RESOLVED"
-if [[ -n "$USER_SIM_MODEL" ]]; then  # GPU box: one vLLM instance on GPUs 6,7 (TP 2) unless told otherwise
-    SIM_INSTANCES=${SIM_INSTANCES:-1}; SIM_TP=${SIM_TP:-2}; SIM_GPUS=${SIM_GPUS:-6,7}
-else                                 # CPU: two scripted instances
-    SIM_INSTANCES=${SIM_INSTANCES:-2}; SIM_TP=${SIM_TP:-1}; SIM_GPUS=${SIM_GPUS:-}
-fi
-if [[ "$POLICY_GPUS" != none ]]; then  # the trainer sees only its GPUs: no worker can land on a simulator's
-    IFS=, read -r -a _policy <<< "$POLICY_GPUS"
-    IFS=, read -r -a _sims <<< "$SIM_GPUS"
-    if (( ${#_policy[@]} != N_GPUS )); then
-        echo "launch.policy_gpus=$POLICY_GPUS lists ${#_policy[@]} GPUs but trainer.n_gpus_per_node=$N_GPUS" >&2
-        exit 2
-    fi
-    for _gpu in "${_sims[@]}"; do
-        if [[ ",$POLICY_GPUS," == *",$_gpu,"* ]]; then
-            echo "GPU $_gpu is in both launch.policy_gpus=$POLICY_GPUS and SIM_GPUS=$SIM_GPUS" >&2
-            exit 2
-        fi
-    done
-fi
 RUN_DIR=${RUN_DIR:-$OUTPUT_DIR/run/$EXPERIMENT}
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -137,7 +114,6 @@ trainer_command() {
     TRAIN_CMD+=("$PYTHON" -m verl.trainer.main_ppo --config-name sead_trainer
                 rollout_loop.config.user_sim.urls="'$USER_SIM_URLS'" "${TRAIN_ARGS[@]}")
 }
-ARGS=("$@")
 
 # The trainer's CUDA allocator: expandable segments (less fragmentation when sequence lengths vary between micro-batches).
 # Exported after the simulators started, so that their vLLM servers keep their own allocator settings.
@@ -166,17 +142,6 @@ if [[ -n "$USER_SIM_URLS" && "$DRY_RUN" == 0 ]]; then  # before anything is buil
     "$PYTHON" -m utils.check_simulators "$USER_SIM_URLS" || exit 2
 fi
 sead_check_iterations
-# trainer.total_training_steps is the total: a checkpoint already there or beyond means this run trains nothing.
-if (( ITERATIONS <= 1 )) && [[ " ${ARGS[*]} " != *" trainer.resume_mode=disable "* ]]; then
-    _done=$( { find "$CKPT_DIR" -maxdepth 1 -name 'global_step_*' 2> /dev/null || true; } \
-            | sed -n 's/.*global_step_\([0-9]*\)$/\1/p' | sort -n | tail -n 1)
-    if [[ -n "$_done" && "$STEPS" =~ ^[0-9]+$ ]] && (( _done >= STEPS )); then
-        echo "WARNING: nothing to train: $CKPT_DIR already holds step $_done and" \
-             "trainer.total_training_steps=$STEPS is the total number of steps, not the steps to add: the run would" \
-             "resume there and train nothing. trainer.total_training_steps=$((_done + STEPS)) trains $STEPS more;" \
-             "another trainer.experiment_name (or trainer.resume_mode=disable) starts anew" >&2
-    fi
-fi
 if [[ "$DRY_RUN" == 1 ]]; then
     USER_SIM_URLS=${USER_SIM_URLS:-<the $SIM_INSTANCES simulator(s) this script starts>}
     trainer_command

@@ -4,11 +4,12 @@
 
 PRESET is a YAML group of verl/trainer/config/preset/; the keys before `--` are the launcher's (origin
 `scripts/main.sh`: the model, the scenario, where the run's files go), those after it the command line's (they
-win). Prints bash assignments for `eval`: the values the script itself needs (EXPERIMENT, MODEL_PATH, STEPS,
-DEVICE, N_GPUS, MAX_TURNS, SEED, TRAIN_SAMPLES, TEST_SAMPLES, POLICY_GPUS and the run's paths), TRAIN_ARGS (the
-trainer's key=value arguments, each key once) and SETTINGS_TEXT (every value a preset, the script or the command
-line set, with where it came from: the dry run prints it). An environment variable of the old shell presets
-(MAX_TURNS, SEAD_GPU_MAX_TURNS, ...) is refused with the key that replaces it.
+win). Refuses what the script cannot run (check_launch), warns when the checkpoints already reach the step
+count (nothing_to_train), and prints bash assignments for `eval`: the values the script itself needs
+(EXPERIMENT, MODEL_PATH, STEPS, DEVICE, N_GPUS, MAX_TURNS, SEED, TRAIN_SAMPLES, TEST_SAMPLES, POLICY_GPUS and
+the run's paths), TRAIN_ARGS (the trainer's key=value arguments, each key once) and SETTINGS_TEXT (every value a
+preset, the script or the command line set, with where it came from: main.sh prints it). An environment
+variable of the old shell presets (MAX_TURNS, SEAD_GPU_MAX_TURNS, ...) is refused with the key that replaces it.
 """
 from __future__ import annotations
 
@@ -115,10 +116,64 @@ def describe(argv: Sequence[str]) -> str:
 
     checked = check_overrides(argv)
     scenario = [a for a in checked if a.startswith("rollout_loop.config.scenario=")]  # format_prompt=, resolved
-    _, preset, settings = expand_preset([*argv, *scenario])
+    named = [a for a in argv if a.split("=", 1)[0].lstrip("+") != "format_prompt"]
+    _, preset, settings = expand_preset([*named, *scenario])
     if settings is None:
         settings = resolve(None, [("command line", [a for a in checked if "=" in a and not a.startswith("-")])])
     return settings_text(settings, preset or "none")
+
+
+def _scenario_of(key: str, value: str) -> Path:
+    if key.lstrip("+") == "format_prompt":
+        from verl.trainer.cli_overrides import SCENARIO_DIR
+
+        return SCENARIO_DIR / f"{value}.yaml"
+    return Path(value)
+
+
+def check_launch(settings: Mapping[str, Setting], launcher: Sequence[str], command_line: Sequence[str],
+                 environ: Mapping[str, str]) -> None:
+    """ConfigError for what scripts/main.sh cannot run: a command-line scenario other than the one the script
+    passes (SCENARIO's: the prompt data and the simulators use it), trainer GPUs that are miscounted or overlap
+    the simulators' SIM_GPUS."""
+    scenario = next((a.split("=", 1)[1] for a in launcher if a.startswith("rollout_loop.config.scenario=")), None)
+    for arg in command_line:
+        key, value = arg.split("=", 1) if "=" in arg else (arg, "")
+        if scenario and key.lstrip("+") in ("rollout_loop.config.scenario", "reward.kwargs.scenario", "format_prompt"):
+            if _scenario_of(key, value).resolve() != Path(scenario).resolve():
+                raise ConfigError(f"{arg} disagrees with SCENARIO={scenario} (the prompt data and the simulators use "
+                                  f"SCENARIO): set the scenario with SCENARIO=... only")
+    gpus = settings["launch.policy_gpus"].value if "launch.policy_gpus" in settings else "none"
+    if gpus == "none":
+        return
+    policy = gpus.split(",")
+    n_gpus = settings["trainer.n_gpus_per_node"].value if "trainer.n_gpus_per_node" in settings else "1"
+    if str(len(policy)) != n_gpus:
+        raise ConfigError(f"launch.policy_gpus={gpus} lists {len(policy)} GPUs but trainer.n_gpus_per_node={n_gpus}")
+    sims = environ.get("SIM_GPUS", "")
+    for gpu in filter(None, sims.split(",")):
+        if gpu in policy:
+            raise ConfigError(f"GPU {gpu} is in both launch.policy_gpus={gpus} and SIM_GPUS={sims}")
+
+
+def nothing_to_train(settings: Mapping[str, Setting], environ: Mapping[str, str]) -> str | None:
+    """The warning when the experiment's checkpoints already reach trainer.total_training_steps (the total, not the
+    steps to add: the run would resume there and train nothing); None otherwise, with iterations or without resume."""
+    steps = settings.get("trainer.total_training_steps")
+    ckpt = settings.get("trainer.default_local_dir")
+    resume = settings.get("trainer.resume_mode")
+    if (steps is None or ckpt is None or not steps.value.isdigit() or environ.get("ITERATIONS", "1") not in ("", "1")
+            or (resume is not None and resume.value == "disable")):
+        return None
+    done = [int(p.name.removeprefix("global_step_")) for p in Path(ckpt.value).glob("global_step_*")
+            if p.name.removeprefix("global_step_").isdigit()]
+    total = int(steps.value)
+    if not done or max(done) < total:
+        return None
+    return (f"WARNING: nothing to train: {ckpt.value} already holds step {max(done)} and "
+            f"trainer.total_training_steps={total} is the total number of steps, not the steps to add: the run "
+            f"would resume there and train nothing. trainer.total_training_steps={max(done) + total} trains {total} "
+            f"more; another trainer.experiment_name (or trainer.resume_mode=disable) starts anew")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,9 +186,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         preset, rest = argv[0], argv[1:]
         split = rest.index("--") if "--" in rest else len(rest)
         settings = resolve(preset, [("scripts/main.sh", rest[:split]), ("command line", rest[split + 1:])])
+        check_launch(settings, rest[:split], rest[split + 1:], os.environ)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    warning = nothing_to_train(settings, os.environ)
+    if warning:
+        print(warning, file=sys.stderr)
     print(shell_assignments(settings, preset))
     return 0
 

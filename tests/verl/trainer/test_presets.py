@@ -151,3 +151,30 @@ def test_the_trainers_dry_run_prints_each_value_with_its_origin_and_trains_nothi
     assert lines[0].startswith("settings (preset gpu_lora over sead_trainer.yaml")
     assert "  rollout_loop.config.max_turns=12    (command line, replacing 15 of preset gpu)" in lines
     assert "  actor_rollout_ref.actor.optim.lr=1e-5    (preset gpu_lora, replacing 1e-6 of preset gpu)" in lines
+
+
+def test_main_sh_refuses_a_second_scenario_in_any_spelling_and_shared_gpus():
+    from verl.trainer.launch_settings import check_launch
+
+    launcher = [f"rollout_loop.config.scenario={SCENARIO}"]
+    settings = resolve("gpu", [("scripts/main.sh", launcher)])
+    for same in (f"rollout_loop.config.scenario={SCENARIO}", "format_prompt=outbound_ad_trial",
+                 f"reward.kwargs.scenario={SCENARIO}"):
+        check_launch(settings, launcher, [same], {})
+    for other in ("format_prompt=support_desk", "+reward.kwargs.scenario=x.yaml"):
+        with pytest.raises(ConfigError, match="disagrees with SCENARIO="):
+            check_launch(settings, launcher, [other], {})
+    with pytest.raises(ConfigError, match="GPU 5 is in both launch.policy_gpus=0,1,2,3,4,5 and SIM_GPUS=5,6"):
+        check_launch(settings, launcher, [], {"SIM_GPUS": "5,6"})
+
+
+def test_checkpoints_at_the_step_count_are_called_out(tmp_path):
+    from verl.trainer.launch_settings import nothing_to_train
+
+    (tmp_path / "global_step_4").mkdir()
+    at = resolve("cpu", [("command line", [f"trainer.default_local_dir={tmp_path}"])])
+    assert "already holds step 4 and trainer.total_training_steps=4" in nothing_to_train(at, {})
+    assert nothing_to_train(at, {"ITERATIONS": "2"}) is None
+    more = resolve("cpu", [("command line", [f"trainer.default_local_dir={tmp_path}",
+                                             "trainer.total_training_steps=5"])])
+    assert nothing_to_train(more, {}) is None
