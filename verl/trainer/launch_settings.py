@@ -13,7 +13,6 @@ variable of the old shell presets (MAX_TURNS, SEAD_GPU_MAX_TURNS, ...) is refuse
 """
 from __future__ import annotations
 
-import logging
 import os
 import shlex
 import sys
@@ -23,7 +22,6 @@ from pathlib import Path
 from verl.trainer.config_schema import ConfigError
 from verl.trainer.presets import Setting, resolve
 
-logger = logging.getLogger(__name__)
 
 # The environment variables of scripts/presets.sh (removed) -> the key that is now the one name of the setting.
 REMOVED_VARIABLES = {
