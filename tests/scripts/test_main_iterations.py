@@ -31,7 +31,7 @@ def test_dry_run_prints_each_iterations_overrides(tmp_path, script):
                           env=env_with(ITERATIONS="2", OUTPUT_DIR=str(tmp_path)), timeout=120)
     assert done.returncode == 0, done.stderr
     root = tmp_path / "iterations/cpu_demo_outbound_ad_trial"
-    assert f"iterations: 2 x 2 steps (outputs per iteration under {root})" in done.stdout  # CPU preset: STEPS=4
+    assert f"iterations: 2 x 2 steps (outputs per iteration under {root})" in done.stdout  # CPU preset: 4 steps
     for k in (1, 2):
         line = next(x for x in done.stdout.splitlines() if x.startswith(f"  iteration {k}: "))
         assert f"trainer.total_training_steps={2 * k} " in line
