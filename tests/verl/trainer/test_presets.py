@@ -35,7 +35,13 @@ def launcher_keys(preset: str) -> list[str]:
 
 def expected_trainer(preset: str) -> dict[str, str]:
     expected = dict(FIXTURE[preset]["trainer"])
-    if preset == "cpu":  # the shell preset chose the engine by what the running python imports, as {engine} does
+    if preset == "cpu":
+        from utils.cpu_recipe import RECIPE
+
+        # the recipe's step count (4 at 61a6982) may change after it, in utils/cpu_recipe.py, its one source; the
+        # test frequency follows it (validation before training and after the last step)
+        expected["trainer.total_training_steps"] = expected["trainer.test_freq"] = str(RECIPE.steps)
+        # the shell preset chose the engine by what the running python imports, as {engine} does
         expected["actor_rollout_ref.rollout.name"] = "vllm" if importlib.util.find_spec("vllm") else "hf"
     return expected
 
