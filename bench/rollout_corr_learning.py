@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.learning import LearningSettings, collect, read_jsonl, run_grpo, warm_start
 from bench.learning_stats import sign_test_one_sided, val_outcomes
+from verl.trainer.presets import preset_args
 
 REPO = Path(__file__).resolve().parents[1]
 # The engine in bfloat16 beside the fp32 actor (the GPU setting's precision gap), sized for the small model: a
@@ -33,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 VLLM_BF16 = ("actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.dtype=bfloat16 "
              "actor_rollout_ref.rollout.max_num_seqs=32 actor_rollout_ref.rollout.max_num_batched_tokens=32768 "
              "actor_rollout_ref.rollout.calculate_log_probs=true")
-# The GPU preset's setting (scripts/presets.sh ROLLOUT_CORRECTION).
-PRESET_CORRECTION = ("algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_rs=turn_mean_k3 "
-                     "algorithm.rollout_correction.rollout_rs_threshold=0.01")
+# The GPU preset's setting (verl/trainer/config/preset/gpu.yaml).
+PRESET_CORRECTION = " ".join(preset_args("gpu", ("algorithm.rollout_correction.rollout_is",
+                                                 "algorithm.rollout_correction.rollout_rs",
+                                                 "algorithm.rollout_correction.rollout_rs_threshold")))
 MISMATCH_KEYS = ("rollout/kl_k3", "rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max",
                  "rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction")
 

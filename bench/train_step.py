@@ -13,7 +13,7 @@ and runs one warm-up update, then times one log-prob pass and ``--iters`` PPO up
 inside the workers between CUDA synchronisations, with the peak-memory counters reset after the warm-up.
 Tokens are the attended prompt + response tokens (padding is not counted).
 
-``--preset gpu``: the SEAD GPU preset's actor update (scripts/presets.sh): a Qwen2.5-7B-shaped model built from
+``--preset gpu``: the SEAD GPU preset's actor update (verl/trainer/config/preset/gpu.yaml): a Qwen2.5-7B-shaped model built from
 its config alone (random bf16 weights; ``--layers N`` keeps the width and shortens the depth so it fits fewer
 GPUs), 2,048 prompt + 6,144 response tokens per row (8,192: the preset's max_prompt_length and dialogue budget),
 micro-batches by the preset's token budgets (16,384 tokens per update micro-batch, 32,768 per log-prob forward),
@@ -49,18 +49,20 @@ from bench.update_batch import make_batch
 from verl.protocol import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.trainer.config_schema import compose_config
+from verl.trainer.presets import preset_args
 from verl.utils.memory_model import ModelShape
 
 REPO = Path(__file__).resolve().parent.parent
 
 logger = logging.getLogger("bench.train_step")
 
-# The GPU preset of scripts/presets.sh, as far as the actor update goes.
+# The GPU preset (verl/trainer/config/preset/gpu.yaml), as far as the actor update goes.
 GPU_PRESET = {"prompt_length": 2048, "response_length": 6144, "micro_batch": 1, "log_prob_micro_batch": 2,
               "rows_per_gpu": 4, "iters": 3, "model": "qwen2.5-7b"}
-GPU_PRESET_OVERRIDES = ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
-                        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768")
+GPU_PRESET_OVERRIDES = preset_args("gpu", ("actor_rollout_ref.model.use_remove_padding",
+                                           "actor_rollout_ref.actor.use_dynamic_bsz",
+                                           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                                           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"))
 
 
 def _bench_overrides(model_path: Path, args: argparse.Namespace, extra: tuple[str, ...]) -> list[str]:

@@ -1,14 +1,15 @@
 # Iterated training for scripts/main.sh (sourced, not run): with ITERATIONS=N > 1 the trainer command is handed
-# to utils/iterate.py, which trains STEPS_PER_ITERATION steps per iteration (default STEPS / ITERATIONS), writes
-# the mistakes analysis and the next iteration's profiles, and continues from the last checkpoint. Rerunning the
-# same command resumes an interrupted run. Variables: ITERATIONS (1: no iterations, today's single run),
-# STEPS_PER_ITERATION, ITER_ROOT (OUTPUT_DIR/iterations/EXPERIMENT), PROFILES (profiles written per iteration,
-# 1000), PROFILE_LLM_URL (an OpenAI-compatible endpoint that writes them; default with USER_SIM_MODEL: the first
-# simulator; "rules" or unset on CPU: the rule table), PROFILE_LLM_MODEL (default: the first model it serves;
-# its key: PROFILE_LLM_API_KEY or OPENAI_API_KEY),
+# to utils/iterate.py, which trains STEPS_PER_ITERATION steps per iteration (default trainer.total_training_steps
+# / ITERATIONS), writes the mistakes analysis and the next iteration's profiles, and continues from the last
+# checkpoint. Rerunning the same command resumes an interrupted run. Variables: ITERATIONS (1: no iterations,
+# today's single run), STEPS_PER_ITERATION, ITER_ROOT (OUTPUT_DIR/iterations/<experiment>), PROFILES (profiles
+# written per iteration, 1000), PROFILE_LLM_URL (an OpenAI-compatible endpoint that writes them; default with
+# USER_SIM_MODEL: the first simulator; "rules" or unset on CPU: the rule table), PROFILE_LLM_MODEL (default: the
+# first model it serves; its key: PROFILE_LLM_API_KEY or OPENAI_API_KEY),
 # RESTART_SIMS (1: restart the simulators this script started before every iteration after the first).
 
-# Check ITERATIONS and derive STEPS_PER_ITERATION and ITER_ROOT (needs STEPS, OUTPUT_DIR and EXPERIMENT).
+# Check ITERATIONS and derive STEPS_PER_ITERATION and ITER_ROOT (needs STEPS, OUTPUT_DIR and EXPERIMENT: main.sh's
+# resolved trainer.total_training_steps and trainer.experiment_name).
 sead_check_iterations() {
     ITERATIONS=${ITERATIONS:-1}
     if ! [[ "$ITERATIONS" =~ ^[1-9][0-9]*$ ]]; then
@@ -17,7 +18,8 @@ sead_check_iterations() {
     (( ITERATIONS > 1 )) || return 0
     if [[ -z "${STEPS_PER_ITERATION:-}" ]]; then
         if (( STEPS % ITERATIONS != 0 )); then
-            echo "STEPS=$STEPS is not a multiple of ITERATIONS=$ITERATIONS; set STEPS_PER_ITERATION" >&2; exit 2
+            echo "trainer.total_training_steps=$STEPS is not a multiple of ITERATIONS=$ITERATIONS; set" \
+                 "STEPS_PER_ITERATION" >&2; exit 2
         fi
         STEPS_PER_ITERATION=$((STEPS / ITERATIONS))
     fi

@@ -32,7 +32,8 @@ from verl.utils.run_config import save_run_config
 from tests.helpers.doc_blocks import DocBlock, block_driven_by, doc_blocks, inventory
 from tests.helpers.repo import COMPACT_SYSTEM_PROMPT, REPO, SCENARIO_PATH
 
-# the CPU demo's settings (scripts/presets.sh, scripts/main.sh): the README's command must not override them
+# the CPU demo's settings (verl/trainer/config/preset/cpu.yaml, utils/cpu_recipe.py, scripts/main.sh): the
+# README's command must not override them
 DEMO_MAX_TURNS = 10
 DEMO_LOOP = {"max_turns": DEMO_MAX_TURNS, "max_tokens_per_turn": 64, "max_response_length": 768, "max_user_tokens": 48,
              "seed": 0}

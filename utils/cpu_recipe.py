@@ -1,9 +1,10 @@
 """The CPU learning recipe: the small model, its warm start and the GRPO settings with which a 2-core CPU box
-shows the agent learning. One definition for `make demo` (scripts/presets.sh's CPU preset reads `preset`, and
-scripts/main.sh builds the demo's model with `warm-model`), the CI learning test (which runs the demo) and
-bench/learning.py (the same recipe, more steps). Measured per seed and float path in BENCHMARKS.md ("Learning").
+shows the agent learning. One definition for `make demo` (the CPU preset, verl/trainer/config/preset/cpu.yaml,
+reads `preset`, and scripts/main.sh builds the demo's model with `warm-model`), the CI learning test (which runs
+the demo) and bench/learning.py (the same recipe, more steps). Measured per seed and float path in BENCHMARKS.md
+("Learning").
 
-    python -m utils.cpu_recipe preset        # NAME VALUE lines: the CPU preset's learning settings
+    python -m utils.cpu_recipe preset        # KEY VALUE lines: the CPU preset's learning settings
     python -m utils.cpu_recipe warm-model --out DIR --scenario F --system-prompt P [--seed 0] [--max-turns 10] \\
         [--steps N]                          # DIR/tiny_model and DIR/tiny_model_warm; prints the model to train
 
@@ -91,16 +92,24 @@ class CpuRecipe:
         return self.max_response_length + 128
 
     def preset_values(self) -> dict[str, str]:
-        """The CPU preset's variables this recipe sets (scripts/presets.sh), as the shell writes them."""
-        return {"STEPS": str(self.steps), "TRAIN_PROMPTS": str(self.prompts_per_step),
-                "ROLLOUT_N": str(self.group_size), "MINI_BATCH": str(self.ppo_mini_prompts),
-                "TRAIN_SAMPLES": str(self.train_samples), "TEST_SAMPLES": str(self.test_samples),
-                "MAX_TURNS": str(self.max_turns), "MAX_TOKENS_PER_TURN": str(self.max_tokens_per_turn),
-                "MAX_USER_TOKENS": str(self.max_user_tokens), "RESPONSE_LENGTH": str(self.max_response_length),
-                "N_GPUS": str(self.workers), "MICRO_BATCH": str(self.micro_batch_per_rank),
-                "LOGPROB_MICRO_BATCH": str(self.micro_batch_per_rank),
-                "LR": repr(self.lr), "TEMPERATURE": repr(self.temperature),
-                "PRESET_OVERRIDES": f"rollout_loop.config.cache.min_bucket_size={self.cache_min_bucket_size}"}
+        """The CPU preset's keys this recipe sets (verl/trainer/config/preset/cpu.yaml names it), as the command
+        line writes them: trainer keys, and scripts/main.sh's launch.* prompt-data sizes."""
+        micro = str(self.micro_batch_per_rank)
+        return {"trainer.total_training_steps": str(self.steps), "data.train_batch_size": str(self.prompts_per_step),
+                "actor_rollout_ref.rollout.n": str(self.group_size),
+                "actor_rollout_ref.actor.ppo_mini_batch_size": str(self.ppo_mini_prompts),
+                "launch.train_samples": str(self.train_samples), "launch.test_samples": str(self.test_samples),
+                "rollout_loop.config.max_turns": str(self.max_turns),
+                "rollout_loop.config.max_tokens_per_turn": str(self.max_tokens_per_turn),
+                "rollout_loop.config.max_user_tokens": str(self.max_user_tokens),
+                "data.max_response_length": str(self.max_response_length),
+                "trainer.n_gpus_per_node": str(self.workers),
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": micro,
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": micro,
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": micro,
+                "actor_rollout_ref.actor.optim.lr": repr(self.lr),
+                "actor_rollout_ref.rollout.temperature": repr(self.temperature),
+                "rollout_loop.config.cache.min_bucket_size": str(self.cache_min_bucket_size)}
 
 
 RECIPE = CpuRecipe()
@@ -165,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("preset", help="print the CPU preset's learning settings (NAME VALUE lines)")
+    commands.add_parser("preset", help="print the CPU preset's learning settings (KEY VALUE lines)")
     build = commands.add_parser("warm-model", help="build the demo's model and its warm start (reused if unchanged)")
     build.add_argument("--out", required=True, help="directory of tiny_model and tiny_model_warm")
     build.add_argument("--scenario", required=True, help="scenario YAML (its scripted calls, its tags)")

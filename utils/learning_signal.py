@@ -22,9 +22,9 @@ NONZERO_KEY = "critic/advantages/nonzero_frac"
 # The dialogue outcome rates (llm_agent/metrics.py) and what to change when every training dialogue ends so.
 OUTCOME_ADVICE = {
     "dialogue/timeout_rate": ("timed out (rollout_loop.config.max_turns reached)",
-                              "raise MAX_TURNS (rollout_loop.config.max_turns) so that a call can end"),
+                              "raise rollout_loop.config.max_turns so that a call can end"),
     "dialogue/truncated_rate": ("ran out of its token budget (data.max_response_length)",
-                                "raise RESPONSE_LENGTH (data.max_response_length)"),
+                                "raise data.max_response_length"),
     "dialogue/hang_up_rate": ("ended with the user hanging up", "start from a model that completes calls sometimes"),
     "dialogue/agent_ended_rate": ("ended with the agent giving up", "start from a model that completes calls "
                                   "sometimes"),
@@ -81,7 +81,7 @@ def signal_report(steps: Sequence[Mapping[str, Any]]) -> str | None:
         text += f"; every training dialogue {what}: {advice}"
     elif all(step.get("dialogue/completion_rate") == 0.0 for step in steps):
         text += ("; no training dialogue completed (each hung up, gave up or timed out): start from a model that "
-                 "completes calls sometimes, or allow longer calls (MAX_TURNS)")
+                 "completes calls sometimes, or allow longer calls (rollout_loop.config.max_turns)")
     return text
 
 

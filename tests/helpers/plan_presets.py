@@ -8,29 +8,27 @@ from verl.trainer.config_schema import compose_config
 from verl.trainer.config_validation import build_config
 from verl.trainer.plan_phases import build_phases
 from verl.trainer.plan_setup import Hardware, make_setup
+from verl.trainer.presets import preset_args
 from verl.utils.memory_model import ModelShape
 
 QWEN25_14B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
               "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
               "tie_word_embeddings": False}
 P_14B = 14_770_033_664
-# the GPU preset's keys (scripts/presets.sh) that shape the plan
-PRESET_GPU = ["data.train_batch_size=60", "actor_rollout_ref.rollout.n=8", "trainer.n_gpus_per_node=6",
-              "data.max_prompt_length=2048", "data.max_response_length=6144",
-              "actor_rollout_ref.actor.ppo_mini_batch_size=60", "actor_rollout_ref.actor.use_kl_loss=true",
-              "actor_rollout_ref.actor.entropy_coeff=0.001",
-              "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-              "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
-              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
-              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768",
-              "actor_rollout_ref.ref.fsdp_config.param_offload=true", "actor_rollout_ref.rollout.name=vllm",
-              "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-              "actor_rollout_ref.rollout.gpu_memory_utilization=0.55", "actor_rollout_ref.rollout.enforce_eager=false",
-              "rollout_loop.config.max_turns=15", "rollout_loop.config.max_tokens_per_turn=256",
-              "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
-              "algorithm.rollout_correction.rollout_rs=turn_mean_k3",
-              "algorithm.rollout_correction.rollout_rs_threshold=0.01"]
+# the GPU preset's keys (verl/trainer/config/preset/gpu.yaml) that shape the plan, with its values, and the base
+# config's prompt length
+PRESET_GPU = ["data.max_prompt_length=2048", *preset_args("gpu", (
+    "data.train_batch_size", "actor_rollout_ref.rollout.n", "trainer.n_gpus_per_node", "data.max_response_length",
+    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.use_kl_loss",
+    "actor_rollout_ref.actor.entropy_coeff", "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "actor_rollout_ref.model.use_remove_padding", "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "actor_rollout_ref.ref.fsdp_config.param_offload",
+    "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.enforce_eager",
+    "rollout_loop.config.max_turns", "rollout_loop.config.max_tokens_per_turn",
+    "actor_rollout_ref.rollout.calculate_log_probs", "algorithm.rollout_correction.rollout_is",
+    "algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs_threshold"))]
 
 
 def write_model_14b(model_dir: Path) -> str:

@@ -1,7 +1,7 @@
 """Learning: the CPU demo (`make demo`, i.e. scripts/main.sh on the CPU preset with the CPU learning recipe of
 utils/cpu_recipe.py) raises the greedy validation completion rate (CR) of its warm-started model: the real trainer
 (Ray, 2 FSDP workers), the SEAD rollout loop with the state controller and the cache, two scripted simulator
-servers, all seeded by SEED. BENCHMARKS.md ("Learning") has this run per seed and CPU float path.
+servers, all seeded by launch.seed. BENCHMARKS.md ("Learning") has this run per seed and CPU float path.
 
 Statistics. Validation calls each of the fixed test profiles once with greedy decoding against seeded
 simulators, before training and after it, so the calls pair up by profile. The test counts the profiles that
@@ -44,9 +44,9 @@ def _val_outcomes(rollouts: list[dict], step: int) -> dict[tuple, bool]:
 @pytest.mark.timeout(1800)  # a warm start and 4 steps: ~8 minutes quiet, 15 at a load of 10 (BENCHMARKS.md)
 def test_the_demo_raises_the_greedy_validation_completion_rate_of_its_warm_started_model(tmp_path):
     out = tmp_path / "outputs"
-    env = {**os.environ, "OUTPUT_DIR": str(out), "SEED": str(SEED)}
-    proc = subprocess.run(["bash", "scripts/main.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=1800)
+    env = {**os.environ, "OUTPUT_DIR": str(out)}
+    proc = subprocess.run(["bash", "scripts/main.sh", f"launch.seed={SEED}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     rollouts = read_jsonl(out / "rollouts" / EXPERIMENT / "rollouts.jsonl")

@@ -1,10 +1,10 @@
-"""The GPU preset rehearsed on CPU: `PRESET=rehearsal bash scripts/main.sh` (scripts/presets.sh).
+"""The GPU preset rehearsed on CPU: `PRESET=rehearsal bash scripts/main.sh` (verl/trainer/config/preset/rehearsal.yaml).
 
 The rehearsal is the GPU preset with only the device and the sizes changed, so whatever the GPU preset sets
 (vLLM rollout with TP 2, gradient checkpointing, padding-free forwards and token-budget micro-batches, KL loss,
 the reference's parameters offloaded, the engine's sleep and CUDA-graph keys, the HF export in the last checkpoint
-only, ...) runs here too. The dry-run test pins that: the two trainer commands differ only in the keys of the
-device and size variables listed below (written out here, not read from the script). The `vllm` test runs the
+only, ...) runs here too. The dry-run test pins that: the two trainer commands differ only in the device and size keys
+listed below (written out here, not read from the preset). The `vllm` test runs the
 rehearsal itself, with the simulators the script starts, in two launches: one step and a checkpoint, then a
 resume from it for the second step.
 """
@@ -22,28 +22,24 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.machine_lock import cpu_tp_engine
+from verl.trainer.launch_settings import REMOVED_VARIABLES
 
 REPO = Path(__file__).resolve().parents[2]
-# What a rehearsal may change: the device and sizes (variables of scripts/presets.sh -> their trainer keys) ...
-DEVICE_AND_SIZES = {
-    "DEVICE": ["trainer.device"], "N_GPUS": ["trainer.n_gpus_per_node"], "POLICY_GPUS": [],
-    "STEPS": ["trainer.total_training_steps"], "TRAIN_PROMPTS": ["data.train_batch_size"],
-    "ROLLOUT_N": ["actor_rollout_ref.rollout.n"], "MINI_BATCH": ["actor_rollout_ref.actor.ppo_mini_batch_size"],
-    "TRAIN_SAMPLES": [], "TEST_SAMPLES": [], "MAX_TURNS": ["rollout_loop.config.max_turns"],
-    "MAX_TOKENS_PER_TURN": ["rollout_loop.config.max_tokens_per_turn"],
-    "MAX_USER_TOKENS": ["rollout_loop.config.max_user_tokens"], "RESPONSE_LENGTH": ["data.max_response_length"],
-    "MAX_TOKEN_LEN": ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"],
-    "LOGPROB_MAX_TOKEN_LEN": ["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"],
-    "TEST_FREQ": ["trainer.test_freq"], "SAVE_FREQ": ["trainer.save_freq"],
-}
+# What a rehearsal may change: the device and sizes (the keys rehearsal.yaml may set; launch.* are main.sh's) ...
+DEVICE_AND_SIZES = [
+    "trainer.device", "trainer.n_gpus_per_node", "launch.policy_gpus", "trainer.total_training_steps",
+    "data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "launch.train_samples", "launch.test_samples", "rollout_loop.config.max_turns",
+    "rollout_loop.config.max_tokens_per_turn", "rollout_loop.config.max_user_tokens", "data.max_response_length",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "trainer.test_freq", "trainer.save_freq",
+]
 # ... and the model, with what follows from it: its prompt length and where the run's files go.
 MODEL_AND_PATHS = ["actor_rollout_ref.model.path", "data.max_prompt_length", "data.train_files", "data.val_files",
                    "trainer.experiment_name", "trainer.default_local_dir", "trainer.log_dir",
                    "rollout_loop.config.rollout_log_path", "rollout_loop.config.val_metrics_path"]
 PRESET_VARS = ["PRESET", "PRINT_CONFIG_ONLY", "MODEL_PATH", "USER_SIM_MODEL", "USER_SIM_URLS", "OUTPUT_DIR",
-               "WARM_START_STEPS", "AGENT_PROMPT_FILE", "SEAD_GPU_MAX_TURNS", "PYTORCH_CUDA_ALLOC_CONF",
-               *DEVICE_AND_SIZES]
+               "WARM_START_STEPS", "AGENT_PROMPT_FILE", "PYTORCH_CUDA_ALLOC_CONF", *REMOVED_VARIABLES]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -64,18 +60,19 @@ def _trainer_overrides(tmp_path: Path, **env: str) -> tuple[dict[str, str], str]
 
 
 def _rehearsal_sizes() -> set[str]:
-    """The variable names SEAD_REHEARSAL_SIZES sets, read by bash from scripts/presets.sh."""
-    done = subprocess.run(["bash", "-c", 'source scripts/presets.sh && printf "%s\\n" "${!SEAD_REHEARSAL_SIZES[@]}"'],
-                          cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
-    return set(done.stdout.split())
+    """The keys rehearsal.yaml sets itself (not inherited from gpu.yaml)."""
+    from verl.trainer.presets import preset_settings
+
+    return {key for key, s in preset_settings("rehearsal").items() if s.origin == "preset rehearsal"}
 
 
 @pytest.mark.processes  # runs main.sh --dry-run twice
 def test_the_rehearsal_is_the_gpu_preset_with_only_device_and_sizes_changed(tmp_path):
-    assert _rehearsal_sizes() <= set(DEVICE_AND_SIZES), "the rehearsal changes a variable that is not a size"
+    assert _rehearsal_sizes() - set(DEVICE_AND_SIZES) == {"trainer.experiment_name"}, \
+        "the rehearsal changes a key that is not a size"
     gpu, _ = _trainer_overrides(tmp_path, MODEL_PATH="/models/Qwen2.5-14B-Instruct")
     rehearsal, out = _trainer_overrides(tmp_path, PRESET="rehearsal")
-    allowed = {key for keys in DEVICE_AND_SIZES.values() for key in keys} | set(MODEL_AND_PATHS)
+    allowed = set(DEVICE_AND_SIZES) | set(MODEL_AND_PATHS)
     changed = {key for key in gpu.keys() | rehearsal.keys() if gpu.get(key) != rehearsal.get(key)}
     assert changed <= allowed, f"the rehearsal differs from the GPU preset in {sorted(changed - allowed)}"
     # the GPU path's keys are there (they come from the GPU preset, not from this list)
@@ -97,13 +94,13 @@ def test_the_rehearsal_is_the_gpu_preset_with_only_device_and_sizes_changed(tmp_
     assert f"/models/{rehearsal['trainer.experiment_name']}/" in rehearsal["actor_rollout_ref.model.path"]
 
 
-def _run(tmp_path: Path, log: Path, **env: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, log: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     python = Path(sys.executable)
     env = _env(tmp_path, PRESET="rehearsal", PYTHON=str(python), PATH=f"{python.parent}:{os.environ['PATH']}",
                VLLM_CPU_KVCACHE_SPACE="1", **env)
     with open(log, "w") as out:
         return subprocess.run(["bash", str(REPO / "scripts" / "main.sh"), "data.max_prompt_length=96",
-                               "trainer.logger=[console,jsonl]"], cwd=REPO, env=env, stdout=out,
+                               "trainer.logger=[console,jsonl]", *args], cwd=REPO, env=env, stdout=out,
                               stderr=subprocess.STDOUT, timeout=900)
 
 
@@ -126,7 +123,7 @@ def test_gpu_preset_rehearsal_trains_checkpoints_and_resumes(tmp_path, warm_mode
         log = tmp_path / f"run{steps}.log"
         start = time.perf_counter()
         with cpu_tp_engine(2):  # no other test's TP engine on this machine meanwhile
-            done = _run(tmp_path, log, STEPS=str(steps), **env)
+            done = _run(tmp_path, log, f"trainer.total_training_steps={steps}", **env)
         walls.append(time.perf_counter() - start)
         assert done.returncode == 0, log.read_text()[-6000:]
     print(f"rehearsal wall time: {walls[0]:.0f} s + {walls[1]:.0f} s (resumed)")

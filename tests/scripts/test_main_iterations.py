@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CLEARED = ("ITERATIONS", "STEPS_PER_ITERATION", "ITER_ROOT", "PROFILES", "PROFILE_LLM_URL", "PRESET", "MODEL_PATH",
-           "USER_SIM_URLS", "USER_SIM_MODEL", "STEPS", "RESTART_SIMS")
+           "USER_SIM_URLS", "USER_SIM_MODEL", "RESTART_SIMS")
 
 
 def env_with(**values: str) -> dict[str, str]:
@@ -31,7 +31,7 @@ def test_dry_run_prints_each_iterations_overrides(tmp_path, script):
                           env=env_with(ITERATIONS="2", OUTPUT_DIR=str(tmp_path)), timeout=120)
     assert done.returncode == 0, done.stderr
     root = tmp_path / "iterations/cpu_demo_outbound_ad_trial"
-    assert f"iterations: 2 x 2 steps (outputs per iteration under {root})" in done.stdout  # CPU preset: STEPS=4
+    assert f"iterations: 2 x 2 steps (outputs per iteration under {root})" in done.stdout  # CPU preset: 4 steps
     for k in (1, 2):
         line = next(x for x in done.stdout.splitlines() if x.startswith(f"  iteration {k}: "))
         assert f"trainer.total_training_steps={2 * k} " in line
@@ -40,7 +40,7 @@ def test_dry_run_prints_each_iterations_overrides(tmp_path, script):
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"ITERATIONS": "3"}, "STEPS=4 is not a multiple of ITERATIONS=3; set STEPS_PER_ITERATION"),
+    ({"ITERATIONS": "3"}, "trainer.total_training_steps=4 is not a multiple of ITERATIONS=3; set STEPS_PER_ITERATION"),
     ({"ITERATIONS": "two"}, "ITERATIONS must be a positive integer, got 'two'"),
 ])
 @pytest.mark.processes
@@ -69,11 +69,15 @@ def test_two_iterations_killed_in_the_second_resume_and_finish(tmp_path, tiny_mo
                            stderr=subprocess.DEVNULL)
     out = tmp_path / "out"
     env = env_with(PRESET="cpu", MODEL_PATH=tiny_model_path, USER_SIM_URLS=f"http://127.0.0.1:{port}",
-                   ITERATIONS="2", STEPS="2", N_GPUS="1", TRAIN_PROMPTS="2", ROLLOUT_N="2", MINI_BATCH="2",
-                   MICRO_BATCH="2", LOGPROB_MICRO_BATCH="4", TRAIN_SAMPLES="4", TEST_SAMPLES="2", MAX_TURNS="2",
-                   MAX_TOKENS_PER_TURN="32", RESPONSE_LENGTH="256", TEST_FREQ="0", SAVE_FREQ="1", PROFILES="40",
-                   EXPERIMENT="iter_test", OUTPUT_DIR=str(out))
-    cmd = ["bash", "scripts/main.sh", "trainer.val_before_train=false"]
+                   ITERATIONS="2", PROFILES="40", OUTPUT_DIR=str(out))
+    cmd = ["bash", "scripts/main.sh", "trainer.val_before_train=false", "trainer.total_training_steps=2",
+           "trainer.n_gpus_per_node=1", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "launch.train_samples=4",
+           "launch.test_samples=2", "rollout_loop.config.max_turns=2", "rollout_loop.config.max_tokens_per_turn=32",
+           "data.max_response_length=256", "trainer.test_freq=0", "trainer.save_freq=1",
+           "trainer.experiment_name=iter_test"]
     iters, ckpt = out / "iterations/iter_test", out / "checkpoints/iter_test"
     try:
         for _ in range(100):

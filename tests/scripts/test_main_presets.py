@@ -1,8 +1,9 @@
 """scripts/main.sh and scripts/2ins_main.sh presets, through their dry run (PRINT_CONFIG_ONLY=1 / --dry-run).
 
-The dry run prints the preset block and the trainer command and exits before building, starting or training
-anything. The expected values are written out here from the SEAD paper's settings and the CPU demo's, not read
-from scripts/presets.sh; every printed command must also compose and validate as a trainer config.
+The dry run prints every value the preset (verl/trainer/config/preset/), the script or the command line set, with
+where it came from, and the trainer command, and exits before building, starting or training anything. The
+expected values are written out here from the SEAD paper's settings and the CPU demo's, not read from the preset
+files; every printed command must also compose and validate as a trainer config.
 """
 from __future__ import annotations
 
@@ -26,15 +27,12 @@ QWEN25_14B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, 
               "tie_word_embeddings": False}
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PRESET_VARS = ("EXPERIMENT N_GPUS STEPS TRAIN_PROMPTS ROLLOUT_N MINI_BATCH TRAIN_SAMPLES TEST_SAMPLES MAX_TURNS "
-               "MAX_TOKENS_PER_TURN MAX_USER_TOKENS RESPONSE_LENGTH LR LR_WARMUP_RATIO USE_KL_LOSS KL_LOSS_TYPE "
-               "KL_COEF ENTROPY_COEFF TEMPERATURE GRAD_CKPT MICRO_BATCH LOGPROB_MICRO_BATCH USE_DYNAMIC_BSZ MAX_TOKEN_LEN "
-               "LOGPROB_MAX_TOKEN_LEN AGENT_PROMPT_FILE TEST_FREQ SAVE_FREQ "
-               "MAX_CKPT SAVE_HF_MODEL POLICY_GPUS ROLLOUT_ENGINE ROLLOUT_TP ROLLOUT_GPU_MEM LORA_RANK LORA_ALPHA "
-               "ROLLOUT_CORRECTION PRESET_OVERRIDES PRESET "
-               "PRINT_CONFIG_ONLY MODEL_PATH USER_SIM_MODEL USER_SIM_URLS "
-               "SIM_INSTANCES SIM_TP SIM_GPUS SIM_BASE_PORT SCENARIO WARM_START_STEPS OUTPUT_DIR SEAD_GPU_MAX_TURNS "
-               "DATA_DIR CKPT_DIR LOG_DIR RUN_DIR ROLLOUT_LOG VAL_METRICS DEVICE PYTORCH_CUDA_ALLOC_CONF").split()
+# The environment main.sh reads (cleared for each run), and the old preset variables it now refuses.
+from verl.trainer.launch_settings import REMOVED_VARIABLES  # noqa: E402
+
+PRESET_VARS = ["PRESET", "PRINT_CONFIG_ONLY", "MODEL_PATH", "USER_SIM_MODEL", "USER_SIM_URLS", "SIM_INSTANCES",
+               "SIM_TP", "SIM_GPUS", "SIM_BASE_PORT", "SCENARIO", "WARM_START_STEPS", "AGENT_PROMPT_FILE",
+               "OUTPUT_DIR", "RUN_DIR", "PYTORCH_CUDA_ALLOC_CONF", *REMOVED_VARIABLES]
 
 # The paper's training settings (GPU preset of scripts/main.sh), as trainer overrides.
 GPU = {
@@ -73,8 +71,8 @@ CPU = {
 
 
 def dry_run(tmp_path: Path, *args: str, script: str = "main.sh", flag: bool = True, **env: str):
-    """Run the script's dry run in a clean environment; return (stdout, preset block {name: (value, origin)},
-    trainer overrides {key: value}, the override list in order)."""
+    """Run the script's dry run in a clean environment; return (stdout, settings {key: (value, origin)}, trainer
+    overrides {key: value}, the override list in order)."""
     clean = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
     clean.update(OUTPUT_DIR=str(tmp_path / "outputs"), PYTHON="python", **env)
     argv = ["bash", str(REPO_ROOT / "scripts" / script), *(["--dry-run"] if flag else []), *args]
@@ -83,16 +81,20 @@ def dry_run(tmp_path: Path, *args: str, script: str = "main.sh", flag: bool = Tr
     lines = done.stdout.splitlines()
     at = lines.index("trainer command:")
     block = {}
-    for line in lines[1:at]:
-        if line.startswith("  ") and line.rstrip().endswith(")"):
-            name, rest = line.split(None, 1)
-            value, origin = rest.rsplit("(", 1)
-            block[name] = (value.strip(), origin.rstrip(")"))
+    first = next(i for i, line in enumerate(lines) if line.startswith("settings ("))
+    for line in lines[first + 1:]:
+        if not line.startswith("  "):
+            break
+        setting, origin = line.strip().rsplit("    (", 1)
+        key, value = shlex.split(setting)[0].split("=", 1)
+        block[key] = (value, origin.removesuffix(")"))
     words = shlex.split(" ".join(line.strip().removesuffix("\\") for line in lines[at + 1:]))
     if words[0] == "env":  # the GPU preset runs the trainer with CUDA_VISIBLE_DEVICES=<its GPUs>
         words = words[2:]
     assert words[:5] == ["python", "-m", "verl.trainer.main_ppo", "--config-name", "sead_trainer"], words[:5]
     overrides = words[5:]
+    keys = [o.split("=", 1)[0] for o in overrides]
+    assert len(keys) == len(set(keys)), "a key is passed twice"
     return done.stdout, block, dict(o.split("=", 1) for o in overrides), overrides
 
 
@@ -116,9 +118,13 @@ def test_without_model_path_the_cpu_preset_applies_and_nothing_is_built(tmp_path
     assert out.startswith("preset: cpu (no MODEL_PATH")
     assert {k: cmd[k] for k in CPU} == CPU
     # the demo's models are the experiment's own (its name includes the scenario)
-    assert cmd["actor_rollout_ref.model.path"] == f"{tmp_path / 'outputs'}/models/cpu_demo_outbound_ad_trial/tiny_model_warm"
-    assert block["LR"] == ("0.0004", "preset") and block["MAX_TURNS"] == ("10", "preset")
-    assert block["ROLLOUT_CORRECTION"] == ("off", "preset") and not any("rollout_correction" in k for k in cmd)
+    assert cmd["actor_rollout_ref.model.path"] == \
+        f"{tmp_path / 'outputs'}/models/cpu_demo_outbound_ad_trial/tiny_model_warm"
+    recipe = "preset cpu (utils.cpu_recipe)"
+    assert block["actor_rollout_ref.actor.optim.lr"] == ("0.0004", recipe)
+    assert block["rollout_loop.config.max_turns"] == ("10", recipe)
+    assert block["launch.seed"] == ("0", "preset cpu") and block["trainer.seed"] == ("0", "launch.seed (preset cpu)")
+    assert not any("rollout_correction" in k for k in cmd)
     assert not (tmp_path / "outputs").exists(), "the dry run built or wrote something"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in out
     assert_valid(overrides, tmp_path)
@@ -135,7 +141,8 @@ def test_with_model_path_the_papers_gpu_preset_applies(tmp_path):
     assert cmd["trainer.default_local_dir"].endswith("checkpoints/Qwen2.5-14B-Instruct_outbound_ad_trial")
     assert "reward.kwargs.weights.format" not in cmd, "the CPU demo's reward shaping leaked into the GPU preset"
     assert not any(k.startswith("actor_rollout_ref.model.lora") for k in cmd)  # every weight trains (no LoRA)
-    assert all(origin == "preset" for _, origin in block.values())
+    assert {origin for _, origin in block.values()} <= {"preset gpu", "scripts/main.sh"} | {
+        o for _, o in block.values() if o.startswith("preset gpu: ")}
     # the trainer (not the simulators, started before it) gets the expandable-segments CUDA allocator
     assert "trainer environment: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out.splitlines()
     assert_valid(overrides, tmp_path)
@@ -156,7 +163,9 @@ def test_gpu_lora_preset_trains_a_rank_32_adapter_on_two_gpus_and_fits_the_plan(
             "actor_rollout_ref.rollout.gpu_memory_utilization": "0.7"}
     assert {k: cmd[k] for k in lora} == lora
     assert {k: cmd[k] for k in GPU if k not in lora} == {k: v for k, v in GPU.items() if k not in lora}
-    assert block["POLICY_GPUS"] == ("0,1", "preset") and block["LORA_RANK"] == ("32", "lora")
+    assert block["launch.policy_gpus"][0] == "0,1"
+    assert block["actor_rollout_ref.model.lora_rank"] == ("32", "preset gpu_lora")
+    assert block["actor_rollout_ref.actor.kl_loss_coef"] == ("0.001", "preset gpu")  # inherited
     assert_valid(overrides, model)
     # the planner on the printed command at 14B: the training phases fit 80 GB with its 15% error to spare, the
     # rollout (vLLM's pool is a set fraction) no tighter than the full-model GPU preset's 74.6 GB
@@ -167,43 +176,54 @@ def test_gpu_lora_preset_trains_a_rank_32_adapter_on_two_gpus_and_fits_the_plan(
     assert 1.15 * max(phases.values()) <= hw.memory_bytes
 
 
-def test_dry_run_prints_each_key_value_argument_as_an_override_of_the_value_it_replaces(tmp_path):
-    # a value's three origins: the preset, the environment (both in the block) and a key=value argument
+def test_dry_run_prints_each_value_with_where_it_came_from_and_what_it_replaced(tmp_path):
+    # a value's origins: the preset, the script and a key=value argument (which wins, each key passed once)
     out, block, cmd, _ = dry_run(tmp_path, "rollout_loop.config.max_turns=9", "trainer.val_before_train=false",
-                                 "trainer.logger=[console]", MODEL_PATH="/m/agent", MAX_TURNS="12",
+                                 "trainer.logger=[console]", MODEL_PATH="/m/agent",
                                  USER_SIM_URLS="http://127.0.0.1:5000")
-    assert block["MAX_TURNS"] == ("12", "environment")
     lines = out.splitlines()
-    at = lines.index("overrides (key=value arguments: last in the command, so they win):")
-    assert lines[at + 1:at + 5] == ["  rollout_loop.config.max_turns=9    override, replacing '12' set above",
-                                    "  trainer.val_before_train=false    override",
-                                    "  'trainer.logger=[console]'    override, replacing "
-                                    "'[console,jsonl,tensorboard]' set above",
-                                    "trainer command:"]
+    assert "  rollout_loop.config.max_turns=9    (command line, replacing 15 of preset gpu)" in lines
+    assert "  trainer.val_before_train=false    (command line)" in lines
+    assert "  trainer.logger=[console]    (command line, replacing [console,jsonl,tensorboard] of preset gpu)" in lines
+    assert "  actor_rollout_ref.model.path=/m/agent    (scripts/main.sh)" in lines
+    assert block["actor_rollout_ref.rollout.temperature"] == ("1.2", "preset gpu")
     assert (cmd["rollout_loop.config.max_turns"], cmd["trainer.logger"]) == ("9", "[console]")
-    plain, _, _, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", USER_SIM_URLS="http://127.0.0.1:5000")
-    assert "overrides (" not in plain
 
 
-def test_environment_and_key_value_overrides_win(tmp_path):
-    _, block, cmd, overrides = dry_run(tmp_path, "trainer.save_freq=7", MODEL_PATH="/m/agent", LR="3e-6",
-                                       MAX_TURNS="12", EXPERIMENT="mine", USER_SIM_URLS="http://127.0.0.1:5000")
-    assert cmd["actor_rollout_ref.actor.optim.lr"] == "3e-6" and block["LR"] == ("3e-6", "environment")
-    assert cmd["rollout_loop.config.max_turns"] == "12" and cmd["trainer.experiment_name"] == "mine"
-    assert block["TEMPERATURE"] == ("1.2", "preset")
-    assert overrides[-1] == "trainer.save_freq=7", "a key=value argument must come last so that it wins"
+def test_key_value_arguments_win_and_values_that_follow_them_follow(tmp_path):
+    _, block, cmd, overrides = dry_run(tmp_path, "trainer.save_freq=7", "actor_rollout_ref.actor.optim.lr=3e-6",
+                                       "trainer.experiment_name=mine", "data.train_batch_size=30",
+                                       MODEL_PATH="/m/agent", USER_SIM_URLS="http://127.0.0.1:5000")
+    assert cmd["actor_rollout_ref.actor.optim.lr"] == "3e-6" and cmd["trainer.save_freq"] == "7"
+    assert cmd["trainer.experiment_name"] == "mine" and cmd["trainer.default_local_dir"].endswith("checkpoints/mine")
+    assert cmd["actor_rollout_ref.actor.ppo_mini_batch_size"] == "30" and block["launch.train_samples"][0] == "1500"
     _, _, forced, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", PRESET="cpu", USER_SIM_URLS="http://127.0.0.1:5000")
-    assert forced["actor_rollout_ref.actor.optim.lr"] == "0.0004" and forced["actor_rollout_ref.model.path"] == "/m/agent"
+    assert forced["actor_rollout_ref.actor.optim.lr"] == "0.0004"
+    assert forced["actor_rollout_ref.model.path"] == "/m/agent"
+
+
+def test_the_old_preset_variables_are_refused_with_the_key_that_replaces_them(tmp_path):
+    clean = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "main.sh"), "--dry-run"], cwd=tmp_path,
+                          env={**clean, "PYTHON": "python", "MAX_TURNS": "12", "LR": "1e-5"}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert "MAX_TURNS (now rollout_loop.config.max_turns=...)" in done.stderr
+    assert "LR (now actor_rollout_ref.actor.optim.lr=...)" in done.stderr
 
 
 def test_two_instance_script_runs_12_turns_on_the_gpu_preset(tmp_path):
-    _, _, cmd, overrides = dry_run(tmp_path, script="2ins_main.sh", MODEL_PATH="/m/agent", USER_SIM_MODEL="/m/user")
+    _, block, cmd, overrides = dry_run(tmp_path, script="2ins_main.sh", MODEL_PATH="/m/agent",
+                                       USER_SIM_MODEL="/m/user")
     assert cmd["rollout_loop.config.max_turns"] == "12" and cmd["actor_rollout_ref.actor.optim.lr"] == "1e-6"
     assert cmd["trainer.n_gpus_per_node"] == "6"
-    _, _, mine, _ = dry_run(tmp_path, script="2ins_main.sh", MODEL_PATH="/m/agent", MAX_TURNS="9")
+    assert block["rollout_loop.config.max_turns"] == ("12", "command line, replacing 15 of preset gpu")
+    _, _, mine, _ = dry_run(tmp_path, "rollout_loop.config.max_turns=9", script="2ins_main.sh", MODEL_PATH="/m/agent")
     assert mine["rollout_loop.config.max_turns"] == "9"
     _, _, cpu, _ = dry_run(tmp_path, script="2ins_main.sh", flag=False, PRINT_CONFIG_ONLY="1")
     assert cpu["rollout_loop.config.max_turns"] == "10"
+    _, _, rehearsal, _ = dry_run(tmp_path, script="2ins_main.sh", MODEL_PATH="/m/agent", PRESET="rehearsal")
+    assert rehearsal["rollout_loop.config.max_turns"] == "6"
 
 
 def test_cpu_demo_generates_with_vllm_only_where_the_python_has_it(tmp_path):
@@ -213,35 +233,32 @@ def test_cpu_demo_generates_with_vllm_only_where_the_python_has_it(tmp_path):
     (stub / "vllm").mkdir(parents=True)
     (stub / "vllm" / "__init__.py").write_text("")
     has = subprocess.run(["python", "-c", "import vllm"], capture_output=True).returncode == 0
+    engine = "actor_rollout_ref.rollout.name"
     _, block, cmd, _ = dry_run(tmp_path, USER_SIM_URLS="http://x:1", PYTHONPATH=str(no_vllm))
-    assert block["ROLLOUT_ENGINE"] == ("vllm" if has else "hf", "preset")
-    assert cmd["actor_rollout_ref.rollout.name"] == block["ROLLOUT_ENGINE"][0]
+    assert block[engine] == ("vllm" if has else "hf", "preset cpu") and cmd[engine] == block[engine][0]
     _, block, cmd, _ = dry_run(tmp_path, USER_SIM_URLS="http://x:1", PYTHONPATH=str(stub))
-    assert block["ROLLOUT_ENGINE"] == ("vllm", "preset") and cmd["actor_rollout_ref.rollout.name"] == "vllm"
-    _, block, cmd, _ = dry_run(tmp_path, USER_SIM_URLS="http://x:1", PYTHONPATH=str(stub), ROLLOUT_ENGINE="hf")
-    assert block["ROLLOUT_ENGINE"] == ("hf", "environment") and cmd["actor_rollout_ref.rollout.name"] == "hf"
+    assert block[engine] == ("vllm", "preset cpu") and cmd[engine] == "vllm"
+    _, block, cmd, _ = dry_run(tmp_path, f"{engine}=hf", USER_SIM_URLS="http://x:1", PYTHONPATH=str(stub))
+    assert block[engine] == ("hf", "command line, replacing vllm of preset cpu") and cmd[engine] == "hf"
 
 
 def test_unknown_preset_is_refused(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
     done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "main.sh"), "--dry-run"], cwd=tmp_path,
                           env={**env, "PRESET": "tpu"}, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "PRESET must be cpu, gpu, gpu_lora or rehearsal, got 'tpu'" in done.stderr
+    assert done.returncode == 2
+    assert "unknown preset 'tpu'; presets: cpu, gpu, gpu_lora, rehearsal" in done.stderr
 
 
 @pytest.mark.parametrize("preset", ["cpu", "gpu"])
-def test_every_preset_value_is_printed(tmp_path, preset):
-    _, block, _, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", PRESET=preset)
-    preset_file = (REPO_ROOT / "scripts" / "presets.sh").read_text()
-    names = preset_file.split("SEAD_PRESET_VARS=(", 1)[1].split(")", 1)[0].split()
-    assert list(block) == names
-    bodies = [preset_file.split(f"_sead_{which}_preset() {{", 1)[1].split("\n}", 1)[0] for which in ("cpu", "gpu")]
-    recipe = subprocess.run([sys.executable, "-m", "utils.cpu_recipe", "preset"], cwd=REPO_ROOT, check=True,
-                            capture_output=True, text=True).stdout.split("\n")
-    from_recipe = {line.split(" ", 1)[0] for line in recipe if line}
-    for name in names:  # each preset sets every variable once (the CPU preset's learning settings: the recipe's)
-        set_in = [body.count(f"_sead_default {name} ") for body in bodies]
-        assert set_in[0] + (name in from_recipe) == 1 and set_in[1] == 1, name
+def test_every_preset_value_is_printed_and_passed(tmp_path, preset):
+    from verl.trainer.presets import preset_settings
+
+    _, block, cmd, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", PRESET=preset)
+    for key in preset_settings(preset):
+        assert key in block, key
+        assert key.startswith("launch.") or key in cmd, key
+    assert not any(k.startswith("launch.") for k in cmd), "a launch.* key reached the trainer"
 
 
 def _command_line(out: str) -> str:
@@ -252,23 +269,24 @@ def _command_line(out: str) -> str:
 def test_gpu_placement_the_trainer_sees_only_its_gpus(tmp_path):
     env = {"MODEL_PATH": str(tmp_path / "m"), "USER_SIM_MODEL": "/models/sim"}
     out, block, _, _ = dry_run(tmp_path, **env)
-    assert block["POLICY_GPUS"] == ("0,1,2,3,4,5", "preset")
+    assert block["launch.policy_gpus"][0] == "0,1,2,3,4,5"
     assert _command_line(out).split()[:2] == ["env", "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5"]
     assert "placement: trainer on GPUs 0,1,2,3,4,5; simulators 6,7" in out
-    out, block, _, _ = dry_run(tmp_path, N_GPUS="4", POLICY_GPUS="2,3,4,5", SIM_GPUS="0,1", **env)
+    out, block, _, _ = dry_run(tmp_path, "trainer.n_gpus_per_node=4", "launch.policy_gpus=2,3,4,5", SIM_GPUS="0,1",
+                               **env)
     assert _command_line(out).split()[1] == "CUDA_VISIBLE_DEVICES=2,3,4,5"
     cpu_out, _, _, _ = dry_run(tmp_path, USER_SIM_URLS="http://127.0.0.1:5000")
     assert not _command_line(cpu_out).strip().startswith("env")
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"POLICY_GPUS": "0,1,2,3,4,6"}, "GPU 6 is in both POLICY_GPUS=0,1,2,3,4,6 and SIM_GPUS=6,7"),
-    ({"POLICY_GPUS": "0,1,2"}, "POLICY_GPUS=0,1,2 lists 3 GPUs but N_GPUS=6"),
+@pytest.mark.parametrize("args, message", [
+    (["launch.policy_gpus=0,1,2,3,4,6"], "GPU 6 is in both launch.policy_gpus=0,1,2,3,4,6 and SIM_GPUS=6,7"),
+    (["launch.policy_gpus=0,1,2"], "launch.policy_gpus=0,1,2 lists 3 GPUs but trainer.n_gpus_per_node=6"),
 ])
-def test_overlapping_or_miscounted_gpus_are_refused(tmp_path, settings, message):
+def test_overlapping_or_miscounted_gpus_are_refused(tmp_path, args, message):
     clean = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
     clean.update(OUTPUT_DIR=str(tmp_path / "o"), PYTHON="python", MODEL_PATH=str(tmp_path / "m"),
-                 USER_SIM_MODEL="/models/sim", **settings)
-    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "main.sh"), "--dry-run"], cwd=tmp_path, env=clean,
-                          capture_output=True, text=True, timeout=60)
+                 USER_SIM_MODEL="/models/sim")
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "main.sh"), "--dry-run", *args], cwd=tmp_path,
+                          env=clean, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr

@@ -1,6 +1,6 @@
 """The scripts find the project's python themselves and say which (scripts/python_env.sh), and main.sh's dry run and
-plan speak plainly: a missing model path is not something to download, a tiny model's size has a unit, and a STEPS
-the checkpoints already reach is called out before anything starts.
+plan speak plainly: a missing model path is not something to download, a tiny model's size has a unit, and a step count
+(trainer.total_training_steps) the checkpoints already reach is called out before anything starts.
 
 Before: with a `python` on PATH that lacked the project (no activated .venv), `MODEL_PATH=... bash scripts/main.sh
 --plan` checked the scenario and died with `ModuleNotFoundError: No module named 'omegaconf'`.
@@ -119,9 +119,10 @@ def test_a_steps_the_checkpoints_already_reach_is_called_out(tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stderr
 
-    warned = dry_run(STEPS="2")
-    assert ("WARNING: nothing to train: " in warned and "already holds step 4 and STEPS=2 is the total number of "
-            "steps, not the steps to add" in warned and "STEPS=6 trains 2 more" in warned)
-    assert "nothing to train" in dry_run("trainer.total_training_steps=4")  # the override is the total too
-    assert "nothing to train" not in dry_run(STEPS="6")
-    assert "nothing to train" not in dry_run("trainer.resume_mode=disable", STEPS="2")
+    warned = dry_run("trainer.total_training_steps=2")
+    assert ("WARNING: nothing to train: " in warned and "already holds step 4 and trainer.total_training_steps=2 is "
+            "the total number of steps, not the steps to add" in warned
+            and "trainer.total_training_steps=6 trains 2 more" in warned)
+    assert "nothing to train" in dry_run()  # the CPU preset's 4 steps
+    assert "nothing to train" not in dry_run("trainer.total_training_steps=6")
+    assert "nothing to train" not in dry_run("trainer.resume_mode=disable", "trainer.total_training_steps=2")

@@ -23,14 +23,16 @@ def test_the_cpu_preset_and_the_learning_benchmark_take_their_settings_from_the_
                              text=True, check=True).stdout
     values = dict(line.split(" ", 1) for line in printed.splitlines())
     assert values == RECIPE.preset_values()
-    assert values["STEPS"] == "4" and values["MICRO_BATCH"] == str(RECIPE.ppo_mini_prompts * RECIPE.group_size // 2)
-    env = {k: v for k, v in os.environ.items() if k not in RECIPE.preset_values()} | {"PYTHON": sys.executable}
+    assert values["trainer.total_training_steps"] == "4"
+    assert values["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == str(
+        RECIPE.ppo_mini_prompts * RECIPE.group_size // 2)
+    env = {k: v for k, v in os.environ.items() if k not in ("PRESET", "MODEL_PATH")} | {"PYTHON": sys.executable}
     dry = subprocess.run(["bash", "scripts/main.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
                          text=True, check=True).stdout
-    for name, value in values.items():
-        assert any(line.split()[:2] == [name, value.split()[0]] and line.rstrip().endswith("(preset)")
-                   for line in dry.splitlines()), (name, value)
-    assert f"actor_rollout_ref.actor.optim.lr={values['LR']}" in dry and "trainer.seed=0" in dry
+    for key, value in values.items():  # every recipe value reaches the CPU preset, marked as the recipe's
+        assert f"  {key}={value}    (preset cpu (utils.cpu_recipe))" in dry.splitlines(), (key, value)
+    assert f"actor_rollout_ref.actor.optim.lr={values['actor_rollout_ref.actor.optim.lr']}" in dry
+    assert "trainer.seed=0" in dry
     bench = LearningSettings()
     assert {f.name: getattr(bench, f.name) for f in dataclasses.fields(RECIPE) if f.name != "steps"} == \
         {f.name: getattr(RECIPE, f.name) for f in dataclasses.fields(RECIPE) if f.name != "steps"}

@@ -4,7 +4,9 @@ Hydra rejects a plain override of a key that does not exist (`trainer.total_trai
 message, while an unknown `+key` reaches the config check and gets a "did you mean". This module gives both the
 same clear error. It also turns `format_prompt=<name>` (or Hydra's own suggestion, `+format_prompt=<name>`) into
 `rollout_loop.config.scenario=<config dir>/format_prompt/<name>.yaml`: the scenario YAMLs live in that
-directory, which Hydra would otherwise load as a config group and fail on their `${...}` placeholders.
+directory, which Hydra would otherwise load as a config group and fail on their `${...}` placeholders. And it
+expands `preset=<name>` into that preset's keys (verl/trainer/config/preset/<name>.yaml, resolved by
+verl/trainer/presets.py), under the other key=value arguments, which win.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 
 from verl.trainer.config_schema import CONFIG_DIR, CONFIG_NAME, ConfigError
 
-__all__ = ["SCENARIO_DIR", "check_overrides", "config_name_from_argv"]
+__all__ = ["SCENARIO_DIR", "check_overrides", "config_name_from_argv", "expand_preset"]
 
 SCENARIO_DIR = CONFIG_DIR / "format_prompt"
 SCENARIO_KEY = "rollout_loop.config.scenario"
@@ -73,10 +75,35 @@ def _missing_key_error(base: Mapping[str, Any], key: str) -> str | None:
     return None
 
 
+def expand_preset(argv: Sequence[str]) -> tuple[list[str], str | None, dict[str, Any] | None]:
+    """(argv with `preset=<name>` replaced by the preset's resolved keys and the other key=value arguments over
+    them, the preset's name, every resolved Setting by key); argv unchanged and None, None without a preset."""
+    out = list(argv)
+    positions = _override_positions(out)
+    named = [i for i in positions if out[i].split("=", 1)[0].lstrip("+") == "preset"]
+    if not named:
+        return out, None, None
+    if len(named) > 1:
+        raise ConfigError("preset= is given more than once")
+    from verl.trainer.presets import resolve, trainer_overrides
+
+    name = out[named[0]].split("=", 1)[1]
+    others = [out[i] for i in positions if i != named[0]]
+    settings = resolve(name, [("command line", others)], config_name_from_argv(out))
+    flags = [arg for i, arg in enumerate(out) if i not in set(positions)]
+    return flags + trainer_overrides(settings), name, settings
+
+
 def check_overrides(argv: Sequence[str], base: Mapping[str, Any] | None = None) -> list[str]:
     """argv with `format_prompt=<name>` rewritten to the scenario path; ConfigError for a plain override of a key
-    that is not in the config (`base`: the composed config as plain containers, composed here when None)."""
+    that is not in the config (`base`: the composed config as plain containers, composed here when None), and
+    `preset=<name>` expanded (expand_preset)."""
     out = list(argv)
+    for i in _override_positions(out):  # the scenario first: a preset's {scenario} is its name
+        key, value = out[i].split("=", 1)
+        if key.lstrip("+") == "format_prompt":
+            out[i] = _scenario_override(value)
+    out = expand_preset(out)[0]
     positions = _override_positions(out)
     if not positions:
         return out
@@ -87,11 +114,9 @@ def check_overrides(argv: Sequence[str], base: Mapping[str, Any] | None = None) 
 
         base = OmegaConf.to_container(compose_config([], config_name_from_argv(out)), resolve=False)
     for i in positions:
-        key, value = out[i].split("=", 1)
+        key = out[i].split("=", 1)[0]
         bare = key.lstrip("+~")
-        if bare == "format_prompt":
-            out[i] = _scenario_override(value)
-        elif not key.startswith(("+", "~")) and not bare.startswith("hydra."):
+        if not key.startswith(("+", "~")) and not bare.startswith("hydra."):
             error = _missing_key_error(base, bare)
             if error is not None:
                 raise ConfigError(error)

@@ -8,6 +8,10 @@ on one resource pool of ``nnodes x n_gpus_per_node`` slots (CPU slots on CPU, GP
 Hydra writes no ``outputs/<date>`` directory and does not chdir (see the ``hydra`` section of the YAML). Ray,
 torch and the workers are imported only once the config is valid, so a config error is reported in about a second.
 
+``preset=NAME`` (verl/trainer/config/preset/NAME.yaml: cpu, gpu, gpu_lora, rehearsal) puts a preset's keys under the
+other key=value arguments; ``--dry-run`` prints every value the preset or the command line set, with where it came
+from, and exits.
+
 Example (CPU, built-in task)::
 
     python -m verl.tasks.repeat_letter --out_dir outputs/data/repeat_letter
@@ -102,6 +106,11 @@ def main(config: DictConfig) -> None:
 
 if __name__ == "__main__":
     try:
+        if "--dry-run" in sys.argv[1:]:  # every value a preset or the command line set, with its origin; no run
+            from verl.trainer.launch_settings import describe
+
+            print(describe([a for a in sys.argv[1:] if a != "--dry-run"]))
+            raise SystemExit(0)
         sys.argv[1:] = check_overrides(sys.argv[1:])
     except ConfigError as exc:
         raise SystemExit(f"config error: {exc}") from None
