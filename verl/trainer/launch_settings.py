@@ -68,12 +68,23 @@ SCRIPT_VALUES = {
 }
 
 
-def check_environment(environ: Mapping[str, str]) -> None:
-    """ConfigError naming the key of every removed preset variable that is set (non-empty) in `environ`."""
-    found = [f"{name} (now {key}=...)" for name, key in REMOVED_VARIABLES.items() if environ.get(name)]
-    if found:
-        raise ConfigError(f"scripts/main.sh reads settings as key=value arguments only; unset {', '.join(found)} "
+# Names common in a user's shell for other reasons: set, they are reported as not read instead of refused.
+GENERIC_NAMES = frozenset({"SEED", "DEVICE", "LR", "EXPERIMENT", "TEMPERATURE", "DATA_DIR", "LOG_DIR", "CKPT_DIR"})
+
+
+def check_environment(environ: Mapping[str, str]) -> str | None:
+    """ConfigError naming the key of every removed preset variable set (non-empty) in `environ`; for the generic
+    names only (GENERIC_NAMES), a warning that they are not read, or None."""
+    found = [name for name in REMOVED_VARIABLES if environ.get(name)]
+    named = {name: f"{name} (now {REMOVED_VARIABLES[name]}=...)" for name in found}
+    refused = [named[name] for name in found if name not in GENERIC_NAMES]
+    if refused:
+        raise ConfigError(f"scripts/main.sh reads settings as key=value arguments only; unset {', '.join(refused)} "
                           f"and pass the key instead")
+    if found:
+        return (f"warning: scripts/main.sh does not read {', '.join(named.values())} from the environment; "
+                "pass the key to set it")
+    return None
 
 
 def _shown(text: str) -> str:
@@ -180,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not argv or argv[0].startswith("-"):
             raise ConfigError("usage: python -m verl.trainer.launch_settings PRESET [KEY=VALUE ...] -- [KEY=VALUE ...]")
-        check_environment(os.environ)
+        ignored = check_environment(os.environ)
+        if ignored:
+            print(ignored, file=sys.stderr)
         preset, rest = argv[0], argv[1:]
         split = rest.index("--") if "--" in rest else len(rest)
         settings = resolve(preset, [("scripts/main.sh", rest[:split]), ("command line", rest[split + 1:])])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -124,12 +125,23 @@ def test_a_preset_that_sets_a_recipe_value_again_is_refused(tmp_path, monkeypatc
 
 
 def test_the_old_preset_variables_are_refused_naming_their_key(monkeypatch, capsys):
-    check_environment({"PRESET": "gpu", "MODEL_PATH": "/m"})  # process-level inputs stay
+    assert check_environment({"PRESET": "gpu", "MODEL_PATH": "/m"}) is None  # process-level inputs stay
     with pytest.raises(ConfigError, match=r"MAX_TURNS \(now rollout_loop.config.max_turns=...\)"):
         check_environment({"MAX_TURNS": "12"})
     monkeypatch.setenv("SEAD_GPU_MAX_TURNS", "12")
     assert launch_main(["gpu"]) == 2
     assert "SEAD_GPU_MAX_TURNS (now rollout_loop.config.max_turns=...)" in capsys.readouterr().err
+
+
+def test_generic_names_in_the_environment_are_reported_as_not_read_instead_of_refused(monkeypatch, capsys):
+    said = check_environment({"SEED": "7", "LOG_DIR": "/var/log/mine"})
+    assert said and "SEED (now launch.seed=...)" in said and "LOG_DIR (now trainer.log_dir=...)" in said
+    with pytest.raises(ConfigError, match=re.escape("unset STEPS (now trainer.total_training_steps=...) and")):
+        check_environment({"SEED": "7", "STEPS": "20"})  # a distinctive old name among them is still refused
+    monkeypatch.setenv("DATA_DIR", "/data")
+    assert launch_main(["cpu"]) == 0
+    out = capsys.readouterr()
+    assert "does not read DATA_DIR (now data.train_files and data.val_files=...)" in out.err
 
 
 def test_the_trainer_takes_preset_name_under_its_other_key_value_arguments():
