@@ -60,7 +60,7 @@ def preset_names() -> list[str]:
 
 def _read(name: str) -> dict[str, Any]:
     path = PRESET_DIR / f"{name}.yaml"
-    if not path.is_file():
+    if name not in preset_names():  # a name, never a path (PRESET=../x)
         raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(preset_names())} ({PRESET_DIR})")
     raw = yaml.load(path.read_text(encoding="utf-8"), Loader=yaml.BaseLoader) or {}
     if not isinstance(raw, dict):

@@ -124,6 +124,12 @@ def test_a_preset_that_sets_a_recipe_value_again_is_refused(tmp_path, monkeypatc
         resolve("loop")
 
 
+def test_a_preset_is_named_not_reached_by_a_path(tmp_path):
+    (tmp_path / "mine.yaml").write_text("trainer.total_training_steps: \"3\"\n")
+    with pytest.raises(ConfigError, match="unknown preset"):  # from the preset folder up to / and down to it
+        resolve("/".join([".."] * 12) + str(tmp_path / "mine"))
+
+
 def test_the_old_preset_variables_are_refused_naming_their_key(monkeypatch, capsys):
     assert check_environment({"PRESET": "gpu", "MODEL_PATH": "/m"}) is None  # process-level inputs stay
     with pytest.raises(ConfigError, match=r"MAX_TURNS \(now rollout_loop.config.max_turns=...\)"):
