@@ -205,11 +205,17 @@ def test_key_value_arguments_win_and_values_that_follow_them_follow(tmp_path):
 def test_the_old_preset_variables_are_refused_with_the_key_that_replaces_them(tmp_path):
     clean = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}
     done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "main.sh"), "--dry-run"], cwd=tmp_path,
-                          env={**clean, "PYTHON": "python", "MAX_TURNS": "12", "LR": "1e-5"}, capture_output=True,
+                          env={**clean, "PYTHON": "python", "MAX_TURNS": "12", "ROLLOUT_N": "4"}, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2
     assert "MAX_TURNS (now rollout_loop.config.max_turns=...)" in done.stderr
-    assert "LR (now actor_rollout_ref.actor.optim.lr=...)" in done.stderr
+    assert "ROLLOUT_N (now actor_rollout_ref.rollout.n=...)" in done.stderr
+    # a name a shell may hold for another reason is reported as not read; the run goes on with the preset's value
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "main.sh"), "--dry-run"], cwd=tmp_path,
+                          env={**clean, "PYTHON": "python", "LR": "1e-5"}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "does not read LR (now actor_rollout_ref.actor.optim.lr=...)" in done.stderr
+    assert "actor_rollout_ref.actor.optim.lr=0.0004" in done.stdout
 
 
 def test_two_instance_script_runs_12_turns_on_the_gpu_preset(tmp_path):
