@@ -68,6 +68,7 @@ class LearningSettings(CpuRecipe):
 
     seed: int = 0
     steps: int = 16
+    lr_warmup_steps: int = 0
     lora_rank: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer instead of every weight
     lora_alpha: float = 16.0
     ppo_epochs: int = 1

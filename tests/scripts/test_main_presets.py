@@ -63,8 +63,8 @@ CPU = {
     "actor_rollout_ref.actor.use_kl_loss": "false", "actor_rollout_ref.actor.entropy_coeff": "0.0",
     "actor_rollout_ref.rollout.temperature": "0.7", "rollout_loop.config.max_turns": "10",
     "data.max_response_length": "768", "rollout_loop.config.max_tokens_per_turn": "64",
-    "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "8", "trainer.experiment_name": "cpu_demo_outbound_ad_trial",
-    "trainer.test_freq": "8", "actor_rollout_ref.actor.optim.lr_warmup_steps": "2", "data.max_prompt_length": "96", "rollout_loop.config.cache.min_bucket_size": "2",
+    "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "4", "trainer.experiment_name": "cpu_demo_outbound_ad_trial",
+    "trainer.test_freq": "4", "data.max_prompt_length": "96", "rollout_loop.config.cache.min_bucket_size": "2",
     "trainer.device": "auto", "actor_rollout_ref.actor.use_dynamic_bsz": "false",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "16",  # a policy update's whole share per rank
 }
