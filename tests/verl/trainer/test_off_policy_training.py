@@ -1,0 +1,122 @@
+"""One-step-off training end to end (Ray, 2 FSDP workers, the multi-turn loop against scripted simulators with
+heavy-tailed injected latency): every trained token's recorded policy version and behaviour log-prob are those of
+the weights that sampled it, recomputed here with a plain HF model loaded from a copy of each version's weights, and
+the importance weights of the decoupled-PPO correction equal a float64 recomputation."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.sead_training_run import make_trainer, training_config
+from verl.utils.agent_turns import AGENT_TURN_IDS
+from verl.workers.rollout.engine import ROLLOUT_POLICY_VERSIONS
+
+ONE_STEP_OFF = ("async_training.staleness_threshold=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
+                "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0",
+                "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.resume_mode=disable",
+                "rollout_loop.config.max_turns=3", "rollout_loop.config.max_tokens_per_turn=24",
+                # the tiny model's dialogues all get one reward (no advantage): the entropy term moves the weights
+                "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.optim.lr=1e-2")
+THRESHOLD = 2.0
+
+
+class SavingEachVersion:
+    """The actor worker group, saving the weights (HF export) after each update as `<out>/v<version>`."""
+
+    def __init__(self, worker_group, out: Path) -> None:
+        self.worker_group, self.out, self.version = worker_group, out, 0
+
+    def __getattr__(self, name):
+        return getattr(self.worker_group, name)
+
+    def update_actor(self, batch):
+        result = self.worker_group.update_actor(batch)
+        self.version += 1
+        self.worker_group.save_checkpoint(str(self.out / f"v{self.version}"), save_hf_model=True)
+        return result
+
+
+@pytest.fixture()
+def slow_sims(tmp_path):
+    from tests.helpers.repo import SCENARIO_PATH
+    from tests.helpers.sim_servers import SimServers
+
+    servers = SimServers(tmp_path / "sims")
+    flags = ("--scenario", str(SCENARIO_PATH), "--inject-latency-ms", "30", "--inject-latency-sigma", "1.5")
+    urls = [servers.start(*flags) for _ in range(2)]
+    try:
+        servers.wait_ready(*urls)
+        yield urls
+    finally:
+        servers.stop_all()
+
+
+def _log_probs(path: str, batch, dtype: torch.dtype) -> torch.Tensor:
+    """log softmax(logits) of every response token of `batch` under the HF model at `path` (float `dtype`)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    b = batch.batch
+    width = b["responses"].size(1)
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits.to(dtype)
+    logits = logits[:, -width - 1:-1]
+    return torch.log_softmax(logits, dim=-1).gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.processes
+def test_one_step_off_records_each_tokens_version_and_behaviour_log_prob(tiny_model_path, tmp_path, slow_sims,
+                                                                         ray_cluster):
+    config = training_config(tiny_model_path, tmp_path, slow_sims, 2, ONE_STEP_OFF)
+    trainer, pool = make_trainer(config)
+    try:
+        trainer.init_workers()
+        saving = SavingEachVersion(trainer.actor_rollout_wg, tmp_path / "versions")
+        trainer.actor_rollout_wg = saving
+        trainer.fit()
+        batch = trainer.last_batch
+    finally:
+        trainer.shutdown()
+        pool.remove()
+    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())}
+    assert metrics[1]["async/staleness_max"] == 0  # step 1's rollout ran before any update
+    assert metrics[2]["async/policy_version"] == 1 and metrics[2]["async/staleness_max"] <= 1
+
+    # step 2 trained step 2's rollout, sampled by version 0 (the model) and/or 1 (after step 1's update)
+    mask = batch.batch["response_mask"].bool()
+    versions = batch.batch[ROLLOUT_POLICY_VERSIONS]
+    assert set(versions[mask].tolist()) <= {0, 1} and bool((versions[~mask] == -1).all())
+    paths = {0: tiny_model_path, 1: str(tmp_path / "versions" / "v1")}
+    stale = (versions == 0) & mask
+    # rollout 2 starts before step 1 trains, so its first turns are sampled by version 0 before the update
+    assert bool(stale.any())
+    assert metrics[2]["async/tokens_stale_frac"] == pytest.approx(float(stale.sum() / mask.sum()))
+
+    # one version per agent turn, the one the dialogue record got from the engine
+    turns = batch.batch[AGENT_TURN_IDS]
+    for row, record in enumerate(batch.non_tensor_batch["dialogue"]):
+        agent_versions = [t.policy_version for t in record.turns if t.policy_version is not None]
+        for k in range(int(turns[row].max()) + 1):
+            in_turn = versions[row][turns[row] == k]
+            assert in_turn.numel() == 0 or set(in_turn.tolist()) == {agent_versions[k]}, (row, k)
+
+    # each token's behaviour log-prob is its sampling version's log-prob, recomputed from that version's weights
+    rollout = batch.batch["rollout_log_probs"]
+    recomputed = {v: _log_probs(p, batch, torch.float32) for v, p in paths.items()}
+    for v, lp in recomputed.items():
+        sampled_by_v = (versions == v) & mask
+        if sampled_by_v.any():
+            assert torch.allclose(lp[sampled_by_v], rollout[sampled_by_v], atol=2e-4), v
+    assert not torch.allclose(recomputed[0][mask], recomputed[1][mask], atol=1e-2), "the update changed nothing"
+
+    # decoupled PPO: weight = min(exp(proximal - behaviour), threshold), proximal = version 1 (the trainer's)
+    exact = {v: _log_probs(p, batch, torch.float64) for v, p in paths.items()}
+    behaviour = torch.where(versions == 0, exact[0], exact[1])
+    expected = torch.exp(exact[1] - behaviour).clamp(max=THRESHOLD)
+    weights = batch.batch["rollout_is_weights"].to(torch.float64)
+    assert torch.allclose(weights[mask], expected[mask], rtol=1e-3, atol=1e-4)
+    assert torch.allclose(weights[mask & ~stale], torch.ones_like(weights[mask & ~stale]), atol=1e-3)
