@@ -1,7 +1,8 @@
 """One-step-off training end to end (Ray, 2 FSDP workers, the multi-turn loop against scripted simulators with
 heavy-tailed injected latency): every trained token's recorded policy version and behaviour log-prob are those of
 the weights that sampled it, recomputed here with a plain HF model loaded from a copy of each version's weights, and
-the importance weights of the decoupled-PPO correction equal a float64 recomputation."""
+the importance weights of the decoupled-PPO correction equal a float64 recomputation. And with nothing to overlap
+(a checkpoint every step) the one-step-off path trains exactly the synchronous trainer's batches."""
 from __future__ import annotations
 
 import json
@@ -39,19 +40,23 @@ class SavingEachVersion:
         return result
 
 
-@pytest.fixture()
-def slow_sims(tmp_path):
+def _sims(log_dir: Path, *flags: str):
     from tests.helpers.repo import SCENARIO_PATH
     from tests.helpers.sim_servers import SimServers
 
-    servers = SimServers(tmp_path / "sims")
-    flags = ("--scenario", str(SCENARIO_PATH), "--inject-latency-ms", "30", "--inject-latency-sigma", "1.5")
-    urls = [servers.start(*flags) for _ in range(2)]
+    servers = SimServers(log_dir)
+    urls = [servers.start("--scenario", str(SCENARIO_PATH), *flags) for _ in range(2)]
     try:
         servers.wait_ready(*urls)
         yield urls
     finally:
         servers.stop_all()
+
+
+@pytest.fixture()
+def slow_sims(tmp_path):
+    """Two scripted simulators answering after a lognormal latency (median 30 ms, sigma 1.5: heavy-tailed)."""
+    yield from _sims(tmp_path / "sims", "--inject-latency-ms", "30", "--inject-latency-sigma", "1.5")
 
 
 def _log_probs(path: str, batch, dtype: torch.dtype) -> torch.Tensor:
@@ -120,3 +125,33 @@ def test_one_step_off_records_each_tokens_version_and_behaviour_log_prob(tiny_mo
     weights = batch.batch["rollout_is_weights"].to(torch.float64)
     assert torch.allclose(weights[mask], expected[mask], rtol=1e-3, atol=1e-4)
     assert torch.allclose(weights[mask & ~stale], torch.ones_like(weights[mask & ~stale]), atol=1e-3)
+
+
+def _trained_batch(model: str, out: Path, extra: tuple[str, ...]):
+    """The last batch of a 2-step run with a checkpoint every step, against fresh instant simulators."""
+    sims = _sims(out / "sims")
+    urls = next(sims)
+    try:
+        config = training_config(model, out, urls, 2, (*extra, "trainer.save_freq=1"))
+        trainer, pool = make_trainer(config)
+        try:
+            trainer.init_workers()
+            trainer.fit()
+            return trainer.last_batch
+        finally:
+            trainer.shutdown()
+            pool.remove()
+    finally:
+        sims.close()
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_with_nothing_to_overlap_one_step_off_trains_the_synchronous_batches(tiny_model_path, tmp_path, ray_cluster):
+    off = _trained_batch(tiny_model_path, tmp_path / "off", ONE_STEP_OFF)
+    sync = _trained_batch(tiny_model_path, tmp_path / "sync",
+                          tuple(o.replace("staleness_threshold=1", "staleness_threshold=0") for o in ONE_STEP_OFF))
+    assert set(off.batch.keys()) == set(sync.batch.keys())
+    for key in sorted(off.batch.keys()):
+        assert torch.equal(off.batch[key], sync.batch[key]), key
+    assert list(off.non_tensor_batch["uid"]) == list(sync.non_tensor_batch["uid"])

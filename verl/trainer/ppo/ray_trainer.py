@@ -42,7 +42,8 @@ from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
 from verl.trainer.ppo.trainer_advantage import advantage_step, compute_advantage
 from verl.trainer.ppo.trainer_checkpoint import (SCENARIO_KEY, CheckpointedParts, TrainerCheckpoints, nothing_to_train,
                                                  run_inputs)
-from verl.trainer.ppo.trainer_off_policy import RolloutAhead, staleness_metrics, trainer_policy_version
+from verl.trainer.ppo.trainer_off_policy import (RolloutAhead, staleness_metrics, take_and_refill,
+                                                 trainer_policy_version)
 from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs
 from verl.trainer.ppo.trainer_rollout import (
     GEN_INPUT_KEYS,
@@ -250,15 +251,12 @@ class RayPPOTrainer:
         step, timing = self.global_steps, {}
         metrics: dict[str, float] = {}
         with timer("step", timing):
-            if not ahead.in_flight:
-                ahead.start(self._next_prompt_batch(), step)
-            taken = ahead.take(step)
+            taken, hook_metrics = take_and_refill(ahead, step, self._next_prompt_batch,
+                                                  lambda batch: self.rollout_loop.on_train_step_end(batch, step),
+                                                  overlap_next)
             batch = taken.batch
             timing.update(taken.timing)
             metrics.update(taken.metrics)
-            hook_metrics = self.rollout_loop.on_train_step_end(batch, step)  # before the next rollout starts
-            if overlap_next:
-                ahead.start(self._next_prompt_batch(), step + 1)
             version = trainer_policy_version(step, self.typed.trainer.critic_warmup)
             metrics.update(staleness_metrics(batch, version, staleness_of(self.typed)))
             batch = self._update(batch, metrics, timing)

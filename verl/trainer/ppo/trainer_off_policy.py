@@ -25,7 +25,7 @@ from verl.workers.rollout.engine import ROLLOUT_POLICY_VERSIONS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutAhead", "TakenRollout", "staleness_metrics", "trainer_policy_version"]
+__all__ = ["RolloutAhead", "TakenRollout", "staleness_metrics", "take_and_refill", "trainer_policy_version"]
 
 RolloutFn = Callable[[DataProto, int, dict[str, float]], tuple[DataProto, dict[str, float]]]
 
@@ -81,6 +81,22 @@ class TakenRollout:
     timing: dict[str, float]
     trainer_idle_s: float
     rollout_idle_s: float
+
+
+def take_and_refill(ahead: RolloutAhead, step: int, next_prompts: Callable[[], DataProto],
+                    seen: Callable[[DataProto], dict[str, float]],
+                    overlap_next: bool) -> tuple[TakenRollout, dict[str, float]]:
+    """The rollout side of a one-step-off step: take step ``step``'s rollout (started now when none is in flight),
+    hand its batch to ``seen`` (the rollout loop's end-of-step hook, run while no rollout is in flight, so the state
+    controller and the cache see the outcomes before the next rollout starts, as in the synchronous trainer), then
+    start step ``step + 1``'s rollout when ``overlap_next``. Returns the rollout taken and ``seen``'s metrics."""
+    if not ahead.in_flight:
+        ahead.start(next_prompts(), step)
+    taken = ahead.take(step)
+    seen_metrics = seen(taken.batch)
+    if overlap_next:
+        ahead.start(next_prompts(), step + 1)
+    return taken, seen_metrics
 
 
 class RolloutAhead:
