@@ -101,8 +101,8 @@ class TokenBuffer:
     Tokens enter in two ways: `append_sampled` for an agent turn's sampled tokens (loss 1, its turn index and, when
     the engine returned them, its log-probs) and `append_context` for tokens the loop writes itself (user turns, an
     unsampled closing eos: loss 0, turn -1, log-prob 0). Either every sampled turn brings log-probs or none does;
-    `final_tensors` returns `rollout_log_probs` only in the first case; likewise policy versions and
-    `rollout_policy_versions`.
+    `final_tensors` returns `rollout_log_probs` only in the first case, and `rollout_policy_versions` only when every
+    sampled turn brought its policy version (an environment may leave it out).
     """
 
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
@@ -132,7 +132,7 @@ class TokenBuffer:
         self.log_probs = torch.zeros(batch, response_length, dtype=torch.float32)
         self.with_log_probs: bool | None = None  # set by the first sampled turn
         self.versions = torch.full((batch, response_length), -1, dtype=torch.long)
-        self.with_versions: bool | None = None  # set by the first sampled turn
+        self.all_versioned = True  # until a sampled turn comes without its policy version
         self.resp_len = [0] * batch
 
     def remaining(self, row: int) -> int:
@@ -161,8 +161,11 @@ class TokenBuffer:
             raise ValueError(f"row {row}: {len(log_probs)} log-probs for {len(ids)} sampled tokens")
         if policy_version is not None and policy_version < 0:
             raise ValueError(f"row {row}: policy version {policy_version} is negative")
-        self.with_log_probs = _same_for_all(self.with_log_probs, log_probs is not None, "rollout_log_probs")
-        self.with_versions = _same_for_all(self.with_versions, policy_version is not None, "a policy version")
+        if self.with_log_probs is None:
+            self.with_log_probs = log_probs is not None
+        elif self.with_log_probs != (log_probs is not None):
+            raise ValueError("the rollout engine returned rollout_log_probs for some agent turns and not for others")
+        self.all_versioned = self.all_versioned and policy_version is not None
         cols = self._put(row, ids)
         if cols is None:
             return
@@ -218,16 +221,9 @@ class TokenBuffer:
                    "response_mask": self.loss_mask.clone(), AGENT_TURN_IDS: self.turn_ids.clone()}
         if self.with_log_probs:
             tensors["rollout_log_probs"] = self.log_probs.clone()
-        if self.with_versions:
+        if self.with_log_probs is not None and self.all_versioned:
             tensors[ROLLOUT_POLICY_VERSIONS] = self.versions.clone()
         return tensors
-
-
-def _same_for_all(known: bool | None, present: bool, what: str) -> bool:
-    """Whether sampled turns bring `what`: the first turn decides, a later turn that differs is a ValueError."""
-    if known is not None and known != present:
-        raise ValueError(f"the rollout engine returned {what} for some agent turns and not for others")
-    return present
 
 
 class AgentBatches:

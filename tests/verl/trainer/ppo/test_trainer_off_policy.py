@@ -89,17 +89,15 @@ def test_token_buffer_records_each_sampled_tokens_policy_version():
     buf.append_context(0, [9])
     buf.append_sampled(0, [4], 1, policy_version=4)
     buf.append_sampled(1, [1, 2], 0, policy_version=4)
-    with pytest.raises(ValueError, match="a policy version for some agent turns and not for others"):
-        buf.append_sampled(1, [3], 1)
     with pytest.raises(ValueError, match="policy version -2 is negative"):
         buf.append_sampled(1, [3], 1, policy_version=-2)
     out = buf.final_tensors()
     assert out[ROLLOUT_POLICY_VERSIONS].tolist() == [[3, 3, -1, 4, -1, -1], [4, 4, -1, -1, -1, -1]]
     buf.drop_loss(1)
     assert buf.final_tensors()[ROLLOUT_POLICY_VERSIONS][1].tolist() == [-1] * 6
-    plain = TokenBuffer(ids, (ids != 0).long(), 6, 0)
-    plain.append_sampled(0, [1], 0)
-    assert ROLLOUT_POLICY_VERSIONS not in plain.final_tensors()
+    buf.append_sampled(1, [3], 1)  # a turn without its version (an environment that does not pass it on)
+    assert ROLLOUT_POLICY_VERSIONS not in buf.final_tensors()
+    assert ROLLOUT_POLICY_VERSIONS not in TokenBuffer(ids, (ids != 0).long(), 6, 0).final_tensors()
 
 
 def test_rollout_ahead_reraises_the_rollouts_error_and_refuses_a_second_in_flight():
