@@ -73,6 +73,7 @@ def _log_probs(path: str, batch, dtype: torch.dtype) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
 
 
+@pytest.mark.slow  # 16-27 s measured (a shared 2-core box)
 @pytest.mark.processes
 def test_one_step_off_records_each_tokens_version_and_behaviour_log_prob(tiny_model_path, tmp_path, slow_sims,
                                                                          ray_cluster):
@@ -155,3 +156,39 @@ def test_with_nothing_to_overlap_one_step_off_trains_the_synchronous_batches(tin
     for key in sorted(off.batch.keys()):
         assert torch.equal(off.batch[key], sync.batch[key]), key
     assert list(off.non_tensor_batch["uid"]) == list(sync.non_tensor_batch["uid"])
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_resume_at_a_checkpoint_trains_the_uninterrupted_runs_next_batch(tiny_model_path, tmp_path, ray_cluster):
+    # steps 1 -> 2 overlap; step 2 ends with a checkpoint, so step 3's rollout starts after it in both runs, from
+    # the checkpoint's loader position, weights and rollout-loop state
+    resumable = tuple(o for o in ONE_STEP_OFF if "save_freq" not in o and "resume_mode" not in o)
+    sims = _sims(tmp_path / "sims")
+    urls = next(sims)
+    try:
+        batches = {}
+        for name, steps in (("uninterrupted", 3), ("resumed", 3)):
+            out = tmp_path / name
+            extra = (*resumable, "trainer.save_freq=2", "trainer.resume_mode=auto")
+            if name == "resumed":  # a copy of the uninterrupted run's step-2 checkpoint only
+                import shutil
+
+                shutil.copytree(tmp_path / "uninterrupted" / "ckpt", out / "ckpt",
+                                ignore=shutil.ignore_patterns("global_step_3*"))
+                (out / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+            trainer, pool = make_trainer(training_config(tiny_model_path, out, urls, steps, extra))
+            try:
+                trainer.init_workers()
+                trainer.fit()
+                batches[name] = trainer.last_batch
+            finally:
+                trainer.shutdown()
+                pool.remove()
+    finally:
+        sims.close()
+    a, b = batches["uninterrupted"], batches["resumed"]
+    assert list(a.non_tensor_batch["uid"]) == list(b.non_tensor_batch["uid"])
+    for key in ("input_ids", "responses", "response_mask", ROLLOUT_POLICY_VERSIONS, "rollout_log_probs",
+                "old_log_probs", "advantages"):
+        assert torch.equal(a.batch[key], b.batch[key]), key

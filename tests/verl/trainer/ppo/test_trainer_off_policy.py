@@ -16,7 +16,9 @@ from verl.trainer.config_schema import ConfigError, compose_config
 from verl.trainer.config_validation import load_config
 from verl.trainer.ppo.trainer_off_policy import (RolloutAhead, staleness_metrics, take_and_refill,
                                                  trainer_policy_version)
-from verl.workers.rollout.engine import ROLLOUT_POLICY_VERSIONS
+from verl.trainer.ppo.plugins import SingleTurnRollout
+from verl.trainer.ppo.trainer_rollout import StepRollouts
+from verl.workers.rollout.engine import ROLLOUT_POLICY_VERSIONS, RolloutEngine
 
 KEY = "async_training.staleness_threshold"
 NEEDED = [KEY + "=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
@@ -98,6 +100,33 @@ def test_token_buffer_records_each_sampled_tokens_policy_version():
     buf.append_sampled(1, [3], 1)  # a turn without its version (an environment that does not pass it on)
     assert ROLLOUT_POLICY_VERSIONS not in buf.final_tensors()
     assert ROLLOUT_POLICY_VERSIONS not in TokenBuffer(ids, (ids != 0).long(), 6, 0).final_tensors()
+
+
+class VersionedEngine(RolloutEngine):
+    """Single-turn generation of two tokens per row (the second row stops after one), at policy version 7."""
+
+    policy_version = 7
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        ids = prompts.batch["input_ids"]
+        responses = torch.tensor([[5, 6], [5, 0]]).repeat(len(ids) // 2, 1)
+        mask = (responses != 0).long()
+        return self.versioned(DataProto.from_dict(tensors={
+            "prompts": ids, "responses": responses, "input_ids": torch.cat([ids, responses], 1),
+            "attention_mask": torch.cat([prompts.batch["attention_mask"], mask], 1),
+            "position_ids": torch.arange(ids.size(1) + 2).repeat(len(ids), 1)}))
+
+
+def test_a_single_generation_puts_its_version_on_every_response_token(paths):
+    config = load_config(compose_config(paths + ["actor_rollout_ref.rollout.n=2", "data.max_response_length=2",
+                                                 "actor_rollout_ref.rollout.response_length=2"]))
+    loop = SingleTurnRollout(tokenizer=None, engine=VersionedEngine(), config={}, is_validation=False)
+    rollouts = StepRollouts(config, loop, loop, lambda batch: (torch.zeros(len(batch), 2), {}), DataProto)
+    prompts = DataProto.from_dict(tensors={"input_ids": torch.ones(1, 3, dtype=torch.long),
+                                           "attention_mask": torch.ones(1, 3, dtype=torch.long),
+                                           "position_ids": torch.arange(3).unsqueeze(0)})
+    batch, _ = rollouts.train_batch(prompts, 1, {})
+    assert batch.batch[ROLLOUT_POLICY_VERSIONS].tolist() == [[7, 7], [7, -1]]
 
 
 def test_rollout_ahead_reraises_the_rollouts_error_and_refuses_a_second_in_flight():
