@@ -42,7 +42,7 @@ from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
 from verl.trainer.ppo.trainer_advantage import advantage_step, compute_advantage
 from verl.trainer.ppo.trainer_checkpoint import (SCENARIO_KEY, CheckpointedParts, TrainerCheckpoints, nothing_to_train,
                                                  run_inputs)
-from verl.trainer.ppo.trainer_off_policy import (RolloutAhead, staleness_metrics, take_and_refill,
+from verl.trainer.ppo.trainer_off_policy import (RolloutAhead, TurnSignal, staleness_metrics, take_and_refill,
                                                  trainer_policy_version)
 from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs
 from verl.trainer.ppo.trainer_rollout import (
@@ -154,6 +154,7 @@ class RayPPOTrainer:
         self.rollout_loop: Optional[RolloutLoop] = None
         self.val_rollout_loop: Optional[RolloutLoop] = None
         self.rollouts: Optional[StepRollouts] = None
+        self.turn_signal: Optional[TurnSignal] = None  # the loops' engine in one-step-off training
         self._prompt_iter: Optional[Iterator[DataProto]] = None
         self._val_generations: list[list[str]] = []  # rows of the last validation's sample table
         self.last_batch: Optional[DataProto] = None  # the last trained batch (inspection and tests)
@@ -182,6 +183,8 @@ class RayPPOTrainer:
             self.critic_wg.init_model()
         self.actor_rollout_wg.init_model()
         loop_cfg, engine = self.typed.rollout_loop.config, WorkerGroupEngine(self.actor_rollout_wg)
+        if staleness_of(self.typed) > 0:
+            engine = self.turn_signal = TurnSignal(engine)
         self.rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine, config=loop_cfg,
                                           is_validation=False)
         self.val_rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine, config=loop_cfg,
@@ -389,7 +392,8 @@ class RayPPOTrainer:
             if console is not None:
                 first = self.rollout_loop.console_metrics
                 console.info(format_console_line(step, self.total_training_steps, metrics, first))
-        ahead = RolloutAhead(self.rollouts.train_batch) if staleness_of(self.typed) > 0 else None
+        ahead = RolloutAhead(self.rollouts.train_batch, self.turn_signal.generated) \
+            if self.turn_signal is not None else None
         try:
             seed = tcfg.seed
             random.seed(seed)

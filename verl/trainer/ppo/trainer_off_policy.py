@@ -5,6 +5,9 @@ thread; the trainer's main thread takes the finished batch, starts the next step
 it took. The worker group serialises the two threads' calls (each rank runs one call at a time, every rank in the
 same order: :class:`~verl.single_controller.ray.RayWorkerGroup`), so the weights change between two generation
 calls, never inside one: an agent turn is sampled by one policy version, and a dialogue may hold turns of two.
+Since the workers run one call at a time, a rollout started just before the training calls would find them busy
+and wait for the whole update; so after starting it the trainer waits for its first generation to return
+(:class:`TurnSignal`), and the update runs while the simulated users answer those turns.
 
 :func:`trainer_policy_version` is the version the step trains from (the proximal policy of decoupled PPO, whose
 log-probs the old-log-prob pass recomputes); :func:`staleness_metrics` checks every trained token's recorded version
@@ -12,7 +15,9 @@ against it and the threshold, and logs how far behind the tokens and dialogues a
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,11 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from verl.protocol import DataProto
-from verl.workers.rollout.engine import ROLLOUT_POLICY_VERSIONS
+from verl.workers.rollout.engine import ROLLOUT_POLICY_VERSIONS, RolloutEngine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutAhead", "TakenRollout", "staleness_metrics", "take_and_refill", "trainer_policy_version"]
+__all__ = ["RolloutAhead", "TakenRollout", "TurnSignal", "staleness_metrics", "take_and_refill",
+           "trainer_policy_version"]
 
 RolloutFn = Callable[[DataProto, int, dict[str, float]], tuple[DataProto, dict[str, float]]]
 
@@ -96,17 +102,50 @@ def take_and_refill(ahead: RolloutAhead, step: int, next_prompts: Callable[[], D
     seen_metrics = seen(taken.batch)
     if overlap_next:
         ahead.start(next_prompts(), step + 1)
+        waited = ahead.wait_until_generating()
+        taken = dataclasses.replace(taken, trainer_idle_s=taken.trainer_idle_s + waited)
     return taken, seen_metrics
+
+
+class TurnSignal(RolloutEngine):
+    """The rollout loops' engine in one-step-off training: ``engine`` (and its replicas, each wrapped), with
+    ``generated``, an event set whenever one of their generations returns."""
+
+    def __init__(self, engine: RolloutEngine, generated: threading.Event | None = None) -> None:
+        self.engine = engine
+        self.world_size = engine.world_size
+        self.generated = generated if generated is not None else threading.Event()
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """The wrapped engine's generation; sets ``generated`` when it returns."""
+        out = self.engine.generate_sequences(prompts)
+        self.generated.set()
+        return out
+
+    def replicas(self) -> list[RolloutEngine]:
+        """The wrapped engine's replicas, each signalling ``generated``."""
+        return [TurnSignal(replica, self.generated) for replica in self.engine.replicas()]
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 class RolloutAhead:
     """At most one step's rollout in flight on a background thread; see the module docstring.
 
-    ``rollout(prompts, step, timing)`` returns the step's scored batch and its metrics (``StepRollouts.train_batch``).
+    ``rollout(prompts, step, timing)`` returns the step's scored batch and its metrics (``StepRollouts.train_batch``);
+    ``generated`` (optional) is set by the rollout's engine each time a generation returns (:class:`TurnSignal`).
     """
 
-    def __init__(self, rollout: RolloutFn) -> None:
+    def __init__(self, rollout: RolloutFn, generated: threading.Event | None = None) -> None:
         self._rollout = rollout
+        self._generated = generated
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
         self._pending: Future | None = None
         self._step: int | None = None
@@ -125,7 +164,19 @@ class RolloutAhead:
         now = time.monotonic()
         self._idle_s = 0.0 if self._finished_at is None else now - self._finished_at
         self._step = step
+        if self._generated is not None:
+            self._generated.clear()
         self._pending = self._pool.submit(self._run, prompts, step)
+
+    def wait_until_generating(self) -> float:
+        """Wait until the rollout in flight has had a generation returned (or has ended); returns the seconds
+        waited (0 without a ``generated`` event or a rollout in flight)."""
+        if self._generated is None or self._pending is None:
+            return 0.0
+        started = time.monotonic()
+        while not self._generated.wait(0.01) and not self._pending.done():
+            pass
+        return time.monotonic() - started
 
     def _run(self, prompts: DataProto, step: int) -> tuple[DataProto, dict[str, float], dict[str, float]]:
         timing: dict[str, float] = {}
