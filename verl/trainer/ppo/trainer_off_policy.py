@@ -80,7 +80,8 @@ def staleness_metrics(batch: DataProto, version: int, threshold: int) -> dict[st
 @dataclass(frozen=True)
 class TakenRollout:
     """A finished rollout: the scored batch, its metrics and timings (``gen``, ``reward``), how long the trainer
-    waited for it (``trainer_idle_s``) and how long no rollout ran before it started (``rollout_idle_s``)."""
+    waited for it and, when the next rollout was started, for that one's first generation (``trainer_idle_s``), and
+    how long no rollout ran before it started (``rollout_idle_s``)."""
 
     batch: DataProto
     metrics: dict[str, float]

@@ -14,7 +14,7 @@ from llm_agent.envs.base import TokenBuffer
 from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError, compose_config
 from verl.trainer.config_validation import load_config
-from verl.trainer.ppo.trainer_off_policy import (RolloutAhead, staleness_metrics, take_and_refill,
+from verl.trainer.ppo.trainer_off_policy import (RolloutAhead, TurnSignal, staleness_metrics, take_and_refill,
                                                  trainer_policy_version)
 from verl.trainer.ppo.plugins import SingleTurnRollout
 from verl.trainer.ppo.trainer_rollout import StepRollouts
@@ -127,6 +127,30 @@ def test_a_single_generation_puts_its_version_on_every_response_token(paths):
                                            "position_ids": torch.arange(3).unsqueeze(0)})
     batch, _ = rollouts.train_batch(prompts, 1, {})
     assert batch.batch[ROLLOUT_POLICY_VERSIONS].tolist() == [[7, 7], [7, -1]]
+
+
+class Replicated(RolloutEngine):
+    """Two replicas of the VersionedEngine kind."""
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        raise AssertionError("generation goes to the replicas")
+
+    def replicas(self) -> list[RolloutEngine]:
+        return [VersionedEngine(), VersionedEngine()]
+
+
+def test_turn_signal_reports_each_returned_generation_of_the_engine_and_its_replicas():
+    prompts = DataProto.from_dict(tensors={"input_ids": torch.ones(2, 3, dtype=torch.long),
+                                           "attention_mask": torch.ones(2, 3, dtype=torch.long)})
+    signal = TurnSignal(VersionedEngine())
+    assert not signal.generated.is_set()
+    out = signal.generate_sequences(prompts)
+    assert signal.generated.is_set() and out.meta_info["policy_version"] == 7
+    replicated = TurnSignal(Replicated())
+    replicas = replicated.replicas()
+    assert len(replicas) == 2 and all(r.generated is replicated.generated for r in replicas)
+    replicas[1].generate_sequences(prompts)
+    assert replicated.generated.is_set()
 
 
 def test_rollout_ahead_reraises_the_rollouts_error_and_refuses_a_second_in_flight():
