@@ -150,9 +150,9 @@ def print_table(summaries: dict[str, dict[str, float]]) -> None:
     """One row per mode."""
     cols = ("wall_s", "step_s_median_after_1", "rollout_s", "train_s", "hidden_s", "trainer_idle_frac",
             "rollout_idle_frac", "simulator_idle_frac", "tokens_stale_frac", "staleness_max", "dropped_stale_dialogues")
-    print(f"{'mode':<14}" + "".join(f"{c:>22}" for c in cols))
+    print(f"{'mode':<14}" + "".join(f"{c:>25}" for c in cols))
     for mode, s in summaries.items():
-        print(f"{mode:<14}" + "".join(f"{s[c]:>22.3f}" if c in s else f"{'-':>22}" for c in cols))
+        print(f"{mode:<14}" + "".join(f"{s[c]:>25.3f}" if c in s else f"{'-':>25}" for c in cols))
     sync = summaries.get("sync")
     for mode, off in summaries.items():
         if sync and mode != "sync":

@@ -189,10 +189,12 @@ def test_with_nothing_to_overlap_off_policy_trains_the_synchronous_batches(tiny_
 
 @pytest.mark.slow
 @pytest.mark.processes
-def test_a_resume_at_a_checkpoint_trains_the_uninterrupted_runs_next_batch(tiny_model_path, tmp_path, ray_cluster):
+@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2], ids=["one-step-off", "staleness-2"])
+def test_a_resume_at_a_checkpoint_trains_the_uninterrupted_runs_next_batch(tiny_model_path, tmp_path, ray_cluster,
+                                                                           mode):
     # steps 1 -> 2 overlap; step 2 ends with a checkpoint, so step 3's rollout starts after it in both runs, from
-    # the checkpoint's loader position, weights and rollout-loop state
-    resumable = tuple(o for o in ONE_STEP_OFF if "save_freq" not in o and "resume_mode" not in o)
+    # the checkpoint's loader position, weights and rollout-loop state (with staleness 2 nothing is queued past 2)
+    resumable = tuple(o for o in mode if "save_freq" not in o and "resume_mode" not in o)
     sims = _sims(tmp_path / "sims")
     urls = next(sims)
     try:
