@@ -1,21 +1,23 @@
-"""Benchmark: synchronous vs one-step-off training (issue 37, phase 1) with a latency-bound simulator.
+"""Benchmark: synchronous vs one-step-off vs staleness-2 training (issue 37) with a latency-bound simulator.
 
     python -m bench.off_policy [--steps 4] [--prompts 4] [--group 4] [--max-turns 4] [--median-ms 300]
                                [--sigma 1.0] [--loop-mode async] [--ppo-epochs 1] [--repeats 2]
-                               [--out bench/results/off_policy.json]
+                               [--modes sync,one_step_off,staleness_2] [--out bench/results/off_policy.json]
 
 The real trainer (Ray, 2 FSDP CPU workers, the HF rollout) trains a small Qwen2 model, warm-started on scripted
 calls so that its turns reach the simulator (the test suite's warm model: 160 SFT steps, made once under
 outputs/off_policy_bench/), against two scripted simulator servers on loopback with injected lognormal latency
 (median `--median-ms`, log-sigma `--sigma`: heavy-tailed). Both modes run the same prompts, seeds and decoupled-PPO
-correction (`rollout_is=token`), alternating `--repeats` times: `async_training.staleness_threshold` 0 (sync) and 1
-(one-step-off). The table shows each figure's median over a mode's runs; the JSON also holds every run.
+correction (`rollout_is=token`), alternating `--repeats` times: `async_training.staleness_threshold` 0 (sync), 1
+(one-step-off) and 2 with `partial_rollout=true` (up to 2 rollouts queued ahead). The table shows each figure's median
+over a mode's runs; the JSON also holds every run.
 
 Per mode: the fit's wall time, the median step time over steps 2.. (step 1 has nothing to overlap in either mode),
 and the idle fractions over the steps' wall time: the trainer's (waiting for a rollout: sync, the rollout's own
-generation and reward time; one-step-off, `async/trainer_idle_s`), the rollout side's (no rollout running: sync, the
-step's training time; one-step-off, `async/rollout_idle_s`) and the simulators' (no request in flight:
-1 - `rollout/time_user_sim_s` / step time), with the staleness of the trained tokens; and the sums over the
+generation and reward time; off-policy modes, `async/trainer_idle_s`), the rollout side's (no rollout running: sync,
+the step's training time; off-policy modes, `async/rollout_idle_s`) and the simulators' (no request in flight:
+1 - `rollout/time_user_sim_s` / step time), with the staleness of the trained tokens and the dialogues dropped as
+over-stale; and the sums over the
 steps of the rollouts' own time (generation and reward), of the training time (step time less the trainer's
 wait) and what the overlap hid (their sum less the steps' time: 0 in sync mode, at most the smaller of the two).
 """
@@ -42,7 +44,7 @@ logger = logging.getLogger("bench.off_policy")
 REPO = Path(__file__).resolve().parents[1]
 SCENARIO = DEFAULT_SCENARIO_PATH
 WORK = REPO / "outputs" / "off_policy_bench"
-MODES = {"sync": 0, "one_step_off": 1}
+MODES = {"sync": 0, "one_step_off": 1, "staleness_2": 2}
 WARM_RECIPE = {"dialogues": 32, "max_turns": 4, "steps": 160, "lr": 1e-2, "batch_size": 8, "seed": 0}
 
 
@@ -77,6 +79,7 @@ def overrides(args: argparse.Namespace, model: Path, data: dict[str, Path], run:
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         f"actor_rollout_ref.actor.ppo_epochs={args.ppo_epochs}", "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
         f"async_training.staleness_threshold={staleness}",
+        f"async_training.partial_rollout={'true' if staleness >= 2 else 'false'}",
         f"trainer.total_training_steps={args.steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
         "trainer.logger=[jsonl]", f"trainer.default_local_dir={run / 'ckpt'}", f"trainer.log_dir={run / 'logs'}",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.resume_mode=disable",
@@ -140,20 +143,22 @@ def summary(mode: str, run: dict[str, Any]) -> dict[str, float]:
         out["tokens_stale_frac"] = statistics.mean(s["async/tokens_stale_frac"] for s in stale)
         out["staleness_max"] = max(s["async/staleness_max"] for s in stale)
         out["dialogues_mixed_versions_frac"] = statistics.mean(s["async/dialogues_mixed_versions_frac"] for s in stale)
+        out["dropped_stale_dialogues"] = sum(s.get("async/dropped_stale_dialogues", 0.0) for s in stale)
     return out
 
 
 def print_table(summaries: dict[str, dict[str, float]]) -> None:
     """One row per mode."""
     cols = ("wall_s", "step_s_median_after_1", "rollout_s", "train_s", "hidden_s", "trainer_idle_frac",
-            "rollout_idle_frac", "simulator_idle_frac", "tokens_stale_frac", "staleness_max")
-    print(f"{'mode':<14}" + "".join(f"{c:>22}" for c in cols))
+            "rollout_idle_frac", "simulator_idle_frac", "tokens_stale_frac", "staleness_max", "dropped_stale_dialogues")
+    print(f"{'mode':<14}" + "".join(f"{c:>25}" for c in cols))
     for mode, s in summaries.items():
-        print(f"{mode:<14}" + "".join(f"{s[c]:>22.3f}" if c in s else f"{'-':>22}" for c in cols))
-    sync, off = summaries.get("sync"), summaries.get("one_step_off")
-    if sync and off:
-        print(f"one_step_off / sync: wall {off['wall_s'] / sync['wall_s']:.3f}, median step after step 1 "
-              f"{off['step_s_median_after_1'] / sync['step_s_median_after_1']:.3f}")
+        print(f"{mode:<14}" + "".join(f"{s[c]:>25.3f}" if c in s else f"{'-':>25}" for c in cols))
+    sync = summaries.get("sync")
+    for mode, off in summaries.items():
+        if sync and mode != "sync":
+            print(f"{mode} / sync: wall {off['wall_s'] / sync['wall_s']:.3f}, median step after step 1 "
+                  f"{off['step_s_median_after_1'] / sync['step_s_median_after_1']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,9 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loop-mode", choices=("sync", "async"), default="async")
     p.add_argument("--ppo-epochs", type=int, default=1, help="passes of the update over the batch (training time)")
     p.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating; the table shows medians")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--work", type=Path, default=WORK)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "off_policy.json")
     args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    if unknown := sorted(set(modes) - set(MODES)):
+        p.error(f"unknown --modes {unknown}; choose from {list(MODES)}")
     logging.basicConfig(level=logging.WARNING)
     import ray
 
@@ -181,10 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     data = create_prompt_data(SCENARIO, args.work / "data", 64, 4, seed=0,
                               system_prompt=load_scenario(SCENARIO).agent_compact_prompt)
     ray.init(address="local", num_cpus=8, include_dashboard=False)
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     try:
         for _ in range(args.repeats):  # the modes alternate, so a change in the box's load hits both
-            for mode in MODES:
+            for mode in modes:
                 runs[mode].append(run_mode(args, model, data, mode))
     finally:
         ray.shutdown()

@@ -1,9 +1,10 @@
 """Checks of ``async_training.*`` (generation overlapped with training), run at load time by ``validate_config``.
 
 ``staleness_threshold`` must be a whole number of policy versions >= 0 (NaN, inf, negatives and fractions are
-refused naming the key); 0 is the synchronous trainer and needs nothing else. 1 (one-step-off) needs what makes a
-stale token trainable and what lets generation run beside training; each missing piece is a ConfigError naming the
-key to set (docs/off_policy.md, "Limits").
+refused naming the key); 0 is the synchronous trainer and needs nothing else. 1 (one-step-off) and k >= 2 (bounded
+staleness, which also needs ``partial_rollout=true``; ``partial_rollout`` needs k >= 2) need what makes a stale token
+trainable and what lets generation run beside training; each missing piece is a ConfigError naming the key to set
+(docs/off_policy.md, "Limits").
 """
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ import math
 from verl.trainer.config_ranges import check_number
 from verl.trainer.config_schema import ConfigError, PPOTrainerConfig
 
-__all__ = ["MAX_STALENESS", "check_async_training", "staleness_of"]
+__all__ = ["check_async_training", "staleness_of"]
 
 KEY = "async_training"
-MAX_STALENESS = 1  # what is built: one-step-off; >= 2 needs partial dialogues (issue 37, phase 2)
 
 
 def staleness_of(cfg: PPOTrainerConfig) -> int:
@@ -30,15 +30,16 @@ def check_async_training(cfg: PPOTrainerConfig) -> None:
     if value != math.floor(value):
         raise ConfigError(f"{KEY}.staleness_threshold counts policy versions: a whole number (0 = synchronous, "
                           f"1 = one-step-off), got {value!r}")
-    if cfg.async_training.partial_rollout:
-        raise ConfigError(f"{KEY}.partial_rollout=true (dialogues continuing across updates) is not built yet; "
-                          "set it to false")
-    if value > MAX_STALENESS:
-        raise ConfigError(f"{KEY}.staleness_threshold={value:g}: values above {MAX_STALENESS} need partial "
-                          f"dialogues, which are not built yet; use 0 (synchronous) or 1 (one-step-off)")
+    partial = cfg.async_training.partial_rollout
+    if value >= 2 and not partial:
+        raise ConfigError(f"{KEY}.staleness_threshold={value:g} keeps up to {value:g} steps' rollouts ahead of the "
+                          f"trainer, whose dialogues continue across updates: set {KEY}.partial_rollout=true")
+    if partial and value < 2:
+        raise ConfigError(f"{KEY}.partial_rollout=true (dialogues continuing across several updates) needs "
+                          f"{KEY}.staleness_threshold >= 2, got {value:g} (0 = synchronous, 1 = one-step-off)")
     if value == 0:
         return
-    setting = f"{KEY}.staleness_threshold={value:g} (one-step-off)"
+    setting = f"{KEY}.staleness_threshold={value:g} ({'one-step-off' if value == 1 else 'bounded staleness'})"
     rollout, correction = cfg.actor_rollout_ref.rollout, cfg.algorithm.rollout_correction
     if rollout.name != "hf":
         raise ConfigError(f"{setting} generates while the actor trains; the colocated vLLM engine "

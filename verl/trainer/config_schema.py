@@ -343,8 +343,9 @@ class AsyncTrainingConfig:
     """``async_training.*``: overlap of generation and training (veRL's key names; docs/off_policy.md).
 
     ``staleness_threshold``: how many policy versions a trained token may lag the trainer's; 0 = the synchronous
-    barrier (default), 1 = one-step-off (step N+1's dialogues are generated while step N trains). ``partial_rollout``:
-    dialogues in flight continue across updates (staleness >= 2; not built yet, refused)."""
+    barrier (default), 1 = one-step-off (step N+1's dialogues are generated while step N trains), k >= 2 = up to k
+    steps' rollouts ahead of the trainer. ``partial_rollout``: dialogues in flight continue across several updates
+    (required by, and only allowed with, k >= 2)."""
 
     staleness_threshold: float = 0
     partial_rollout: bool = False

@@ -1,8 +1,9 @@
 """One-step-off training end to end (Ray, 2 FSDP workers, the multi-turn loop against scripted simulators with
 heavy-tailed injected latency): every trained token's recorded policy version and behaviour log-prob are those of
 the weights that sampled it, recomputed here with a plain HF model loaded from a copy of each version's weights, and
-the importance weights of the decoupled-PPO correction equal a float64 recomputation. And with nothing to overlap
-(a checkpoint every step) the one-step-off path trains exactly the synchronous trainer's batches."""
+the importance weights of the decoupled-PPO correction equal a float64 recomputation. With staleness 2 the rollouts
+queue ahead and every trained token stays within the bound. And with nothing to overlap (a checkpoint every step)
+the one-step-off and staleness-2 paths train exactly the synchronous trainer's batches."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,8 @@ ONE_STEP_OFF = ("async_training.staleness_threshold=1", "actor_rollout_ref.rollo
                 "rollout_loop.config.max_turns=3", "rollout_loop.config.max_tokens_per_turn=24",
                 # the tiny model's dialogues all get one reward (no advantage): the entropy term moves the weights
                 "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.optim.lr=1e-2")
+STALENESS_2 = tuple(o.replace("staleness_threshold=1", "staleness_threshold=2") for o in ONE_STEP_OFF) + (
+    "async_training.partial_rollout=true",)
 THRESHOLD = 2.0
 
 
@@ -146,10 +149,36 @@ def _trained_batch(model: str, out: Path, extra: tuple[str, ...]):
         sims.close()
 
 
+@pytest.mark.slow  # 17 s measured (4 steps, 2 rollouts queued ahead; a shared 2-core box)
+@pytest.mark.processes
+def test_staleness_two_trains_within_the_bound_with_rollouts_queued_ahead(tiny_model_path, tmp_path, slow_sims,
+                                                                         ray_cluster):
+    trainer, pool = make_trainer(training_config(tiny_model_path, tmp_path, slow_sims, 4, STALENESS_2))
+    try:
+        trainer.init_workers()
+        trainer.fit()
+        batch = trainer.last_batch
+    finally:
+        trainer.shutdown()
+        pool.remove()
+    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())}
+    assert [metrics[s]["async/policy_version"] for s in (1, 2, 3, 4)] == [0, 1, 2, 3]
+    # after step s is taken, steps up to min(s + 2, 4) are queued: 2, 2, 1, 0 (nothing in flight past the last)
+    assert [metrics[s]["async/rollouts_queued"] for s in (1, 2, 3, 4)] == [2, 2, 1, 0]
+    assert all(metrics[s]["async/staleness_max"] <= 2 for s in (1, 2, 3, 4))
+    assert all(metrics[s]["async/dropped_stale_dialogues"] == 0 for s in (1, 2, 3, 4))
+    mask = batch.batch["response_mask"].bool()
+    versions = batch.batch[ROLLOUT_POLICY_VERSIONS][mask]  # step 4 trains from version 3: tokens of 1, 2 or 3
+    assert set(versions.tolist()) <= {1, 2, 3}
+    assert metrics[4]["async/staleness_max"] == 3 - int(versions.min())
+
+
 @pytest.mark.slow
 @pytest.mark.processes
-def test_with_nothing_to_overlap_one_step_off_trains_the_synchronous_batches(tiny_model_path, tmp_path, ray_cluster):
-    off = _trained_batch(tiny_model_path, tmp_path / "off", ONE_STEP_OFF)
+@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2], ids=["one-step-off", "staleness-2"])
+def test_with_nothing_to_overlap_off_policy_trains_the_synchronous_batches(tiny_model_path, tmp_path, ray_cluster,
+                                                                            mode):
+    off = _trained_batch(tiny_model_path, tmp_path / "off", mode)
     sync = _trained_batch(tiny_model_path, tmp_path / "sync",
                           tuple(o.replace("staleness_threshold=1", "staleness_threshold=0") for o in ONE_STEP_OFF))
     assert set(off.batch.keys()) == set(sync.batch.keys())
@@ -160,10 +189,12 @@ def test_with_nothing_to_overlap_one_step_off_trains_the_synchronous_batches(tin
 
 @pytest.mark.slow
 @pytest.mark.processes
-def test_a_resume_at_a_checkpoint_trains_the_uninterrupted_runs_next_batch(tiny_model_path, tmp_path, ray_cluster):
+@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2], ids=["one-step-off", "staleness-2"])
+def test_a_resume_at_a_checkpoint_trains_the_uninterrupted_runs_next_batch(tiny_model_path, tmp_path, ray_cluster,
+                                                                           mode):
     # steps 1 -> 2 overlap; step 2 ends with a checkpoint, so step 3's rollout starts after it in both runs, from
-    # the checkpoint's loader position, weights and rollout-loop state
-    resumable = tuple(o for o in ONE_STEP_OFF if "save_freq" not in o and "resume_mode" not in o)
+    # the checkpoint's loader position, weights and rollout-loop state (with staleness 2 nothing is queued past 2)
+    resumable = tuple(o for o in mode if "save_freq" not in o and "resume_mode" not in o)
     sims = _sims(tmp_path / "sims")
     urls = next(sims)
     try:

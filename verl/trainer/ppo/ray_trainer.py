@@ -11,7 +11,8 @@ on the dialogues as sampled, then the rejected tokens leave the loss, :mod:`verl
 -> critic update -> actor update -> metrics (with the rollout's ``rollout/*``);
 validation every ``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`). With
 ``async_training.staleness_threshold=1`` the next step's rollout runs while a step trains
-(:mod:`verl.trainer.ppo.trainer_off_policy`, docs/off_policy.md). The
+(:mod:`verl.trainer.ppo.trainer_off_policy`), with k >= 2 up to k steps' rollouts run ahead
+(:mod:`verl.trainer.ppo.trainer_rollout_stream`; docs/off_policy.md). The
 trainer is composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and
 scoring) and :class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (save and resume).
 """
@@ -53,6 +54,8 @@ from verl.trainer.ppo.trainer_rollout import (
     merge_rollout_metrics,
     pop_metrics,
 )
+from verl.trainer.ppo.trainer_rollout_stream import RolloutStream, fill_limit
+from verl.trainer.ppo.trainer_stale_drop import drop_stale_dialogues
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughout_metrics,
@@ -266,6 +269,31 @@ class RayPPOTrainer:
         metrics.update({"async/trainer_idle_s": taken.trainer_idle_s, "async/rollout_idle_s": taken.rollout_idle_s})
         return self._step_metrics(batch, metrics, timing, hook_metrics)
 
+    def stream_step(self, stream: RolloutStream, fill_to: int) -> dict[str, float]:
+        """Run one bounded-staleness PPO step: take this step's rollout (queued earlier, or now) with its end-of-step
+        hook's metrics, queue the following steps' rollouts up to ``fill_to``, apply the drop rule and train on
+        the rest; return the step's metrics (with ``async/*``)."""
+        step, timing, threshold = self.global_steps, {}, staleness_of(self.typed)
+        metrics: dict[str, float] = {}
+        with timer("step", timing):
+            if not stream.queued:
+                stream.submit(self._next_prompt_batch(), step)
+            taken, hook_metrics = stream.take(step)
+            while (stream.last_queued or step) < fill_to:
+                stream.submit(self._next_prompt_batch(), (stream.last_queued or step) + 1)
+            waited = stream.wait_until_generating() if stream.queued else 0.0
+            batch = taken.batch
+            timing.update(taken.timing)
+            metrics.update(taken.metrics)
+            version = trainer_policy_version(step, self.typed.trainer.critic_warmup)
+            metrics.update(drop_stale_dialogues(batch, version, threshold))
+            metrics.update(staleness_metrics(batch, version, threshold))
+            batch = self._update(batch, metrics, timing)
+        metrics.update({"async/trainer_idle_s": taken.trainer_idle_s + waited,
+                        "async/rollout_idle_s": taken.rollout_idle_s,
+                        "async/rollouts_queued": float(len(stream.queued))})
+        return self._step_metrics(batch, metrics, timing, hook_metrics)
+
     def _update(self, batch: DataProto, metrics: dict[str, float], timing: dict[str, float]) -> DataProto:
         """The training part of a step on the scored ``batch``: balance, log-probs, values, advantages, updates
         (metrics and timings added to ``metrics`` and ``timing``); returns the trained batch."""
@@ -392,8 +420,16 @@ class RayPPOTrainer:
             if console is not None:
                 first = self.rollout_loop.console_metrics
                 console.info(format_console_line(step, self.total_training_steps, metrics, first))
-        ahead = RolloutAhead(self.rollouts.train_batch, self.turn_signal.generated) \
-            if self.turn_signal is not None else None
+        threshold = staleness_of(self.typed)
+        ahead = RolloutAhead(self.rollouts.train_batch, self.turn_signal.generated) if threshold == 1 else None
+        stream = RolloutStream(self.rollouts.train_batch, self.rollout_loop.on_train_step_end, threshold,
+                               self.turn_signal.generated) if threshold >= 2 else None
+
+        def boundary(step: int) -> bool:
+            """Whether step ``step`` ends with a validation, a checkpoint or the run (nothing in flight across)."""
+            return step >= self.total_training_steps or (
+                self.val_dataset is not None and tcfg.test_freq > 0 and step % tcfg.test_freq == 0) or (
+                tcfg.save_freq > 0 and step % tcfg.save_freq == 0)
         try:
             seed = tcfg.seed
             random.seed(seed)
@@ -419,7 +455,9 @@ class RayPPOTrainer:
                 validate = self.val_dataset is not None and tcfg.test_freq > 0 and (
                     last or self.global_steps % tcfg.test_freq == 0)
                 save = tcfg.save_freq > 0 and (last or self.global_steps % tcfg.save_freq == 0)
-                if ahead is None:
+                if stream is not None:
+                    metrics = self.stream_step(stream, fill_limit(self.global_steps, threshold, boundary))
+                elif ahead is None:
                     metrics = self.train_step(self._next_prompt_batch())
                 else:  # no rollout in flight across a validation or a checkpoint
                     metrics = self.off_policy_step(ahead, overlap_next=not (last or validate or save))
@@ -439,4 +477,6 @@ class RayPPOTrainer:
         finally:
             if ahead is not None:
                 ahead.close()
+            if stream is not None:
+                stream.close()
             tracking.finish()
