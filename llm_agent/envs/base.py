@@ -31,7 +31,7 @@ from llm_agent.rollout.outcome import Outcome
 from llm_agent.user_sim.client import TurnRequest, TurnResult
 from verl.protocol import DataProto, pad_dataproto_to_divisor
 from verl.utils.agent_turns import AGENT_TURN_IDS
-from verl.workers.rollout.engine import SampledTurn, TurnBatch
+from verl.workers.rollout.engine import ROLLOUT_POLICY_VERSIONS, SampledTurn, TurnBatch
 
 if TYPE_CHECKING:
     from llm_agent.cache import UserResponseCache
@@ -95,12 +95,14 @@ class ChatMarkers:
 
 class TokenBuffer:
     """All rows' tokens: prompts (B, P) left-padded + responses (B, R) right-padded, and per response token the
-    loss mask, the agent turn (`agent_turn_ids`: -1 off the loss) and the rollout engine's log-prob (0 off the loss).
+    loss mask, the agent turn (`agent_turn_ids`: -1 off the loss), the rollout engine's log-prob (0 off the loss) and
+    the policy version that sampled it (`rollout_policy_versions`: -1 off the loss).
 
     Tokens enter in two ways: `append_sampled` for an agent turn's sampled tokens (loss 1, its turn index and, when
     the engine returned them, its log-probs) and `append_context` for tokens the loop writes itself (user turns, an
     unsampled closing eos: loss 0, turn -1, log-prob 0). Either every sampled turn brings log-probs or none does;
-    `final_tensors` returns `rollout_log_probs` only in the first case.
+    `final_tensors` returns `rollout_log_probs` only in the first case, and `rollout_policy_versions` only when every
+    sampled turn brought its policy version (an environment may leave it out).
     """
 
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
@@ -129,6 +131,8 @@ class TokenBuffer:
         self.turn_ids = torch.full((batch, response_length), -1, dtype=torch.long)
         self.log_probs = torch.zeros(batch, response_length, dtype=torch.float32)
         self.with_log_probs: bool | None = None  # set by the first sampled turn
+        self.versions = torch.full((batch, response_length), -1, dtype=torch.long)
+        self.all_versioned = True  # until a sampled turn comes without its policy version
         self.resp_len = [0] * batch
 
     def remaining(self, row: int) -> int:
@@ -149,16 +153,19 @@ class TokenBuffer:
         return slice(start, start + n)
 
     def append_sampled(self, row: int, ids: list[int] | torch.Tensor, turn: int,
-                       log_probs: torch.Tensor | None = None) -> None:
+                       log_probs: torch.Tensor | None = None, policy_version: int | None = None) -> None:
         """Append agent turn `turn`'s sampled `ids` to row `row` (loss 1), with the engine's log-prob of each
-        (`log_probs`, as long as `ids`) when it returned them (caller checked the budget)."""
+        (`log_probs`, as long as `ids`) when it returned them and the policy version that sampled them when known
+        (caller checked the budget)."""
         if log_probs is not None and len(log_probs) != len(ids):
             raise ValueError(f"row {row}: {len(log_probs)} log-probs for {len(ids)} sampled tokens")
-        with_log_probs = log_probs is not None
+        if policy_version is not None and policy_version < 0:
+            raise ValueError(f"row {row}: policy version {policy_version} is negative")
         if self.with_log_probs is None:
-            self.with_log_probs = with_log_probs
-        elif self.with_log_probs != with_log_probs:
+            self.with_log_probs = log_probs is not None
+        elif self.with_log_probs != (log_probs is not None):
             raise ValueError("the rollout engine returned rollout_log_probs for some agent turns and not for others")
+        self.all_versioned = self.all_versioned and policy_version is not None
         cols = self._put(row, ids)
         if cols is None:
             return
@@ -166,6 +173,8 @@ class TokenBuffer:
         self.turn_ids[row, cols] = turn
         if log_probs is not None:
             self.log_probs[row, cols] = log_probs.to(torch.float32)
+        if policy_version is not None:
+            self.versions[row, cols] = policy_version
 
     def append_context(self, row: int, ids: list[int] | torch.Tensor) -> None:
         """Append tokens the loop writes itself (a user turn, an unsampled eos) to row `row`: no loss, no agent
@@ -193,14 +202,15 @@ class TokenBuffer:
 
     def drop_loss(self, row: int) -> None:
         """Take every token of row `row` out of the loss (a dialogue that ended in an error): loss 0, no agent
-        turn, log-prob 0."""
+        turn, log-prob 0, version -1."""
         self.loss_mask[row] = 0
         self.turn_ids[row] = -1
         self.log_probs[row] = 0.0
+        self.versions[row] = -1
 
     def final_tensors(self) -> dict[str, torch.Tensor]:
         """The generation-batch tensors of all rows: the generate_sequences keys, `agent_turn_ids` and, when the
-        engine returned them, `rollout_log_probs`."""
+        engine returned them, `rollout_log_probs` and `rollout_policy_versions`."""
         responses = self.ids[:, self.P:].clone()
         lengths = torch.tensor(self.resp_len, dtype=torch.long)
         response_attention = (torch.arange(self.R).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
@@ -211,6 +221,8 @@ class TokenBuffer:
                    "response_mask": self.loss_mask.clone(), AGENT_TURN_IDS: self.turn_ids.clone()}
         if self.with_log_probs:
             tensors["rollout_log_probs"] = self.log_probs.clone()
+        if self.with_log_probs is not None and self.all_versioned:
+            tensors[ROLLOUT_POLICY_VERSIONS] = self.versions.clone()
         return tensors
 
 

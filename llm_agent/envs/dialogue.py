@@ -217,7 +217,7 @@ class DialogueEnv(Environment):
             raise RuntimeError(f"dialogue {self.dialogue_id} waits for the simulator's answer, not an agent turn")
         if d.num_turns >= self.context.max_turns:
             raise RuntimeError(f"dialogue {self.dialogue_id} has no outcome after {d.num_turns} turns")
-        kept, cut = self._keep_agent_tokens(turn.ids, turn.log_probs, d.num_turns)
+        kept, cut = self._keep_agent_tokens(turn, d.num_turns)
         text = self.context.tokenizer.decode(kept.tolist(), skip_special_tokens=True)
         scenario, version = self.context.scenario, turn.policy_version
         parsed = scenario.parse_agent_output(text)
@@ -288,15 +288,17 @@ class DialogueEnv(Environment):
             raise RuntimeError(f"dialogue {self.dialogue_id} already ended as {self.dialogue.outcome}")
         return self.dialogue
 
-    def _keep_agent_tokens(self, ids: torch.Tensor, log_probs: torch.Tensor | None,
-                           turn: int) -> tuple[torch.Tensor, bool]:
-        """Append agent turn `turn`'s sampled `ids` (loss 1, with their log-probs) within the budget, closing a
-        turn stopped by the per-turn limit with an unsampled eos (loss 0); returns (kept ids, cut by the budget)."""
+    def _keep_agent_tokens(self, sampled: SampledTurn, turn: int) -> tuple[torch.Tensor, bool]:
+        """Append agent turn `turn`'s sampled ids (loss 1, with their log-probs and policy version) within the
+        budget, closing a turn stopped by the per-turn limit with an unsampled eos (loss 0); returns (kept ids, cut
+        by the budget)."""
         buffer, eos = self.buffer, self.context.eos_id
         budget = buffer.remaining(self.row)
+        ids, log_probs = sampled.ids, sampled.log_probs
         cut = ids.numel() > budget
         ids = ids[:budget]
-        buffer.append_sampled(self.row, ids, turn, None if log_probs is None else log_probs[:budget])
+        buffer.append_sampled(self.row, ids, turn, None if log_probs is None else log_probs[:budget],
+                              sampled.policy_version)
         ended = ids.numel() > 0 and ids[-1].item() == eos
         if not cut and not ended:
             if buffer.remaining(self.row) < 1:

@@ -5,7 +5,8 @@ as soon as its previous user turn is in, and its simulator request goes out as s
 dialogue waits for another. The turn
 rules are the environment's (`llm_agent.envs`), shared with the sync loop, so tokens, loss masks, outcomes,
 records, cache rules and error handling are the same in both modes. All dialogues end before
-`run_dialogues_async` returns: the policy's weights change only between steps.
+`run_dialogues_async` returns; the policy's weights change only between steps, except in one-step-off training
+(docs/off_policy.md), where an update may land between two agent turns, never inside one.
 
 The dialogue tasks run inside the simulator client's `run_on_loop`: with `UserSimClient` that is the client's own
 event-loop thread, beside its HTTP connections, where each task awaits its requests (`acomplete`) with no thread

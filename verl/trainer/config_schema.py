@@ -339,6 +339,18 @@ class RolloutLoopConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """``async_training.*``: overlap of generation and training (veRL's key names; docs/off_policy.md).
+
+    ``staleness_threshold``: how many policy versions a trained token may lag the trainer's; 0 = the synchronous
+    barrier (default), 1 = one-step-off (step N+1's dialogues are generated while step N trains). ``partial_rollout``:
+    dialogues in flight continue across updates (staleness >= 2; not built yet, refused)."""
+
+    staleness_threshold: float = 0
+    partial_rollout: bool = False
+
+
+@dataclass
 class TrainerConfig:
     """``trainer.*``: loop length, resources, logging, validation and checkpoints."""
 
@@ -379,6 +391,7 @@ class PPOTrainerConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout_loop: RolloutLoopConfig = field(default_factory=RolloutLoopConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     @property

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, Optional, TypeVar, Union
 
+from verl.trainer.config_async import check_async_training
 from verl.trainer.config_dependencies import check_dependencies
 from verl.trainer.config_ranges import check_ranges
 from verl.trainer.config_schema import GROUP_ESTIMATORS, KL_ESTIMATORS, LOGGERS, ConfigError, PPOTrainerConfig
@@ -418,6 +419,7 @@ def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     _check_vllm(cfg, check_import=check_paths)
     _check_lora(cfg)
     check_dependencies(cfg)
+    check_async_training(cfg)
 
 
 def load_config(cfg: Any, check_paths: bool = True) -> PPOTrainerConfig:

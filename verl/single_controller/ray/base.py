@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -171,6 +172,10 @@ class RayWorkerGroup(WorkerGroup):
     device 0), `MASTER_ADDR`/`MASTER_PORT` (rank 0's node and a port free there), `OMP_NUM_THREADS` (the
     driver's value, else 1) and `TOKENIZERS_PARALLELISM=false`. Construction waits until every actor is built
     and raises `WorkerGroupError` naming the rank whose constructor failed.
+
+    Calls may come from several driver threads (the one-step-off trainer generates on one while it trains on the
+    other): a call's tasks are submitted to all its ranks under one lock, so every rank runs the calls in the same
+    order and no collective waits on a rank busy with another call.
     """
 
     def __init__(
@@ -184,6 +189,7 @@ class RayWorkerGroup(WorkerGroup):
             )
         cls = ray_cls_with_init.cls
         super().__init__(name_prefix or f"{cls.__name__}_{uuid.uuid4().hex[:6]}")
+        self._submit_lock = threading.Lock()
         self._cls = cls
         self._pool = resource_pool
         self._workers: list[ray.actor.ActorHandle] = []
@@ -250,7 +256,9 @@ class RayWorkerGroup(WorkerGroup):
         """
         self._check_method(method)
         calls = _share_repeated_args(calls)
-        return [getattr(worker, method).remote(*args, **kwargs) for worker, (args, kwargs) in zip(self._workers, calls)]
+        with self._submit_lock:
+            return [getattr(worker, method).remote(*args, **kwargs)
+                    for worker, (args, kwargs) in zip(self._workers, calls)]
 
     def _wait(self, method: str, handles: Sequence[ray.ObjectRef], ranks: Sequence[int] | None = None) -> list[Any]:
         """Return the results in the order of `handles` (ranks 0.. unless `ranks` names them); the first rank to
@@ -298,7 +306,8 @@ class RayWorkerGroup(WorkerGroup):
         if bad or not ranks:
             raise ValueError(f"{self.name}: ranks {list(ranks)} must be a non-empty subset of 0..{self.world_size - 1}")
         shared = _share_repeated_args([(args, kwargs)] * len(ranks))
-        handles = [getattr(self._workers[r], method_name).remote(*a, **kw) for r, (a, kw) in zip(ranks, shared)]
+        with self._submit_lock:
+            handles = [getattr(self._workers[r], method_name).remote(*a, **kw) for r, (a, kw) in zip(ranks, shared)]
         return self._wait(method_name, handles, ranks)
 
     def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:

@@ -108,7 +108,10 @@ class RolloutLoop(abc.ABC):
         """Restore what :meth:`state_dict` returned (called on resume when the checkpoint holds a state)."""
 
     def on_train_step_end(self, batch: DataProto, step: int) -> dict[str, float]:
-        """After a step's updates, with the balanced and scored batch the step trained on; returns metrics."""
+        """After a step's updates, with the balanced and scored batch the step trained on; returns metrics. In
+        one-step-off training (``async_training.staleness_threshold=1``) it is called before the updates instead,
+        with the scored batch as the rollout returned it, before the next step's rollout starts
+        (docs/off_policy.md)."""
         return {}
 
     def on_validation_end(self, batches: Sequence[DataProto], step: int) -> dict[str, float]:

@@ -9,7 +9,9 @@ mode, the rollout's) -> reference log-probs -> values -> KL in reward -> the adv
 (:mod:`verl.trainer.ppo.trainer_advantage`: rollout correction, then advantages and ``algorithm.diagnosis_reweight``
 on the dialogues as sampled, then the rejected tokens leave the loss, :mod:`verl.trainer.ppo.rollout_rejection`)
 -> critic update -> actor update -> metrics (with the rollout's ``rollout/*``);
-validation every ``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`). The
+validation every ``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`). With
+``async_training.staleness_threshold=1`` the next step's rollout runs while a step trains
+(:mod:`verl.trainer.ppo.trainer_off_policy`, docs/off_policy.md). The
 trainer is composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and
 scoring) and :class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (save and resume).
 """
@@ -30,6 +32,7 @@ from tqdm import tqdm
 
 from verl.protocol import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.trainer.config_async import staleness_of
 from verl.trainer.config_schema import PPOTrainerConfig
 from verl.trainer.config_validation import load_config
 from verl.trainer.ppo import core_algos
@@ -39,6 +42,8 @@ from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
 from verl.trainer.ppo.trainer_advantage import advantage_step, compute_advantage
 from verl.trainer.ppo.trainer_checkpoint import (SCENARIO_KEY, CheckpointedParts, TrainerCheckpoints, nothing_to_train,
                                                  run_inputs)
+from verl.trainer.ppo.trainer_off_policy import (RolloutAhead, TurnSignal, staleness_metrics, take_and_refill,
+                                                 trainer_policy_version)
 from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs
 from verl.trainer.ppo.trainer_rollout import (
     GEN_INPUT_KEYS,
@@ -149,6 +154,7 @@ class RayPPOTrainer:
         self.rollout_loop: Optional[RolloutLoop] = None
         self.val_rollout_loop: Optional[RolloutLoop] = None
         self.rollouts: Optional[StepRollouts] = None
+        self.turn_signal: Optional[TurnSignal] = None  # the loops' engine in one-step-off training
         self._prompt_iter: Optional[Iterator[DataProto]] = None
         self._val_generations: list[list[str]] = []  # rows of the last validation's sample table
         self.last_batch: Optional[DataProto] = None  # the last trained batch (inspection and tests)
@@ -177,6 +183,8 @@ class RayPPOTrainer:
             self.critic_wg.init_model()
         self.actor_rollout_wg.init_model()
         loop_cfg, engine = self.typed.rollout_loop.config, WorkerGroupEngine(self.actor_rollout_wg)
+        if staleness_of(self.typed) > 0:
+            engine = self.turn_signal = TurnSignal(engine)
         self.rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine, config=loop_cfg,
                                           is_validation=False)
         self.val_rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine, config=loop_cfg,
@@ -231,50 +239,83 @@ class RayPPOTrainer:
     def train_step(self, batch: DataProto) -> dict[str, float]:
         """Run one PPO step on a prompt batch (its rows are consumed; with ``algorithm.filter_groups`` further
         prompt batches may be drawn from the loader); return the step's metrics."""
-        cfg, timing, metrics = self.typed, {}, {}
-        n = cfg.actor_rollout_ref.rollout.n
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
         with timer("step", timing):
             batch, rollout_metrics = self.rollouts.train_batch(batch, self.global_steps, timing)
             metrics.update(rollout_metrics)
-            if cfg.trainer.balance_batch:
-                metrics.update(balance_batch(batch, self.actor_rollout_wg.world_size))
-            correction = cfg.algorithm.rollout_correction
-            check_rollout_log_probs(batch, correction)
-            if correction.bypass_mode:  # the rollout's log-probs are the old ones: no old-log-prob pass
-                apply_bypass_mode(batch)
+            batch = self._update(batch, metrics, timing)
+        return self._step_metrics(batch, metrics, timing, self.rollout_loop.on_train_step_end(batch, self.global_steps))
+
+    def off_policy_step(self, ahead: RolloutAhead, overlap_next: bool) -> dict[str, float]:
+        """Run one one-step-off PPO step: take this step's rollout (started during the previous step, or now), let
+        the rollout loop see its outcomes, start the next step's rollout when ``overlap_next`` (none across a
+        validation or a checkpoint) and train on the batch taken; return the step's metrics (with ``async/*``)."""
+        step, timing = self.global_steps, {}
+        metrics: dict[str, float] = {}
+        with timer("step", timing):
+            taken, hook_metrics = take_and_refill(ahead, step, self._next_prompt_batch,
+                                                  lambda batch: self.rollout_loop.on_train_step_end(batch, step),
+                                                  overlap_next)
+            batch = taken.batch
+            timing.update(taken.timing)
+            metrics.update(taken.metrics)
+            version = trainer_policy_version(step, self.typed.trainer.critic_warmup)
+            metrics.update(staleness_metrics(batch, version, staleness_of(self.typed)))
+            batch = self._update(batch, metrics, timing)
+        metrics.update({"async/trainer_idle_s": taken.trainer_idle_s, "async/rollout_idle_s": taken.rollout_idle_s})
+        return self._step_metrics(batch, metrics, timing, hook_metrics)
+
+    def _update(self, batch: DataProto, metrics: dict[str, float], timing: dict[str, float]) -> DataProto:
+        """The training part of a step on the scored ``batch``: balance, log-probs, values, advantages, updates
+        (metrics and timings added to ``metrics`` and ``timing``); returns the trained batch."""
+        cfg = self.typed
+        n = cfg.actor_rollout_ref.rollout.n
+        if cfg.trainer.balance_batch:
+            metrics.update(balance_batch(batch, self.actor_rollout_wg.world_size))
+        correction = cfg.algorithm.rollout_correction
+        check_rollout_log_probs(batch, correction)
+        if correction.bypass_mode:  # the rollout's log-probs are the old ones: no old-log-prob pass
+            apply_bypass_mode(batch)
+        else:
+            with timer("old_log_prob", timing):
+                out = self.actor_rollout_wg.compute_log_prob(batch)
+                pop_metrics(out)
+                entropys = out.batch.pop("entropys")
+                metrics["actor/entropy"] = float(masked_mean(entropys, batch.batch["response_mask"]))
+                batch.union(out)
+        if self.use_reference:
+            with timer("ref", timing):
+                batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+        if self.use_critic:
+            with timer("values", timing):
+                batch.union(self.critic_wg.compute_values(batch))
+        with timer("adv", timing):
+            if cfg.algorithm.use_kl_in_reward:
+                batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
+                metrics.update(kl_metrics)
             else:
-                with timer("old_log_prob", timing):
-                    out = self.actor_rollout_wg.compute_log_prob(batch)
-                    pop_metrics(out)
-                    entropys = out.batch.pop("entropys")
-                    metrics["actor/entropy"] = float(masked_mean(entropys, batch.batch["response_mask"]))
-                    batch.union(out)
-            if self.use_reference:
-                with timer("ref", timing):
-                    batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
-            if self.use_critic:
-                with timer("values", timing):
-                    batch.union(self.critic_wg.compute_values(batch))
-            with timer("adv", timing):
-                if cfg.algorithm.use_kl_in_reward:
-                    batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
-                    metrics.update(kl_metrics)
-                else:
-                    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-                metrics.update(advantage_step(batch, cfg.algorithm, num_repeat=n))
-            if self.use_critic:
-                with timer("update_critic", timing):
-                    metrics.update(reduce_metrics(pop_metrics(self.critic_wg.update_critic(batch))))
-            if self.global_steps > cfg.trainer.critic_warmup:
-                with timer("update_actor", timing):
-                    metrics.update(reduce_metrics(pop_metrics(self.actor_rollout_wg.update_actor(batch))))
+                batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+            metrics.update(advantage_step(batch, cfg.algorithm, num_repeat=n))
+        if self.use_critic:
+            with timer("update_critic", timing):
+                metrics.update(reduce_metrics(pop_metrics(self.critic_wg.update_critic(batch))))
+        if self.global_steps > cfg.trainer.critic_warmup:
+            with timer("update_actor", timing):
+                metrics.update(reduce_metrics(pop_metrics(self.actor_rollout_wg.update_actor(batch))))
+        return batch
+
+    def _step_metrics(self, batch: DataProto, metrics: dict[str, float], timing: dict[str, float],
+                      loop_metrics: dict[str, float]) -> dict[str, float]:
+        """The step's metrics: ``metrics`` with the data, timing and throughput metrics of the trained ``batch``
+        and the rollout loop's ``loop_metrics``; keeps ``batch`` as ``last_batch``."""
         metrics.update(compute_data_metrics(batch, self.use_critic))
         if metrics.get("critic/advantages/nonzero_frac") == 0.0:
             logger.warning("step %d has no learning signal: every advantage is 0 (the samples of each prompt group "
                            "got equal rewards), so the policy gradient is 0", self.global_steps)
         metrics.update(compute_timing_metrics(batch, timing))
         metrics.update(compute_throughout_metrics(batch, timing, self.actor_rollout_wg.world_size))
-        metrics.update(self.rollout_loop.on_train_step_end(batch, self.global_steps))
+        metrics.update(loop_metrics)
         self.last_batch = batch
         return metrics
 
@@ -351,6 +392,8 @@ class RayPPOTrainer:
             if console is not None:
                 first = self.rollout_loop.console_metrics
                 console.info(format_console_line(step, self.total_training_steps, metrics, first))
+        ahead = RolloutAhead(self.rollouts.train_batch, self.turn_signal.generated) \
+            if self.turn_signal is not None else None
         try:
             seed = tcfg.seed
             random.seed(seed)
@@ -373,12 +416,17 @@ class RayPPOTrainer:
             while self.global_steps < self.total_training_steps:
                 self.global_steps += 1
                 last = self.global_steps >= self.total_training_steps
-                metrics = self.train_step(self._next_prompt_batch())
+                validate = self.val_dataset is not None and tcfg.test_freq > 0 and (
+                    last or self.global_steps % tcfg.test_freq == 0)
+                save = tcfg.save_freq > 0 and (last or self.global_steps % tcfg.save_freq == 0)
+                if ahead is None:
+                    metrics = self.train_step(self._next_prompt_batch())
+                else:  # no rollout in flight across a validation or a checkpoint
+                    metrics = self.off_policy_step(ahead, overlap_next=not (last or validate or save))
                 metrics["training/epoch"] = self.train_loader.epoch
-                if self.val_dataset is not None and tcfg.test_freq > 0 and (
-                        last or self.global_steps % tcfg.test_freq == 0):
+                if validate:
                     metrics.update(self.validate())
-                if tcfg.save_freq > 0 and (last or self.global_steps % tcfg.save_freq == 0):
+                if save:
                     timing: dict[str, float] = {}
                     with timer("save_checkpoint", timing):
                         self.save_checkpoint()
@@ -389,4 +437,6 @@ class RayPPOTrainer:
             progress.close()
             return last_metrics
         finally:
+            if ahead is not None:
+                ahead.close()
             tracking.finish()

@@ -4,7 +4,9 @@ One generation batch: a uid per prompt, ``repeat(rollout.n, interleave=True)``, 
 needed, generation (the ``rollout_loop`` plug-in; by default single-turn generation by the worker group) and the
 reward plug-in. With ``algorithm.filter_groups.enable`` the trainer draws further prompt batches from the data
 loader until ``data.train_batch_size`` prompt groups with a signal are collected (:mod:`verl.trainer.ppo.filter_groups`).
-The ``rollout/*`` metrics a rollout loop reports in its output's ``meta_info['metrics']`` are kept and logged.
+The ``rollout/*`` metrics a rollout loop reports in its output's ``meta_info['metrics']`` are kept and logged; a
+single generation's ``meta_info['policy_version']`` becomes the batch's ``rollout_policy_versions`` when the loop
+did not record one per token.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from verl.trainer.config_schema import PPOTrainerConfig
 from verl.trainer.ppo.filter_groups import GroupFilter
 from verl.trainer.ppo.plugins import RolloutLoop
 from verl.trainer.ppo.metric_utils import timer
+from verl.workers.rollout.engine import POLICY_VERSION, ROLLOUT_POLICY_VERSIONS
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +83,15 @@ class StepRollouts:
         out = loop.run_llm_loop(gen_batch)
         if len(out) != len(batch):
             raise ValueError(f"the rollout returned {len(out)} rows for {len(batch)} prompts")
+        version = out.meta_info.get(POLICY_VERSION)
         metrics = pop_metrics(out)
         batch.union(DataProto(batch=out.batch))
         batch.non_tensor_batch.update(out.non_tensor_batch)
         if "response_mask" not in batch.batch.keys():
             batch.batch["response_mask"] = compute_response_mask(batch)
+        if ROLLOUT_POLICY_VERSIONS not in batch.batch.keys() and isinstance(version, int):  # one generation call
+            mask = batch.batch["response_mask"].bool()
+            batch.batch[ROLLOUT_POLICY_VERSIONS] = torch.where(mask, version, -1).to(torch.long)
         return {key: float(value) for key, value in metrics.items()}
 
     def _remax_baselines(self, batch: DataProto) -> None:

@@ -21,9 +21,10 @@ import torch
 
 from verl.protocol import DataProto, unpad_dataproto
 
-__all__ = ["POLICY_VERSION", "RolloutEngine", "SampledTurn", "TextStreaming", "TurnBatch", "output_policy_version"]
+__all__ = ["POLICY_VERSION", "ROLLOUT_POLICY_VERSIONS", "RolloutEngine", "SampledTurn", "TextStreaming", "TurnBatch", "output_policy_version"]
 
 POLICY_VERSION = "policy_version"  # the meta_info key of a generation's policy version
+ROLLOUT_POLICY_VERSIONS = "rollout_policy_versions"  # batch key: (bs, R) version that sampled each token, -1 off it
 
 
 class RolloutEngine(abc.ABC):
