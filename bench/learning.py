@@ -71,7 +71,6 @@ class LearningSettings(CpuRecipe):
     lr_warmup_steps: int = 0
     lora_rank: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer instead of every weight
     lora_alpha: float = 16.0
-    ppo_epochs: int = 1
     filter_groups: bool = False  # dynamic sampling: drop groups whose dialogues all got the same reward
     kl_coef: float = 0.0  # low_var_kl loss to the warm start (0: no KL loss, no reference model)
     loss_agg_mode: str = "seq-mean-token-mean"

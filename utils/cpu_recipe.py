@@ -8,13 +8,16 @@ the demo) and bench/learning.py (the same recipe, more steps). Measured per seed
     python -m utils.cpu_recipe warm-model --out DIR --scenario F --system-prompt P [--seed 0] [--max-turns 10] \\
         [--steps N]                          # DIR/tiny_model and DIR/tiny_model_warm; prints the model to train
 
-The warm start is what makes a 4-step run learn: a model fine-tuned on scripted calls of a MIXTURE of agent
+The warm start is what makes an 8-step run learn: a model fine-tuned on scripted calls of a MIXTURE of agent
 qualities, mostly "evasive" (follows the SOP but answers only the first 4 of the 14 doubt categories, so most of
 its calls end in a hang-up) and a minority of "good" (answers every doubt). Greedy, the warm policy talks past the
 doubts it does not know (a low completion rate); it has learnt their answers from the good calls, and its samples
-sometimes give one: the good mode GRPO with the completion-only reward then makes the greedy one. The warm model is
-rebuilt only when what makes it changes (the recipe, the seed, the scenario's content, the system prompt, the
-turn limit): its key holds no path, so a moved or copied checkout keeps it.
+sometimes give one: the good mode GRPO with the completion-only reward then makes the greedy one. GRPO takes many
+small steps rather than a few large ones (lr 2e-4, two passes over each step's dialogues): AdamW's first updates
+move every weight by about the learning rate whatever its gradient, so a large rate lets float noise, and with it
+the CPU's kernels, decide where the first steps go (BENCHMARKS.md, "Learning"). The warm model is rebuilt only
+when what makes it changes (the recipe, the seed, the scenario's content, the system prompt, the turn limit): its
+key holds no path, so a moved or copied checkout keeps it.
 """
 from __future__ import annotations
 
@@ -59,11 +62,12 @@ class CpuRecipe:
     sft_micro_batch_size: int = 1  # one transcript per forward: no padding, the causal attention's fast path
     sft_ranks: int = 2  # FSDP2 processes of the warm start (torchrun, gloo; its float bits depend on it)
     # GRPO with the completion-only reward
-    steps: int = 4
+    steps: int = 8
     prompts_per_step: int = 8
     group_size: int = 8
-    ppo_mini_prompts: int = 4  # prompts per policy update: two updates per step
-    lr: float = 4e-4
+    ppo_mini_prompts: int = 4  # prompts per policy update: two updates per pass
+    lr: float = 2e-4
+    ppo_epochs: int = 2  # passes over a step's dialogues: four smaller policy updates per step
     temperature: float = 0.7
     max_turns: int = 10
     max_tokens_per_turn: int = 64
@@ -108,6 +112,7 @@ class CpuRecipe:
                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": micro,
                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": micro,
                 "actor_rollout_ref.actor.optim.lr": repr(self.lr),
+                "actor_rollout_ref.actor.ppo_epochs": str(self.ppo_epochs),
                 "actor_rollout_ref.rollout.temperature": repr(self.temperature),
                 "rollout_loop.config.cache.min_bucket_size": str(self.cache_min_bucket_size)}
 

@@ -41,7 +41,7 @@ def _val_outcomes(rollouts: list[dict], step: int) -> dict[tuple, bool]:
 @pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.learning
-@pytest.mark.timeout(1800)  # a warm start and 4 steps: ~5 minutes quiet, more under load (BENCHMARKS.md)
+@pytest.mark.timeout(1800)  # a warm start and the recipe's steps: ~5-6 minutes quiet, more under load (BENCHMARKS.md)
 def test_the_demo_raises_the_greedy_validation_completion_rate_of_its_warm_started_model(tmp_path):
     out = tmp_path / "outputs"
     env = {**os.environ, "OUTPUT_DIR": str(out)}

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from utils.cpu_recipe import RECIPE
+
 REPO = Path(__file__).resolve().parents[2]
 CLEARED = ("ITERATIONS", "STEPS_PER_ITERATION", "ITER_ROOT", "PROFILES", "PROFILE_LLM_URL", "PRESET", "MODEL_PATH",
            "USER_SIM_URLS", "USER_SIM_MODEL", "RESTART_SIMS")
@@ -31,16 +33,18 @@ def test_dry_run_prints_each_iterations_overrides(tmp_path, script):
                           env=env_with(ITERATIONS="2", OUTPUT_DIR=str(tmp_path)), timeout=120)
     assert done.returncode == 0, done.stderr
     root = tmp_path / "iterations/cpu_demo_outbound_ad_trial"
-    assert f"iterations: 2 x 2 steps (outputs per iteration under {root})" in done.stdout  # CPU preset: 4 steps
+    per = RECIPE.steps // 2  # the CPU preset's steps in two iterations
+    assert f"iterations: 2 x {per} steps (outputs per iteration under {root})" in done.stdout
     for k in (1, 2):
         line = next(x for x in done.stdout.splitlines() if x.startswith(f"  iteration {k}: "))
-        assert f"trainer.total_training_steps={2 * k} " in line
+        assert f"trainer.total_training_steps={per * k} " in line
         assert f"rollout_loop.config.controller.pool_path={root}/iter_0{k}/profiles.jsonl" in line
     assert not (tmp_path / "tiny_model").exists()  # a dry run builds nothing
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"ITERATIONS": "3"}, "trainer.total_training_steps=4 is not a multiple of ITERATIONS=3; set STEPS_PER_ITERATION"),
+    ({"ITERATIONS": "3"}, f"trainer.total_training_steps={RECIPE.steps} is not a multiple of ITERATIONS=3; set "
+                          "STEPS_PER_ITERATION"),
     ({"ITERATIONS": "two"}, "ITERATIONS must be a positive integer, got 'two'"),
 ])
 @pytest.mark.processes

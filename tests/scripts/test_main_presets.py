@@ -58,13 +58,14 @@ GPU = {
 }
 # Today's CPU demo settings (CPU preset).
 CPU = {
-    "data.train_batch_size": "8", "actor_rollout_ref.rollout.n": "8", "actor_rollout_ref.actor.optim.lr": "0.0004",
+    "data.train_batch_size": "8", "actor_rollout_ref.rollout.n": "8", "actor_rollout_ref.actor.optim.lr": "0.0002",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
     "actor_rollout_ref.actor.use_kl_loss": "false", "actor_rollout_ref.actor.entropy_coeff": "0.0",
     "actor_rollout_ref.rollout.temperature": "0.7", "rollout_loop.config.max_turns": "10",
     "data.max_response_length": "768", "rollout_loop.config.max_tokens_per_turn": "64",
-    "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "4", "trainer.experiment_name": "cpu_demo_outbound_ad_trial",
-    "trainer.test_freq": "4", "data.max_prompt_length": "96", "rollout_loop.config.cache.min_bucket_size": "2",
+    "trainer.n_gpus_per_node": "2", "trainer.total_training_steps": "8", "trainer.experiment_name": "cpu_demo_outbound_ad_trial",
+    "trainer.test_freq": "8", "actor_rollout_ref.actor.ppo_epochs": "2", "data.max_prompt_length": "96",
+    "rollout_loop.config.cache.min_bucket_size": "2",
     "trainer.device": "auto", "actor_rollout_ref.actor.use_dynamic_bsz": "false",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "16",  # a policy update's whole share per rank
 }
@@ -121,7 +122,7 @@ def test_without_model_path_the_cpu_preset_applies_and_nothing_is_built(tmp_path
     assert cmd["actor_rollout_ref.model.path"] == \
         f"{tmp_path / 'outputs'}/models/cpu_demo_outbound_ad_trial/tiny_model_warm"
     recipe = "preset cpu (utils.cpu_recipe)"
-    assert block["actor_rollout_ref.actor.optim.lr"] == ("0.0004", recipe)
+    assert block["actor_rollout_ref.actor.optim.lr"] == ("0.0002", recipe)
     assert block["rollout_loop.config.max_turns"] == ("10", recipe)
     assert block["launch.seed"] == ("0", "preset cpu") and block["trainer.seed"] == ("0", "launch.seed (preset cpu)")
     assert not any("rollout_correction" in k for k in cmd)
@@ -198,7 +199,7 @@ def test_key_value_arguments_win_and_values_that_follow_them_follow(tmp_path):
     assert cmd["trainer.experiment_name"] == "mine" and cmd["trainer.default_local_dir"].endswith("checkpoints/mine")
     assert cmd["actor_rollout_ref.actor.ppo_mini_batch_size"] == "30" and block["launch.train_samples"][0] == "1500"
     _, _, forced, _ = dry_run(tmp_path, MODEL_PATH="/m/agent", PRESET="cpu", USER_SIM_URLS="http://127.0.0.1:5000")
-    assert forced["actor_rollout_ref.actor.optim.lr"] == "0.0004"
+    assert forced["actor_rollout_ref.actor.optim.lr"] == "0.0002"
     assert forced["actor_rollout_ref.model.path"] == "/m/agent"
 
 
@@ -215,7 +216,7 @@ def test_the_old_preset_variables_are_refused_with_the_key_that_replaces_them(tm
                           env={**clean, "PYTHON": "python", "LR": "1e-5"}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "does not read LR (now actor_rollout_ref.actor.optim.lr=...)" in done.stderr
-    assert "actor_rollout_ref.actor.optim.lr=0.0004" in done.stdout
+    assert "actor_rollout_ref.actor.optim.lr=0.0002" in done.stdout
 
 
 def test_two_instance_script_runs_12_turns_on_the_gpu_preset(tmp_path):

@@ -108,8 +108,11 @@ def test_a_missing_model_path_is_not_called_downloadable(tmp_path):
 
 
 def test_a_steps_the_checkpoints_already_reach_is_called_out(tmp_path):
+    from utils.cpu_recipe import RECIPE
+
+    last = RECIPE.steps  # the CPU preset's step count
     outputs = tmp_path / "outputs"
-    (outputs / "checkpoints" / "cpu_demo_outbound_ad_trial" / "global_step_4").mkdir(parents=True)
+    (outputs / "checkpoints" / "cpu_demo_outbound_ad_trial" / f"global_step_{last}").mkdir(parents=True)
     (outputs / "checkpoints" / "cpu_demo_outbound_ad_trial" / "global_step_2").mkdir()
 
     def dry_run(*args: str, **settings: str) -> str:
@@ -120,9 +123,9 @@ def test_a_steps_the_checkpoints_already_reach_is_called_out(tmp_path):
         return done.stderr
 
     warned = dry_run("trainer.total_training_steps=2")
-    assert ("WARNING: nothing to train: " in warned and "already holds step 4 and trainer.total_training_steps=2 is "
-            "the total number of steps, not the steps to add" in warned
-            and "trainer.total_training_steps=6 trains 2 more" in warned)
-    assert "nothing to train" in dry_run()  # the CPU preset's 4 steps
-    assert "nothing to train" not in dry_run("trainer.total_training_steps=6")
+    assert ("WARNING: nothing to train: " in warned and f"already holds step {last} and trainer.total_training_steps=2 "
+            "is the total number of steps, not the steps to add" in warned
+            and f"trainer.total_training_steps={last + 2} trains 2 more" in warned)
+    assert "nothing to train" in dry_run()  # the CPU preset's steps
+    assert "nothing to train" not in dry_run(f"trainer.total_training_steps={last + 2}")
     assert "nothing to train" not in dry_run("trainer.resume_mode=disable", "trainer.total_training_steps=2")

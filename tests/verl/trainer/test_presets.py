@@ -39,9 +39,13 @@ def expected_trainer(preset: str) -> dict[str, str]:
     if preset == "cpu":
         from utils.cpu_recipe import RECIPE
 
-        # the recipe's step count (4 at 61a6982) may change after it, in utils/cpu_recipe.py, its one source; the
-        # test frequency follows it (validation before training and after the last step)
+        # the recipe (utils/cpu_recipe.py, their one source) changed after 61a6982: 8 steps (was 4; the test
+        # frequency follows: validation before training and after the last step), lr 2e-4 (was 4e-4) and two
+        # passes over each step's dialogues (was the trainer's default, one)
+        assert expected["actor_rollout_ref.actor.optim.lr"] == "0.0004" and RECIPE.lr == 2e-4
+        expected["actor_rollout_ref.actor.optim.lr"] = repr(RECIPE.lr)
         expected["trainer.total_training_steps"] = expected["trainer.test_freq"] = str(RECIPE.steps)
+        expected["actor_rollout_ref.actor.ppo_epochs"] = str(RECIPE.ppo_epochs)
         # the shell preset chose the engine by what the running python imports, as {engine} does
         expected["actor_rollout_ref.rollout.name"] = "vllm" if importlib.util.find_spec("vllm") else "hf"
     return expected
@@ -195,10 +199,13 @@ def test_main_sh_refuses_a_second_scenario_in_any_spelling_and_shared_gpus():
 def test_checkpoints_at_the_step_count_are_called_out(tmp_path):
     from verl.trainer.launch_settings import nothing_to_train
 
-    (tmp_path / "global_step_4").mkdir()
+    from utils.cpu_recipe import RECIPE
+
+    (tmp_path / f"global_step_{RECIPE.steps}").mkdir()
     at = resolve("cpu", [("command line", [f"trainer.default_local_dir={tmp_path}"])])
-    assert "already holds step 4 and trainer.total_training_steps=4" in nothing_to_train(at, {})
+    said = nothing_to_train(at, {})
+    assert f"already holds step {RECIPE.steps} and trainer.total_training_steps={RECIPE.steps}" in said
     assert nothing_to_train(at, {"ITERATIONS": "2"}) is None
     more = resolve("cpu", [("command line", [f"trainer.default_local_dir={tmp_path}",
-                                             "trainer.total_training_steps=5"])])
+                                             f"trainer.total_training_steps={RECIPE.steps + 1}"])])
     assert nothing_to_train(more, {}) is None
