@@ -1,4 +1,5 @@
-"""KL between the policy and the reference: per-token estimators and the KL-coefficient controllers.
+"""KL between the policy and the reference: per-token estimators, the KL-coefficient controllers and the in-reward
+penalty (``apply_kl_penalty``, re-exported by :mod:`verl.trainer.ppo.ray_trainer` as in veRL).
 
 veRL keeps these in ``verl.trainer.ppo.core_algos``; they are re-exported there, so ``core_algos.kl_penalty``,
 ``core_algos.FixedKLController`` etc. work as in veRL. The estimators are used twice: as the in-reward penalty
@@ -14,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from verl.utils.torch_functional import masked_mean
 
 logger = logging.getLogger(__name__)
 
@@ -112,3 +115,16 @@ def get_kl_controller(kl_ctrl_config: Any) -> FixedKLController | AdaptiveKLCont
             raise ValueError("algorithm.kl_ctrl.type=adaptive needs target_kl and horizon")
         return AdaptiveKLController(init_kl_coef=kl_coef, target_kl=target_kl, horizon=horizon)
     raise ValueError(f"unknown algorithm.kl_ctrl.type {ctrl_type!r}; expected 'fixed' or 'adaptive'")
+
+
+def apply_kl_penalty(data: Any, kl_ctrl: Any, kl_penalty: str = "kl") -> tuple[Any, dict[str, float]]:
+    """The in-reward KL penalty of a DataProto batch (veRL's, in its ``ray_trainer``): ``token_level_rewards =
+    token_level_scores - beta * KL(old || ref) * mask`` with the ``kl_penalty`` estimator's value; updates the
+    controller."""
+    mask = data.batch["response_mask"]
+    kld = kl_penalty_forward(data.batch["old_log_probs"], data.batch["ref_log_prob"], kl_penalty) * mask
+    beta = kl_ctrl.value
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * kld
+    current_kl = float(masked_mean(kld, mask, axis=-1).mean())
+    kl_ctrl.update(current_kl=current_kl, n_steps=len(data))
+    return data, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}

@@ -32,7 +32,7 @@ from verl.trainer.config_schema import ConfigError
 from verl.workers.rollout.engine import RolloutEngine
 
 __all__ = ["BatchOutputs", "ConsoleMetric", "RewardFunction", "RolloutLoop", "SingleTurnRollout", "bind_reward",
-           "declare_outputs", "declared_outputs", "import_dotted"]
+           "declare_outputs", "declared_outputs", "import_dotted", "rollout_loop_class"]
 
 # One entry of the per-step console line: a metric name (or several, shown joined by "/") and its label.
 ConsoleMetric = tuple[Union[str, tuple[str, ...]], str]
@@ -204,3 +204,14 @@ def declared_outputs(plugin: Any, settings: Mapping[str, Any]) -> Optional[Batch
         return plugin.batch_outputs(settings)
     outputs = getattr(plugin, "batch_outputs", None)
     return outputs(settings) if callable(outputs) else None
+
+
+def rollout_loop_class(path: str) -> type[RolloutLoop]:
+    """The ``rollout_loop.path`` class (empty: single-turn generation); TypeError when it is not a RolloutLoop."""
+    if not path:
+        return SingleTurnRollout
+    loop_cls = import_dotted(path, "rollout_loop.path")
+    if not (isinstance(loop_cls, type) and issubclass(loop_cls, RolloutLoop)):
+        raise TypeError(f"rollout_loop.path={path!r} must name a subclass of "
+                        f"verl.trainer.ppo.plugins.RolloutLoop, got {loop_cls!r}")
+    return loop_cls

@@ -38,7 +38,8 @@ from verl.trainer.config_schema import PPOTrainerConfig
 from verl.trainer.config_validation import load_config
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch
-from verl.trainer.ppo.plugins import RolloutLoop, SingleTurnRollout, bind_reward, import_dotted
+from verl.trainer.ppo.kl import apply_kl_penalty
+from verl.trainer.ppo.plugins import RolloutLoop, bind_reward, import_dotted, rollout_loop_class
 from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
 from verl.trainer.ppo.trainer_advantage import advantage_step, compute_advantage
 from verl.trainer.ppo.trainer_checkpoint import (SCENARIO_KEY, CheckpointedParts, TrainerCheckpoints, nothing_to_train,
@@ -56,6 +57,7 @@ from verl.trainer.ppo.trainer_rollout import (
 )
 from verl.trainer.ppo.trainer_rollout_stream import RolloutStream, fill_limit
 from verl.trainer.ppo.trainer_stale_drop import drop_stale_dialogues
+from verl.trainer.ppo.validation_metrics import generation_rows
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughout_metrics,
@@ -81,17 +83,6 @@ class Role(str, Enum):
 
     ActorRollout = "actor_rollout"
     Critic = "critic"
-
-
-def apply_kl_penalty(data: DataProto, kl_ctrl: Any, kl_penalty: str = "kl") -> tuple[DataProto, dict[str, float]]:
-    """``token_level_rewards = token_level_scores - beta * KL(old || ref) * mask``; updates the controller."""
-    mask = data.batch["response_mask"]
-    kld = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], kl_penalty) * mask
-    beta = kl_ctrl.value
-    data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * kld
-    current_kl = float(masked_mean(kld, mask, axis=-1).mean())
-    kl_ctrl.update(current_kl=current_kl, n_steps=len(data))
-    return data, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
 
 class RayPPOTrainer:
@@ -123,7 +114,7 @@ class RayPPOTrainer:
         base_fn = reward_fn or import_dotted(self.typed.reward.path, "reward.path")
         self.reward_fn = bind_reward(base_fn, tokenizer, kwargs, self.typed.reward.path)
         self.val_reward_fn = bind_reward(val_reward_fn or base_fn, tokenizer, kwargs, self.typed.reward.path)
-        self.loop_cls = self._rollout_loop_class()
+        self.loop_cls = rollout_loop_class(self.typed.rollout_loop.path)
         data_cfg = self.typed.data
         if train_dataset is None:
             train_dataset = create_dataset(data_cfg.train_files, tokenizer, data_cfg)
@@ -163,17 +154,6 @@ class RayPPOTrainer:
         self.last_batch: Optional[DataProto] = None  # the last trained batch (inspection and tests)
 
     # ------------------------------------------------------------------------------------------------ setup
-    def _rollout_loop_class(self) -> type[RolloutLoop]:
-        """The ``rollout_loop.path`` class (default: single-turn generation); it must be a RolloutLoop."""
-        path = self.typed.rollout_loop.path
-        if not path:
-            return SingleTurnRollout
-        loop_cls = import_dotted(path, "rollout_loop.path")
-        if not (isinstance(loop_cls, type) and issubclass(loop_cls, RolloutLoop)):
-            raise TypeError(f"rollout_loop.path={path!r} must name a subclass of "
-                            f"verl.trainer.ppo.plugins.RolloutLoop, got {loop_cls!r}")
-        return loop_cls
-
     def init_workers(self) -> None:
         """Start the actor/rollout(/ref) group and, for GAE, the critic group; build the rollout-loop plug-in."""
         role = "actor_rollout_ref" if self.use_reference else "actor_rollout"
@@ -381,26 +361,17 @@ class RayPPOTrainer:
         metrics.update({f"val/{k}": v for k, v in merge_rollout_metrics(rollout_metrics).items()})
         loop_metrics = self.val_rollout_loop.on_validation_end(scored_batches, self.global_steps)
         metrics.update({f"val/{k}": v for k, v in loop_metrics.items()})
-        self._val_generations = self._generation_rows(scored_batches, sample_scores,
-                                                      self.typed.trainer.log_val_generations)
+        self._val_generations = generation_rows(self.tokenizer, scored_batches, sample_scores,
+                                                self.typed.trainer.log_val_generations)
         return metrics
 
-    def _generation_rows(self, batches: list[DataProto], scores: list[float], limit: int) -> list[list[str]]:
-        """The first `limit` validation samples as [input, output, score] text rows (veRL's log_val_generations):
-        the prompt and the whole response (a dialogue's both sides, role markers included) without padding."""
-        rows: list[list[str]] = []
-        for batch in batches:
-            for i in range(len(batch)):
-                if len(rows) >= limit:
-                    return rows
-                b = batch.batch
-                prompt = b["prompts"][i][b["attention_mask"][i, :b["prompts"].size(1)].bool()]
-                response = b["responses"][i][b["attention_mask"][i, b["prompts"].size(1):].bool()]
-                rows.append([self.tokenizer.decode(prompt.tolist()), self.tokenizer.decode(response.tolist()),
-                             f"{scores[len(rows)]:.4g}"])
-        return rows
-
     # ---------------------------------------------------------------------------------------------- the loop
+    def _step_ends_with(self, step: int) -> tuple[bool, bool]:
+        """(validate, save): whether step ``step`` ends with a validation and with a checkpoint."""
+        tcfg, last = self.typed.trainer, step >= self.total_training_steps
+        return (self.val_dataset is not None and tcfg.test_freq > 0 and (last or step % tcfg.test_freq == 0),
+                tcfg.save_freq > 0 and (last or step % tcfg.save_freq == 0))
+
     def fit(self) -> dict[str, float]:
         """Train until ``total_training_steps``; resume, validate, checkpoint and log along the way.
 
@@ -427,9 +398,7 @@ class RayPPOTrainer:
 
         def boundary(step: int) -> bool:
             """Whether step ``step`` ends with a validation, a checkpoint or the run (nothing in flight across)."""
-            return step >= self.total_training_steps or (
-                self.val_dataset is not None and tcfg.test_freq > 0 and step % tcfg.test_freq == 0) or (
-                tcfg.save_freq > 0 and step % tcfg.save_freq == 0)
+            return step >= self.total_training_steps or any(self._step_ends_with(step))
         try:
             seed = tcfg.seed
             random.seed(seed)
@@ -452,9 +421,7 @@ class RayPPOTrainer:
             while self.global_steps < self.total_training_steps:
                 self.global_steps += 1
                 last = self.global_steps >= self.total_training_steps
-                validate = self.val_dataset is not None and tcfg.test_freq > 0 and (
-                    last or self.global_steps % tcfg.test_freq == 0)
-                save = tcfg.save_freq > 0 and (last or self.global_steps % tcfg.save_freq == 0)
+                validate, save = self._step_ends_with(self.global_steps)
                 if stream is not None:
                     metrics = self.stream_step(stream, fill_limit(self.global_steps, threshold, boundary))
                 elif ahead is None:

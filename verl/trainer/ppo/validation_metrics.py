@@ -1,5 +1,6 @@
 """Validation metrics over several responses per prompt (veRL's names): bootstrap estimates of best/worst/majority
-of k responses, averaged per data source. Re-exported by :mod:`verl.trainer.ppo.metric_utils`."""
+of k responses, averaged per data source. Re-exported by :mod:`verl.trainer.ppo.metric_utils`. Also the text rows of
+the validation samples the trainer logs (``trainer.log_val_generations``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bootstrap_metric", "calc_maj_val", "process_validation_metrics"]
+__all__ = ["bootstrap_metric", "calc_maj_val", "generation_rows", "process_validation_metrics"]
 
 
 def bootstrap_metric(
@@ -109,3 +110,20 @@ def process_validation_metrics(
         result[source] = {name: {metric: float(np.mean(v)) for metric, v in metrics.items()}
                           for name, metrics in per_metric.items()}  # fmt: skip
     return result
+
+
+def generation_rows(tokenizer: Any, batches: Sequence[Any], scores: Sequence[float], limit: int) -> list[list[str]]:
+    """The first `limit` validation samples of `batches` (scored DataProto batches, `scores` one per row in order)
+    as [input, output, score] text rows (veRL's log_val_generations): the prompt and the whole response (a
+    dialogue's both sides, role markers included) without padding."""
+    rows: list[list[str]] = []
+    for batch in batches:
+        for i in range(len(batch)):
+            if len(rows) >= limit:
+                return rows
+            b = batch.batch
+            prompt = b["prompts"][i][b["attention_mask"][i, :b["prompts"].size(1)].bool()]
+            response = b["responses"][i][b["attention_mask"][i, b["prompts"].size(1):].bool()]
+            rows.append([tokenizer.decode(prompt.tolist()), tokenizer.decode(response.tolist()),
+                         f"{scores[len(rows)]:.4g}"])
+    return rows
