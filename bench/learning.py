@@ -25,8 +25,9 @@
    from the previous ones and the rollout log's dialogues with an independent float64 implementation of the
    rule in llm_agent/controller.py and reports the largest difference and the direction of the move.
 
-Writes `--out` (JSON: settings, seeds, machine, wall times, val CR curve, per-step train metrics, controller
-weights and per-value CRs, the check, and `val_paired`: the first and last validations paired by profile with
+Writes `--out` (JSON: settings, seeds, machine, wall times, val CR curve, per-step train metrics (with the
+simulator requests the client made and the share of user turns the cache served: `--cache false` for the other
+side of the comparison), controller weights and per-value CRs, the check, and `val_paired`: the first and last validations paired by profile with
 the one-sided exact sign test of bench/learning_stats.py) and prints a table. Timings are noisy on a shared
 machine.
 """
@@ -261,6 +262,7 @@ def collect(s: LearningSettings, work: Path) -> dict[str, Any]:
     steps = [m for m in read_jsonl(work / "logs" / "metrics.jsonl") if m.get("step", 0) >= 1
              and "dialogue/completion_rate" in m]
     train = [{"step": m["step"], "train_cr": m["dialogue/completion_rate"], "score": m.get("critic/score/mean"),
+              "sim_requests": m.get("user_sim/requests"), "cache_hit_rate": m.get("rollout/cache_hit_rate"),
               "controller": {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("controller/")}}
              for m in steps]
     logged = read_jsonl(work / "rollouts.jsonl")
@@ -293,15 +295,17 @@ def print_table(record: dict[str, Any]) -> None:
     judge = record["settings"]["judge"]
     judged = {v["step"]: v.get("judge_completion_rate") for v in record["val_curve"]}
     extra = f" | {judge + ' CR':>10}" if judge else ""
-    print(f"{'step':>4} | {'val CR':>6}{extra} | {'train CR':>8} | {'score':>6}")
+    print(f"{'step':>4} | {'val CR':>6}{extra} | {'train CR':>8} | {'score':>6} | {'sim calls':>9} | {'cache hits':>10}")
 
     def judge_cell(step: int) -> str:
         return f" | {judged[step]:>10.3f}" if judge and step in judged else (f" | {'':>10}" if judge else "")
 
-    print(f"{0:>4} | {val.get(0, float('nan')):>6.3f}{judge_cell(0)} | {'':>8} | {'':>6}")
+    print(f"{0:>4} | {val.get(0, float('nan')):>6.3f}{judge_cell(0)} | {'':>8} | {'':>6} | {'':>9} | {'':>10}")
     for row in record["train_steps"]:
         v = f"{val[row['step']]:.3f}" if row["step"] in val else ""
-        print(f"{row['step']:>4} | {v:>6}{judge_cell(row['step'])} | {row['train_cr']:>8.3f} | {row['score']:>6.3f}")
+        calls, hits = row["sim_requests"], row["cache_hit_rate"]
+        print(f"{row['step']:>4} | {v:>6}{judge_cell(row['step'])} | {row['train_cr']:>8.3f} | {row['score']:>6.3f} | "
+              f"{'' if calls is None else f'{calls:.0f}':>9} | {'' if hits is None else f'{hits:.3f}':>10}")
     gain = record["val_cr_after"] - record["val_cr_before"]
     print(f"val CR before {record['val_cr_before']:.3f} -> after {record['val_cr_after']:.3f} "
           f"({100 * gain:+.1f} points)")

@@ -44,3 +44,12 @@ def test_training_against_the_llm_simulator_judged_by_the_persona(warm_model_pat
     assert (paired["completed_before"], paired["completed_after"]) == (sum(judged_outcomes[0]), sum(judged_outcomes[1]))
     train = [line for line in logged if line["split"] == "train"]
     assert len(train) == 2 * 2 and any(t["user_source"] == "simulator" for line in train for t in line["turns"])
+    # the client's request count and the cache's share (the trainer's metrics) against the dialogues' own counts:
+    # every request a dialogue made, plus the client's transport retries
+    step = record["train_steps"][0]
+    requests, hits = sum(line["sim_requests"] for line in train), sum(line["cache_hits"] for line in train)
+    retries = next(m["user_sim/retries"] for m in read_jsonl(tmp_path / "work" / "logs" / "metrics.jsonl")
+                   if m.get("step") == 1 and "user_sim/retries" in m)
+    assert requests > 0 and step["sim_requests"] == requests + retries
+    user_turns = sum(t["user_source"] in ("simulator", "cache") for line in train for t in line["turns"])
+    assert step["cache_hit_rate"] == pytest.approx(hits / user_turns)
