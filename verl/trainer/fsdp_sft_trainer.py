@@ -18,6 +18,7 @@ per-step loss, wall time).
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import logging
@@ -175,11 +176,13 @@ def batch_schedule(n_rows: int, steps: int, batch_size: int, seed: int) -> list[
 
 @dataclass
 class _Runtime:
-    """Where this process trains: its rank, the world size and its device."""
+    """Where this process trains: its rank, the world size, its device and whether it joined the process group
+    itself (then it leaves it when training ends)."""
 
     rank: int
     world: int
     device: torch.device
+    owns_group: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -189,7 +192,8 @@ class _Runtime:
 def _runtime() -> _Runtime:
     """Join the torchrun process group when WORLD_SIZE > 1 (NCCL on CUDA, gloo on CPU); else one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+    owns_group = world > 1 and not dist.is_initialized()
+    if owns_group:
         if is_cuda_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=get_dist_backend())
@@ -198,7 +202,7 @@ def _runtime() -> _Runtime:
     else:
         rank, world = 0, 1
     device = torch.device("cuda", torch.cuda.current_device()) if is_cuda_available() else torch.device("cpu")
-    return _Runtime(rank, world, device)
+    return _Runtime(rank, world, device, owns_group)
 
 
 def _enable_checkpointing(model: Any) -> None:
@@ -335,4 +339,9 @@ def train_sft(model_path: str | Path, rows: Sequence[SFTRow], out_dir: str | Pat
         (out / LOG_FILE).write_text(json.dumps(log) + "\n", encoding="utf-8")
         logger.info("sft: %d steps on %d rows (%d rank(s)) in %.1f s, loss %.4f -> %.4f; saved to %s",
                     config.steps, len(rows), rt.world, seconds, losses[0], losses[-1], out)
+    if rt.owns_group:  # gloo's threads must not outlive the interpreter (a SIGABRT at exit otherwise)
+        del model, optimizer
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
     return out

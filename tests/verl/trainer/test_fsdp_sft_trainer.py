@@ -142,3 +142,34 @@ def test_two_fsdp_ranks_train_the_same_weights_as_one_process(tiny_model_path, t
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "two")  # the FSDP export is a plain HF directory
+
+
+_LEAVES_GROUP = """
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from verl.trainer.fsdp_sft_trainer import SFTConfig, SFTRow, train_sft
+
+model, out = sys.argv[1], Path(sys.argv[2])
+rows = [SFTRow([5, 6, 7, 8], [0, 1, 1, 1]), SFTRow([9, 10, 11], [0, 0, 1])]
+train_sft(model, rows, out / "model", SFTConfig(steps=1, lr=1e-3, batch_size=2))
+rank = int(__import__("os").environ["RANK"])
+(out / f"rank{rank}.txt").write_text(str(dist.is_initialized()))
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_leave_the_process_group_they_joined(tiny_model_path, tmp_path):
+    """Under torchrun, train_sft joins the gloo group and destroys it when done: a group left to the interpreter's
+    shutdown lets gloo's threads outlive it (rank processes aborting after the model was saved)."""
+    script = tmp_path / "leaves_group.py"
+    script.write_text(_LEAVES_GROUP)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), tiny_model_path, str(tmp_path)], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["False", "False"]
+    assert (tmp_path / "model" / "config.json").is_file()

@@ -65,6 +65,7 @@ BUCKETS = {2**20: 1, 60: 3, 1: 4}  # bucket bytes -> collectives: 60 B holds 7x5
 
 
 def _bucketed_rank(rank: int, port: int, out_dir: str) -> None:
+    import gc
     import os
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,6 +83,8 @@ def _bucketed_rank(rank: int, port: int, out_dir: str) -> None:
         streamed = dict(fsdp_weight_stream(module, torch.bfloat16, stats, bucket_bytes=bucket_bytes))
         results[bucket_bytes] = {"streamed": streamed, "gathers": stats.gathers}
     torch.save({"expected": expected, "results": results}, os.path.join(out_dir, f"rank{rank}.pt"))
+    del module  # its device mesh holds the group: release it first, so no gloo thread outlives the interpreter
+    gc.collect()
     dist.destroy_process_group()
 
 
