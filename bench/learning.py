@@ -27,9 +27,9 @@
 
 Writes `--out` (JSON: settings, seeds, machine, wall times, val CR curve, per-step train metrics (with the
 simulator requests the client made and the share of user turns the cache served: `--cache false` for the other
-side of the comparison), controller weights and per-value CRs, the check, and `val_paired`: the first and last validations paired by profile with
-the one-sided exact sign test of bench/learning_stats.py) and prints a table. Timings are noisy on a shared
-machine.
+side of the comparison), controller weights and per-value CRs, the check, and `val_paired`: the first and last
+validations paired by profile with the one-sided exact sign test of bench/learning_stats.py) and prints a table.
+Timings are noisy on a shared machine.
 """
 from __future__ import annotations
 
@@ -295,7 +295,8 @@ def print_table(record: dict[str, Any]) -> None:
     judge = record["settings"]["judge"]
     judged = {v["step"]: v.get("judge_completion_rate") for v in record["val_curve"]}
     extra = f" | {judge + ' CR':>10}" if judge else ""
-    print(f"{'step':>4} | {'val CR':>6}{extra} | {'train CR':>8} | {'score':>6} | {'sim calls':>9} | {'cache hits':>10}")
+    print(f"{'step':>4} | {'val CR':>6}{extra} | {'train CR':>8} | {'score':>6} | {'sim calls':>9} | "
+          f"{'cache hits':>10}")
 
     def judge_cell(step: int) -> str:
         return f" | {judged[step]:>10.3f}" if judge and step in judged else (f" | {'':>10}" if judge else "")

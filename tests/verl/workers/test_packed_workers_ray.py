@@ -22,10 +22,11 @@ pytestmark = pytest.mark.processes
 PROMPT, RESPONSE, ROWS = 12, 24, 8
 MINI_BATCH_PROMPTS = 4  # 2 mini-batches of 2 rows per rank
 BUDGET = 40  # tokens per micro-batch: rank 0's short rows fit 2 per micro-batch, rank 1's long rows 1
-# AdamW's first steps move an element by about lr whatever its gradient's size: with the default eps a gradient within
-# float noise of 0 whose sign differs between the sharded and the single-process sums moves a weight 2 lr apart
-# (the likely cause of a failure under ATEN_CPU_CAPABILITY=default in CI). With this eps such an element moves by ~lr * |g| / eps, so the weights
-# compare at 1e-5; a real difference in the gradients still shows there and in the grad norms.
+# AdamW's first steps move an element by about lr whatever its gradient's size: with the default eps a gradient
+# within float noise of 0 whose sign differs between the sharded and the single-process sums moves a weight 2 lr
+# apart (the likely cause of a failure under ATEN_CPU_CAPABILITY=default in CI). With this eps such an element moves
+# by ~lr * |g| / eps, so the weights compare at 1e-5; a real difference in the gradients still shows there and in the
+# grad norms.
 OPTIM = {"eps": 1e-4}
 
 
