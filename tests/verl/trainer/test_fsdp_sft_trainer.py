@@ -145,6 +145,7 @@ def test_two_fsdp_ranks_train_the_same_weights_as_one_process(tiny_model_path, t
 
 
 _LEAVES_GROUP = """
+import os
 import sys
 from pathlib import Path
 
@@ -155,7 +156,7 @@ from verl.trainer.fsdp_sft_trainer import SFTConfig, SFTRow, train_sft
 model, out = sys.argv[1], Path(sys.argv[2])
 rows = [SFTRow([5, 6, 7, 8], [0, 1, 1, 1]), SFTRow([9, 10, 11], [0, 0, 1])]
 train_sft(model, rows, out / "model", SFTConfig(steps=1, lr=1e-3, batch_size=2))
-rank = int(__import__("os").environ["RANK"])
+rank = int(os.environ["RANK"])
 (out / f"rank{rank}.txt").write_text(str(dist.is_initialized()))
 """
 
