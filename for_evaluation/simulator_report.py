@@ -32,7 +32,7 @@ from llm_agent.evaluation.run_data import read_dialogues
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 from llm_agent.simulator_report import (PROBE_SEED, ProbeSampling, build_card, build_probe_set, dialogues_from_log,
                                         run_probes)
-from llm_agent.simulator_report.card import METRIC_KEYS
+from llm_agent.simulator_report.card import AGENT_KEYS, METRIC_KEYS
 from llm_agent.simulator_report.card_file import read_card
 from llm_agent.simulator_report.human import human_records, human_section
 from llm_agent.user_sim.client.wire import SimulatorCheckError
@@ -130,11 +130,20 @@ def _aligned(rows: list[list[str]]) -> str:
 
 
 def cards_table(cards: list[dict[str, Any]]) -> str:
-    """The cards' metrics side by side as text: value [low, high] per card; then, for cards graded on human
-    calls, the agreement of each preview source with the person's turns."""
+    """The cards' metrics side by side as text: value [low, high] per card; then, for probe cards, the agreement
+    per probing agent quality; then, for cards graded on human calls, the agreement of each preview source with
+    the person's turns."""
     names = [str(c.get("name")) for c in cards]
     text = _aligned([["metric", *names]] + [[key, *(_cell(c["metrics"].get(key)) for c in cards)]
                                             for key in METRIC_KEYS])
+    agents = list(dict.fromkeys(a for c in cards for a in c.get("by_agent") or {}))
+    if agents:
+        rows = [["by probing agent", *names]]
+        for agent in agents:
+            parts = [(c.get("by_agent") or {}).get(agent) or {} for c in cards]
+            rows.append([f"{agent}: turns", *(str(p.get("n_turns", "-")) for p in parts)])
+            rows += [[f"{agent}: {key}", *(_cell(p.get(key)) for p in parts)] for key in AGENT_KEYS]
+        text += "\n\n" + _aligned(rows)
     columns = [(c, source, part) for c in cards if isinstance(c.get("human"), dict)
                and isinstance(c["human"].get("sources"), dict)
                for source, part in c["human"]["sources"].items()

@@ -185,7 +185,9 @@ class TinyRecipe:
                                         num_hidden_layers=2, num_attention_heads=4, tag_tokens=True,
                                         user_tag_tokens=True)
     n_calls: int = 2500
-    quality_mix: dict[str, float] = field(default_factory=lambda: {"good": 0.5, "evasive": 0.25, "bad": 0.25})
+    # wrong_answer: doubts answered with another category's answer, which the persona does not take for an answer
+    quality_mix: dict[str, float] = field(default_factory=lambda: {"good": 0.4, "evasive": 0.2, "wrong_answer": 0.2,
+                                                                   "bad": 0.2})
     reply_format: str = "canonical"
     max_turns: int = 10
     max_length: int = 2048
@@ -304,7 +306,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rollouts", nargs="+", default=[], help="rollout logs / evaluation dialogues files")
     p.add_argument("--split", default=None, help="only logged dialogues of this split (e.g. train)")
     p.add_argument("--scripted", type=int, default=0, help="scripted calls to add as examples")
-    p.add_argument("--quality-mix", default="good=0.5,evasive=0.25,bad=0.25",
+    p.add_argument("--quality-mix", default=",".join(f"{k}={v}" for k, v in TinyRecipe().quality_mix.items()),
                    help="scripted agent qualities and their weights")
     p.add_argument("--max-turns", type=int, default=10, help="agent turns per scripted call")
     p.add_argument("--reply-format", choices=REPLY_FORMATS, default="raw",

@@ -21,6 +21,10 @@ every check of its reply:
 - `distinct_1`, `distinct_2`, `unique_reply_rate`: distinct words / word pairs per word of the accepted spoken
   replies, distinct replies per reply (no interval: a resample repeats dialogues).
 
+`by_agent` repeats the agreement metrics (`AGENT_KEYS`) per quality of the scripted agent that spoke in the probe
+dialogues (`wrong_answer`: doubts answered with another category's answer, which a simulator that can be exploited
+takes for an answer); empty for logged dialogues.
+
 Intervals: percentile bootstrap over dialogues (`llm_agent.evaluation.stats.bootstrap_intervals`), since turns
 of one dialogue share a persona and a history. A metric that cannot be measured (e.g. first-try checks of
 logged turns, latency of logs) is None.
@@ -42,8 +46,8 @@ from llm_agent.simulator_report.checks import ReplyCheck, ReplyChecker
 from llm_agent.simulator_report.reference import Reference, ScriptedReference
 from llm_agent.simulator_report.turns import SimDialogue
 
-__all__ = ["DIVERSITY_KEYS", "INTERVAL_KEYS", "METRIC_KEYS", "ScoredDialogue", "ScoredTurn", "build_card",
-           "card_metrics", "score_dialogues"]
+__all__ = ["AGENT_KEYS", "DIVERSITY_KEYS", "INTERVAL_KEYS", "METRIC_KEYS", "ScoredDialogue", "ScoredTurn",
+           "build_card", "card_metrics", "score_dialogues"]
 
 INTERVAL_KEYS = ("first_try_valid_rate", "first_try_accepted_rate", "rerequest_rate", "rerequests_per_turn",
                  "failed_rate", "control_text_rate", "format_valid_rate", "jump_within_limits_rate",
@@ -52,6 +56,8 @@ INTERVAL_KEYS = ("first_try_valid_rate", "first_try_accepted_rate", "rerequest_r
                  "behaviour_adherence", "latency_p50_s", "latency_p95_s")
 DIVERSITY_KEYS = ("distinct_1", "distinct_2", "unique_reply_rate")
 METRIC_KEYS = INTERVAL_KEYS + DIVERSITY_KEYS
+AGENT_KEYS = ("format_valid_rate", "scripted_direction_agreement", "scripted_state_agreement",
+              "scripted_status_agreement")
 _CHECK_RATES = {"format_valid_rate": "format_valid", "jump_within_limits_rate": "jump_ok",
                 "direction_consistent_rate": "direction_ok", "scripted_direction_agreement": "agrees_direction",
                 "scripted_state_agreement": "agrees_state", "scripted_status_agreement": "agrees_status"}
@@ -84,6 +90,7 @@ class ScoredDialogue:
     turns: tuple[ScoredTurn, ...]
     expected_doubts: frozenset[str]
     logged_rerequests: int | None
+    agent: str | None = None
 
 
 def score_dialogues(dialogues: Sequence[SimDialogue], scenario: Scenario, max_jump: int | None = None
@@ -107,7 +114,8 @@ def score_dialogues(dialogues: Sequence[SimDialogue], scenario: Scenario, max_ju
                 control_reply=next((text for text, c in zip(turn.replies, checks) if c.control_text), None)))
         own = {b.category for b in dialogue.profile.behaviors}
         expected = frozenset(t.reference.doubt for t in turns if t.reference.doubt in own)
-        scored.append(ScoredDialogue(dialogue.dialogue_id, tuple(turns), expected, dialogue.logged_rerequests))
+        scored.append(ScoredDialogue(dialogue.dialogue_id, tuple(turns), expected, dialogue.logged_rerequests,
+                                     dialogue.agent))
     return scored
 
 
@@ -154,6 +162,30 @@ def card_metrics(dialogues: Sequence[ScoredDialogue], diversity: bool = True) ->
     return out
 
 
+def _metrics(dialogues: Sequence[ScoredDialogue], n_resamples: int, confidence: float, seed: int
+             ) -> dict[str, Any]:
+    """`card_metrics` of `dialogues`, with bootstrap intervals when `n_resamples` > 0."""
+    if n_resamples <= 0:
+        return card_metrics(dialogues)
+    metrics = bootstrap_intervals(dialogues, lambda rows: card_metrics(rows, diversity=False), n_resamples,
+                                  confidence, seed)
+    metrics.update({k: v for k, v in card_metrics(dialogues).items() if k in DIVERSITY_KEYS})
+    return metrics
+
+
+def _by_agent(dialogues: Sequence[ScoredDialogue], n_resamples: int, confidence: float, seed: int
+              ) -> dict[str, dict[str, Any]]:
+    """Per probing agent quality: its dialogue and turn counts and the `AGENT_KEYS` metrics."""
+    out = {}
+    for agent in sorted({d.agent for d in dialogues if d.agent is not None}):
+        rows = [d for d in dialogues if d.agent == agent and d.turns]
+        if rows:
+            metrics = _metrics(rows, n_resamples, confidence, seed)
+            out[agent] = {"n_dialogues": len(rows), "n_turns": sum(len(d.turns) for d in rows),
+                          **{key: _interval_json(metrics.get(key)) for key in AGENT_KEYS}}
+    return out
+
+
 def _interval_json(value: Interval | float | None) -> Any:
     return value.to_dict() if isinstance(value, Interval) else value
 
@@ -189,23 +221,19 @@ def build_card(dialogues: Sequence[SimDialogue], scenario: Scenario, name: str, 
                max_jump: int | None = None, human: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The report card of `dialogues` as a JSON-ready dict: `name`, `source` (what was measured and how), counts,
     `metrics` ({value, low, high, resamples} with intervals when `n_resamples` > 0, else plain values; None when
-    not measurable), the jump limits used, a few failing examples and, when given, the `human` section
+    not measurable), `by_agent` (the module docstring), the jump limits used, a few failing examples and, when given, the `human` section
     (`llm_agent.simulator_report.human.human_section`)."""
     graded = any(d.turns for d in dialogues)
     if not graded and human is None:
         raise ValueError(f"simulator report {name!r}: no simulator turns to grade")
     scored = score_dialogues(dialogues, scenario, max_jump)
-    if n_resamples > 0 and graded:
-        metrics: dict[str, Any] = bootstrap_intervals(scored, lambda rows: card_metrics(rows, diversity=False),
-                                                      n_resamples, confidence, seed)
-        metrics.update({k: v for k, v in card_metrics(scored).items() if k in DIVERSITY_KEYS})
-    else:
-        metrics = card_metrics(scored)
+    metrics = _metrics(scored, n_resamples if graded else 0, confidence, seed)
     checker = ReplyChecker(scenario, max_jump)
     return {"name": name, "scenario": scenario.name, "source": dict(source),
             "n_dialogues": len(scored), "n_turns": sum(len(d.turns) for d in scored),
             "probe_fingerprint": probe_fingerprint(t.messages for d in dialogues for t in d.turns),
             "metrics": {key: _interval_json(metrics.get(key)) for key in METRIC_KEYS},
+            "by_agent": _by_agent(scored, n_resamples, confidence, seed),
             "bootstrap": {"n_resamples": n_resamples, "confidence": confidence, "seed": seed},
             "jump_limits": {d: {"fall": lo, "rise": hi} for d, (lo, hi) in checker.limits.items()},
             "examples": _examples(scored), **({"human": dict(human)} if human is not None else {})}

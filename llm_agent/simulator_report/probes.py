@@ -1,7 +1,7 @@
 """The report card's fixed probes and how a simulator is run on them.
 
 `build_probe_set(scenario)` plays `n_dialogues` scripted calls (`llm_agent.stand_ins.scripted_calls`: profiles,
-agent qualities and the agents' words drawn from `seed`; good, evasive and pushy agents by default) against the
+agent qualities and the agents' words drawn from `seed`; good, evasive, wrong-answer and pushy agents by default) against the
 scripted persona and keeps every simulator request of them: a fixed set of profiles and agent turns, each
 request holding the persona and the dialogue so far with the scripted persona's replies (the same histories for
 every simulator graded, so cards are comparable turn for turn). The default seed is not the one the simulator's
@@ -29,7 +29,7 @@ from llm_agent.user_sim.client import SimulatorClient, TurnFailure, TurnReply, T
 __all__ = ["DEFAULT_QUALITY_MIX", "PROBE_SEED", "ProbeSampling", "ProbeSet", "build_probe_set", "run_probes"]
 
 PROBE_SEED = 104_729
-DEFAULT_QUALITY_MIX = {"good": 0.5, "evasive": 0.25, "bad": 0.25}
+DEFAULT_QUALITY_MIX = {"good": 0.4, "evasive": 0.2, "wrong_answer": 0.2, "bad": 0.2}
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def build_probe_set(scenario: Scenario, n_dialogues: int = 48, seed: int = PROBE
     for k, call in enumerate(scripted_calls(scenario, n_dialogues, mix, seed, max_turns=max_turns)):
         turns = [SimTurn(exchange.messages) for exchange in call.exchanges]
         if turns:
-            dialogues.append(SimDialogue(f"probe-{k:04d}", call.profile, turns))
+            dialogues.append(SimDialogue(f"probe-{k:04d}", call.profile, turns, agent=call.quality))
     return ProbeSet(tuple(dialogues), seed, mix, max_turns)
 
 
@@ -115,7 +115,7 @@ def run_probes(client: SimulatorClient, probe_set: ProbeSet, scenario: Scenario,
             if not pending:
                 break
         bar.update(len(pending))
-    out = [SimDialogue(d.dialogue_id, d.profile) for d in probe_set.dialogues]
+    out = [SimDialogue(d.dialogue_id, d.profile, agent=d.agent) for d in probe_set.dialogues]
     for slot in slots:
         messages = probe_set.dialogues[slot.dialogue].turns[slot.turn].messages
         out[slot.dialogue].turns.append(SimTurn(messages, tuple(slot.replies), tuple(slot.latencies), slot.failure))

@@ -37,12 +37,14 @@ class SimTurn:
 
 @dataclass
 class SimDialogue:
-    """The graded turns of one dialogue; `logged_rerequests` is a logged dialogue's `sim_retries` (None live)."""
+    """The graded turns of one dialogue; `logged_rerequests` is a logged dialogue's `sim_retries` (None live);
+    `agent` is the quality of the scripted agent that spoke in a probe dialogue (None for a logged one)."""
 
     dialogue_id: str
     profile: UserProfile
     turns: list[SimTurn] = field(default_factory=list)
     logged_rerequests: int | None = None
+    agent: str | None = None
 
 
 def _heard_turns(scenario: Scenario, record: DialogueRecord) -> Iterable[tuple[Turn, Turn | None, TurnRecord]]:

@@ -15,7 +15,10 @@ same words twice); "bad" is pushy and robotic and ignores doubts; "malformed" wr
 reply tag; "ender" writes a good first turn with status 1 (the agent ends the call); "evasive" is "good" but
 answers only the doubts of the first third of the scenario's doubt categories (file order, at least one) and
 talks past the others with the next part of the SOP, so a user with such a doubt repeats it and hangs up (a
-warm-start ingredient: mixed with "good", the greedy policy completes only calls whose doubts it knows).
+warm-start ingredient: mixed with "good", the greedy policy completes only calls whose doubts it knows);
+"wrong_answer" is "good" but answers every doubt with the answer of another category (the next one in file order
+whose answer misses the asked one's cues): a turn shaped like an answer with the wrong content, which a user
+simulator must not take for one (a simulator fine-tuning ingredient).
 `instant=True` skips decoding altogether and returns a precomputed turn (constant time, for the loop benchmark).
 """
 from __future__ import annotations
@@ -43,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["QUALITIES", "ScriptedAgent", "ScriptedPolicyWorkerGroup", "too_similar"]
 
-QUALITIES = ("good", "bad", "malformed", "ender", "evasive")
+QUALITIES = ("good", "bad", "malformed", "ender", "evasive", "wrong_answer")
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 SIMILARITY_LIMIT = 0.85  # below the scripted user's 0.9 repetition threshold, with a margin
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
@@ -131,6 +134,18 @@ class SopLines:
                 options.append(f"Hello, {phrase} {name} from {org}.")
         both = [_spoken(t) for t in options if cues["self_intro"].matches(t) and cues["organisation"].matches(t)]
         return self._keep(both)
+
+    def wrong_answers(self, category: str) -> list[str]:
+        """The answers of the first category after `category` (file order, wrapping) with options that miss
+        `category`'s resolve cues: those options; [] when every other category's answers would resolve it."""
+        categories = list(self.answers)
+        start = categories.index(category)
+        resolve = self.spec.categories[category].resolve
+        for other in categories[start + 1:] + categories[:start]:
+            options = [text for text in self.answers[other] if not resolve.matches(text)]
+            if options:
+                return options
+        return []
 
     def topics(self, text: str) -> int:
         """How many task cue lists `text` hits (what the scripted user counts against `rules.max_topics`)."""
@@ -244,7 +259,8 @@ class ScriptedAgent:
         if kind == "doubt" and value not in self.answered:  # evasive: carry on as if nothing was asked
             kind = "other"
         if kind == "doubt":
-            answer = lines.answers.get(value) or lines.pitch or lines.identity  # no speakable answer: move on
+            answer = (lines.wrong_answers(value) if self.quality == "wrong_answer" else lines.answers.get(value)) \
+                or lines.pitch or lines.identity  # no speakable answer: move on
             return [lines.openers, *([] if pitched or not lines.pitch else [lines.pitch]), answer], 1
         if steps_done >= len(lines.guides):
             return [lines.openers, lines.confirms], 3

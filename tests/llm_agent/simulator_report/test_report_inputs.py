@@ -85,6 +85,8 @@ CARDS = [
     ('{"name": "x", "metrics": {}, "examples": {"bad": ["reply"]}}', "examples 'bad' must be a list of objects"),
     ('{"name": "x", "metrics": {}, "source": "me"}', "'source' must be an object"),
     ('{"name": "x", "metrics": {}, "human": [1]}', "'human' must be an object"),
+    ('{"name": "x", "metrics": {}, "by_agent": [1]}', "'by_agent' must be an object"),
+    ('{"name": "x", "metrics": {}, "by_agent": {"good": {"format_valid_rate": "all"}}}', "by_agent 'good' must be"),
     ("[" * 5000, "nested 5000 levels deep"),
     ("{not json", "not valid JSON"),
 ]
@@ -113,6 +115,18 @@ def test_a_card_with_an_odd_human_section_still_prints(tmp_path, capsys):
     assert "x:scripted" in out and "x:simulator" not in out and "x:other" not in out
     assert next(line for line in out.splitlines() if line.startswith("status_agreement")).split()[1] == "0.500"
     assert "Agreement with people" in (tmp_path / "c.html").read_text()
+
+
+def test_the_agreement_per_probing_agent_is_printed_beside_each_card(tmp_path, capsys):
+    paths = []
+    for name, agreement in (("a", 0.25), ("b", 0.75)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"name": name, "metrics": {}, "by_agent": {"wrong_answer": {
+            "n_turns": 8, "scripted_direction_agreement": {"value": agreement, "low": 0.0, "high": 1.0}}}}))
+    assert report_main(["--card", str(paths[0]), "--card", str(paths[1])]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("wrong_answer: scripted_direction_agreement"))
+    assert "0.250 [0.000, 1.000]" in row and row.index("0.250") < row.index("0.750 [0.000, 1.000]")
 
 
 def test_a_card_with_missing_bounds_still_prints(tmp_path, capsys):

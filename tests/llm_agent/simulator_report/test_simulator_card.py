@@ -114,3 +114,31 @@ def test_replies_holding_control_text_are_counted_and_shown(scenario):
     assert metrics["control_text_rate"] == 0.25 and metrics["first_try_valid_rate"] == 0.5
     card = build_card(dialogues, scenario, "x", {}, n_resamples=0)
     assert card["examples"]["control_text_replies"] == [{"dialogue_id": "d1", "turn": 0, "reply": injected}]
+
+
+def test_agreement_per_probing_agent_is_worked_out_by_hand(scenario):
+    # the hand dialogues' turns (see EXPECTED): D1 format T T, direction T T, state T F, status T F;
+    # D2 format T -, direction T -, state F -, status T - (its second turn got no answer: failing every check)
+    d1, d2 = hand_dialogues(scenario)
+    labelled = [SimDialogue(d1.dialogue_id, d1.profile, d1.turns, agent="good"),
+                SimDialogue(d2.dialogue_id, d2.profile, d2.turns, agent="wrong_answer")]
+    card = build_card(labelled, scenario, "hand", {"kind": "test"}, n_resamples=0)
+    assert card["by_agent"] == {
+        "good": {"n_dialogues": 1, "n_turns": 2, "format_valid_rate": 1.0, "scripted_direction_agreement": 1.0,
+                 "scripted_state_agreement": 0.5, "scripted_status_agreement": 0.5},
+        "wrong_answer": {"n_dialogues": 1, "n_turns": 2, "format_valid_rate": 0.5,
+                         "scripted_direction_agreement": 0.5, "scripted_state_agreement": 0.0,
+                         "scripted_status_agreement": 0.5}}
+    assert build_card(hand_dialogues(scenario), scenario, "logged", {}, n_resamples=0)["by_agent"] == {}
+    with_intervals = build_card(labelled, scenario, "hand", {}, n_resamples=20)["by_agent"]["wrong_answer"]
+    assert with_intervals["scripted_state_agreement"]["value"] == 0.0  # one dialogue: every resample is itself
+
+
+def test_probe_dialogues_carry_their_agents_quality_and_the_persona_agrees_with_itself_on_each(scenario):
+    probes = build_probe_set(scenario, n_dialogues=4, quality_mix={"wrong_answer": 1.0, "good": 1.0})
+    assert {d.agent for d in probes.dialogues} <= {"wrong_answer", "good"}
+    with InProcessUserSim(scenario) as sim:
+        card = build_card(run_probes(sim, probes, scenario), scenario, "scripted", {}, n_resamples=0)
+    assert sum(row["n_dialogues"] for row in card["by_agent"].values()) == len(probes.dialogues)
+    for row in card["by_agent"].values():
+        assert row["scripted_direction_agreement"] == row["scripted_status_agreement"] == 1.0

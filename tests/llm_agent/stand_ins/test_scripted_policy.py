@@ -237,3 +237,22 @@ def test_evasive_agent_answers_only_the_first_third_of_the_doubt_categories(toke
     status, _ = play(tokenizer, OUTBOUND, "evasive", n=40)
     good_status, _ = play(tokenizer, OUTBOUND, "good", n=40)
     assert status.count(STATUS_COMPLETED) < good_status.count(STATUS_COMPLETED) - 15, (status, good_status)
+
+
+def test_wrong_answer_agent_answers_every_doubt_with_another_categorys_answer(tokenizer):
+    categories = list(OUTBOUND.scripted.categories)
+    agent = ScriptedAgent(OUTBOUND, quality="wrong_answer", seed=0)
+    good = ScriptedAgent(OUTBOUND, quality="good", seed=0)
+    opening_turn = OUTBOUND.agent_opening
+    for category, script in OUTBOUND.scripted.categories.items():
+        history = [("user", opening_turn), ("assistant", good.respond([("user", opening_turn)])),
+                   ("user", f"Yes, I run the place. Go on. {script.doubt[0]}")]
+        answer = OUTBOUND.parse_agent_output(agent.respond(history))
+        assert answer.well_formed and answer.status == STATUS_CONTINUE
+        # shaped like an answer: one of another category's answer sentences, and none that settles the asked doubt
+        others = {a for c in categories if c != category for a in good.lines.answers[c]}
+        assert any(a in answer.reply for a in others), answer.reply
+        assert not script.resolve.matches(answer.reply), (category, answer.reply)
+    status, _ = play(tokenizer, OUTBOUND, "wrong_answer", n=40)
+    good_status, _ = play(tokenizer, OUTBOUND, "good", n=40)
+    assert status.count(STATUS_COMPLETED) < good_status.count(STATUS_COMPLETED) - 15, (status, good_status)
