@@ -221,8 +221,8 @@ def build_card(dialogues: Sequence[SimDialogue], scenario: Scenario, name: str, 
                max_jump: int | None = None, human: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The report card of `dialogues` as a JSON-ready dict: `name`, `source` (what was measured and how), counts,
     `metrics` ({value, low, high, resamples} with intervals when `n_resamples` > 0, else plain values; None when
-    not measurable), `by_agent` (the module docstring), the jump limits used, a few failing examples and, when given, the `human` section
-    (`llm_agent.simulator_report.human.human_section`)."""
+    not measurable), `by_agent` (the module docstring), the jump limits used, a few failing examples and, when
+    given, the `human` section (`llm_agent.simulator_report.human.human_section`)."""
     graded = any(d.turns for d in dialogues)
     if not graded and human is None:
         raise ValueError(f"simulator report {name!r}: no simulator turns to grade")

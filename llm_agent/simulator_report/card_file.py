@@ -3,8 +3,8 @@
 The file is decoded within size and nesting limits (`verl.utils.untrusted`) and must be a card: an object with a
 string `name`, a `metrics` object whose every value is null, a finite number or {value, low, high} of those, and,
 when present, `source`, `examples`, `human` and `by_agent` objects (each example an object, each `by_agent` row an
-object of such metric values). Anything else is one ValueError
-naming the file and the first wrong field, so the commands that show cards print one line instead of a traceback.
+object of such metric values). Anything else is one ValueError naming the file and the first wrong field, so the
+commands that show cards print one line instead of a traceback.
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The report card's fixed probes and how a simulator is run on them.
 
 `build_probe_set(scenario)` plays `n_dialogues` scripted calls (`llm_agent.stand_ins.scripted_calls`: profiles,
-agent qualities and the agents' words drawn from `seed`; good, evasive, wrong-answer and pushy agents by default) against the
-scripted persona and keeps every simulator request of them: a fixed set of profiles and agent turns, each
-request holding the persona and the dialogue so far with the scripted persona's replies (the same histories for
-every simulator graded, so cards are comparable turn for turn). The default seed is not the one the simulator's
-fine-tuning plays its calls with.
+agent qualities and the agents' words drawn from `seed`; good, evasive, wrong-answer and pushy agents by default)
+against the scripted persona and keeps every simulator request of them, each dialogue labelled with its agent's
+quality: a fixed set of profiles and agent turns, each request holding the persona and the dialogue so far with
+the scripted persona's replies (the same histories for every simulator graded, so cards are comparable turn for
+turn). The default seed is not the one the simulator's fine-tuning plays its calls with.
 
 `run_probes(client, probe_set, sampling)` sends every request to a simulator through any `SimulatorClient`
 (`UserSimClient` over HTTP, or the in-process scripted simulator) and re-requests a malformed
