@@ -119,6 +119,7 @@ def trainer_overrides(s: LearningSettings, model: Path, data: dict[str, Path], w
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={per_rank}", f"actor_rollout_ref.actor.optim.lr={s.lr}",
         f"actor_rollout_ref.actor.loss_agg_mode={s.loss_agg_mode}", f"actor_rollout_ref.actor.seed={s.seed}",
         f"actor_rollout_ref.model.lora_rank={s.lora_rank}", f"actor_rollout_ref.model.lora_alpha={s.lora_alpha}",
+        f"actor_rollout_ref.model.use_remove_padding={s.use_remove_padding}",
         f"trainer.total_training_steps={s.steps}", f"trainer.n_gpus_per_node={s.workers}", "trainer.device=cpu",
         "trainer.logger=[jsonl]", f"trainer.default_local_dir={work / 'ckpt'}", f"trainer.log_dir={work / 'logs'}",
         f"actor_rollout_ref.rollout.val_kwargs.do_sample={s.val_temperature > 0}",

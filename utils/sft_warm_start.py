@@ -138,7 +138,8 @@ def encode_dialogue(tokenizer, messages: Sequence[Mapping[str, str]], max_length
 
 def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: list[list[dict]], steps: int,
                      lr: float, batch_size: int = 8, seed: int = 0, max_length: int = 1024,
-                     lr_schedule: str = "constant", micro_batch_size: int | None = None) -> Path:
+                     lr_schedule: str = "constant", micro_batch_size: int | None = None,
+                     reshard_after_forward: bool = True) -> Path:
     """Fine-tune the local causal LM at `model_path` on `dialogues`, loss on assistant tokens only.
 
     `verl.trainer.fsdp_sft_trainer.train_sft` with AdamW at `lr`, constant or decayed by `lr_schedule`
@@ -163,7 +164,7 @@ def sft_on_dialogues(model_path: str | Path, out_dir: str | Path, dialogues: lis
     if not encoded:
         raise ValueError(f"no dialogue keeps an assistant token within max_length={max_length}")
     config = SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed, lr_schedule=lr_schedule,
-                       micro_batch_size=micro_batch_size)
+                       micro_batch_size=micro_batch_size, reshard_after_forward=reshard_after_forward)
     return train_sft(model_path, encoded, out_dir, config,
                      extra_log={"max_length": max_length, "n_dialogues": len(encoded)})
 
@@ -255,6 +256,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the learning rate: constant, or decayed to 0 at the last step")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data order and of the scripted calls")
     parser.add_argument("--max-length", type=int, default=1024, help="tokens kept per transcript")
+    parser.add_argument("--keep-gathered-weights", action="store_true",
+                        help="under torchrun, keep each layer's gathered weights from its forward to its backward "
+                             "(the same result with fewer all-gathers; every rank holds the whole model)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -268,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(str(exc))
     path = sft_on_dialogues(args.model, args.out, dialogues, steps=args.steps, lr=args.lr,
                             batch_size=args.batch_size, seed=args.seed, max_length=args.max_length,
-                            lr_schedule=args.lr_schedule, micro_batch_size=args.micro_batch_size)
+                            lr_schedule=args.lr_schedule, micro_batch_size=args.micro_batch_size,
+                            reshard_after_forward=not args.keep_gathered_weights)
     print(path)
 
 

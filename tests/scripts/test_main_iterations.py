@@ -42,9 +42,12 @@ def test_dry_run_prints_each_iterations_overrides(tmp_path, script):
     assert not (tmp_path / "tiny_model").exists()  # a dry run builds nothing
 
 
+NOT_A_DIVISOR = next(k for k in range(3, RECIPE.steps + 2) if RECIPE.steps % k)  # an iteration count refused
+
+
 @pytest.mark.parametrize("env, message", [
-    ({"ITERATIONS": "3"}, f"trainer.total_training_steps={RECIPE.steps} is not a multiple of ITERATIONS=3; set "
-                          "STEPS_PER_ITERATION"),
+    ({"ITERATIONS": str(NOT_A_DIVISOR)}, f"trainer.total_training_steps={RECIPE.steps} is not a multiple of "
+                                         f"ITERATIONS={NOT_A_DIVISOR}; set STEPS_PER_ITERATION"),
     ({"ITERATIONS": "two"}, "ITERATIONS must be a positive integer, got 'two'"),
 ])
 @pytest.mark.processes

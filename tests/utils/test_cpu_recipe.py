@@ -24,6 +24,7 @@ def test_the_cpu_preset_and_the_learning_benchmark_take_their_settings_from_the_
     values = dict(line.split(" ", 1) for line in printed.splitlines())
     assert values == RECIPE.preset_values()
     assert values["trainer.total_training_steps"] == "8"
+    assert values["actor_rollout_ref.model.use_remove_padding"] == "true"  # the GPU preset's packed forwards
     assert values["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == str(
         RECIPE.ppo_mini_prompts * RECIPE.group_size // 2)
     env = {k: v for k, v in os.environ.items() if k not in ("PRESET", "MODEL_PATH")} | {"PYTHON": sys.executable}

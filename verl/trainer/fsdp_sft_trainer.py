@@ -64,7 +64,9 @@ class SFTConfig:
     `micro_batch_size` rows per forward/backward on one rank (None: the rank's whole share of the batch),
     `warmup_steps` of linear warm-up, then `lr_schedule` `constant` or `cosine` (down to `min_lr_ratio`),
     `param_dtype` the compute dtype (`auto`: bf16 on CUDA, fp32 on CPU; the weights the optimizer updates stay
-    fp32), `export_dtype` the dtype of the exported weights (`fp32` or `bf16`).
+    fp32), `export_dtype` the dtype of the exported weights (`fp32` or `bf16`), `reshard_after_forward` whether
+    FSDP2 frees a layer's gathered weights after its forward (False keeps them for the backward: the same arithmetic
+    with fewer all-gathers, at the cost of the whole model's weights on every rank).
     """
 
     steps: int
@@ -80,6 +82,7 @@ class SFTConfig:
     gradient_checkpointing: bool = False
     param_dtype: str = "auto"
     export_dtype: str = "fp32"
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -222,8 +225,8 @@ def _load_model(model_path: Path, config: SFTConfig, rt: _Runtime) -> Any:
         from verl.utils.fsdp_utils import build_fsdp_model, create_device_mesh, unwrap_model
 
         mesh = create_device_mesh(rt.device.type)
-        model = build_fsdp_model(AutoModelForCausalLM, str(model_path), mesh, {"param_dtype": config.param_dtype},
-                                 seed=config.seed)
+        fsdp_config = {"param_dtype": config.param_dtype, "reshard_after_forward": config.reshard_after_forward}
+        model = build_fsdp_model(AutoModelForCausalLM, str(model_path), mesh, fsdp_config, seed=config.seed)
         if config.gradient_checkpointing:
             _enable_checkpointing(unwrap_model(model))
         return model

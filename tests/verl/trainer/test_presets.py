@@ -40,9 +40,11 @@ def expected_trainer(preset: str) -> dict[str, str]:
         from utils.cpu_recipe import RECIPE
 
         # the recipe (utils/cpu_recipe.py, their one source) changed after 61a6982: 8 steps (was 4; the test
-        # frequency follows: validation before training and after the last step), lr 2e-4 (was 4e-4) and two
-        # passes over each step's dialogues (was the trainer's default, one)
+        # frequency follows: validation before training and after the last step), lr 2e-4 (was 4e-4), two
+        # passes over each step's dialogues (was the trainer's default, one) and packed forwards (was padded)
         assert expected["actor_rollout_ref.actor.optim.lr"] == "0.0004" and RECIPE.lr == 2e-4
+        assert "actor_rollout_ref.model.use_remove_padding" not in expected and RECIPE.use_remove_padding
+        expected["actor_rollout_ref.model.use_remove_padding"] = "true"
         expected["actor_rollout_ref.actor.optim.lr"] = repr(RECIPE.lr)
         expected["trainer.total_training_steps"] = expected["trainer.test_freq"] = str(RECIPE.steps)
         expected["actor_rollout_ref.actor.ppo_epochs"] = str(RECIPE.ppo_epochs)
