@@ -105,6 +105,8 @@ class SFTConfig:
             problems.append(f"lr_schedule must be one of {WARMUP_STYLES}, got {self.lr_schedule!r}")
         if self.param_dtype not in ("auto", "fp32", "bf16"):
             problems.append(f"param_dtype must be auto, fp32 or bf16, got {self.param_dtype!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            problems.append(f"reshard_after_forward must be true or false, got {self.reshard_after_forward!r}")
         if self.export_dtype not in EXPORT_DTYPES:
             problems.append(f"export_dtype must be one of {sorted(EXPORT_DTYPES)}, got {self.export_dtype!r}")
         if problems:

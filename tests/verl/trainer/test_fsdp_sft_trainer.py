@@ -105,7 +105,7 @@ def test_batch_schedule_is_the_seeded_epoch_order():
     ({"batch_size": 0}, "batch_size"), ({"micro_batch_size": 0}, "micro_batch_size"),
     ({"warmup_steps": 11}, "warmup_steps"), ({"lr_schedule": "linear"}, "lr_schedule"),
     ({"param_dtype": "fp16"}, "param_dtype"), ({"export_dtype": "int8"}, "export_dtype"),
-    ({"grad_clip": float("inf")}, "grad_clip"),
+    ({"grad_clip": float("inf")}, "grad_clip"), ({"reshard_after_forward": "no"}, "reshard_after_forward"),
 ])
 def test_bad_settings_fail_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
