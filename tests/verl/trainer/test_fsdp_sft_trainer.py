@@ -144,6 +144,17 @@ def test_two_fsdp_ranks_train_the_same_weights_as_one_process(tiny_model_path, t
     AutoModelForCausalLM.from_pretrained(tmp_path / "two")  # the FSDP export is a plain HF directory
 
 
+def run_on_two_ranks(script: str, model: str, out: Path) -> None:
+    """Run `script` (argv: the model, `out`) under torchrun on two CPU ranks; fail with its stderr if it fails."""
+    path = out / "script.py"
+    path.write_text(script)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(path), model, str(out)], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 _LEAVES_GROUP = """
 import os
 import sys
@@ -165,13 +176,7 @@ rank = int(os.environ["RANK"])
 def test_two_ranks_leave_the_process_group_they_joined(tiny_model_path, tmp_path):
     """Under torchrun, train_sft joins the gloo group and destroys it when done: a group left to the interpreter's
     shutdown lets gloo's threads outlive it (rank processes aborting after the model was saved)."""
-    script = tmp_path / "leaves_group.py"
-    script.write_text(_LEAVES_GROUP)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(script), tiny_model_path, str(tmp_path)], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_on_two_ranks(_LEAVES_GROUP, tiny_model_path, tmp_path)
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["False", "False"]
     assert (tmp_path / "model" / "config.json").is_file()
 
@@ -199,13 +204,7 @@ dist.destroy_process_group()
 def test_keeping_the_gathered_weights_trains_the_same_weights_bit_for_bit(tiny_model_path, tmp_path):
     """reshard_after_forward=False (the CPU recipe's warm start, whose key leaves it out) changes when FSDP2
     gathers the weights, not one bit of the arithmetic."""
-    script = tmp_path / "reshard_or_not.py"
-    script.write_text(_RESHARD_OR_NOT)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(script), tiny_model_path, str(tmp_path)], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_on_two_ranks(_RESHARD_OR_NOT, tiny_model_path, tmp_path)
     logs = [json.loads((tmp_path / f"keep_{k}" / "sft_log.json").read_text()) for k in (False, True)]
     assert [log["reshard_after_forward"] for log in logs] == [True, False]
     assert logs[0]["losses"] == logs[1]["losses"] and logs[0]["grad_norms"] == logs[1]["grad_norms"]
