@@ -1,7 +1,7 @@
 """Fine-tune a user simulator (AReaL-SEA's recipe: supervised fine-tuning of the user model before RL).
 
     python -m utils.simulator_sft --model /models/Qwen2.5-7B-Instruct --out outputs/sim_sft \\
-        --rollouts outputs/rollouts/<run>/rollouts.jsonl [--split train] --steps 600 --lr 1e-5 ...
+        --rollouts outputs/rollouts/<run>/rollouts.jsonl [--split train [val ...]] --steps 600 --lr 1e-5 ...
     torchrun --nproc_per_node 8 -m utils.simulator_sft ...            # FSDP2 over 8 GPUs (bf16, checkpointing)
     python -m utils.make_tiny_model --user-tag-tokens --out outputs/tiny_sim_base     # a small base to try it on
     python -m utils.simulator_sft --model outputs/tiny_sim_base --out outputs/sim_sft --scripted 400 --steps 300
@@ -81,13 +81,13 @@ def scripted_examples(scenario: Scenario, n: int, quality_mix: Mapping[str, floa
             for exchange in call.exchanges]
 
 
-def logged_examples(paths: Iterable[str | Path], scenario: Scenario, split: str | None = None
+def logged_examples(paths: Iterable[str | Path], scenario: Scenario, splits: Collection[str] | None = None
                     ) -> list[SimulatorExample]:
-    """Every answered simulator turn of rollout logs / evaluation dialogues files (of `split`, when given), with
-    the reply the loop accepted, re-written canonically as the log keeps it."""
+    """Every answered simulator turn of rollout logs / evaluation dialogues files (of one of `splits`, when given),
+    with the reply the loop accepted, re-written canonically as the log keeps it."""
     examples = []
     for path in paths:
-        records = [r for r in read_dialogues(path) if split is None or r.split == split]
+        records = [r for r in read_dialogues(path) if splits is None or r.split in splits]
         for i, dialogue in enumerate(dialogues_from_log(records, scenario)):
             group = f"{path}#{i}"
             examples += [SimulatorExample(group, t.messages, t.replies[-1]) for t in dialogue.turns if t.replies]
@@ -304,7 +304,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="the base model directory (local)")
     p.add_argument("--scenario", default=str(DEFAULT_SCENARIO_PATH), help="scenario YAML")
     p.add_argument("--rollouts", nargs="+", default=[], help="rollout logs / evaluation dialogues files")
-    p.add_argument("--split", default=None, help="only logged dialogues of this split (e.g. train)")
+    p.add_argument("--split", nargs="+", default=None,
+                   help="only logged dialogues of these splits (e.g. train; val@scripted: a judge's validations)")
     p.add_argument("--scripted", type=int, default=0, help="scripted calls to add as examples")
     p.add_argument("--quality-mix", default=",".join(f"{k}={v}" for k, v in TinyRecipe().quality_mix.items()),
                    help="scripted agent qualities and their weights")

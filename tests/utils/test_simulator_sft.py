@@ -121,12 +121,14 @@ def test_logged_examples_are_the_simulator_turns_of_a_log(scenario, examples, tm
     line = {"step": 1, "split": "train", "dialogue_id": "u#0", "profile": profile.to_dict(), "outcome": "timeout",
             "turns": turns, "sim_retries": 0}
     path = tmp_path / "rollouts.jsonl"
-    path.write_text(json.dumps(line) + "\n" + json.dumps({**line, "split": "val"}) + "\n")
-    got = logged_examples([path], scenario, split="train")
+    path.write_text("".join(json.dumps({**line, "split": split}) + "\n" for split in ("train", "val", "val@scripted")))
+    got = logged_examples([path], scenario, splits=["train"])
     assert len(got) == 1  # the cached turn is history only
     assert got[0].messages == scenario.render_user_messages(profile, [scenario.parse_agent_output(agent)])
     assert scenario.parse_user_output(got[0].reply).state == {"cooperation": 1, "emotion": 1, "trust": 1}
-    assert len(logged_examples([path], scenario)) == 2
+    assert len(logged_examples([path], scenario)) == 3
+    both = logged_examples([path], scenario, splits=["train", "val@scripted"])  # a judge's replies with training's
+    assert [e.group for e in both] == [f"{path}#0", f"{path}#1"] and [e.reply for e in both] == [got[0].reply] * 2
 
 
 def test_tiny_fingerprint_follows_the_recipe(tmp_path):
@@ -141,6 +143,7 @@ def test_tiny_fingerprint_follows_the_recipe(tmp_path):
     assert tiny_fingerprint(QUICK_RECIPE, SCENARIO_PATH) != tiny_fingerprint(recipe, SCENARIO_PATH)
     assert [parse_args(["--out", "x", *a]).tiny for a in ([], ["--tiny"], ["--tiny", "quick"])] == [None, "full",
                                                                                                   "quick"]
+    assert parse_args(["--out", "x", "--split", "val", "val@scripted"]).split == ["val", "val@scripted"]
 
 
 @pytest.mark.slow
