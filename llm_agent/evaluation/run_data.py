@@ -220,6 +220,8 @@ def read_dialogues(path: str | Path) -> list[DialogueRecord]:
     numbers = {id(row): number for number, row in zip(log.line_numbers, log.records)}
     rows = log.records
     if path.name.endswith(DIALOGUES_SUFFIX):
+        warn_on_foreign_repeats(path, [(r.get("dialogue_id"), r.get("step"), judged_split(r).get("split"))
+                                       for r in rows])
         rows = list(latest_per_dialogue(rows).values())
     return [DialogueRecord.from_dict(judged_split(row), f"{path}:{numbers[id(row)]}") for row in rows]
 
@@ -250,8 +252,22 @@ def read_dialogue_summaries(path: str | Path) -> list[DialogueRecord]:
                    "profile": {k: v for k, v in profile.items() if k != "behaviors"}}
         out.append(DialogueRecord.from_dict(summary, f"{path}:{number}"))
     if path.name.endswith(DIALOGUES_SUFFIX):
+        warn_on_foreign_repeats(path, [(r.dialogue_id, r.step, r.split) for r in out])
         out = list({r.dialogue_id: r for r in out}.values())
     return out
+
+
+def warn_on_foreign_repeats(path: Path, keys: list[tuple[Any, Any, Any]]) -> None:
+    """Warn when an evaluation file's dialogue id repeats with another step or split: not a retried dialogue
+    (which repeats all three) but lines of several runs, of which only the last per id will count."""
+    first: dict[Any, tuple[Any, Any]] = {}
+    foreign = 0
+    for dialogue_id, step, split in keys:
+        foreign += first.setdefault(dialogue_id, (step, split)) != (step, split)
+    if foreign:
+        logger.warning("%s: %d of %d lines repeat a dialogue id with another step or split; a file named "
+                       "*%s counts only the last line per id (a retried dialogue), so give lines of several "
+                       "runs another file name to keep them all", path, foreign, len(keys), DIALOGUES_SUFFIX)
 
 
 def output_root(files: RunFiles) -> Path:

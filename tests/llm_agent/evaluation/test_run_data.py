@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -65,6 +66,27 @@ def test_retried_evaluation_dialogue_counts_once_as_its_last_record(tmp_path):
     rollout = tmp_path / "rollouts.jsonl"  # a training log keeps every line (ids repeat across steps)
     rollout.write_text(path.read_text())
     assert len(read_dialogues(rollout)) == 3
+
+
+def test_an_evaluation_file_holding_several_runs_lines_is_named_in_a_warning(tmp_path, caplog):
+    # the lines of two runs' validations (same ids, other splits) concatenated into one *_dialogues.jsonl file:
+    # only the last per id counts, which a retry explains and several runs do not
+    line = {"dialogue_id": "val0_0_0#0", "step": 0, "outcome": "hung_up", "turns": [],
+            "profile": {"cooperation": 1, "emotion": 1, "trust": 1}}
+    retried = tmp_path / "retried_dialogues.jsonl"
+    retried.write_text(json.dumps({**line, "split": "val"}) + "\n" + json.dumps({**line, "split": "val"}) + "\n")
+    mixed = tmp_path / "mixed_dialogues.jsonl"
+    mixed.write_text("".join(json.dumps({**line, "split": s}) + "\n" for s in ("val", "val@scripted", "val")))
+    with caplog.at_level(logging.WARNING, logger="llm_agent.evaluation.run_data"):
+        assert len(read_dialogues(retried)) == 1 and len(read_dialogue_summaries(retried)) == 1
+        assert not caplog.records
+        assert len(read_dialogues(mixed)) == 1 and len(read_dialogue_summaries(mixed)) == 1
+    assert len(caplog.records) == 2
+    assert all("1 of 3 lines repeat a dialogue id with another step or split" in r.getMessage()
+               for r in caplog.records)
+    kept = tmp_path / "mixed.jsonl"  # the same lines under another name: every one counts
+    kept.write_text(mixed.read_text())
+    assert len(read_dialogues(kept)) == 3
 
 
 def test_summaries_keep_only_what_the_plots_need(tmp_path, scenario):
