@@ -6,6 +6,9 @@
     python -m utils.make_tiny_model --user-tag-tokens --out outputs/tiny_sim_base     # a small base to try it on
     python -m utils.simulator_sft --model outputs/tiny_sim_base --out outputs/sim_sft --scripted 400 --steps 300
     python -m utils.simulator_sft --tiny [full|quick] --out outputs/tiny_simulator    # the CI simulator (cached)
+    python -m utils.simulator_sft --model outputs/tiny_simulator --out outputs/sim_refit --rollouts \\
+        outputs/bench_learning/rollouts.jsonl --split val@scripted --scripted 500 --steps 300 --lr 1e-3 \\
+        --reply-format canonical --max-length 2048 --number-weight 5   # refit on a judge's replies to the policy
 
 Training examples are simulator requests and their replies: exactly the chat messages the rollout loop's client
 sends (the persona, then the dialogue so far) followed by the simulator's tagged reply. They come from rollout logs
