@@ -2,15 +2,17 @@
 
     python -m bench.off_policy [--steps 4] [--prompts 4] [--group 4] [--max-turns 4] [--median-ms 300]
                                [--sigma 1.0] [--loop-mode async] [--ppo-epochs 1] [--repeats 2]
-                               [--modes sync,one_step_off,staleness_2] [--out bench/results/off_policy.json]
+                               [--modes sync,one_step_off,staleness_2,staleness_2_in_flight_2]
+                               [--out bench/results/off_policy.json]
 
 The real trainer (Ray, 2 FSDP CPU workers, the HF rollout) trains a small Qwen2 model, warm-started on scripted
 calls so that its turns reach the simulator (the test suite's warm model: 160 SFT steps, made once under
 outputs/off_policy_bench/), against two scripted simulator servers on loopback with injected lognormal latency
-(median `--median-ms`, log-sigma `--sigma`: heavy-tailed). Both modes run the same prompts, seeds and decoupled-PPO
+(median `--median-ms`, log-sigma `--sigma`: heavy-tailed). Every mode runs the same prompts, seeds and decoupled-PPO
 correction (`rollout_is=token`), alternating `--repeats` times: `async_training.staleness_threshold` 0 (sync), 1
-(one-step-off) and 2 with `partial_rollout=true` (up to 2 rollouts queued ahead). The table shows each figure's median
-over a mode's runs; the JSON also holds every run.
+(one-step-off) and 2 with `partial_rollout=true` (up to 2 rollouts queued ahead), run one after another
+(`staleness_2`) or both at once (`staleness_2_in_flight_2`: `rollouts_in_flight=2`). The table shows each figure's
+median over a mode's runs; the JSON also holds every run.
 
 Per mode: the fit's wall time, the median step time over steps 2.. (step 1 has nothing to overlap in either mode),
 and the idle fractions over the steps' wall time: the trainer's (waiting for a rollout: sync, the rollout's own
@@ -44,7 +46,7 @@ logger = logging.getLogger("bench.off_policy")
 REPO = Path(__file__).resolve().parents[1]
 SCENARIO = DEFAULT_SCENARIO_PATH
 WORK = REPO / "outputs" / "off_policy_bench"
-MODES = {"sync": 0, "one_step_off": 1, "staleness_2": 2}
+MODES = {"sync": (0, 1), "one_step_off": (1, 1), "staleness_2": (2, 1), "staleness_2_in_flight_2": (2, 2)}
 WARM_RECIPE = {"dialogues": 32, "max_turns": 4, "steps": 160, "lr": 1e-2, "batch_size": 8, "seed": 0}
 
 
@@ -67,7 +69,7 @@ def warm_model(work: Path) -> Path:
 
 
 def overrides(args: argparse.Namespace, model: Path, data: dict[str, Path], run: Path, urls: list[str],
-              staleness: int) -> list[str]:
+              staleness: int, in_flight: int) -> list[str]:
     """The sead_trainer overrides of one mode's run."""
     loop = "rollout_loop.config"
     return [
@@ -80,6 +82,7 @@ def overrides(args: argparse.Namespace, model: Path, data: dict[str, Path], run:
         f"actor_rollout_ref.actor.ppo_epochs={args.ppo_epochs}", "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
         f"async_training.staleness_threshold={staleness}",
         f"async_training.partial_rollout={'true' if staleness >= 2 else 'false'}",
+        f"async_training.rollouts_in_flight={in_flight}",
         f"trainer.total_training_steps={args.steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
         "trainer.logger=[jsonl]", f"trainer.default_local_dir={run / 'ckpt'}", f"trainer.log_dir={run / 'logs'}",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.resume_mode=disable",
@@ -104,7 +107,7 @@ def run_mode(args: argparse.Namespace, model: Path, data: dict[str, Path], mode:
         sims = stack.enter_context(SimulatorGroup(run / "sims", ServerSpec(scenario=str(SCENARIO), log_level="warning")))
         urls = [sims.start(*latency_flags(args.median_ms, args.sigma, seed)) for seed in (1, 2)]
         sims.wait_ready(*urls)
-        config = compose_config(overrides(args, model, data, run, urls, MODES[mode]), config_name="sead_trainer")
+        config = compose_config(overrides(args, model, data, run, urls, *MODES[mode]), config_name="sead_trainer")
         pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
         trainer = RayPPOTrainer(config, load_tokenizer(str(model)), {Role.ActorRollout: ActorRolloutRefWorker}, pool)
         try:
@@ -151,9 +154,9 @@ def print_table(summaries: dict[str, dict[str, float]]) -> None:
     """One row per mode."""
     cols = ("wall_s", "step_s_median_after_1", "rollout_s", "train_s", "hidden_s", "trainer_idle_frac",
             "rollout_idle_frac", "simulator_idle_frac", "tokens_stale_frac", "staleness_max", "dropped_stale_dialogues")
-    print(f"{'mode':<14}" + "".join(f"{c:>25}" for c in cols))
+    print(f"{'mode':<24}" + "".join(f"{c:>25}" for c in cols))
     for mode, s in summaries.items():
-        print(f"{mode:<14}" + "".join(f"{s[c]:>25.3f}" if c in s else f"{'-':>25}" for c in cols))
+        print(f"{mode:<24}" + "".join(f"{s[c]:>25.3f}" if c in s else f"{'-':>25}" for c in cols))
     sync = summaries.get("sync")
     for mode, off in summaries.items():
         if sync and mode != "sync":

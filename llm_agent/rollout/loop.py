@@ -16,9 +16,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from tqdm import tqdm
 
@@ -48,6 +48,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["CACHE_SNAPSHOT", "LLMGenerationManager"]
 
 CACHE_SNAPSHOT = "user_response_cache.jsonl"  # the cache's replies, in a checkpoint's rollout_loop/ directory
+
+
+class RolloutSetup(NamedTuple):
+    """One rollout call before its dialogues run: its number, environments, token buffer and agent-turn batcher."""
+
+    call: int
+    envs: list[Environment]
+    buffer: TokenBuffer
+    batches: AgentBatches
 
 
 class LLMGenerationManager(RolloutLoop):
@@ -142,30 +151,54 @@ class LLMGenerationManager(RolloutLoop):
     # ------------------------------------------------------------------------------------------ the loop
     def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
         """Run every row's dialogue to an outcome; returns the generation tensors and per-dialogue records."""
-        self.calls += 1
+        call = self._count_call(gen_batch)
+        records, buffer, engines, sim, pacing, wall = self._dialogues(self._setup(gen_batch, call), self.client)
+        if not self.is_validation and gen_batch.meta_info.get("do_sample", True):  # not a greedy ReMax baseline
+            self.step_outcomes.add(records)
+        for name, client in self.judge_clients.items():  # the same prompts, profiles and seeds, another simulator
+            judged, judged_buffer, _, _, _, judged_wall = self._dialogues(self._setup(gen_batch, call), client)
+            self._finish_records(judged, judged_buffer, judged_wall)
+            self.judged[name].extend(judged)
+        return self._output(call, records, buffer, engines, sim, pacing, wall)
+
+    def start_llm_loop(self, gen_batch: DataProto) -> Callable[[], DataProto]:
+        """A training rollout started now (the call counted, every row's user drawn from the controller, the
+        simulator seeds fixed, in the order of the calls) and run by the returned callable, from any thread, beside
+        other rollouts started so; its dialogues are counted for the controller by the end-of-step hook, from the
+        batch it gets."""
+        if self.is_validation:
+            raise RuntimeError("start_llm_loop runs training rollouts; validation runs run_llm_loop")
+        setup = self._setup(gen_batch, self._count_call(gen_batch))
+
+        def run() -> DataProto:
+            return self._output(setup.call, *self._dialogues(setup, self.client))
+        return run
+
+    def _count_call(self, gen_batch: DataProto) -> int:
+        """Check the generation batch's inputs and count the call; returns its number (the simulator seeds depend
+        on it)."""
         for key in ("input_ids", "attention_mask"):
             if gen_batch.batch is None or key not in gen_batch.batch.keys():
                 raise ValueError(f"run_llm_loop needs gen_batch.batch[{key!r}] (left-padded agent prompts)")
         if "uid" not in gen_batch.non_tensor_batch:
             raise ValueError("run_llm_loop needs non_tensor_batch['uid'] (the trainer's prompt ids)")
-        records, buffer, engines, sim, pacing, wall = self._dialogues(gen_batch, self.client)
-        if not self.is_validation and gen_batch.meta_info.get("do_sample", True):  # not a greedy ReMax baseline
-            self.step_outcomes.add(records)
-        for name, client in self.judge_clients.items():  # the same prompts, profiles and seeds, another simulator
-            judged, judged_buffer, _, _, _, judged_wall = self._dialogues(gen_batch, client)
-            self._finish_records(judged, judged_buffer, judged_wall)
-            self.judged[name].extend(judged)
-        return self._output(records, buffer, engines, sim, pacing, wall)
+        self.calls += 1
+        return self.calls
 
-    def _dialogues(self, gen_batch: DataProto, client: SimulatorClient) -> tuple[
-            list[DialogueRecord], TokenBuffer, list[BusyMeter], BusyMeter, dict[str, float], float]:
-        """Run every row's dialogue with `client`'s simulators: the records, the token buffer, the engines' and
-        the simulator's busy meters, the pacing metrics and the wall time."""
+    def _setup(self, gen_batch: DataProto, call: int) -> RolloutSetup:
+        """Call `call`'s environments (one per row, reset with its user), their token buffer and agent-turn batcher."""
         buffer = TokenBuffer(gen_batch.batch["input_ids"], gen_batch.batch["attention_mask"],
                              self.config.max_response_length, self.pad_id)
-        envs = self._envs(gen_batch, buffer)
+        envs = self._envs(gen_batch, buffer, call)
         meta = {k: v for k, v in gen_batch.meta_info.items() if k != "metrics"}
-        batches = AgentBatches(buffer, meta, self.eos_id, self.pad_id, self.config.max_tokens_per_turn)
+        return RolloutSetup(call, envs, buffer,
+                            AgentBatches(buffer, meta, self.eos_id, self.pad_id, self.config.max_tokens_per_turn))
+
+    def _dialogues(self, setup: RolloutSetup, client: SimulatorClient
+                   ) -> tuple[list[DialogueRecord], TokenBuffer, list[BusyMeter], BusyMeter, dict[str, float], float]:
+        """Run every dialogue of `setup` with `client`'s simulators: the records, the token buffer, the engines'
+        and the simulator's busy meters, the pacing metrics and the wall time."""
+        envs, buffer, batches = setup.envs, setup.buffer, setup.batches
         started = time.monotonic()
         try:
             if self.config.mode == "async":
@@ -185,7 +218,7 @@ class LLMGenerationManager(RolloutLoop):
         pacing = pacing_metrics(wall, engines, sim, [env.ended_at - started for env in envs])
         return records, buffer, engines, sim, pacing, wall
 
-    def _envs(self, gen_batch: DataProto, buffer: TokenBuffer) -> list[Environment]:
+    def _envs(self, gen_batch: DataProto, buffer: TokenBuffer, call: int) -> list[Environment]:
         """One environment per row (its kind: the row's `env_class`, else `rollout_loop.config.env`), reset with the
         row's user; dialogue ids `<uid>#<k>` (k-th row of the uid)."""
         uids = [str(u) for u in gen_batch.non_tensor_batch["uid"]]
@@ -196,7 +229,7 @@ class LLMGenerationManager(RolloutLoop):
             max_turns=self.config.max_turns, max_user_tokens=self.config.max_user_tokens,
             user_sim=self.config.user_sim, format_error_message=self.format_error_message,
             range_error_message=self.range_error_message, cache=self.cache,
-            seeds=RequestSeeds(self.config.seed, self.calls, self.is_validation))
+            seeds=RequestSeeds(self.config.seed, call, self.is_validation))
         seen: dict[str, int] = {}
         envs = []
         for row, (uid, profile, kind) in enumerate(zip(uids, profiles, kinds)):
@@ -232,7 +265,7 @@ class LLMGenerationManager(RolloutLoop):
                 record.uid = f"{record.uid}/error/{record.dialogue_id}"
         return tensors
 
-    def _output(self, records: list[DialogueRecord], buffer: TokenBuffer, engines: list[BusyMeter],
+    def _output(self, call: int, records: list[DialogueRecord], buffer: TokenBuffer, engines: list[BusyMeter],
                 sim: BusyMeter, pacing: dict[str, float], wall: float) -> DataProto:
         tensors = self._finish_records(records, buffer, wall)
         columns = {"uid": object_column([r.uid for r in records]), DIALOGUE_KEY: object_column(records)}
@@ -242,7 +275,7 @@ class LLMGenerationManager(RolloutLoop):
                         "rollout/time_user_sim_s": sim.busy_s, **pacing})
         outcomes = {o: sum(r.outcome == o for r in records) for o in {r.outcome for r in records}}
         logger.info("rollout %d (%s, %s): %d dialogues in %.1fs, outcomes %s, %.1fs generating, %.1fs waiting for "
-                    "the simulator", self.calls, "val" if self.is_validation else "train", self.config.mode,
+                    "the simulator", call, "val" if self.is_validation else "train", self.config.mode,
                     len(records), pacing["rollout/time_to_last_dialogue_s"], dict(sorted(outcomes.items())),
                     generate_s, sim.busy_s)
         return DataProto.from_dict(tensors=tensors, non_tensors=columns, meta_info={"metrics": metrics})
@@ -256,7 +289,9 @@ class LLMGenerationManager(RolloutLoop):
         records = records_from_batch(batch)
         metrics = prefixed(dialogue_metrics(records, self.scenario), "dialogue/")
         metrics.update(diagnosis_metrics(records, self.scenario))
-        completions = self.step_outcomes.take_completions(records)
+        if not self.step_outcomes.counted:  # rollouts started by start_llm_loop: the batch holds the step's dialogues
+            self.step_outcomes.add(records)
+        completions = self.step_outcomes.take_completions()
         metrics.update(self.step_outcomes.check_error_rate(step))
         if self.controller is not None:
             metrics.update(prefixed(self.controller.update(completions), "controller/"))

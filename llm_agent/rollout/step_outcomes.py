@@ -3,7 +3,8 @@
 `StepOutcomes` gathers the outcomes of every dialogue a training step sampled (every generation batch, also those
 dynamic sampling drops later; not a greedy ReMax baseline) and, at the step's end, gives the controller its
 (state key, completed) pairs and stops the run when simulator errors stay above `user_sim.max_error_rate` for
-`user_sim.error_patience` steps in a row.
+`user_sim.error_patience` steps in a row. Where no rollout counted the step's dialogues (several rollouts in flight:
+the end-of-step hook counts the trained batch's, which holds every dialogue the step sampled), `counted` is False.
 """
 from __future__ import annotations
 
@@ -37,12 +38,14 @@ class StepOutcomes:
                 self._completions.append((r.state_key, r.outcome == Outcome.COMPLETED))
         self._dialogues += len(records)
 
-    def take_completions(self, records: Sequence[DialogueRecord]) -> list[tuple[str, bool]]:
-        """The step's (state key, completed) pairs for the controller, then forgotten; from `records` (the trained
-        batch) when nothing was sampled since the last call."""
-        completions = self._completions or [(r.state_key, r.outcome == Outcome.COMPLETED) for r in records
-                                            if r.outcome != Outcome.ERROR]
-        self._completions = []
+    @property
+    def counted(self) -> bool:
+        """Whether dialogues were counted since the step's outcomes were last taken."""
+        return self._dialogues > 0
+
+    def take_completions(self) -> list[tuple[str, bool]]:
+        """The step's (state key, completed) pairs for the controller, then forgotten."""
+        completions, self._completions = self._completions, []
         return completions
 
     def check_error_rate(self, step: int) -> dict[str, float]:

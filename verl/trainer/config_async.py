@@ -4,7 +4,8 @@
 refused naming the key); 0 is the synchronous trainer and needs nothing else. 1 (one-step-off) and k >= 2 (bounded
 staleness, which also needs ``partial_rollout=true``; ``partial_rollout`` needs k >= 2) need what makes a stale token
 trainable and what lets generation run beside training; each missing piece is a ConfigError naming the key to set
-(docs/off_policy.md, "Limits").
+(docs/off_policy.md, "Limits"). ``rollouts_in_flight`` is a whole number from 1 to k (more than 1 needs k >= 2 and
+no ReMax).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import math
 from verl.trainer.config_ranges import check_number
 from verl.trainer.config_schema import ConfigError, PPOTrainerConfig
 
-__all__ = ["check_async_training", "staleness_of"]
+__all__ = ["check_async_training", "in_flight_of", "staleness_of"]
 
 KEY = "async_training"
 
@@ -21,6 +22,31 @@ KEY = "async_training"
 def staleness_of(cfg: PPOTrainerConfig) -> int:
     """The checked ``async_training.staleness_threshold`` as an int."""
     return int(cfg.async_training.staleness_threshold)
+
+
+def check_in_flight(cfg: PPOTrainerConfig) -> None:
+    """``rollouts_in_flight``: a whole number from 1 to ``staleness_threshold`` (more than 1 only with k >= 2),
+    without ReMax (whose greedy baseline a rollout started ahead cannot generate)."""
+    key, value = f"{KEY}.rollouts_in_flight", cfg.async_training.rollouts_in_flight
+    check_number(key, value, 1.0)
+    if value != math.floor(value):
+        raise ConfigError(f"{key} counts rollouts running at once: a whole number >= 1, got {value!r}")
+    if value == 1:
+        return
+    threshold = cfg.async_training.staleness_threshold
+    if value > max(threshold, 1):
+        raise ConfigError(f"{key}={value:g} runs rollouts queued ahead of the trainer at once; "
+                          f"{KEY}.staleness_threshold={threshold:g} queues "
+                          + ("none: set it to at least 2 (with partial_rollout=true)" if threshold < 2
+                             else f"at most {threshold:g}: set {key} <= {threshold:g}"))
+    if cfg.algorithm.adv_estimator == "remax":
+        raise ConfigError(f"{key}={value:g}: algorithm.adv_estimator=remax generates a greedy baseline inside each "
+                          f"rollout, which a rollout started ahead cannot: set {key}=1")
+
+
+def in_flight_of(cfg: PPOTrainerConfig) -> int:
+    """The checked ``async_training.rollouts_in_flight`` as an int."""
+    return int(cfg.async_training.rollouts_in_flight)
 
 
 def check_async_training(cfg: PPOTrainerConfig) -> None:
@@ -37,6 +63,7 @@ def check_async_training(cfg: PPOTrainerConfig) -> None:
     if partial and value < 2:
         raise ConfigError(f"{KEY}.partial_rollout=true (dialogues continuing across several updates) needs "
                           f"{KEY}.staleness_threshold >= 2, got {value:g} (0 = synchronous, 1 = one-step-off)")
+    check_in_flight(cfg)
     if value == 0:
         return
     setting = f"{KEY}.staleness_threshold={value:g} ({'one-step-off' if value == 1 else 'bounded staleness'})"

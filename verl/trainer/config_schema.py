@@ -345,10 +345,12 @@ class AsyncTrainingConfig:
     ``staleness_threshold``: how many policy versions a trained token may lag the trainer's; 0 = the synchronous
     barrier (default), 1 = one-step-off (step N+1's dialogues are generated while step N trains), k >= 2 = up to k
     steps' rollouts ahead of the trainer. ``partial_rollout``: dialogues in flight continue across several updates
-    (required by, and only allowed with, k >= 2)."""
+    (required by, and only allowed with, k >= 2). ``rollouts_in_flight``: how many of the k queued rollouts run at
+    once (1, the default: one after another)."""
 
     staleness_threshold: float = 0
     partial_rollout: bool = False
+    rollouts_in_flight: float = 1
 
 
 @dataclass

@@ -2,8 +2,9 @@
 heavy-tailed injected latency): every trained token's recorded policy version and behaviour log-prob are those of
 the weights that sampled it, recomputed here with a plain HF model loaded from a copy of each version's weights, and
 the importance weights of the decoupled-PPO correction equal a float64 recomputation. With staleness 2 the rollouts
-queue ahead and every trained token stays within the bound. And with nothing to overlap (a checkpoint every step)
-the one-step-off and staleness-2 paths train exactly the synchronous trainer's batches."""
+queue ahead and every trained token stays within the bound, also with two of them in flight at once. And with nothing
+to overlap (a checkpoint every step) the one-step-off and staleness-2 paths (one rollout at a time or two) train
+exactly the synchronous trainer's batches."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ ONE_STEP_OFF = ("async_training.staleness_threshold=1", "actor_rollout_ref.rollo
                 "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.optim.lr=1e-2")
 STALENESS_2 = tuple(o.replace("staleness_threshold=1", "staleness_threshold=2") for o in ONE_STEP_OFF) + (
     "async_training.partial_rollout=true",)
+IN_FLIGHT_2 = STALENESS_2 + ("async_training.rollouts_in_flight=2",)
 THRESHOLD = 2.0
 
 
@@ -151,9 +153,10 @@ def _trained_batch(model: str, out: Path, extra: tuple[str, ...]):
 
 @pytest.mark.slow  # 17 s measured (4 steps, 2 rollouts queued ahead; a shared 2-core box)
 @pytest.mark.processes
+@pytest.mark.parametrize("mode", [STALENESS_2, IN_FLIGHT_2], ids=["one-after-another", "two-in-flight"])
 def test_staleness_two_trains_within_the_bound_with_rollouts_queued_ahead(tiny_model_path, tmp_path, slow_sims,
-                                                                         ray_cluster):
-    trainer, pool = make_trainer(training_config(tiny_model_path, tmp_path, slow_sims, 4, STALENESS_2))
+                                                                         ray_cluster, mode):
+    trainer, pool = make_trainer(training_config(tiny_model_path, tmp_path, slow_sims, 4, mode))
     try:
         trainer.init_workers()
         trainer.fit()
@@ -175,7 +178,8 @@ def test_staleness_two_trains_within_the_bound_with_rollouts_queued_ahead(tiny_m
 
 @pytest.mark.slow
 @pytest.mark.processes
-@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2], ids=["one-step-off", "staleness-2"])
+@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2, IN_FLIGHT_2],
+                         ids=["one-step-off", "staleness-2", "two-in-flight"])
 def test_with_nothing_to_overlap_off_policy_trains_the_synchronous_batches(tiny_model_path, tmp_path, ray_cluster,
                                                                             mode):
     off = _trained_batch(tiny_model_path, tmp_path / "off", mode)

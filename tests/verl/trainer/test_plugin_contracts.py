@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[3]
 ROLLOUT_LOOP = {
     "__init__": (["tokenizer", "engine", "config", "is_validation"], "None"),
     "run_llm_loop": (["gen_batch"], "DataProto"),
+    "start_llm_loop": (["gen_batch"], "Callable[[], DataProto]"),
     "state_dict": ([], "Mapping[str, Any] | None"),
     "load_state_dict": (["state"], "None"),
     "on_train_step_end": (["batch", "step"], "dict[str, float]"),
@@ -65,6 +66,8 @@ def test_every_hook_has_a_no_op_default():
     assert loop.load_state_dict({}) is None and loop.save_checkpoint("/nonexistent") is None
     assert loop.load_checkpoint("/nonexistent") is None and loop.close() is None
     assert _Minimal.batch_outputs({}) is None  # undeclared: the config check can only warn
+    with pytest.raises(NotImplementedError, match=r"_Minimal runs one rollout at a time .* async_training.rollouts_in_flight=1"):
+        loop.start_llm_loop(batch)  # one rollout at a time unless the loop says otherwise
     with pytest.raises(TypeError, match="abstract"):
         RolloutLoop(tokenizer=None, engine=_Engine(), config={}, is_validation=False)
 
@@ -89,6 +92,15 @@ def test_single_turn_rollout_sends_only_tensors_and_meta_to_the_workers():
     out = loop.run_llm_loop(batch)
     assert torch.equal(out.batch["responses"], ids + 1)
     assert group.seen.non_tensor_batch == {} and group.seen.meta_info == {"temperature": 0.5}
+
+
+def test_single_turn_rollout_started_ahead_generates_when_run():
+    group = _Engine()
+    loop = SingleTurnRollout(tokenizer=None, engine=group, config={}, is_validation=False)
+    ids = torch.arange(6).view(2, 3)
+    run = loop.start_llm_loop(DataProto.from_dict(tensors={"input_ids": ids}))
+    assert not hasattr(group, "seen")  # nothing generated until it runs
+    assert torch.equal(run().batch["responses"], ids + 1)
 
 
 def _reward(data: DataProto, tokenizer, scale: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
@@ -152,3 +164,20 @@ def test_what_the_shipped_plugins_declare_they_write():
     with pytest.raises(ValueError, match=r"reward\.kwargs\.turn_weights: unknown component"):
         declared_outputs(compute_reward, {"turn_weights": {"bogus": 1.0}})
     assert declared_outputs(lambda data, tokenizer: None, {}) is None
+
+
+def test_the_trainer_refuses_rollouts_in_flight_with_a_loop_that_runs_one_at_a_time(tmp_path):
+    from verl.trainer.config_schema import compose_config
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    train = tmp_path / "train.parquet"
+    train.write_bytes(b"")
+    config = compose_config([f"actor_rollout_ref.model.path={tmp_path}", f"data.train_files={train}",
+                             "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                             "actor_rollout_ref.rollout.calculate_log_probs=true",
+                             "algorithm.rollout_correction.rollout_is=token", "async_training.staleness_threshold=2",
+                             "async_training.partial_rollout=true", "async_training.rollouts_in_flight=2",
+                             f"rollout_loop.path={__name__}._Minimal"])
+    with pytest.raises(ConfigError, match=r"rollouts_in_flight=2: the rollout loop _Minimal runs one rollout at a "
+                                          r"time .* set async_training.rollouts_in_flight=1"):
+        RayPPOTrainer(config, tokenizer=None, role_worker_mapping={}, resource_pool=None, train_dataset=[])

@@ -100,6 +100,16 @@ class RolloutLoop(abc.ABC):
     def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
         """Generate for every row of ``gen_batch``; one output row per input row, in order."""
 
+    def start_llm_loop(self, gen_batch: DataProto) -> Callable[[], DataProto]:
+        """Several training rollouts in flight at once (``async_training.rollouts_in_flight > 1``): do now, on the
+        calling thread, everything of ``run_llm_loop`` that depends on the order of the calls (the users drawn,
+        the seeds, the call count) and return what runs the dialogues, ``run_llm_loop``'s result, callable from
+        another thread while other such calls run. Their outcomes reach the end-of-step hook through the batch it
+        gets (no sampled dialogue is left out of it in that mode). NotImplementedError: the loop supports one
+        rollout at a time (the trainer refuses the setting at start)."""
+        raise NotImplementedError(f"{type(self).__name__} runs one rollout at a time (it does not implement "
+                                  "start_llm_loop): set async_training.rollouts_in_flight=1")
+
     def state_dict(self) -> Mapping[str, Any] | None:
         """JSON-ready state the trainer keeps in ``trainer_state.json`` (None: nothing to keep)."""
         return None
@@ -145,6 +155,10 @@ class SingleTurnRollout(RolloutLoop):
     def run_llm_loop(self, gen_batch: DataProto) -> DataProto:
         """The engine's single-turn generation of the prompts (per-row non-tensor data stays here)."""
         return self.engine.generate_sequences(DataProto(batch=gen_batch.batch, meta_info=dict(gen_batch.meta_info)))
+
+    def start_llm_loop(self, gen_batch: DataProto) -> Callable[[], DataProto]:
+        """The same generation, run by the returned callable (nothing here depends on the order of the calls)."""
+        return lambda: self.run_llm_loop(gen_batch)
 
 
 class RewardFunction(Protocol):

@@ -11,8 +11,8 @@ on the dialogues as sampled, then the rejected tokens leave the loss, :mod:`verl
 -> critic update -> actor update -> metrics (with the rollout's ``rollout/*``);
 validation every ``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`). With
 ``async_training.staleness_threshold=1`` the next step's rollout runs while a step trains
-(:mod:`verl.trainer.ppo.trainer_off_policy`), with k >= 2 up to k steps' rollouts run ahead
-(:mod:`verl.trainer.ppo.trainer_rollout_stream`; docs/off_policy.md). The
+(:mod:`verl.trainer.ppo.trainer_off_policy`), with k >= 2 up to k steps' rollouts run ahead, ``rollouts_in_flight``
+of them at once (:mod:`verl.trainer.ppo.trainer_rollout_stream`; docs/off_policy.md). The
 trainer is composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and
 scoring) and :class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (save and resume).
 """
@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from verl.protocol import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-from verl.trainer.config_async import staleness_of
+from verl.trainer.config_async import in_flight_of, staleness_of
 from verl.trainer.config_schema import PPOTrainerConfig
 from verl.trainer.config_validation import load_config
 from verl.trainer.ppo import core_algos
@@ -47,15 +47,9 @@ from verl.trainer.ppo.trainer_checkpoint import (SCENARIO_KEY, CheckpointedParts
 from verl.trainer.ppo.trainer_off_policy import (RolloutAhead, TurnSignal, staleness_metrics, take_and_refill,
                                                  trainer_policy_version)
 from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs
-from verl.trainer.ppo.trainer_rollout import (
-    GEN_INPUT_KEYS,
-    StepRollouts,
-    add_uids,
-    compute_response_mask,
-    merge_rollout_metrics,
-    pop_metrics,
-)
-from verl.trainer.ppo.trainer_rollout_stream import RolloutStream, fill_limit
+from verl.trainer.ppo.trainer_rollout import (GEN_INPUT_KEYS, StepRollouts, add_uids, compute_response_mask,
+                                              merge_rollout_metrics, pop_metrics)
+from verl.trainer.ppo.trainer_rollout_stream import RolloutStream, check_starts_ahead, fill_limit
 from verl.trainer.ppo.trainer_stale_drop import drop_stale_dialogues
 from verl.trainer.ppo.validation_metrics import generation_rows
 from verl.trainer.ppo.metric_utils import (
@@ -115,6 +109,7 @@ class RayPPOTrainer:
         self.reward_fn = bind_reward(base_fn, tokenizer, kwargs, self.typed.reward.path)
         self.val_reward_fn = bind_reward(val_reward_fn or base_fn, tokenizer, kwargs, self.typed.reward.path)
         self.loop_cls = rollout_loop_class(self.typed.rollout_loop.path)
+        check_starts_ahead(self.loop_cls, in_flight_of(self.typed))
         data_cfg = self.typed.data
         if train_dataset is None:
             train_dataset = create_dataset(data_cfg.train_files, tokenizer, data_cfg)
@@ -394,7 +389,8 @@ class RayPPOTrainer:
         threshold = staleness_of(self.typed)
         ahead = RolloutAhead(self.rollouts.train_batch, self.turn_signal.generated) if threshold == 1 else None
         stream = RolloutStream(self.rollouts.train_batch, self.rollout_loop.on_train_step_end, threshold,
-                               self.turn_signal.generated) if threshold >= 2 else None
+                               self.turn_signal.generated, self.rollouts.start_train_batch,
+                               in_flight_of(self.typed)) if threshold >= 2 else None
 
         def boundary(step: int) -> bool:
             """Whether step ``step`` ends with a validation, a checkpoint or the run (nothing in flight across)."""

@@ -80,7 +80,12 @@ class StepRollouts:
         tensors = batch.pop(batch_keys=GEN_INPUT_KEYS)
         gen_batch = DataProto(batch=tensors.batch, non_tensor_batch=dict(batch.non_tensor_batch),
                               meta_info=dict(meta_info))
-        out = loop.run_llm_loop(gen_batch)
+        return self._merge_generation(batch, loop.run_llm_loop(gen_batch))
+
+    @staticmethod
+    def _merge_generation(batch: DataProto, out: DataProto) -> dict[str, float]:
+        """Merge a rollout loop's output ``out`` into ``batch`` (the rows without their generation inputs), in
+        place; return the rollout's own metrics."""
         if len(out) != len(batch):
             raise ValueError(f"the rollout returned {len(out)} rows for {len(batch)} prompts")
         version = out.meta_info.get(POLICY_VERSION)
@@ -119,6 +124,32 @@ class StepRollouts:
             batch.batch["token_level_scores"] = scores.to(torch.float32)
         metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
         return batch, prompt_ids, metrics
+
+    def start_train_batch(self, prompts: DataProto, step: int) -> Callable[[dict[str, float]],
+                                                                         tuple[DataProto, dict[str, float]]]:
+        """Step ``step``'s rollout of ``prompts`` started now (``RolloutLoop.start_llm_loop``: what depends on the
+        order of the rollouts is done on this thread) and finished by the returned ``finish(timing)``: generation
+        and reward, from any thread, beside other started rollouts; it returns what :meth:`train_batch` does.
+        Without dynamic sampling or ReMax (refused with several rollouts in flight)."""
+        cfg = self.config
+        if cfg.algorithm.filter_groups.enable or cfg.algorithm.adv_estimator == "remax":
+            raise RuntimeError("a rollout started ahead cannot draw more prompt batches (algorithm.filter_groups) "
+                               "or generate a greedy baseline (ReMax)")
+        add_uids(prompts, f"s{step}")
+        batch = prompts.repeat(repeat_times=cfg.actor_rollout_ref.rollout.n, interleave=True)
+        tensors = batch.pop(batch_keys=GEN_INPUT_KEYS)
+        run = self.rollout_loop.start_llm_loop(DataProto(batch=tensors.batch,
+                                                         non_tensor_batch=dict(batch.non_tensor_batch)))
+
+        def finish(timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
+            with timer("gen", timing):
+                metrics = self._merge_generation(batch, run())
+            with timer("reward", timing):
+                scores, reward_metrics = self.reward_fn(batch)
+                batch.batch["token_level_scores"] = scores.to(torch.float32)
+            metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
+            return batch, metrics
+        return finish
 
     def train_batch(self, prompts: DataProto, step: int, timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
         """The scored training batch of step ``step`` starting from the prompt batch ``prompts``, and its rollout,

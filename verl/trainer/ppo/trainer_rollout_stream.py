@@ -8,9 +8,17 @@ same thread and before the next rollout starts, by the rollout loop's end-of-ste
 controller and the cache see the steps' outcomes in step order, never while another rollout runs. A step's prompt
 batch is drawn on the main thread when it is queued, so the loader is read in step order.
 
+With ``in_flight = m > 1`` (``async_training.rollouts_in_flight``) up to m of the queued rollouts run at once, on m
+threads: each is *started* on the trainer's thread when it is queued (``start(prompts, step)``,
+``StepRollouts.start_train_batch``: the users drawn from the controller, the seeds, the call count, in step order)
+and *finished* on a rollout thread (its dialogues and reward), beside the others; the end-of-step hook runs on the
+trainer's thread when the step is taken, in step order. So the controller has seen the outcomes of every step
+taken before a rollout is queued, not those of the (up to k - 1) rollouts queued before it and not yet taken. On a
+latency-bound rollout (the dialogues mostly wait for simulated users) m rollouts in flight wait side by side.
+
 Staleness: step N+k is queued after step N is taken and before it trains, so its oldest token is at least the
-trainer's version of step N and at most k versions behind when step N+k trains; the drop rule
-(:func:`~verl.trainer.ppo.trainer_stale_drop.drop_stale_dialogues`) guards it.
+trainer's version of step N and at most k versions behind when step N+k trains, however many run at once; the
+drop rule (:func:`~verl.trainer.ppo.trainer_stale_drop.drop_stale_dialogues`) guards it.
 """
 from __future__ import annotations
 
@@ -22,13 +30,26 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from verl.protocol import DataProto
+from verl.trainer.config_schema import ConfigError
+from verl.trainer.ppo.plugins import RolloutLoop
 from verl.trainer.ppo.trainer_off_policy import RolloutFn, TakenRollout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutStream", "fill_limit"]
+__all__ = ["RolloutStream", "check_starts_ahead", "fill_limit"]
 
 SeenFn = Callable[[DataProto, int], dict[str, float]]
+FinishFn = Callable[[dict[str, float]], tuple[DataProto, dict[str, float]]]
+StartFn = Callable[[DataProto, int], FinishFn]
+
+
+def check_starts_ahead(loop_cls: type[RolloutLoop], in_flight: int) -> None:
+    """ConfigError when ``in_flight`` rollouts should run at once but ``loop_cls`` runs one at a time (it does not
+    implement ``start_llm_loop``)."""
+    if in_flight > 1 and loop_cls.start_llm_loop is RolloutLoop.start_llm_loop:
+        raise ConfigError(f"async_training.rollouts_in_flight={in_flight}: the rollout loop {loop_cls.__name__} runs "
+                          "one rollout at a time (it does not implement start_llm_loop): set "
+                          "async_training.rollouts_in_flight=1")
 
 
 def fill_limit(step: int, depth: int, boundary: Callable[[int], bool]) -> int:
@@ -42,19 +63,26 @@ def fill_limit(step: int, depth: int, boundary: Callable[[int], bool]) -> int:
 
 
 class RolloutStream:
-    """Up to ``depth`` steps' rollouts queued or running on one background thread, taken in step order; see the
-    module docstring. ``rollout`` is ``StepRollouts.train_batch``, ``seen(batch, step)`` the rollout loop's
-    end-of-step hook, ``generated`` (optional) the event the loops' engine sets per generation (``TurnSignal``)."""
+    """Up to ``depth`` steps' rollouts queued or running, ``in_flight`` of them at once (one after another by
+    default), taken in step order; see the module docstring. ``rollout`` is ``StepRollouts.train_batch``, ``seen(batch,
+    step)`` the rollout loop's end-of-step hook, ``generated`` (optional) the event the loops' engine sets per
+    generation (``TurnSignal``), ``start`` (required when ``in_flight > 1``) ``StepRollouts.start_train_batch``."""
 
     def __init__(self, rollout: RolloutFn, seen: SeenFn, depth: int,
-                 generated: threading.Event | None = None) -> None:
+                 generated: threading.Event | None = None, start: StartFn | None = None, in_flight: int = 1) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
-        self._rollout, self._seen, self.depth = rollout, seen, depth
-        self._generated = generated
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-stream")
+        if not 1 <= in_flight <= depth:
+            raise ValueError(f"in_flight must be between 1 and depth={depth}, got {in_flight}")
+        if in_flight > 1 and start is None:
+            raise ValueError("several rollouts in flight need start (StepRollouts.start_train_batch)")
+        self._rollout, self._seen, self.depth, self.in_flight = rollout, seen, depth, in_flight
+        self._start, self._generated = start, generated
+        self._pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="rollout-stream")
         self._pending: OrderedDict[int, Future] = OrderedDict()
-        self._finished_at: float | None = None  # when the last rollout ended (written by the thread)
+        self._running = 0  # rollouts running now (written by the rollout threads, under _lock)
+        self._lock = threading.Lock()
+        self._finished_at: float | None = None  # when the last rollout ended with none left running
 
     @property
     def queued(self) -> list[int]:
@@ -76,7 +104,11 @@ class RolloutStream:
                                f"{next(iter(self._pending))}'s before queueing step {step}'s")
         if self._generated is not None:
             self._generated.clear()
-        self._pending[step] = self._pool.submit(self._run, prompts, step)
+        if self.in_flight == 1:
+            self._pending[step] = self._pool.submit(self._run, prompts, step)
+        else:
+            finish = self._start(prompts, step)
+            self._pending[step] = self._pool.submit(self._timed, lambda timing: (*finish(timing), None))
 
     def wait_until_generating(self) -> float:
         """Wait until a generation has returned since the last :meth:`submit` (or every queued rollout has ended);
@@ -89,14 +121,26 @@ class RolloutStream:
         return time.monotonic() - started
 
     def _run(self, prompts: DataProto, step: int):
-        started = time.monotonic()
-        idle = 0.0 if self._finished_at is None else max(0.0, started - self._finished_at)
+        """One rollout and its end-of-step hook (one rollout at a time)."""
+        def rollout_and_hook(timing: dict[str, float]):
+            batch, metrics = self._rollout(prompts, step, timing)
+            return batch, metrics, self._seen(batch, step)
+        return self._timed(rollout_and_hook)
+
+    def _timed(self, run: Callable[[dict[str, float]], tuple]):
+        """``run(timing)``'s batch, metrics and hook metrics, with the timing and how long no rollout was running
+        before this one started."""
+        with self._lock:
+            idle = 0.0 if self._running or self._finished_at is None else max(0.0, time.monotonic() - self._finished_at)
+            self._running += 1
         timing: dict[str, float] = {}
         try:
-            batch, metrics = self._rollout(prompts, step, timing)
-            seen = self._seen(batch, step)
+            batch, metrics, seen = run(timing)
         finally:
-            self._finished_at = time.monotonic()
+            with self._lock:
+                self._running -= 1
+                if not self._running:
+                    self._finished_at = time.monotonic()
         return batch, metrics, timing, seen, idle
 
     def take(self, step: int) -> tuple[TakenRollout, dict[str, float]]:
@@ -107,11 +151,14 @@ class RolloutStream:
         pending = self._pending.pop(step)
         started = time.monotonic()
         batch, metrics, timing, seen, idle = pending.result()
-        return TakenRollout(batch, metrics, timing, time.monotonic() - started, idle), seen
+        waited = time.monotonic() - started
+        if seen is None:  # several in flight: the hook runs here, in step order
+            seen = self._seen(batch, step)
+        return TakenRollout(batch, metrics, timing, waited, idle), seen
 
     def close(self) -> None:
-        """Cancel the queued rollouts not started, wait for the running one (their results are dropped: a resumed
-        run generates them again) and stop the thread."""
+        """Cancel the queued rollouts not started, wait for the running ones (their results are dropped: a resumed
+        run generates them again) and stop the threads."""
         for step, pending in self._pending.items():
             if pending.cancel():
                 continue

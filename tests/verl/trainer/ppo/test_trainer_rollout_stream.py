@@ -46,6 +46,35 @@ def test_what_is_still_refused(paths, overrides, message):
         load_config(compose_config(paths + overrides), check_paths=False)
 
 
+IN_FLIGHT = "async_training.rollouts_in_flight"
+
+
+def test_rollouts_in_flight_loads_from_one_to_the_threshold(paths):
+    assert load_config(compose_config(paths)).async_training.rollouts_in_flight == 1
+    for k, m in ((2, 2), (3, 2), (3, 3)):
+        cfg = load_config(compose_config(paths + NEEDED + [f"{KEY}={k}", PARTIAL, f"{IN_FLIGHT}={m}"]))
+        assert cfg.async_training.rollouts_in_flight == m
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ([f"{IN_FLIGHT}=nan"], r"rollouts_in_flight must be a finite number, got nan"),
+    ([f"{IN_FLIGHT}=inf"], r"rollouts_in_flight must be a finite number, got inf"),
+    ([f"{IN_FLIGHT}=0"], r"rollouts_in_flight=0.0 is outside \[1, inf\)"),
+    ([f"{IN_FLIGHT}=1.5"], r"rollouts_in_flight counts rollouts running at once: a whole number >= 1, got 1.5"),
+    ([f"{IN_FLIGHT}=2"], r"rollouts_in_flight=2 runs rollouts queued .*staleness_threshold=0 queues none: set it "
+                         r"to at least 2 \(with partial_rollout=true\)"),
+    (NEEDED + [f"{KEY}=1", f"{IN_FLIGHT}=2"], r"staleness_threshold=1 queues none"),
+    (NEEDED + [f"{KEY}=2", PARTIAL, f"{IN_FLIGHT}=3"], r"staleness_threshold=2 queues at most 2: set "
+                                                       r"async_training.rollouts_in_flight <= 2"),
+    (NEEDED + [f"{KEY}=2", PARTIAL, f"{IN_FLIGHT}=2", "algorithm.adv_estimator=remax"],
+     r"rollouts_in_flight=2: algorithm.adv_estimator=remax generates a greedy baseline .* set "
+     r"async_training.rollouts_in_flight=1"),
+])
+def test_rollouts_in_flight_refusals_name_the_key(paths, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(compose_config(paths + overrides), check_paths=False)
+
+
 def test_fill_limit_stops_at_the_depth_and_at_a_boundary():
     never = lambda step: False  # noqa: E731
     assert fill_limit(5, 2, never) == 7
@@ -119,6 +148,60 @@ def test_stream_takes_in_order_runs_the_hook_after_each_rollout_and_reraises():
     assert events == ["rollout 1", "seen 1", "rollout 2", "seen 2", "rollout 3"]
 
 
+def test_rollouts_in_flight_start_in_step_order_run_together_and_are_seen_in_step_order():
+    """Two in flight: each rollout starts on the trainer's thread when queued; the two finish side by side (each
+    waits at a barrier for the other: one after another would time out); step 2's finishes first, yet the hooks
+    run on the trainer's thread in step order when each step is taken; an error is raised at its own take."""
+    events: list[str] = []
+    both = threading.Barrier(2, timeout=10)
+    main = threading.current_thread()
+
+    def start(prompts, step):
+        assert threading.current_thread() is main
+        events.append(f"start {step}")
+
+        def finish(timing):
+            if step <= 2:
+                both.wait()
+                if step == 1:
+                    time.sleep(0.05)  # step 2's rollout ends first
+            events.append(f"finish {step}")
+            if step == 4:
+                raise ValueError("step 4 failed")
+            return DataProto(), {"step": float(step)}
+        return finish
+
+    def seen(batch, step):
+        assert threading.current_thread() is main
+        events.append(f"seen {step}")
+        return {"seen": float(step)}
+
+    def never(prompts, step, timing):
+        raise AssertionError("several in flight: every rollout is started ahead")
+
+    with pytest.raises(ValueError, match="in_flight must be between 1 and depth=2, got 3"):
+        RolloutStream(never, seen, depth=2, start=start, in_flight=3)
+    with pytest.raises(ValueError, match="need start"):
+        RolloutStream(never, seen, depth=2, in_flight=2)
+    stream = RolloutStream(never, seen, depth=3, start=start, in_flight=2)
+    try:
+        stream.submit(DataProto(), 1)
+        stream.submit(DataProto(), 2)
+        assert events[:2] == ["start 1", "start 2"]
+        taken, hook = stream.take(1)
+        assert taken.metrics == {"step": 1.0} and hook == {"seen": 1.0}
+        assert events[2:] == ["finish 2", "finish 1", "seen 1"]
+        stream.submit(DataProto(), 3)
+        stream.submit(DataProto(), 4)
+        assert stream.take(2)[1] == {"seen": 2.0} and stream.take(3)[1] == {"seen": 3.0}
+        with pytest.raises(ValueError, match="step 4 failed"):
+            stream.take(4)
+    finally:
+        stream.close()
+    assert [e for e in events if e.startswith("seen")] == ["seen 1", "seen 2", "seen 3"]
+    assert [e for e in events if e.startswith("start")] == ["start 1", "start 2", "start 3", "start 4"]
+
+
 class SerialActor:
     """The actor worker as a Ray actor runs it: one call at a time; ``version`` counts the updates."""
 
@@ -165,7 +248,7 @@ def _dialogues(actor: SerialActor, rng: random.Random, rows: int, tokens: int, g
 
 def _run(seed: int, depth: int, threshold: int, steps: int = 8,
          update_s: tuple[float, float] = (0.005, 0.06),
-         driver_s: tuple[float, float] = (0.0, 0.0)) -> tuple[list[int], int, int, int]:
+         driver_s: tuple[float, float] = (0.0, 0.0), in_flight: int = 1) -> tuple[list[int], int, int, int]:
     """Drive the stream as ``stream_step`` does; returns each step's lag of its oldest token (computed from the
     versions, independently of the drop rule), the over-stale rows counted independently, the rows the drop rule
     dropped, and the steps refused for being all over-stale. ``driver_s``: the range of the trainer's time off the actor
@@ -173,8 +256,9 @@ def _run(seed: int, depth: int, threshold: int, steps: int = 8,
     rng = random.Random(seed)
     actor = SerialActor(rng, update_s)
     generated = threading.Event()
-    stream = RolloutStream(_dialogues(actor, rng, rows=4, tokens=2, generated=generated), lambda b, s: {}, depth,
-                           generated)
+    rollout = _dialogues(actor, rng, rows=4, tokens=2, generated=generated)
+    stream = RolloutStream(rollout, lambda b, s: {}, depth, generated,
+                           lambda prompts, step: lambda timing: rollout(prompts, step, timing), in_flight)
     lags, over, dropped, refused = [], 0, 0, 0
     try:
         for step in range(1, steps + 1):
@@ -215,6 +299,13 @@ def test_no_trained_token_is_more_than_k_versions_behind_under_heavy_tailed_late
     lags, over, dropped, refused = _run(seed, depth=k, threshold=k)
     assert lags[0] == 0 and max(lags) <= k  # queued k ahead, never more than k behind: nothing to drop
     assert (over, dropped, refused) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k,m", [(2, 2), (3, 2), (3, 3)])
+def test_the_bound_holds_with_rollouts_in_flight_together(seed, k, m):
+    lags, over, dropped, refused = _run(seed, depth=k, threshold=k, in_flight=m)
+    assert lags[0] == 0 and max(lags) <= k and (over, dropped, refused) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("k", [2, 3])
