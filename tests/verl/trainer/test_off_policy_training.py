@@ -176,15 +176,26 @@ def test_staleness_two_trains_within_the_bound_with_rollouts_queued_ahead(tiny_m
     assert metrics[4]["async/staleness_max"] == 3 - int(versions.min())
 
 
+@pytest.fixture(scope="module")
+def synchronous_batch(tiny_model_path, tmp_path_factory):
+    """The synchronous trainer's last batch of `_trained_batch` (one run shared by the module's modes)."""
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    try:
+        return _trained_batch(tiny_model_path, tmp_path_factory.mktemp("sync"),
+                              tuple(o.replace("staleness_threshold=1", "staleness_threshold=0") for o in ONE_STEP_OFF))
+    finally:
+        ray.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.processes
 @pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2, IN_FLIGHT_2],
                          ids=["one-step-off", "staleness-2", "two-in-flight"])
-def test_with_nothing_to_overlap_off_policy_trains_the_synchronous_batches(tiny_model_path, tmp_path, ray_cluster,
-                                                                            mode):
-    off = _trained_batch(tiny_model_path, tmp_path / "off", mode)
-    sync = _trained_batch(tiny_model_path, tmp_path / "sync",
-                          tuple(o.replace("staleness_threshold=1", "staleness_threshold=0") for o in ONE_STEP_OFF))
+def test_with_nothing_to_overlap_off_policy_trains_the_synchronous_batches(tiny_model_path, tmp_path,
+                                                                            synchronous_batch, ray_cluster, mode):
+    off, sync = _trained_batch(tiny_model_path, tmp_path / "off", mode), synchronous_batch
     assert set(off.batch.keys()) == set(sync.batch.keys())
     for key in sorted(off.batch.keys()):
         assert torch.equal(off.batch[key], sync.batch[key]), key

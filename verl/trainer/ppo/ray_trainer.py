@@ -251,11 +251,10 @@ class RayPPOTrainer:
         step, timing, threshold = self.global_steps, {}, staleness_of(self.typed)
         metrics: dict[str, float] = {}
         with timer("step", timing):
-            if not stream.queued:
-                stream.submit(self._next_prompt_batch(), step)
+            if not stream.queued:  # nothing ahead (the first step, or after a boundary): queue what the bound allows
+                stream.fill(min(fill_to, step + threshold - 1), self._next_prompt_batch, step - 1)
             taken, hook_metrics = stream.take(step)
-            while (stream.last_queued or step) < fill_to:
-                stream.submit(self._next_prompt_batch(), (stream.last_queued or step) + 1)
+            stream.fill(fill_to, self._next_prompt_batch, step)
             waited = stream.wait_until_generating() if stream.queued else 0.0
             batch = taken.batch
             timing.update(taken.timing)

@@ -17,8 +17,9 @@ taken before a rollout is queued, not those of the (up to k - 1) rollouts queued
 latency-bound rollout (the dialogues mostly wait for simulated users) m rollouts in flight wait side by side.
 
 Staleness: step N+k is queued after step N is taken and before it trains, so its oldest token is at least the
-trainer's version of step N and at most k versions behind when step N+k trains, however many run at once; the
-drop rule (:func:`~verl.trainer.ppo.trainer_stale_drop.drop_stale_dialogues`) guards it.
+trainer's version of step N and at most k versions behind when step N+k trains, however many run at once; when
+nothing is queued (the first step, or after a boundary) the steps up to N+k-1 are queued before step N is taken,
+within the same bound. The drop rule (:func:`~verl.trainer.ppo.trainer_stale_drop.drop_stale_dialogues`) guards it.
 """
 from __future__ import annotations
 
@@ -109,6 +110,12 @@ class RolloutStream:
         else:
             finish = self._start(prompts, step)
             self._pending[step] = self._pool.submit(self._timed, lambda timing: (*finish(timing), None))
+
+    def fill(self, last: int, prompts: Callable[[], DataProto], after: int) -> None:
+        """Queue every step after the last queued (after step ``after`` when none is) up to ``last``, each with the
+        next prompt batch of ``prompts``, in step order."""
+        while (self.last_queued or after) < last:
+            self.submit(prompts(), (self.last_queued or after) + 1)
 
     def wait_until_generating(self) -> float:
         """Wait until a generation has returned since the last :meth:`submit` (or every queued rollout has ended);

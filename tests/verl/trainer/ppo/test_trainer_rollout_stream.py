@@ -84,6 +84,19 @@ def test_fill_limit_stops_at_the_depth_and_at_a_boundary():
     assert [fill_limit(s, 1, lambda step: step % 3 == 0) for s in range(1, 7)] == [2, 3, 3, 5, 6, 6]
 
 
+def test_fill_queues_each_next_step_up_to_the_last():
+    stream = RolloutStream(lambda prompts, step, timing: (DataProto(), {}), lambda batch, step: {}, depth=3)
+    try:
+        stream.fill(2, DataProto, 0)  # nothing queued: from the step after 0
+        assert stream.queued == [1, 2]
+        stream.fill(3, DataProto, 0)  # from the step after the last queued
+        assert stream.queued == [1, 2, 3]
+        stream.fill(3, DataProto, 0)
+        assert stream.queued == [1, 2, 3]
+    finally:
+        stream.close()
+
+
 def _batch(mask: list[list[int]], versions: list[list[int]], uids: list[str]) -> DataProto:
     return DataProto.from_dict(tensors={"response_mask": torch.tensor(mask),
                                         ROLLOUT_POLICY_VERSIONS: torch.tensor(versions)},
@@ -262,11 +275,11 @@ def _run(seed: int, depth: int, threshold: int, steps: int = 8,
     lags, over, dropped, refused = [], 0, 0, 0
     try:
         for step in range(1, steps + 1):
+            fill_to = fill_limit(step, depth, lambda s: s >= steps)
             if not stream.queued:
-                stream.submit(DataProto(), step)
+                stream.fill(min(fill_to, step + depth - 1), DataProto, step - 1)
             taken, _ = stream.take(step)
-            while (stream.last_queued or step) < fill_limit(step, depth, lambda s: s >= steps):
-                stream.submit(DataProto(), (stream.last_queued or step) + 1)
+            stream.fill(fill_to, DataProto, step)
             if stream.queued:
                 stream.wait_until_generating()
             version = trainer_policy_version(step, 0)
