@@ -57,8 +57,10 @@ test-float-path: $(STAMP)
 	ATEN_CPU_CAPABILITY=$(FLOAT_PATH) PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest \
 		-m "numerics and ($(VLLM_TEST_MARK)) and not extended" -q -rs $(XDIST)
 
-# The `extended` tests: the LLM user simulator end to end (fine-tuned, served by vLLM, graded and trained against;
-# ~2 min on a quiet box), kept out of `make test`'s 20-minute budget; CI (.ci/run) runs them after `make test`.
+# The `extended` tests: the LLM user simulator end to end (fine-tuned, served by vLLM, graded and trained against),
+# the full-size preset traces and the longest single checks (the GPU check's wheels and CPU smoke, ITERATIONS killed
+# and resumed, the warm-start benchmark); ~8 min on a quiet box, kept out of `make test`'s 20-minute budget; CI
+# (.ci/run) runs them after `make test`.
 test-extended: $(STAMP)
 	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "extended and not gpu" -q -rs
 

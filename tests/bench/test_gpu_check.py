@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 GPU_TESTS = {"test_packed_attention_cuda.py", "test_actor_cuda.py", "test_vllm_cuda.py"}
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # 53 s measured: make test-extended (CI), not make test
 
 
 def _check(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:

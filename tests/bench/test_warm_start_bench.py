@@ -10,7 +10,8 @@ import pytest
 from tests.helpers.repo import REPO
 
 
-@pytest.mark.slow  # two torchrun launches of a 3-step warm start: ~30 s
+@pytest.mark.slow  # two torchrun launches of a 3-step warm start: 21-29 s
+@pytest.mark.extended  # make test-extended (CI), kept out of make test's 20 minutes
 def test_the_benchmark_times_both_set_ups_and_finds_the_same_weights(tmp_path):
     out = tmp_path / "warm_start.json"
     done = subprocess.run([sys.executable, "-m", "bench.warm_start", "--steps", "3", "--repeats", "1", "--dialogues",

@@ -2,9 +2,9 @@
 broken wrapping (a decoder layer left out of FSDP, a dtype left in fp32) is caught.
 
 The full-size traces (Qwen2.5-7B and -14B configs shipped in tests/data/models, no weights) take a minute or two of
-CPU each: the 7B one is marked slow (make test), the two 14B ones extended (make test-extended, kept out of make
-test's 20 minutes; CI runs both); the small model (four decoder layers) runs the same code paths in seconds: padded
-and packed rows, with and without checkpointing, LoRA, the critic, the CLI and the broken wrappings.
+CPU each: all three are extended (make test-extended, kept out of make test's 20 minutes; CI runs them); the small
+model (four decoder layers) runs the same code paths in seconds: padded and packed rows, with and without
+checkpointing, LoRA, the critic, the CLI and the broken wrappings.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def _agrees(result):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_qwen25_7b_full_fine_tuning_on_6_ranks_agrees_with_the_planner():
     result = _trace(MODELS / "qwen2.5-7b-instruct")
     _agrees(result)
