@@ -12,7 +12,8 @@
    already answers (see BENCHMARKS.md for both).
 2. GRPO on the real trainer (Ray, 2 FSDP workers on gloo, `python -m verl.trainer.main_ppo` code path via
    RayPPOTrainer; 8 prompts x 8 dialogues per step, two policy updates of 4 prompts each) against two scripted
-   simulator servers (llm_agent.user_sim.processes), with the SEAD rollout loop, the state controller on, the cache
+   simulator servers (llm_agent.user_sim.processes; `--sim-latency-ms M --sim-latency-sigma S`: each answer after
+   an injected lognormal latency, a latency-bound simulator), with the SEAD rollout loop, the state controller on, the cache
    on (as in the demo) and the reward's default weights: completion only. `--simulator llm` trains against an LLM
    simulator instead: the tiny simulator of utils.simulator_sft's `full` recipe (made once, in
    outputs/simulator_sft/tiny-full as bench.simulator_sft makes it), or the model in `--simulator-dir`, served by
@@ -26,7 +27,7 @@
    rule in llm_agent/controller.py and reports the largest difference and the direction of the move.
 
 Writes `--out` (JSON: settings, seeds, machine, wall times, val CR curve, per-step train metrics (with the
-simulator requests the client made and the share of user turns the cache served: `--cache false` for the other
+step's wall time, the simulator requests the client made and the share of user turns the cache served: `--cache false` for the other
 side of the comparison), controller weights and per-value CRs, the check, and `val_paired`: the first and last
 validations paired by profile with the one-sided exact sign test of bench/learning_stats.py) and prints a table.
 Timings are noisy on a shared machine.
@@ -79,6 +80,8 @@ class LearningSettings(CpuRecipe):
     val_temperature: float = 0.0  # 0: greedy validation; > 0: sampled, val_n calls per fixed profile
     val_n: int = 1
     sim_instances: int = 2
+    sim_latency_ms: float = 0.0  # > 0: the scripted simulators answer after a lognormal latency of this median
+    sim_latency_sigma: float = 0.0  # its log-space sigma (heavy-tailed from ~1)
     cache: bool = True  # the user-response cache, as in the demo
     adv_estimator: str = "grpo"  # grpo | turn_mixed | turn_gae (docs/turn_level_credit.md)
     turn_weight: float = 1.0  # algorithm.turn_mixed.turn_weight
@@ -190,7 +193,8 @@ def start_simulator(kind: str, s: LearningSettings, work: Path, stack: contextli
     if kind == "scripted":
         group = stack.enter_context(SimulatorGroup(work / "sims" / kind, ServerSpec(
             scenario=str(SCENARIO), seed=s.seed, log_level="warning")))
-        return group.start_many(s.sim_instances)
+        latency = ("--inject-latency-ms", str(s.sim_latency_ms), "--inject-latency-sigma", str(s.sim_latency_sigma))
+        return group.start_many(s.sim_instances, *(latency if s.sim_latency_ms > 0 else ()))
     group = stack.enter_context(SimulatorGroup(work / "sims" / kind, ServerSpec(
         backend="vllm", model=str(llm_simulator(s)), seed=s.seed, max_model_len=MAX_MODEL_LEN,
         vllm_python=sys.executable, extra_args=tuple(VLLM_CPU_FLAGS))))
@@ -262,7 +266,8 @@ def collect(s: LearningSettings, work: Path) -> dict[str, Any]:
                   v["metrics"].get("format_error_rate")} for v in val]
     steps = [m for m in read_jsonl(work / "logs" / "metrics.jsonl") if m.get("step", 0) >= 1
              and "dialogue/completion_rate" in m]
-    train = [{"step": m["step"], "train_cr": m["dialogue/completion_rate"], "score": m.get("critic/score/mean"),
+    train = [{"step": m["step"], "step_s": m.get("timing_s/step"), "train_cr": m["dialogue/completion_rate"],
+              "score": m.get("critic/score/mean"),
               "sim_requests": m.get("user_sim/requests"), "cache_hit_rate": m.get("rollout/cache_hit_rate"),
               "controller": {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("controller/")}}
              for m in steps]

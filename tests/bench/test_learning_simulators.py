@@ -2,11 +2,14 @@
 before anything starts, and the trainer's config gets the judge and the LLM simulator's client settings."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 
-from bench.learning import LearningSettings, check_simulators, main, simulator_overrides, trainer_overrides
+import bench.learning
+from bench.learning import (LearningSettings, check_simulators, main, simulator_overrides, start_simulator,
+                            trainer_overrides)
 from llm_agent.rollout.config import GenerationConfig
 from verl.trainer.config_schema import compose_config
 from verl.trainer.config_validation import load_config
@@ -45,3 +48,27 @@ def test_the_trainer_config_carries_the_judge_and_the_llm_client_settings(tiny_m
     assert {name: list(value) for name, value in loop.judges.items()} == ({judge: judge_urls} if judge else {})
     llm_in_run = "llm" in (simulator, judge)  # the tiny LLM simulator's reply budget and patience
     assert (loop.user_sim.max_tokens == 128 and loop.user_sim.timeout_s == 120) == llm_in_run
+
+
+def test_scripted_simulators_answer_after_the_injected_latency_when_asked(monkeypatch, tmp_path):
+    started = []
+
+    class Group:  # records what the benchmark asks of its simulator group
+        def __init__(self, directory, spec) -> None:
+            self.spec = spec
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+        def start_many(self, n, *flags):
+            started.append((n, flags))
+            return [f"http://127.0.0.1:{5000 + i}" for i in range(n)]
+
+    monkeypatch.setattr(bench.learning, "SimulatorGroup", Group)
+    with contextlib.ExitStack() as stack:
+        start_simulator("scripted", LearningSettings(sim_latency_ms=250.0, sim_latency_sigma=1.0), tmp_path, stack)
+        start_simulator("scripted", LearningSettings(), tmp_path, stack)
+    assert started == [(2, ("--inject-latency-ms", "250.0", "--inject-latency-sigma", "1.0")), (2, ())]
