@@ -59,8 +59,9 @@ test-float-path: $(STAMP)
 
 # The `extended` tests: the LLM user simulator end to end (fine-tuned, served by vLLM, graded and trained against),
 # the full-size preset traces and the longest single checks (the GPU check's wheels and CPU smoke, ITERATIONS killed
-# and resumed, the warm-start benchmark); ~8 min on a quiet box, kept out of `make test`'s 20-minute budget; CI
-# (.ci/run) runs them after `make test`.
+# and resumed, the warm-start benchmark, packed long-dialogue keys, turn GAE with diagnosis reweighting, a resume
+# refused across models); ~10 min on a quiet box, kept out of `make test`'s 20-minute budget; CI (.ci/run) runs
+# them after `make test`.
 test-extended: $(STAMP)
 	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "extended and not gpu" -q -rs
 

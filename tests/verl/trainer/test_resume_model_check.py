@@ -104,6 +104,7 @@ def test_check_same_model_by_content(tmp_path, caplog):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 35 s measured: make test-extended (CI), kept out of make test's 20 minutes
 def test_resume_from_another_model_fails_unless_forced(tiny_model_path, tmp_path, ray_cluster, caplog):
     from transformers import AutoTokenizer
 

@@ -68,6 +68,7 @@ def turn_credit_reward(data: DataProto, tokenizer, **kwargs):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 54 s measured: make test-extended (CI), kept out of make test's 20 minutes
 def test_turn_gae_with_diagnosis_reweight_trains_and_keeps_rows_aligned(tiny_model_path, tmp_path, ray_cluster):
     from verl.single_controller.ray import RayResourcePool
     from verl.tasks.repeat_letter import make_dataset
