@@ -204,7 +204,8 @@ def test_with_nothing_to_overlap_off_policy_trains_the_synchronous_batches(tiny_
 
 @pytest.mark.slow
 @pytest.mark.processes
-@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2], ids=["one-step-off", "staleness-2"])
+@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2, pytest.param(IN_FLIGHT_2, marks=pytest.mark.extended)],
+                         ids=["one-step-off", "staleness-2", "two-in-flight"])  # extended: make test's 20 minutes
 def test_a_resume_at_a_checkpoint_trains_the_uninterrupted_runs_next_batch(tiny_model_path, tmp_path, ray_cluster,
                                                                            mode):
     # steps 1 -> 2 overlap; step 2 ends with a checkpoint, so step 3's rollout starts after it in both runs, from
