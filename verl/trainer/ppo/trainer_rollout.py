@@ -119,11 +119,16 @@ class StepRollouts:
                 self._remax_baselines(batch)
         with timer("gen", timing):
             metrics = self.generate(batch, {}, validation=False)
+        metrics.update(self._score(batch, timing))
+        return batch, prompt_ids, metrics
+
+    def _score(self, batch: DataProto, timing: dict[str, float]) -> dict[str, float]:
+        """Score the generated ``batch`` with the reward plug-in (``token_level_scores``, in place, timed as
+        ``reward``); return its metrics under ``reward/``."""
         with timer("reward", timing):
             scores, reward_metrics = self.reward_fn(batch)
             batch.batch["token_level_scores"] = scores.to(torch.float32)
-        metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
-        return batch, prompt_ids, metrics
+        return {f"reward/{k}": v for k, v in reward_metrics.items()}
 
     def start_train_batch(self, prompts: DataProto, step: int) -> Callable[[dict[str, float]],
                                                                          tuple[DataProto, dict[str, float]]]:
@@ -144,10 +149,7 @@ class StepRollouts:
         def finish(timing: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
             with timer("gen", timing):
                 metrics = self._merge_generation(batch, run())
-            with timer("reward", timing):
-                scores, reward_metrics = self.reward_fn(batch)
-                batch.batch["token_level_scores"] = scores.to(torch.float32)
-            metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
+            metrics.update(self._score(batch, timing))
             return batch, metrics
         return finish
 
