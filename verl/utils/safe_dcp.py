@@ -13,6 +13,7 @@ torch with ``weights_only=True`` already. Anything refused is a :class:`Checkpoi
 """
 from __future__ import annotations
 
+import enum
 import importlib
 import io
 import math
@@ -60,10 +61,22 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return getattr(importlib.import_module(module), name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         raise CheckpointFormatError(f"refers to {module[:100]}.{name[:100]}, which DCP metadata never holds")
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointFormatError("holds a persistent reference, which DCP metadata never does")
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """The `getattr(enum, name)` with which some Pythons (Debian's 3.11.2, say) pickle an enum member: only a member
+    of an allowed enum (`_MEM_FORMAT_ENCODING`), by its name."""
+    if not (isinstance(cls, enum.EnumMeta) and (cls.__module__, cls.__qualname__) in _ALLOWED
+            and isinstance(name, str) and name in cls.__members__):
+        raise CheckpointFormatError("looks up an attribute other than a member of DCP's enums, which DCP metadata "
+                                    "never does")
+    return cls[name]
 
 
 class _Slice(io.RawIOBase):

@@ -3,13 +3,16 @@ hold: a crafted `.metadata` or pickled item runs nothing (each payload is first 
 reader), and metadata that lies about paths, sizes or chunks is refused before anything is allocated."""
 from __future__ import annotations
 
+import enum
+import io
 import pickle
 import warnings
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
 from verl.utils.fsdp_utils import SHARDED_STATE_DIR, load_sharded_state, save_sharded_state
 from verl.utils.safe_dcp import METADATA_FILE, CheckpointFormatError, load_dcp, read_dcp_metadata
@@ -166,3 +169,51 @@ def test_garbage_metadata_is_one_line_error(tmp_path, data):
     with pytest.raises(CheckpointFormatError) as err:
         read_dcp_metadata(saved)
     assert str(err.value).startswith(str(saved / METADATA_FILE)) and "\n" not in str(err.value)
+
+
+class _EnumByNamePickler(pickle.Pickler):
+    """Pickles an enum member as `getattr(enum, name)`, as Debian's Python 3.11.2 does (3.11.7's pickles its value)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _pickle_enums_by_name(obj) -> bytes:
+    out = io.BytesIO()
+    _EnumByNamePickler(out, protocol=4).dump(obj)
+    return out.getvalue()
+
+
+def test_metadata_whose_enum_members_are_pickled_by_name_loads(tmp_path):
+    saved = _save(tmp_path / "ck", _state())
+    trusted = pickle.loads((saved / METADATA_FILE).read_bytes())
+    data = _pickle_enums_by_name(trusted)
+    assert b"getattr" in data and b"TORCH_CONTIGUOUS_FORMAT" in data
+    (saved / METADATA_FILE).write_bytes(data)
+    assert read_dcp_metadata(saved) == trusted
+    state = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(4)}, "optim": {"lr": 0.0, "betas": (0.0, 0.0),
+                                                                             "step": 0}}
+    load_dcp(state, saved, alone=True)
+    assert torch.equal(state["model"]["w"], _state()["model"]["w"]) and state["optim"]["step"] == 3
+
+
+class _Lookup:
+    """Unpickles as getattr(owner, name)."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+@pytest.mark.parametrize("owner, name", [(_MEM_FORMAT_ENCODING, "__class__"), (_MEM_FORMAT_ENCODING, "_member_map_"),
+                                         (_MEM_FORMAT_ENCODING, 0), (PurePosixPath, "joinpath"),
+                                         (torch.Size, "count")])
+def test_a_lookup_other_than_a_member_of_dcps_enums_is_refused(tmp_path, owner, name):
+    saved = _save(tmp_path / "ck", _state())
+    (saved / METADATA_FILE).write_bytes(pickle.dumps([_Lookup(owner, name)]))
+    with pytest.raises(CheckpointFormatError, match="other than a member of DCP's enums"):
+        read_dcp_metadata(saved)
