@@ -3,7 +3,7 @@
 DCP's ``.metadata`` is a pickle, and its default load planner unpickles non-tensor items (optimizer settings) with
 ``weights_only=False``: both run whatever code the writer chose. :class:`SafeFileSystemReader` parses
 ``.metadata`` with an unpickler that can only build the classes DCP's metadata is made of (its dataclasses,
-``torch.Size``, dtypes, the layout lookup, paths) and checks what it read against the directory before anything
+``torch.Size``, dtypes, the layout lookup, paths, the members of its enums by value or by name) and checks what it read against the directory before anything
 is allocated or read: storage items in plain files of the directory (no ``../``, no links, no transforms),
 within their sizes and not overlapping, each a stored (uncompressed) zip archive, tensors tiled by their chunks
 with every chunk's bytes present on disk. So a tensor can claim no more memory than the checkpoint's files hold,
