@@ -28,7 +28,7 @@ demo: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/main.sh
 
 # The tests marked `vllm` run in a second pass with the vLLM environment's python (vLLM in process: the policy's
-# rollout engine; the GPU preset's CPU rehearsal), together with the tests marked `oldest`: .venv-vllm holds the
+# rollout engine, the simulator server; the GPU preset's CPU rehearsal is `extended`), together with the tests marked `oldest`: .venv-vllm holds the
 # lowest declared versions (constraints_lowest.txt) while .venv holds the newest. Without that environment the
 # same pass runs the `vllm` tests with .venv's python, which skips each with its reason.
 VLLM_TEST_PY = $(if $(wildcard $(VLLM_VENV)/.installed),$(VLLM_VENV),$(VENV))
@@ -58,12 +58,13 @@ test-float-path: $(STAMP)
 		-m "numerics and ($(VLLM_TEST_MARK)) and not extended" -q -rs $(XDIST)
 
 # The `extended` tests: the LLM user simulator end to end (fine-tuned, served by vLLM, graded and trained against),
-# the full-size preset traces and the longest single checks (the GPU check's wheels and CPU smoke, ITERATIONS killed
-# and resumed, the warm-start benchmark, packed long-dialogue keys, turn GAE with diagnosis reweighting, a resume
-# refused across models); ~10 min on a quiet box, kept out of `make test`'s 20-minute budget; CI (.ci/run) runs
-# them after `make test`.
+# the full-size preset traces and the longest single checks, each measured over ~35 s (the GPU preset's CPU
+# rehearsal, the kill-and-resume runs, the off-policy trainer end to end, ...); kept out of `make test`'s 20-minute
+# budget; CI (.ci/run) runs them after `make test`, in the same two environments as `make test`'s two passes.
 test-extended: $(STAMP)
-	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "extended and not gpu" -q -rs
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "extended and not gpu and not vllm" -q -rs $(XDIST)
+	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "extended and vllm and not gpu" \
+		-q -rs $(XDIST)
 
 test-fast: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not gpu and not slow and not processes and not vllm" -q $(XDIST)

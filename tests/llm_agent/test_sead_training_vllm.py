@@ -94,6 +94,7 @@ def _weights(path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "actor" / "model.safetensors"))
 
 
+@pytest.mark.extended  # 81 s measured: make test-extended (CI), out of make test's 20 minutes
 def test_sead_training_with_vllm_rollout_checkpoints_and_resumes_exactly(warm_model_path, tiny_model_path, tmp_path,
                                                                            sims, ray_cluster):
     first, resumed = tmp_path / "first", tmp_path / "resumed"

@@ -79,6 +79,7 @@ def _train(model: str, root: Path, url: str, train: Path, test: Path) -> None:
         pool.remove()
 
 
+@pytest.mark.extended  # 40 s measured: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow
 def test_the_support_desk_trains_evaluates_and_reports_with_no_code_change(desk, tiny_model_path, tok, tmp_path,
                                                                            ray_cluster):

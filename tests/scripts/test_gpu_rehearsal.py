@@ -104,6 +104,7 @@ def _run(tmp_path: Path, log: Path, *args: str, **env: str) -> subprocess.Comple
                               stderr=subprocess.STDOUT, timeout=900)
 
 
+@pytest.mark.extended  # 153 s measured: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -40,6 +40,7 @@ def test_the_cpu_preset_and_the_learning_benchmark_take_their_settings_from_the_
     assert bench.steps == 16
 
 
+@pytest.mark.extended  # 43 s measured on a quiet box: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow  # two torchrun launches of the warm start's SFT: 83 s on a loaded 2-core box
 def test_the_warm_model_is_reused_from_a_moved_checkout_and_rebuilt_when_its_inputs_change(tmp_path):
     scenario = tmp_path / "a" / SCENARIO_PATH.name

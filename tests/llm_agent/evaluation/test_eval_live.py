@@ -121,6 +121,7 @@ def _evaluate_cmd(model, test_file, out):
             "--max-response-length", "400", "--chunk-size", "1", "--n-resamples", "50", "--num-sims", "2"]
 
 
+@pytest.mark.extended  # 35 s measured: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow
 def test_evaluate_cli_on_a_trainer_checkpoint_is_resumed_after_a_kill(warm_model_path, test_file, tmp_path):
     # the checkpoint root as the CPU demo leaves it (trainer.save_hf_model=every): its latest step is evaluated

@@ -98,6 +98,7 @@ def test_vllm_and_hf_agents_hold_identical_greedy_dialogues(warm_model_path, che
         assert g["wall_s"] > 0 and w["wall_s"] > 0
 
 
+@pytest.mark.extended  # 41 s measured: make test-extended (CI), out of make test's 20 minutes
 def test_evaluate_cli_with_the_vllm_engine_runs_a_checkpoint_and_a_model_dir_in_one_process(
         warm_model_path, checkpoint_root, test_file, tmp_path):
     out = tmp_path / "eval"

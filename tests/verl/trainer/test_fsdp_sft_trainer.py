@@ -119,6 +119,7 @@ def test_rows_without_loss_tokens_are_refused(tiny_model_path, tmp_path):
         train_sft(tiny_model_path, [SFTRow([5, 6, 7], [0, 0, 0])], tmp_path / "o", SFTConfig(steps=1, lr=1e-3))
 
 
+@pytest.mark.extended  # 37 s measured: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow
 def test_two_fsdp_ranks_train_the_same_weights_as_one_process(tiny_model_path, tmp_path):
     args = ["-m", "utils.simulator_sft", "--model", tiny_model_path, "--scripted", "3", "--max-turns", "3",

@@ -26,6 +26,7 @@ def two_node_cluster(monkeypatch):
     cluster.shutdown()
 
 
+@pytest.mark.extended  # 40 s measured: make test-extended (CI), out of make test's 20 minutes
 def test_two_node_training_joins_the_running_cluster(tiny_model_path, tmp_path, two_node_cluster):
     from verl.tasks.repeat_letter import make_dataset
     from verl.trainer.config_schema import compose_config

@@ -289,6 +289,7 @@ def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt / "actor" / "model.safetensors"))
 
 
+@pytest.mark.extended  # 69 s measured: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted_run(tiny_model_path, tmp_path):
     from verl.tasks.repeat_letter import make_dataset
