@@ -63,7 +63,7 @@ test-float-path: $(STAMP)
 # budget; CI (.ci/run) runs them after `make test`, in the same two environments as `make test`'s two passes.
 test-extended: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "extended and not gpu and not vllm" -q -rs $(XDIST)
-	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "extended and vllm and not gpu" \
+	PATH=$(abspath $(VLLM_TEST_PY))/bin:$$PATH $(VLLM_TEST_PY)/bin/python -m pytest -m "extended and ($(VLLM_TEST_MARK))" \
 		-q -rs $(XDIST)
 
 test-fast: $(STAMP)

@@ -104,6 +104,7 @@ def _run_main(command: list[str]) -> str:
     return module.__name__
 
 
+@pytest.mark.extended  # 28 s measured on a quiet box: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow  # 80 s on a loaded 2-core box: every figure drawn three times, two reports
 def test_the_run_inspection_recipe_runs_as_written(tmp_path, monkeypatch, capsys):
     from llm_agent.scenario import load_scenario

@@ -171,6 +171,7 @@ def test_sft_rejects_bad_settings(tiny_model_path, tmp_path):
         sft_on_dialogues(tiny_model_path, tmp_path / "x", [DIALOGUE], steps=1, lr=1e-3, max_length=3)
 
 
+@pytest.mark.extended  # 26 s measured: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow
 def test_cli_trains_from_jsonl(tiny_model_path, tmp_path):
     data = tmp_path / "d.jsonl"

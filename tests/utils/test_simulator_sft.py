@@ -146,6 +146,7 @@ def test_tiny_fingerprint_follows_the_recipe(tmp_path):
     assert parse_args(["--out", "x", "--split", "val", "val@scripted"]).split == ["val", "val@scripted"]
 
 
+@pytest.mark.extended  # 29 s measured: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow
 def test_cli_exports_a_model_the_hf_backend_serves_and_the_tiny_simulator_is_reused(tiny_model_path, tmp_path):
     out = tmp_path / "sim"

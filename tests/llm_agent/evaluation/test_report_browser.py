@@ -102,6 +102,7 @@ def _check_headline(browser, dialogues):
     assert "no interval (bootstrap off)" in text
 
 
+@pytest.mark.extended  # 50 s measured with its report: make test-extended (CI), out of make test's 20 minutes
 def test_browser_filters_searches_and_shows_a_transcript(big_report, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys

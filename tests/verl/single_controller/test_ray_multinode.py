@@ -43,6 +43,7 @@ def two_node_cluster():
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
+@pytest.mark.extended  # 30 s measured: make test-extended (CI), out of make test's 20 minutes
 def test_one_placement_group_per_node_and_cross_node_all_reduce(two_node_cluster):
     pool = RayResourcePool([1, 1], use_gpu=False, name_prefix="h3_two_nodes")
     try:

@@ -201,6 +201,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.extended  # 20 s measured: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow  # one torchrun of two 3-step SFTs: ~20 s
 def test_keeping_the_gathered_weights_trains_the_same_weights_bit_for_bit(tiny_model_path, tmp_path):
     """reshard_after_forward=False (the CPU recipe's warm start, whose key leaves it out) changes when FSDP2

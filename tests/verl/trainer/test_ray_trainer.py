@@ -188,6 +188,7 @@ def task_data(tmp_path):
     return tmp_path / "data"
 
 
+@pytest.mark.extended  # 27 s measured: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow
 def test_grpo_learns_builtin_task_and_balanced_rows_stay_aligned(tiny_model_path, task_data, tmp_path,
                                                                   ray_cluster):

@@ -62,6 +62,7 @@ def _rank_main(rank: int, model_path: str, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.extended  # 19 s measured: make test-extended (CI), out of make test's 20 minutes
 def test_slow_export_does_not_trip_the_training_timeout(tiny_model_path, tmp_path):
     mp.start_processes(_rank_main, args=(tiny_model_path, _free_port(), str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")

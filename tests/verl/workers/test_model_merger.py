@@ -48,6 +48,7 @@ def _safetensors_dtypes(directory: Path) -> set[torch.dtype]:
         return {f.get_tensor(k).dtype for k in f.keys()}
 
 
+@pytest.mark.extended  # 23-27 s measured: make test-extended (CI), out of make test's 20 minutes
 def test_no_hf_export_then_the_merger_writes_the_same_weights(tiny_model_path, tmp_path):
     worker = _trained_worker(tiny_model_path, "auto")
     ckpt = tmp_path / "global_step_1" / "actor"
