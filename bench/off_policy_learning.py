@@ -13,11 +13,12 @@ first run; run this with .venv-vllm's python; the latency is then the server's o
 mode (each dialogue at its own pace) and the same decoupled-PPO correction in every mode (`rollout_is=token` on the
 recorded behaviour log-probs). The modes are bench.off_policy's: `sync`
 (staleness 0), `one_step_off`, `staleness_2` and `staleness_2_in_flight_2` (two rollouts queued ahead and running
-at once). Nothing is in flight across a validation (docs/off_policy.md), so each validation drains the pipeline;
-the figures include that cost.
+at once). Rollouts keep going across a validation (nothing is in flight across a checkpoint: docs/off_policy.md).
 
-Per run: the greedy validation CR curve; the training time (the sum of the step times: validations cost the same
-in every mode and are left out) up to the first validation at least `--target-gain` above the warm model's; the
+Per run: the greedy validation CR curve; the training time (the sum of the step times) and the wall time (the same
+plus every validation's rollout, from the one before training: rollouts in flight run beside the validations, which
+take longer for it and shorten the steps after them) up to the first validation at least `--target-gain` above the
+warm model's, and for all the steps; the
 idle fractions of trainer, rollout side and simulators (bench.off_policy.summary); and the last validation paired
 by profile with sync's (gained / lost, two-sided exact sign test): CR per trained sample, since every mode trains
 on the same number of dialogues.
@@ -43,6 +44,7 @@ from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
 logger = logging.getLogger("bench.off_policy_learning")
 
 REPO = Path(__file__).resolve().parents[1]
+VAL_WALL = "val/rollout/time_to_last_dialogue_s"  # a validation's rollout, start to last dialogue
 
 
 def mode_overrides(mode: str) -> list[str]:
@@ -104,17 +106,22 @@ def run(args: argparse.Namespace, seed: int, mode: str, warm: Path) -> Path:
 def run_figures(mode: str, work: Path, target_gain: float) -> dict[str, Any]:
     """One run's curve, training time to the target and idle fractions."""
     record = json.loads((work / "learning.json").read_text(encoding="utf-8"))
-    steps = [m for m in read_jsonl(work / "logs" / "metrics.jsonl") if "timing_s/step" in m]
+    rows = read_jsonl(work / "logs" / "metrics.jsonl")
+    steps = [m for m in rows if "timing_s/step" in m]
+    val_s = {m["step"]: m[VAL_WALL] for m in rows if VAL_WALL in m}
     curve = {v["step"]: v["completion_rate"] for v in record["val_curve"]}
     target = curve[0] + target_gain
     reached = next((step for step, cr in sorted(curve.items()) if step > 0 and cr >= target - 1e-9), None)
     elapsed = {m["step"]: sum(s["timing_s/step"] for s in steps if s["step"] <= m["step"]) for m in steps}
+    with_val = {step: seconds + sum(v for s, v in val_s.items() if s <= step) for step, seconds in elapsed.items()}
     idle = summary("sync" if MODES[mode][0] == 0 else mode, {"wall_s": 0.0, "steps": steps})
     if MODES[mode][1] > 1:  # the rollouts' simulator busy times overlap: their sum says nothing of idle time
         idle.pop("simulator_idle_frac")
     return {"val_curve": curve, "target_cr": target, "step_to_target": reached,
             "train_s_to_target": elapsed[reached] if reached is not None else None,
             "train_s": elapsed[max(elapsed)], "grpo_wall_s": record["wall_s"]["grpo"],
+            "wall_s_to_target": with_val[reached] if reached is not None and val_s else None,
+            "wall_s": with_val[max(with_val)] if val_s else None,
             **{k: v for k, v in idle.items() if k.endswith("_frac") or k in ("staleness_max",
                                                                               "dropped_stale_dialogues")}}
 
@@ -122,7 +129,8 @@ def run_figures(mode: str, work: Path, target_gain: float) -> dict[str, Any]:
 def print_table(runs: dict[str, dict[str, dict[str, Any]]]) -> None:
     """One row per (seed, mode), then the per-seed speed-ups against sync."""
     print(f"{'seed':>4} {'mode':<24} {'val CR curve':<28} {'to target':>9} {'train s':>8} {'to tgt s':>8} "
-          f"{'trainer idle':>12} {'rollout idle':>12} {'sim idle':>8} {'vs sync +/-':>11}")
+          f"{'wall s':>7} {'wall to tgt':>11} {'trainer idle':>12} {'rollout idle':>12} {'sim idle':>8} "
+          f"{'vs sync +/-':>11}")
     for seed, modes in runs.items():
         for mode, r in modes.items():
             curve = " ".join(f"{cr:.2f}" for _, cr in sorted(r["val_curve"].items()))
@@ -130,14 +138,17 @@ def print_table(runs: dict[str, dict[str, dict[str, Any]]]) -> None:
             tts = "-" if r["train_s_to_target"] is None else f"{r['train_s_to_target']:.0f}"
             vs = f"{r['vs_sync']['gained']}/{r['vs_sync']['lost']}" if "vs_sync" in r else ""
             sim = r.get("simulator_idle_frac", float("nan"))
-            print(f"{seed:>4} {mode:<24} {curve:<28} {to:>9} {r['train_s']:>8.0f} {tts:>8} "
+            wall, wtt = (f"{r[key]:.0f}" if r.get(key) is not None else "-" for key in ("wall_s", "wall_s_to_target"))
+            print(f"{seed:>4} {mode:<24} {curve:<28} {to:>9} {r['train_s']:>8.0f} {tts:>8} {wall:>7} {wtt:>11} "
                   f"{r['trainer_idle_frac']:>12.2f} {r['rollout_idle_frac']:>12.2f} {sim:>8.2f} {vs:>11}")
     for mode in next(iter(runs.values())):
         if mode == "sync":
             continue
-        ratios = [m["sync"]["train_s"] / m[mode]["train_s"] for m in runs.values()]
-        print(f"{mode}: sync's training time / its own, per seed {', '.join(f'{x:.2f}' for x in ratios)} "
-              f"(median {statistics.median(ratios):.2f})")
+        for key, what in (("train_s", "training time"), ("wall_s", "wall time with the validations")):
+            ratios = [m["sync"][key] / m[mode][key] for m in runs.values() if m["sync"][key] and m[mode][key]]
+            if ratios:
+                print(f"{mode}: sync's {what} / its own, per seed {', '.join(f'{x:.2f}' for x in ratios)} "
+                      f"(median {statistics.median(ratios):.2f})")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -12,8 +12,8 @@ import pytest
 from bench.learning import LearningSettings, trainer_overrides
 from bench.learning_stats import paired_runs, sign_test_two_sided
 from bench.off_policy import MODES
-from bench.off_policy_learning import (done_with_these_settings, learning_command, main, mode_overrides, parser,
-                                      run_figures)
+from bench.off_policy_learning import (VAL_WALL, done_with_these_settings, learning_command, main, mode_overrides,
+                                      parser, run_figures)
 from verl.trainer.config_schema import compose_config
 from verl.trainer.config_validation import load_config
 
@@ -52,11 +52,15 @@ def test_paired_runs_counts_profiles_gained_and_lost_from_the_base_run():
         paired_runs(base, other[:3], 8)
 
 
-def _write_run(work: Path, curve: dict[int, float], step_s: list[float], idle: bool) -> None:
+def _write_run(work: Path, curve: dict[int, float], step_s: list[float], idle: bool,
+               val_s: dict[int, float] | None = None) -> None:
     (work / "logs").mkdir(parents=True)
     record = {"val_curve": [{"step": s, "completion_rate": cr} for s, cr in curve.items()], "wall_s": {"grpo": 99.0}}
     (work / "learning.json").write_text(json.dumps(record))
+    val_s = val_s or {}
     lines = [{"step": 0, "val/completion_rate": curve[0]}]  # the validation before training: no step time
+    if 0 in val_s:
+        lines[0][VAL_WALL] = val_s[0]
     for step, seconds in enumerate(step_s, start=1):
         line = {"step": step, "timing_s/step": seconds, "timing_s/gen": seconds / 2, "timing_s/reward": 0.0,
                 "rollout/time_user_sim_s": seconds / 4}
@@ -64,6 +68,8 @@ def _write_run(work: Path, curve: dict[int, float], step_s: list[float], idle: b
             line.update({"async/trainer_idle_s": 1.0, "async/rollout_idle_s": 0.5, "async/staleness_mean": 0.5,
                          "async/staleness_max": 2.0, "async/tokens_stale_frac": 0.5,
                          "async/dialogues_mixed_versions_frac": 0.25})
+        if step in val_s:
+            line[VAL_WALL] = val_s[step]
         lines.append(line)
     (work / "logs" / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
@@ -74,12 +80,17 @@ def test_training_time_to_target_sums_step_times_through_the_first_validation_th
     assert figures["target_cr"] == pytest.approx(0.40)
     assert figures["step_to_target"] == 8 and figures["train_s_to_target"] == pytest.approx(110.0)
     assert figures["train_s"] == pytest.approx(110.0) and figures["grpo_wall_s"] == 99.0
+    assert figures["wall_s"] is None and figures["wall_s_to_target"] is None  # no validation timed
     assert figures["trainer_idle_frac"] == pytest.approx(0.5)  # sync: the trainer waits for the whole rollout
     assert figures["simulator_idle_frac"] == pytest.approx(0.75)
 
-    _write_run(tmp_path / "off", {0: 0.20, 4: 0.40, 8: 0.30}, [10.0, 10.0, 10.0, 10.0, 5.0, 5.0, 5.0, 5.0], True)
+    _write_run(tmp_path / "off", {0: 0.20, 4: 0.40, 8: 0.30}, [10.0, 10.0, 10.0, 10.0, 5.0, 5.0, 5.0, 5.0], True,
+               {0: 7.0, 4: 9.0, 8: 11.0})
     figures = run_figures("staleness_2_in_flight_2", tmp_path / "off", 0.2)
     assert figures["step_to_target"] == 4 and figures["train_s_to_target"] == pytest.approx(40.0)
+    # the validations before training and at step 4 (the one that reached the target) count; step 8's only in all
+    assert figures["wall_s_to_target"] == pytest.approx(7.0 + 40.0 + 9.0)
+    assert figures["wall_s"] == pytest.approx(7.0 + 60.0 + 9.0 + 11.0)
     assert figures["trainer_idle_frac"] == pytest.approx(8 / 60)
     assert figures["rollout_idle_frac"] == pytest.approx(4 / 60)
     assert figures["staleness_max"] == 2.0 and figures["dropped_stale_dialogues"] == 0.0
@@ -107,8 +118,9 @@ def test_the_learning_command_names_only_options_bench_learning_has(simulator, t
 @pytest.mark.processes  # write_result's platform.platform() runs `uname -p`
 def test_report_only_tabulates_the_runs_in_the_work_directory(tmp_path, capsys):
     runs = tmp_path / "seed5" / "scripted"
-    _write_run(runs / "sync", {0: 0.25, 4: 0.50}, [30.0, 30.0, 30.0, 30.0], False)
-    _write_run(runs / "staleness_2_in_flight_2", {0: 0.25, 4: 0.50}, [30.0, 10.0, 10.0, 10.0], True)
+    _write_run(runs / "sync", {0: 0.25, 4: 0.50}, [30.0, 30.0, 30.0, 30.0], False, {0: 10.0, 4: 10.0})
+    _write_run(runs / "staleness_2_in_flight_2", {0: 0.25, 4: 0.50}, [30.0, 10.0, 10.0, 10.0], True,
+               {0: 15.0, 4: 15.0})  # slower validations, beside the rollouts in flight
     outcomes = {"sync": ["completed", "hung_up", "hung_up", "completed"],
                 "staleness_2_in_flight_2": ["hung_up", "completed", "completed", "completed"]}
     for mode, ends in outcomes.items():
@@ -120,7 +132,9 @@ def test_report_only_tabulates_the_runs_in_the_work_directory(tmp_path, capsys):
     assert result["sync"]["train_s"] == 120.0 and result["staleness_2_in_flight_2"]["train_s"] == 60.0
     assert result["staleness_2_in_flight_2"]["vs_sync"]["gained"] == 2
     assert result["staleness_2_in_flight_2"]["vs_sync"]["lost"] == 1
-    assert "per seed 2.00 (median 2.00)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "sync's training time / its own, per seed 2.00 (median 2.00)" in printed
+    assert "sync's wall time with the validations / its own, per seed 1.56 (median 1.56)" in printed  # 140 / 90
 
 
 def test_keep_done_keeps_only_a_finished_run_of_the_same_settings(tmp_path):

@@ -4,7 +4,8 @@ the weights that sampled it, recomputed here with a plain HF model loaded from a
 the importance weights of the decoupled-PPO correction equal a float64 recomputation. With staleness 2 the rollouts
 queue ahead and every trained token stays within the bound, also with two of them in flight at once. And with nothing
 to overlap (a checkpoint every step) the one-step-off and staleness-2 paths (one rollout at a time or two) train
-exactly the synchronous trainer's batches."""
+exactly the synchronous trainer's batches. Rollouts keep going across a validation, which sees the dialogues a quiet
+engine gives."""
 from __future__ import annotations
 
 import json
@@ -242,3 +243,44 @@ def test_a_resume_at_a_checkpoint_trains_the_uninterrupted_runs_next_batch(tiny_
     for key in ("input_ids", "responses", "response_mask", ROLLOUT_POLICY_VERSIONS, "rollout_log_probs",
                 "old_log_probs", "advantages"):
         assert torch.equal(a.batch[key], b.batch[key]), key
+
+
+def _val_dialogues(rollout_log: Path, step: int) -> dict[str, tuple]:
+    """The validation dialogues of `step` in a run's rollout log: id -> (outcome, agent and user texts per turn)."""
+    lines = [json.loads(line) for line in rollout_log.read_text().splitlines()]
+    return {d["dialogue_id"]: (d["outcome"], [(t["agent_text"], t["user_reply"]) for t in d["turns"]])
+            for d in lines if d["split"] == "val" and d["step"] == step}
+
+
+def _fit(config) -> None:
+    trainer, pool = make_trainer(config)
+    try:
+        trainer.init_workers()
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+        pool.remove()
+
+
+@pytest.mark.extended  # two trainer runs: make test-extended (CI), out of make test's 20 minutes
+@pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.parametrize("mode", [ONE_STEP_OFF, IN_FLIGHT_2], ids=["one-step-off", "two-in-flight"])
+def test_rollouts_keep_going_across_validations_which_see_the_dialogues_of_a_quiet_engine(
+        tiny_model_path, tmp_path, slow_sims, ray_cluster, mode):
+    validating = ("trainer.val_before_train=true", "trainer.test_freq=2")
+    _fit(training_config(tiny_model_path, tmp_path / "off", slow_sims, 4, (*mode, *validating)))
+    quiet = tuple(o.replace("staleness_threshold=1", "staleness_threshold=0") for o in ONE_STEP_OFF)
+    _fit(training_config(tiny_model_path, tmp_path / "quiet", slow_sims, 4, (*quiet, *validating,
+                                                                           "trainer.val_only=true")))
+    log = tmp_path / "off" / "logs" / "metrics.jsonl"
+    metrics = {m["step"]: m for m in map(json.loads, log.read_text().splitlines())}
+    if "rollouts_in_flight=2" in " ".join(mode):
+        # step 2 ends with a validation: after taking it, the trainer still queues steps 3 and 4
+        assert [metrics[s]["async/rollouts_queued"] for s in (1, 2, 3, 4)] == [2, 2, 1, 0]
+    else:
+        # step 3's rollout started during step 2 (its first turns sampled by version 1) and ran across the validation
+        assert metrics[3]["async/policy_version"] == 2 and metrics[3]["async/staleness_max"] == 1
+    # the validation before training ran beside step 1's rollouts, on the same weights as the quiet run's
+    ran_beside = _val_dialogues(tmp_path / "off" / "rollouts.jsonl", 0)
+    assert len(ran_beside) == 4 and ran_beside == _val_dialogues(tmp_path / "quiet" / "rollouts.jsonl", 0)

@@ -208,10 +208,9 @@ class RayPPOTrainer:
     def load_checkpoint(self) -> Optional[Path]:
         """Resume per ``trainer.resume_mode``; returns the checkpoint used (None: training from scratch)."""
         resumed = self.checkpoints.load(self._checkpointed())
-        if resumed is None:
-            return None
-        path, self.global_steps = resumed
-        return path
+        if resumed is not None:
+            self.global_steps = resumed[1]
+        return None if resumed is None else resumed[0]
 
     # --------------------------------------------------------------------------------------------- one step
     def train_step(self, batch: DataProto) -> dict[str, float]:
@@ -228,7 +227,8 @@ class RayPPOTrainer:
     def off_policy_step(self, ahead: RolloutAhead, overlap_next: bool) -> dict[str, float]:
         """Run one one-step-off PPO step: take this step's rollout (started during the previous step, or now), let
         the rollout loop see its outcomes, start the next step's rollout when ``overlap_next`` (none across a
-        validation or a checkpoint) and train on the batch taken; return the step's metrics (with ``async/*``)."""
+        checkpoint; one runs across a validation) and train on the batch taken; return the step's metrics (with
+        ``async/*``)."""
         step, timing = self.global_steps, {}
         metrics: dict[str, float] = {}
         with timer("step", timing):
@@ -392,8 +392,8 @@ class RayPPOTrainer:
                                in_flight_of(self.typed)) if threshold >= 2 else None
 
         def boundary(step: int) -> bool:
-            """Whether step ``step`` ends with a validation, a checkpoint or the run (nothing in flight across)."""
-            return step >= self.total_training_steps or any(self._step_ends_with(step))
+            """Whether step ``step`` ends with a checkpoint or the run (no rollout in flight across it)."""
+            return step >= self.total_training_steps or self._step_ends_with(step)[1]
         try:
             seed = tcfg.seed
             random.seed(seed)
@@ -407,6 +407,10 @@ class RayPPOTrainer:
                 logger.info("trainer.val_only: validated the model at step %d; not training", self.global_steps)
                 return val_metrics
             if self.val_dataset is not None and tcfg.val_before_train and self.global_steps == 0:
+                if self.total_training_steps > 0 and ahead is not None:  # step 1's rollout runs beside it
+                    ahead.start(self._next_prompt_batch(), 1)
+                elif self.total_training_steps > 0 and stream is not None:  # and those the bound allows after it
+                    stream.fill(min(fill_limit(1, threshold, boundary), threshold), self._next_prompt_batch, 0)
                 val_metrics = self.validate()
                 log(val_metrics, step=0)
                 last_metrics.update(val_metrics)
@@ -421,8 +425,8 @@ class RayPPOTrainer:
                     metrics = self.stream_step(stream, fill_limit(self.global_steps, threshold, boundary))
                 elif ahead is None:
                     metrics = self.train_step(self._next_prompt_batch())
-                else:  # no rollout in flight across a validation or a checkpoint
-                    metrics = self.off_policy_step(ahead, overlap_next=not (last or validate or save))
+                else:  # no rollout in flight across a checkpoint
+                    metrics = self.off_policy_step(ahead, overlap_next=not (last or save))
                 metrics["training/epoch"] = self.train_loader.epoch
                 if validate:
                     metrics.update(self.validate())

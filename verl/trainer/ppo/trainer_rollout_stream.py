@@ -55,8 +55,8 @@ def check_starts_ahead(loop_cls: type[RolloutLoop], in_flight: int) -> None:
 
 def fill_limit(step: int, depth: int, boundary: Callable[[int], bool]) -> int:
     """The last step whose rollout may be queued once step ``step`` is taken: up to ``step + depth``, but no rollout
-    beyond a boundary step (validation, checkpoint, the last step) at or after ``step``, so nothing is in flight
-    across one."""
+    beyond a boundary step (the trainer's: a checkpoint or the last step; not a validation, across which the queued
+    rollouts keep going) at or after ``step``, so nothing is in flight across one."""
     last = step
     while last < step + depth and not boundary(last):
         last += 1

@@ -78,7 +78,7 @@ def test_rollouts_in_flight_refusals_name_the_key(paths, overrides, message):
 def test_fill_limit_stops_at_the_depth_and_at_a_boundary():
     never = lambda step: False  # noqa: E731
     assert fill_limit(5, 2, never) == 7
-    assert fill_limit(5, 3, lambda step: step == 6) == 6  # step 6 validates: nothing queued beyond it
+    assert fill_limit(5, 3, lambda step: step == 6) == 6  # step 6 ends with a checkpoint: nothing queued beyond it
     assert fill_limit(5, 3, lambda step: step == 5) == 5  # this step ends with a checkpoint: nothing queued
     # depth 1 is one-step-off's rule: the next step unless this one is a boundary
     assert [fill_limit(s, 1, lambda step: step % 3 == 0) for s in range(1, 7)] == [2, 3, 3, 5, 6, 6]
