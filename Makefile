@@ -28,9 +28,10 @@ demo: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/main.sh
 
 # The tests marked `vllm` run in a second pass with the vLLM environment's python (vLLM in process: the policy's
-# rollout engine, the simulator server; the GPU preset's CPU rehearsal is `extended`), together with the tests marked `oldest`: .venv-vllm holds the
-# lowest declared versions (constraints_lowest.txt) while .venv holds the newest. Without that environment the
-# same pass runs the `vllm` tests with .venv's python, which skips each with its reason.
+# rollout engine, the simulator server; the GPU preset's CPU rehearsal is `extended`), together with the tests
+# marked `oldest`: .venv-vllm holds the lowest declared versions (constraints_lowest.txt) while .venv holds the
+# newest. Without that environment the same pass runs the `vllm` tests with .venv's python, which skips each with
+# its reason.
 VLLM_TEST_PY = $(if $(wildcard $(VLLM_VENV)/.installed),$(VLLM_VENV),$(VENV))
 VLLM_TEST_MARK = $(if $(wildcard $(VLLM_VENV)/.installed),(vllm or oldest) and not gpu,vllm and not gpu)
 
