@@ -63,3 +63,15 @@ def make_trainer(config):
     pool = RayResourcePool([2], use_gpu=False, max_colocate_count=2 if critic else 1)
     tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
     return RayPPOTrainer(config, tokenizer, roles, pool), pool
+
+
+def fit_trainer(config):
+    """Train `config` to the end (make_trainer, init_workers, fit), shut it down and return its last trained batch."""
+    trainer, pool = make_trainer(config)
+    try:
+        trainer.init_workers()
+        trainer.fit()
+        return trainer.last_batch
+    finally:
+        trainer.shutdown()
+        pool.remove()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.sead_training_run import make_trainer, training_config
+from tests.helpers.sead_training_run import fit_trainer, make_trainer, training_config
 from verl.utils.agent_turns import AGENT_TURN_IDS
 from verl.workers.rollout.engine import ROLLOUT_POLICY_VERSIONS
 
@@ -139,15 +139,7 @@ def _trained_batch(model: str, out: Path, extra: tuple[str, ...]):
     sims = _sims(out / "sims")
     urls = next(sims)
     try:
-        config = training_config(model, out, urls, 2, (*extra, "trainer.save_freq=1"))
-        trainer, pool = make_trainer(config)
-        try:
-            trainer.init_workers()
-            trainer.fit()
-            return trainer.last_batch
-        finally:
-            trainer.shutdown()
-            pool.remove()
+        return fit_trainer(training_config(model, out, urls, 2, (*extra, "trainer.save_freq=1")))
     finally:
         sims.close()
 
@@ -158,14 +150,7 @@ def _trained_batch(model: str, out: Path, extra: tuple[str, ...]):
 @pytest.mark.parametrize("mode", [STALENESS_2, IN_FLIGHT_2], ids=["one-after-another", "two-in-flight"])
 def test_staleness_two_trains_within_the_bound_with_rollouts_queued_ahead(tiny_model_path, tmp_path, slow_sims,
                                                                          ray_cluster, mode):
-    trainer, pool = make_trainer(training_config(tiny_model_path, tmp_path, slow_sims, 4, mode))
-    try:
-        trainer.init_workers()
-        trainer.fit()
-        batch = trainer.last_batch
-    finally:
-        trainer.shutdown()
-        pool.remove()
+    batch = fit_trainer(training_config(tiny_model_path, tmp_path, slow_sims, 4, mode))
     metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())}
     assert [metrics[s]["async/policy_version"] for s in (1, 2, 3, 4)] == [0, 1, 2, 3]
     # after step s is taken, steps up to min(s + 2, 4) are queued: 2, 2, 1, 0 (nothing in flight past the last)
@@ -252,16 +237,6 @@ def _val_dialogues(rollout_log: Path, step: int) -> dict[str, tuple]:
             for d in lines if d["split"] == "val" and d["step"] == step}
 
 
-def _fit(config) -> None:
-    trainer, pool = make_trainer(config)
-    try:
-        trainer.init_workers()
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-        pool.remove()
-
-
 @pytest.mark.extended  # two trainer runs: make test-extended (CI), out of make test's 20 minutes
 @pytest.mark.slow
 @pytest.mark.processes
@@ -269,9 +244,9 @@ def _fit(config) -> None:
 def test_rollouts_keep_going_across_validations_which_see_the_dialogues_of_a_quiet_engine(
         tiny_model_path, tmp_path, slow_sims, ray_cluster, mode):
     validating = ("trainer.val_before_train=true", "trainer.test_freq=2")
-    _fit(training_config(tiny_model_path, tmp_path / "off", slow_sims, 4, (*mode, *validating)))
+    fit_trainer(training_config(tiny_model_path, tmp_path / "off", slow_sims, 4, (*mode, *validating)))
     quiet = tuple(o.replace("staleness_threshold=1", "staleness_threshold=0") for o in ONE_STEP_OFF)
-    _fit(training_config(tiny_model_path, tmp_path / "quiet", slow_sims, 4, (*quiet, *validating,
+    fit_trainer(training_config(tiny_model_path, tmp_path / "quiet", slow_sims, 4, (*quiet, *validating,
                                                                            "trainer.val_only=true")))
     log = tmp_path / "off" / "logs" / "metrics.jsonl"
     metrics = {m["step"]: m for m in map(json.loads, log.read_text().splitlines())}
