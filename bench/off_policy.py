@@ -2,7 +2,8 @@
 
     python -m bench.off_policy [--steps 4] [--prompts 4] [--group 4] [--max-turns 4] [--median-ms 300]
                                [--sigma 1.0] [--loop-mode async] [--ppo-epochs 1] [--repeats 2]
-                               [--modes sync,one_step_off,staleness_2,staleness_2_in_flight_2]
+                               [--modes sync,one_step_off,staleness_2,staleness_2_in_flight_2,one_step_off_split,
+                                        staleness_2_in_flight_2_split]
                                [--out bench/results/off_policy.json]
 
 The real trainer (Ray, 2 FSDP CPU workers, the HF rollout) trains a small Qwen2 model, warm-started on scripted
@@ -11,7 +12,9 @@ outputs/off_policy_bench/), against two scripted simulator servers on loopback w
 (median `--median-ms`, log-sigma `--sigma`: heavy-tailed). Every mode runs the same prompts, seeds and decoupled-PPO
 correction (`rollout_is=token`), alternating `--repeats` times: `async_training.staleness_threshold` 0 (sync), 1
 (one-step-off) and 2 with `partial_rollout=true` (up to 2 rollouts queued ahead), run one after another
-(`staleness_2`) or both at once (`staleness_2_in_flight_2`: `rollouts_in_flight=2`). The table shows each figure's
+(`staleness_2`) or both at once (`staleness_2_in_flight_2`: `rollouts_in_flight=2`); the `*_split` modes run the
+rollout on 2 CPU processes of its own (split placement: `actor_rollout_ref.rollout.n_gpus_per_node=2`), given the
+actor's weights after each update, so no generation waits for a training call. The table shows each figure's
 median over a mode's runs; the JSON also holds every run.
 
 Per mode: the fit's wall time, the median step time over steps 2.. (step 1 has nothing to overlap in either mode),
@@ -46,7 +49,9 @@ logger = logging.getLogger("bench.off_policy")
 REPO = Path(__file__).resolve().parents[1]
 SCENARIO = DEFAULT_SCENARIO_PATH
 WORK = REPO / "outputs" / "off_policy_bench"
-MODES = {"sync": (0, 1), "one_step_off": (1, 1), "staleness_2": (2, 1), "staleness_2_in_flight_2": (2, 2)}
+# mode -> (async_training.staleness_threshold, rollouts_in_flight, the rollout's own processes: 0 = on the actor's)
+MODES = {"sync": (0, 1, 0), "one_step_off": (1, 1, 0), "staleness_2": (2, 1, 0), "staleness_2_in_flight_2": (2, 2, 0),
+         "one_step_off_split": (1, 1, 2), "staleness_2_in_flight_2_split": (2, 2, 2)}
 WARM_RECIPE = {"dialogues": 32, "max_turns": 4, "steps": 160, "lr": 1e-2, "batch_size": 8, "seed": 0}
 
 
@@ -69,7 +74,7 @@ def warm_model(work: Path) -> Path:
 
 
 def overrides(args: argparse.Namespace, model: Path, data: dict[str, Path], run: Path, urls: list[str],
-              staleness: int, in_flight: int) -> list[str]:
+              staleness: int, in_flight: int, rollout_devices: int) -> list[str]:
     """The sead_trainer overrides of one mode's run."""
     loop = "rollout_loop.config"
     return [
@@ -82,7 +87,7 @@ def overrides(args: argparse.Namespace, model: Path, data: dict[str, Path], run:
         f"actor_rollout_ref.actor.ppo_epochs={args.ppo_epochs}", "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
         f"async_training.staleness_threshold={staleness}",
         f"async_training.partial_rollout={'true' if staleness >= 2 else 'false'}",
-        f"async_training.rollouts_in_flight={in_flight}",
+        f"async_training.rollouts_in_flight={in_flight}", f"actor_rollout_ref.rollout.n_gpus_per_node={rollout_devices}",
         f"trainer.total_training_steps={args.steps}", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
         "trainer.logger=[jsonl]", f"trainer.default_local_dir={run / 'ckpt'}", f"trainer.log_dir={run / 'logs'}",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.resume_mode=disable",

@@ -13,7 +13,7 @@ first run; run this with .venv-vllm's python; the latency is then the server's o
 mode (each dialogue at its own pace) and the same decoupled-PPO correction in every mode (`rollout_is=token` on the
 recorded behaviour log-probs). The modes are bench.off_policy's: `sync`
 (staleness 0), `one_step_off`, `staleness_2` and `staleness_2_in_flight_2` (two rollouts queued ahead and running
-at once). Rollouts keep going across a validation (nothing is in flight across a checkpoint: docs/off_policy.md).
+at once), and the last two with the rollout on processes of its own (`*_split`). Rollouts keep going across a validation (nothing is in flight across a checkpoint: docs/off_policy.md).
 
 Per run: the greedy validation CR curve; the training time (the sum of the step times) and the wall time (the same
 plus every validation's rollout, from the one before training: rollouts in flight run beside the validations, which
@@ -49,11 +49,12 @@ VAL_WALL = "val/rollout/time_to_last_dialogue_s"  # a validation's rollout, star
 
 def mode_overrides(mode: str) -> list[str]:
     """The sead_trainer overrides that make `mode` (the same correction and loop in every mode)."""
-    staleness, in_flight = MODES[mode]
+    staleness, in_flight, rollout_devices = MODES[mode]
     return ["rollout_loop.config.mode=async", "actor_rollout_ref.rollout.calculate_log_probs=true",
             "algorithm.rollout_correction.rollout_is=token", f"async_training.staleness_threshold={staleness}",
             f"async_training.partial_rollout={'true' if staleness >= 2 else 'false'}",
-            f"async_training.rollouts_in_flight={in_flight}"]
+            f"async_training.rollouts_in_flight={in_flight}",
+            *([f"actor_rollout_ref.rollout.n_gpus_per_node={rollout_devices}"] if rollout_devices else [])]
 
 
 def learning_command(args: argparse.Namespace, seed: int, mode: str, warm: Path, work: Path) -> list[str]:

@@ -24,9 +24,10 @@ def test_each_mode_is_a_valid_config_of_the_learning_recipe(mode, tmp_path):
     data = {"train": tmp_path / "train.parquet", "test": tmp_path / "test.parquet"}
     config = load_config(compose_config(trainer_overrides(settings, tmp_path, data, tmp_path, "http://127.0.0.1:1"),
                                         config_name="sead_trainer"), check_paths=False)
-    staleness, in_flight = MODES[mode]
+    staleness, in_flight, rollout_devices = MODES[mode]
     assert config.async_training.staleness_threshold == staleness
     assert config.async_training.rollouts_in_flight == in_flight
+    assert config.actor_rollout_ref.rollout.n_gpus_per_node == rollout_devices
     assert config.rollout_loop.config["mode"] == "async"
 
 

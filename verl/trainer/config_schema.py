@@ -197,6 +197,7 @@ class RolloutConfig:
     free_cache_engine: bool = True
     update_weights_bucket_megabytes: float = 512
     calculate_log_probs: bool = False
+    n_gpus_per_node: int = 0  # 0: on the actor's workers; N > 0: on N devices of its own (split placement)
 
 
 @dataclass

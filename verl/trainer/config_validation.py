@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, Optional, TypeVar, Union
 
 from verl.trainer.config_async import check_async_training
+from verl.trainer.config_placement import check_placement
 from verl.trainer.config_dependencies import check_dependencies
 from verl.trainer.config_ranges import check_ranges
 from verl.trainer.config_schema import GROUP_ESTIMATORS, KL_ESTIMATORS, LOGGERS, ConfigError, PPOTrainerConfig
@@ -420,6 +421,7 @@ def validate_config(cfg: PPOTrainerConfig, check_paths: bool = True) -> None:
     _check_lora(cfg)
     check_dependencies(cfg)
     check_async_training(cfg)
+    check_placement(cfg)
 
 
 def load_config(cfg: Any, check_paths: bool = True) -> PPOTrainerConfig:

@@ -34,6 +34,7 @@ from verl.workers.fsdp_models import (build_actor_module, build_critic_module, b
 from verl.workers.fsdp_checkpoint import FSDPCheckpointManager
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.logprob_mismatch import logprob_mismatch_metrics
+from verl.workers.rollout.standalone_weights import export_full_weights
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +132,11 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = _load_tokenizer(cfg.model, model_path)
         actor_cfg = copy.deepcopy(cfg.actor)
         with open_dict(actor_cfg):
-            actor_cfg.ppo_mini_batch_size = _rows_per_rank(
-                cfg.actor.ppo_mini_batch_size, cfg.rollout.get("n", 1), self.world_size,
-                "actor_rollout_ref.actor.ppo_mini_batch_size",
-            )  # fmt: skip
+            if self._is_actor:  # a rollout of its own (split placement) trains nothing
+                actor_cfg.ppo_mini_batch_size = _rows_per_rank(
+                    cfg.actor.ppo_mini_batch_size, cfg.rollout.get("n", 1), self.world_size,
+                    "actor_rollout_ref.actor.ppo_mini_batch_size",
+                )  # fmt: skip
             actor_cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
         seed = model_seed(cfg.actor)
         dtype = compute_dtype(cfg.actor, mesh.device_type)
@@ -210,10 +212,14 @@ class ActorRolloutRefWorker(Worker):
         if self.rollout_name == "vllm" and self.rollout.weights_discarded:
             self._sync_rollout_weights()
 
+    def _policy_version(self) -> int:
+        """The version of this worker's weights: the actor's updates so far (its LR schedule's steps, checkpointed
+        with it); 0 without an actor."""
+        return self.lr_scheduler.last_epoch if self.lr_scheduler is not None else 0
+
     def _generation_input(self, prompts: DataProto) -> DataProto:
-        """``prompts`` with the tokenizer's EOS/pad as defaults; the engine told its policy version (the LR schedule's
-        steps: the actor's updates so far, checkpointed with it)."""
-        self.rollout.policy_version = self.lr_scheduler.last_epoch if self.lr_scheduler is not None else 0
+        """``prompts`` with the tokenizer's EOS/pad as defaults; the engine told its policy version."""
+        self.rollout.policy_version = self._policy_version()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         return _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
 
@@ -257,6 +263,18 @@ class ActorRolloutRefWorker(Worker):
         ``RayWorkerGroup.execute_ranks_sync``) on exactly the ranks of one replica, each with the whole batch."""
         self._require(self._is_rollout and self.rollout_name == "vllm", "generate_replica_sequences", "vLLM rollout")
         return self.rollout.generate_replica_sequences(self._generation_input(prompts))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_rollout_weights(self) -> tuple[Any, int, dict[str, float]] | None:
+        """For a rollout on devices of its own: (an object-store reference to the full HF-named weights in the
+        compute dtype, their policy version, the gather's metrics) on rank 0; None on the others, which take part."""
+        self._require(self._is_actor or self._is_rollout, "export_rollout_weights", "actor or rollout")
+        import ray
+
+        bucket = int(self.config.rollout.get("update_weights_bucket_megabytes", 512) * 2**20)
+        with self.actor_offload.on_device():
+            full, stats = export_full_weights(self._module, compute_dtype(self.config.actor, get_device_name()), bucket)
+        return None if full is None else (ray.put(full), self._policy_version(), stats.metrics())
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -318,12 +336,9 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None,
                         save_hf_model: bool = True) -> None:
-        """Write the actor's resume state and, with ``save_hf_model``, its HF export into ``local_path`` (see
-        :mod:`verl.workers.fsdp_checkpoint`).
-
-        ``global_step`` is logged; ``max_ckpt_to_keep`` is accepted for veRL compatibility, retention of step
-        directories being the trainer's job (``verl.utils.checkpoint``).
-        """
+        """Write the actor's resume state and, with ``save_hf_model``, its HF export into ``local_path``
+        (:mod:`verl.workers.fsdp_checkpoint`); ``global_step`` is logged, ``max_ckpt_to_keep`` accepted for veRL
+        (the trainer keeps the step directories: ``verl.utils.checkpoint``)."""
         self._require(self._is_actor, "save_checkpoint", "actor")
         logger.info("rank %d: saving actor checkpoint of step %d to %s", self.rank, global_step, local_path)
         with self.actor_offload.on_device(with_optimizer=True):
@@ -341,9 +356,7 @@ class ActorRolloutRefWorker(Worker):
 
 
 class CriticWorker(Worker):
-    """Value-function worker: an FSDP-sharded ``AutoModelForTokenClassification(num_labels=1)``.
-
-    ``config`` is ``cfg.critic``; the model is loaded from ``critic.model.path`` (a causal-LM directory: its
+    """Value-function worker: an FSDP-sharded ``AutoModelForTokenClassification(num_labels=1)``. ``config`` is ``cfg.critic``; the model is loaded from ``critic.model.path`` (a causal-LM directory: its
     backbone is reused and a scalar value head is initialised with the same seed on every rank). With
     ``critic.model.lora_rank`` > 0 the backbone is frozen in the compute dtype and trained through a LoRA adapter,
     the value head whole; the optimizer holds those only.

@@ -4,7 +4,8 @@ the weights that sampled it, recomputed here with a plain HF model loaded from a
 the importance weights of the decoupled-PPO correction equal a float64 recomputation. With staleness 2 the rollouts
 queue ahead and every trained token stays within the bound, also with two of them in flight at once. And with nothing
 to overlap (a checkpoint every step) the one-step-off and staleness-2 paths (one rollout at a time or two) train
-exactly the synchronous trainer's batches. Rollouts keep going across a validation, which sees the dialogues a quiet
+exactly the synchronous trainer's batches, also with the rollout on processes of its own (split placement), where
+one-step-off records the versions and behaviour log-probs of the weights each sync installed. Rollouts keep going across a validation, which sees the dialogues a quiet
 engine gives."""
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ ONE_STEP_OFF = ("async_training.staleness_threshold=1", "actor_rollout_ref.rollo
 STALENESS_2 = tuple(o.replace("staleness_threshold=1", "staleness_threshold=2") for o in ONE_STEP_OFF) + (
     "async_training.partial_rollout=true",)
 IN_FLIGHT_2 = STALENESS_2 + ("async_training.rollouts_in_flight=2",)
+SPLIT = ("actor_rollout_ref.rollout.n_gpus_per_node=2",)  # the rollout on 2 CPU processes of its own
+SYNCHRONOUS = tuple(o.replace("staleness_threshold=1", "staleness_threshold=0") for o in ONE_STEP_OFF)
 THRESHOLD = 2.0
 
 
@@ -81,9 +84,11 @@ def _log_probs(path: str, batch, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.slow  # 16-27 s measured (a shared 2-core box)
 @pytest.mark.processes
+@pytest.mark.parametrize("placement", [(), pytest.param(SPLIT, marks=pytest.mark.extended)],
+                         ids=["colocated", "split"])
 def test_one_step_off_records_each_tokens_version_and_behaviour_log_prob(tiny_model_path, tmp_path, slow_sims,
-                                                                         ray_cluster):
-    config = training_config(tiny_model_path, tmp_path, slow_sims, 2, ONE_STEP_OFF)
+                                                                         ray_cluster, placement):
+    config = training_config(tiny_model_path, tmp_path, slow_sims, 2, ONE_STEP_OFF + placement)
     trainer, pool = make_trainer(config)
     try:
         trainer.init_workers()
@@ -170,8 +175,7 @@ def synchronous_batch(tiny_model_path, tmp_path_factory):
 
     ray.init(address="local", num_cpus=8, include_dashboard=False)
     try:
-        return _trained_batch(tiny_model_path, tmp_path_factory.mktemp("sync"),
-                              tuple(o.replace("staleness_threshold=1", "staleness_threshold=0") for o in ONE_STEP_OFF))
+        return _trained_batch(tiny_model_path, tmp_path_factory.mktemp("sync"), SYNCHRONOUS)
     finally:
         ray.shutdown()
 
@@ -179,8 +183,8 @@ def synchronous_batch(tiny_model_path, tmp_path_factory):
 @pytest.mark.extended  # 29-32 s each, and 60 s for the synchronous reference: make test-extended (CI)
 @pytest.mark.slow
 @pytest.mark.processes
-@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2, IN_FLIGHT_2],
-                         ids=["one-step-off", "staleness-2", "two-in-flight"])
+@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2, IN_FLIGHT_2, SYNCHRONOUS + SPLIT, ONE_STEP_OFF + SPLIT],
+                         ids=["one-step-off", "staleness-2", "two-in-flight", "split-sync", "split-one-step-off"])
 def test_with_nothing_to_overlap_off_policy_trains_the_synchronous_batches(tiny_model_path, tmp_path,
                                                                             synchronous_batch, ray_cluster, mode):
     off, sync = _trained_batch(tiny_model_path, tmp_path / "off", mode), synchronous_batch
@@ -245,8 +249,7 @@ def test_rollouts_keep_going_across_validations_which_see_the_dialogues_of_a_qui
         tiny_model_path, tmp_path, slow_sims, ray_cluster, mode):
     validating = ("trainer.val_before_train=true", "trainer.test_freq=2")
     fit_trainer(training_config(tiny_model_path, tmp_path / "off", slow_sims, 4, (*mode, *validating)))
-    quiet = tuple(o.replace("staleness_threshold=1", "staleness_threshold=0") for o in ONE_STEP_OFF)
-    fit_trainer(training_config(tiny_model_path, tmp_path / "quiet", slow_sims, 4, (*quiet, *validating,
+    fit_trainer(training_config(tiny_model_path, tmp_path / "quiet", slow_sims, 4, (*SYNCHRONOUS, *validating,
                                                                            "trainer.val_only=true")))
     log = tmp_path / "off" / "logs" / "metrics.jsonl"
     metrics = {m["step"]: m for m in map(json.loads, log.read_text().splitlines())}

@@ -12,13 +12,14 @@ on the dialogues as sampled, then the rejected tokens leave the loss, :mod:`verl
 validation every ``test_freq`` and a checkpoint every ``save_freq`` steps (see :mod:`verl.utils.checkpoint`). With
 ``async_training.staleness_threshold=1`` the next step's rollout runs while a step trains
 (:mod:`verl.trainer.ppo.trainer_off_policy`), with k >= 2 up to k steps' rollouts run ahead, ``rollouts_in_flight``
-of them at once (:mod:`verl.trainer.ppo.trainer_rollout_stream`; docs/off_policy.md). The
-trainer is composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and
+of them at once (:mod:`verl.trainer.ppo.trainer_rollout_stream`), on the actor's workers or on devices of their own
+(:mod:`verl.trainer.ppo.trainer_placement`; docs/off_policy.md). The trainer is composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and
 scoring) and :class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (save and resume).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import random
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
 from verl.trainer.ppo.trainer_advantage import advantage_step, compute_advantage
 from verl.trainer.ppo.trainer_checkpoint import (SCENARIO_KEY, CheckpointedParts, TrainerCheckpoints, nothing_to_train,
                                                  run_inputs)
+from verl.trainer.ppo.trainer_placement import StandaloneRollout, standalone_rollout
 from verl.trainer.ppo.trainer_off_policy import (RolloutAhead, TurnSignal, staleness_metrics, take_and_refill,
                                                  trainer_policy_version)
 from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs
@@ -140,6 +142,7 @@ class RayPPOTrainer:
         self.global_steps = 0
         self.actor_rollout_wg: Optional[RayWorkerGroup] = None
         self.critic_wg: Optional[RayWorkerGroup] = None
+        self.standalone: Optional[StandaloneRollout] = None  # the rollout on devices of its own (split placement)
         self.rollout_loop: Optional[RolloutLoop] = None
         self.val_rollout_loop: Optional[RolloutLoop] = None
         self.rollouts: Optional[StepRollouts] = None
@@ -160,7 +163,9 @@ class RayPPOTrainer:
             self.critic_wg = RayWorkerGroup(self.resource_pool, critic_cls, name_prefix="critic")
             self.critic_wg.init_model()
         self.actor_rollout_wg.init_model()
+        self.standalone = standalone_rollout(self.typed, self.config.actor_rollout_ref, self.resource_pool.use_gpu)
         loop_cfg, engine = self.typed.rollout_loop.config, WorkerGroupEngine(self.actor_rollout_wg)
+        engine = self.standalone.engine if self.standalone is not None else engine
         if staleness_of(self.typed) > 0:
             engine = self.turn_signal = TurnSignal(engine)
         self.rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine, config=loop_cfg,
@@ -177,21 +182,17 @@ class RayPPOTrainer:
                 loop.close()
         self.rollout_loop = self.val_rollout_loop = None
         self.rollouts = None
-        for wg in (self.actor_rollout_wg, self.critic_wg):
-            if wg is not None:
-                wg.shutdown()
-        self.actor_rollout_wg = self.critic_wg = None
+        for part in (self.actor_rollout_wg, self.critic_wg, self.standalone):
+            if part is not None:
+                part.shutdown()
+        self.actor_rollout_wg = self.critic_wg = self.standalone = None
 
     # ------------------------------------------------------------------------------------ data, checkpoints
     def _next_prompt_batch(self) -> DataProto:
         """The next training prompt batch; the loader's epochs follow one another without end."""
         if self._prompt_iter is None:
-            self._prompt_iter = self._endless_prompt_batches()
+            self._prompt_iter = itertools.chain.from_iterable(itertools.repeat(self.train_loader))
         return next(self._prompt_iter)
-
-    def _endless_prompt_batches(self) -> Iterator[DataProto]:
-        while True:
-            yield from self.train_loader
 
     def _checkpointed(self) -> CheckpointedParts:
         return CheckpointedParts(self.actor_rollout_wg, self.critic_wg, self.train_loader, self.kl_ctrl,
@@ -225,10 +226,8 @@ class RayPPOTrainer:
         return self._step_metrics(batch, metrics, timing, self.rollout_loop.on_train_step_end(batch, self.global_steps))
 
     def off_policy_step(self, ahead: RolloutAhead, overlap_next: bool) -> dict[str, float]:
-        """Run one one-step-off PPO step: take this step's rollout (started during the previous step, or now), let
-        the rollout loop see its outcomes, start the next step's rollout when ``overlap_next`` (none across a
-        checkpoint; one runs across a validation) and train on the batch taken; return the step's metrics (with
-        ``async/*``)."""
+        """One one-step-off PPO step: take this step's rollout (started during the previous step, or now), let the
+        loop see its outcomes, start the next step's when ``overlap_next``, train; the step's metrics (``async/*``)."""
         step, timing = self.global_steps, {}
         metrics: dict[str, float] = {}
         with timer("step", timing):
@@ -245,9 +244,8 @@ class RayPPOTrainer:
         return self._step_metrics(batch, metrics, timing, hook_metrics)
 
     def stream_step(self, stream: RolloutStream, fill_to: int) -> dict[str, float]:
-        """Run one bounded-staleness PPO step: take this step's rollout (queued earlier, or now) with its end-of-step
-        hook's metrics, queue the following steps' rollouts up to ``fill_to``, apply the drop rule and train on
-        the rest; return the step's metrics (with ``async/*``)."""
+        """One bounded-staleness PPO step: take this step's rollout (queued earlier, or now) and its hook's metrics,
+        queue the next steps' up to ``fill_to``, drop what the rule drops, train; the step's metrics (``async/*``)."""
         step, timing, threshold = self.global_steps, {}, staleness_of(self.typed)
         metrics: dict[str, float] = {}
         with timer("step", timing):
@@ -305,6 +303,8 @@ class RayPPOTrainer:
         if self.global_steps > cfg.trainer.critic_warmup:
             with timer("update_actor", timing):
                 metrics.update(reduce_metrics(pop_metrics(self.actor_rollout_wg.update_actor(batch))))
+            if self.standalone is not None:  # between two of the rollout's generation calls
+                metrics.update(self.standalone.sync(self.actor_rollout_wg))
         return batch
 
     def _step_metrics(self, batch: DataProto, metrics: dict[str, float], timing: dict[str, float],
@@ -400,6 +400,8 @@ class RayPPOTrainer:
             np.random.seed(seed)
             torch.manual_seed(seed)
             self.load_checkpoint()
+            if self.standalone is not None:  # the loaded weights, before any rollout
+                self.standalone.sync(self.actor_rollout_wg)
             last_metrics: dict[str, float] = {}
             if tcfg.val_only:  # veRL's trainer.val_only: validate the loaded model and stop
                 val_metrics = self.validate()

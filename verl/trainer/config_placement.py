@@ -1,0 +1,31 @@
+"""Checks of where the policy's rollout runs (``actor_rollout_ref.rollout.n_gpus_per_node``), run at load time by
+``validate_config``: 0 is the rollout on the actor's workers; N > 0 puts it on N devices of its own (split
+placement, :mod:`verl.trainer.ppo.trainer_placement`), which is built for the HF rollout of a fully fine-tuned
+actor; anything else is a ConfigError naming the key to set.
+"""
+from __future__ import annotations
+
+from verl.trainer.config_ranges import check_number
+from verl.trainer.config_schema import ConfigError, PPOTrainerConfig
+
+__all__ = ["check_placement"]
+
+KEY = "actor_rollout_ref.rollout.n_gpus_per_node"
+
+
+def check_placement(cfg: PPOTrainerConfig) -> None:
+    """Raise ConfigError naming the key when the rollout's devices are out of range or cannot run with the rest."""
+    rollout = cfg.actor_rollout_ref.rollout
+    devices = rollout.n_gpus_per_node
+    check_number(KEY, devices, 0.0)
+    if devices != int(devices):
+        raise ConfigError(f"{KEY} counts devices: a whole number (0 = on the actor's workers), got {devices!r}")
+    if devices == 0:
+        return
+    if rollout.name != "hf":
+        raise ConfigError(f"{KEY}={devices} (the rollout on devices of its own) runs the HF rollout; the vLLM engine "
+                          f"on devices of its own is not built: set actor_rollout_ref.rollout.name=hf or {KEY}=0")
+    if cfg.actor_rollout_ref.model.lora_rank > 0:
+        raise ConfigError(f"{KEY}={devices} gives the rollout the actor's full weights after each update; with "
+                          f"actor_rollout_ref.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank} only the "
+                          f"adapter trains, whose sync to a rollout of its own is not built: set {KEY}=0")

@@ -1,0 +1,67 @@
+"""Split placement: the policy's rollout on devices of its own (``actor_rollout_ref.rollout.n_gpus_per_node`` > 0),
+veRL's and AReaL's layout for generating while the actor trains.
+
+:class:`StandaloneRollout` starts a :class:`~verl.workers.rollout_worker.StandaloneRolloutWorker` group on a
+resource pool of its own and hands the rollout loops its engine. :meth:`StandaloneRollout.sync` gives it the
+actor's weights: the actor's ranks gather them (rank 0 keeps the full tensors and puts them once in Ray's object
+store, where every rollout rank reads them) and the rollout group installs them with their version. The trainer
+syncs after each actor update and once at the start (the loaded checkpoint's weights); a rollout running meanwhile
+(one-step-off, bounded staleness) gets them between two of its generation calls. docs/off_policy.md, "Split
+placement".
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from omegaconf import DictConfig
+
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.workers.rollout.replicas import WorkerGroupEngine
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StandaloneRollout", "standalone_rollout"]
+
+
+class StandaloneRollout:
+    """The rollout's worker group on ``devices`` slots of its own (GPUs with ``use_gpu``, else CPU processes);
+    ``config`` is ``actor_rollout_ref``. ``engine`` is what the rollout loops generate with."""
+
+    def __init__(self, config: DictConfig, devices: int, use_gpu: bool) -> None:
+        from verl.workers.rollout_worker import StandaloneRolloutWorker
+
+        self.pool = RayResourcePool([devices], use_gpu=use_gpu, name_prefix="rollout")
+        try:
+            self.worker_group = RayWorkerGroup(self.pool, RayClassWithInitArgs(StandaloneRolloutWorker, config=config),
+                                               name_prefix="rollout")
+            self.worker_group.init_model()
+        except BaseException:
+            self.pool.remove()
+            raise
+        self.engine = WorkerGroupEngine(self.worker_group)
+
+    def sync(self, actor_worker_group: Any) -> dict[str, float]:
+        """Install the actor's current weights in the rollout group; the sync's metrics (``timing_s/weight_sync``,
+        its whole wall time; ``rollout/weight_sync_*``, what the gather moved; the installed version)."""
+        start = time.perf_counter()
+        weights, version, metrics = actor_worker_group.export_rollout_weights()[0]
+        self.worker_group.load_rollout_weights(weights, version)
+        metrics.update({"timing_s/weight_sync": time.perf_counter() - start,
+                        "rollout/standalone_policy_version": float(version)})
+        logger.info("installed version %d in the standalone rollout in %.3f s", version,
+                    metrics["timing_s/weight_sync"])
+        return metrics
+
+    def shutdown(self) -> None:
+        """Stop the rollout group and give its devices back (idempotent)."""
+        self.worker_group.shutdown()
+        self.pool.remove()
+
+
+def standalone_rollout(typed: Any, config: DictConfig, use_gpu: bool) -> StandaloneRollout | None:
+    """The rollout on devices of its own when the checked config ``typed`` asks for them (``config``:
+    ``actor_rollout_ref``); None when it runs on the actor's workers."""
+    devices = typed.actor_rollout_ref.rollout.n_gpus_per_node
+    return StandaloneRollout(config, devices, use_gpu) if devices > 0 else None
