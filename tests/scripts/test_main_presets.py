@@ -284,11 +284,18 @@ def test_gpu_placement_the_trainer_sees_only_its_gpus(tmp_path):
     assert _command_line(out).split()[1] == "CUDA_VISIBLE_DEVICES=2,3,4,5"
     cpu_out, _, _, _ = dry_run(tmp_path, USER_SIM_URLS="http://127.0.0.1:5000")
     assert not _command_line(cpu_out).strip().startswith("env")
+    # a rollout on GPUs of its own (split placement): the trainer's process sees its GPUs and the rollout's
+    out, block, _, _ = dry_run(tmp_path, "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+                               **env)
+    assert block["launch.policy_gpus"][0] == "0,1,2,3,4,5"
+    assert _command_line(out).split()[1] == "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5"
 
 
 @pytest.mark.parametrize("args, message", [
     (["launch.policy_gpus=0,1,2,3,4,6"], "GPU 6 is in both launch.policy_gpus=0,1,2,3,4,6 and SIM_GPUS=6,7"),
     (["launch.policy_gpus=0,1,2"], "launch.policy_gpus=0,1,2 lists 3 GPUs but trainer.n_gpus_per_node=6"),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n_gpus_per_node=2", "launch.policy_gpus=0,1,2,3"],
+     "lists 4 GPUs but trainer.n_gpus_per_node=4 + actor_rollout_ref.rollout.n_gpus_per_node=2"),
 ])
 def test_overlapping_or_miscounted_gpus_are_refused(tmp_path, args, message):
     clean = {k: v for k, v in os.environ.items() if k not in PRESET_VARS}

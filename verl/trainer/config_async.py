@@ -3,7 +3,7 @@
 ``staleness_threshold`` must be a whole number of policy versions >= 0 (NaN, inf, negatives and fractions are
 refused naming the key); 0 is the synchronous trainer and needs nothing else. 1 (one-step-off) and k >= 2 (bounded
 staleness, which also needs ``partial_rollout=true``; ``partial_rollout`` needs k >= 2) need what makes a stale token
-trainable and what lets generation run beside training; each missing piece is a ConfigError naming the key to set
+trainable and what lets generation run beside training (the HF rollout, or any on devices of its own); each missing piece is a ConfigError naming the key to set
 (docs/off_policy.md, "Limits"). ``rollouts_in_flight`` is a whole number from 1 to k (more than 1 needs k >= 2 and
 no ReMax).
 """
@@ -68,10 +68,11 @@ def check_async_training(cfg: PPOTrainerConfig) -> None:
         return
     setting = f"{KEY}.staleness_threshold={value:g} ({'one-step-off' if value == 1 else 'bounded staleness'})"
     rollout, correction = cfg.actor_rollout_ref.rollout, cfg.algorithm.rollout_correction
-    if rollout.name != "hf":
+    if rollout.name != "hf" and rollout.n_gpus_per_node == 0:
         raise ConfigError(f"{setting} generates while the actor trains; the colocated vLLM engine "
                           f"(actor_rollout_ref.rollout.name={rollout.name}) sleeps during every training phase and "
-                          "shares the actor's GPU memory, so it cannot: use actor_rollout_ref.rollout.name=hf or "
+                          "shares the actor's GPU memory, so it cannot: give it devices of its own "
+                          "(actor_rollout_ref.rollout.n_gpus_per_node), use actor_rollout_ref.rollout.name=hf or "
                           "staleness_threshold=0")
     if not rollout.calculate_log_probs:
         raise ConfigError(f"{setting} trains on tokens sampled by an older policy and needs the behaviour "

@@ -1,7 +1,8 @@
 """Checks of where the policy's rollout runs (``actor_rollout_ref.rollout.n_gpus_per_node``), run at load time by
 ``validate_config``: 0 is the rollout on the actor's workers; N > 0 puts it on N devices of its own (split
-placement, :mod:`verl.trainer.ppo.trainer_placement`), which is built for the HF rollout of a fully fine-tuned
-actor; anything else is a ConfigError naming the key to set.
+placement, :mod:`verl.trainer.ppo.trainer_placement`): the HF rollout, or vLLM engines of
+``tensor_model_parallel_size`` ranks each, for a fully fine-tuned actor; anything else is a ConfigError naming the
+key to set.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def check_placement(cfg: PPOTrainerConfig) -> None:
         raise ConfigError(f"{KEY} counts devices: a whole number (0 = on the actor's workers), got {devices!r}")
     if devices == 0:
         return
-    if rollout.name != "hf":
-        raise ConfigError(f"{KEY}={devices} (the rollout on devices of its own) runs the HF rollout; the vLLM engine "
-                          f"on devices of its own is not built: set actor_rollout_ref.rollout.name=hf or {KEY}=0")
+    tp = rollout.tensor_model_parallel_size
+    if rollout.name == "vllm" and devices % tp != 0:
+        raise ConfigError(f"{KEY}={devices} holds the vLLM engines of actor_rollout_ref.rollout."
+                          f"tensor_model_parallel_size={tp} ranks each: make it a multiple of {tp}")
     if cfg.actor_rollout_ref.model.lora_rank > 0:
         raise ConfigError(f"{KEY}={devices} gives the rollout the actor's full weights after each update; with "
                           f"actor_rollout_ref.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank} only the "

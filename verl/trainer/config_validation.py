@@ -357,7 +357,7 @@ def _check_vllm(cfg: PPOTrainerConfig, check_import: bool) -> None:
     if rollout.name != "vllm":
         return
     tp = rollout.tensor_model_parallel_size
-    if tp < 1 or cfg.world_size % tp != 0:
+    if tp < 1 or (rollout.n_gpus_per_node == 0 and cfg.world_size % tp != 0):  # else: config_placement's check
         raise ConfigError(f"{key}.tensor_model_parallel_size ({tp}) must be >= 1 and divide the DP world size "
                           f"trainer.nnodes * trainer.n_gpus_per_node ({cfg.world_size})")
     if not 0 < rollout.gpu_memory_utilization <= 1:

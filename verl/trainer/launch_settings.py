@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from verl.trainer.config_schema import ConfigError
-from verl.trainer.presets import Setting, resolve
+from verl.trainer.presets import ROLLOUT_GPUS, Setting, resolve
 
 
 # The environment variables of scripts/presets.sh (removed) -> the key that is now the one name of the setting.
@@ -157,8 +157,10 @@ def check_launch(settings: Mapping[str, Setting], launcher: Sequence[str], comma
         return
     policy = gpus.split(",")
     n_gpus = settings["trainer.n_gpus_per_node"].value if "trainer.n_gpus_per_node" in settings else "1"
-    if str(len(policy)) != n_gpus:
-        raise ConfigError(f"launch.policy_gpus={gpus} lists {len(policy)} GPUs but trainer.n_gpus_per_node={n_gpus}")
+    rollout = settings[ROLLOUT_GPUS].value if ROLLOUT_GPUS in settings else "0"
+    if not (n_gpus.isdigit() and rollout.isdigit()) or len(policy) != int(n_gpus) + int(rollout):
+        needs = f"trainer.n_gpus_per_node={n_gpus}" + (f" + {ROLLOUT_GPUS}={rollout}" if rollout != "0" else "")
+        raise ConfigError(f"launch.policy_gpus={gpus} lists {len(policy)} GPUs but {needs}")
     sims = environ.get("SIM_GPUS", "")
     for gpu in filter(None, sims.split(",")):
         if gpu in policy:

@@ -50,11 +50,25 @@ def count_text(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
+def step_time_text(phases: list[Phase]) -> str:
+    """A step's time: the phases' sum; with the rollout on GPUs of its own, also what overlapping it with training
+    (``async_training``) would take, the longer of the two sides."""
+    rollout = sum(p.seconds for p in phases if p.on_rollout_gpus) / 60
+    training = sum(p.seconds for p in phases if not p.on_rollout_gpus) / 60
+    if not any(p.on_rollout_gpus for p in phases):
+        return f"about {training:.1f} min per step"
+    return (f"about {rollout + training:.1f} min per step synchronously (the rollout {rollout:.1f} on its own GPUs, "
+            f"then training {training:.1f}), about {max(rollout, training):.1f} with the two overlapped "
+            "(async_training)")
+
+
 def format_plan(s: Setup, hw: Hardware, phases: list[Phase], advice: list[str]) -> str:
     """The printed plan: the setup, one table row per phase (GB), the verdict, the notes and the advice."""
-    columns = [c for c in COLUMNS if c != "vllm" or s.vllm]
+    vllm = s.cfg.actor_rollout_ref.rollout.name == "vllm"
+    columns = [c for c in COLUMNS if c != "vllm" or vllm]
+    gpus = f"{s.world} GPUs" + (f" for training + {s.rollout_gpus} for the rollout" if s.split else "")
     lines = [f"model: {count_text(s.actor.num_params())} parameters ({s.actor.num_layers} layers, hidden "
-             f"{s.actor.hidden_size}, vocab {s.actor.vocab_size}); {s.world} GPUs of {hw.memory_bytes / GB:.0f} GB; "
+             f"{s.actor.hidden_size}, vocab {s.actor.vocab_size}); {gpus} of {hw.memory_bytes / GB:.0f} GB; "
              f"{s.rows_per_gpu} rows of {s.seq_len} tokens per GPU and step; compute dtype "
              f"{'bf16' if s.compute_bytes == 2 else 'fp32'}",
              *[_lora_line(name, lora, shape) for name, lora, shape in
@@ -64,13 +78,12 @@ def format_plan(s: Setup, hw: Hardware, phases: list[Phase], advice: list[str]) 
         cells = "".join(f"{p.memory.get(c, 0.0) / GB:>12.1f}" for c in columns)
         lines.append(f"{p.name:<34}{cells}{p.total / GB:>9.1f}{p.seconds / 60:>8.1f} m")
     worst = max(phases, key=lambda p: p.total)
-    total_min = sum(p.seconds for p in phases) / 60
     verdict = "fits" if worst.total <= hw.memory_bytes else "DOES NOT FIT"
     decode = (f"vLLM decoding at max(weights/TP + KV / {hw.hbm_tbps} TB/s, {hw.vllm_step_overhead_s * 1e3:.0f} ms)"
-              if s.vllm else f"decoding at max(weights+KV / {hw.hbm_tbps} TB/s, "
+              if vllm else f"decoding at max(weights+KV / {hw.hbm_tbps} TB/s, "
               f"{hw.decode_step_overhead_s * 1e3:.0f} ms)")
     lines.append(f"peak {worst.total / GB:.1f} GB in '{worst.name}': {verdict} in {hw.memory_bytes / GB:.0f} GB; "
-                 f"about {total_min:.1f} min per step (training at {hw.mfu:.0%} of {hw.bf16_tflops:.0f} TFLOP/s, "
+                 f"{step_time_text(phases)} (training at {hw.mfu:.0%} of {hw.bf16_tflops:.0f} TFLOP/s, "
                  f"{decode} per token)")
     lines += [f"  {note}" for p in phases for note in p.notes]
     lines += [f"  - {a}" for a in advice]

@@ -1,12 +1,15 @@
 """The phases of one training step on one GPU (rollout, log-prob and value forwards, updates, the vLLM weight
-sync): memory by component and a rough time each, from the memory model (:mod:`verl.utils.memory_model`)."""
+sync; with the rollout on GPUs of its own, its phase on one of those and the weight export on the trainer's): memory
+by component and a rough time each, from the memory model (:mod:`verl.utils.memory_model`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from verl.trainer.plan_lora import vllm_adapter_slot_bytes
 from verl.trainer.plan_passes import sync_transient_bytes, update_pass_moments
-from verl.trainer.plan_setup import (GB, Hardware, Phase, Setup, dtype_bytes, forward_token_budget, resident_bytes,
+from verl.trainer.plan_setup import (CONTEXT_BYTES, GB, Hardware, Phase, Setup, dtype_bytes, forward_token_budget,
+                                     resident_bytes,
                                      sharded_states, state_of, update_token_budget)
 from verl.utils import memory_model as mm
 
@@ -111,12 +114,15 @@ def vllm_engine(s: Setup, hw: Hardware, gpu_memory_utilization: float | None = N
                       max_len=rollout.max_model_len or s.seq_len)
 
 
-def vllm_rollout_phase(s: Setup, hw: Hardware) -> Phase:
-    """The colocated vLLM engine generating: the actor's resident state (offloaded states excepted) beside the
-    engine's pool of ``gpu_memory_utilization`` x the GPU; the notes give the pool's KV cache in tokens."""
+def vllm_rollout_phase(s: Setup, hw: Hardware, own_gpus: bool = False) -> Phase:
+    """The vLLM engine generating: colocated, the actor's resident state (offloaded states excepted) beside the
+    engine's pool of ``gpu_memory_utilization`` x the GPU; on GPUs of its own (``own_gpus``, ``s`` the rollout's
+    side: :func:`verl.trainer.plan_split.rollout_side`), the pool and a CUDA context. The notes give the pool's KV
+    cache in tokens."""
     engine = vllm_engine(s, hw)
     rollout = s.cfg.actor_rollout_ref.rollout
-    phase = Phase("rollout (vLLM)", resident_bytes(s, "rollout"))
+    resident = {"cuda contexts": float(CONTEXT_BYTES)} if own_gpus else resident_bytes(s, "rollout")
+    phase = Phase("rollout (vLLM, own GPUs)" if own_gpus else "rollout (vLLM)", resident, on_rollout_gpus=own_gpus)
     phase.memory["vllm"] = engine.pool
     held = engine.kv_tokens / engine.peak_tokens if engine.peak_tokens else 1.0
     phase.notes.append(
@@ -217,7 +223,10 @@ def build_phases(s: Setup, hw: Hardware) -> list[Phase]:
     """Every phase of one training step, in the order the trainer runs them."""
     a = s.cfg.actor_rollout_ref
     ckpt = a.model.enable_gradient_checkpointing
-    rollout = vllm_rollout_phase(s, hw) if s.vllm else rollout_phase(s, hw, a.rollout.micro_batch_size_per_gpu)
+    if s.split:
+        rollout = split_rollout_phase(s, hw)
+    else:
+        rollout = vllm_rollout_phase(s, hw) if s.vllm else rollout_phase(s, hw, a.rollout.micro_batch_size_per_gpu)
     phases = [rollout]
     if not s.cfg.algorithm.rollout_correction.bypass_mode:  # bypass: the rollout's log-probs are the old ones
         phases.append(forward_phase(s, hw, "old log-probs", "actor", a.rollout.log_prob_micro_batch_size_per_gpu))
@@ -231,4 +240,38 @@ def build_phases(s: Setup, hw: Hardware) -> list[Phase]:
     phases.append(update_phase(s, hw, "actor", a.actor.ppo_micro_batch_size_per_gpu, ckpt))
     if s.vllm:
         phases.append(weight_sync_phase(s, hw))
+    if s.split:
+        phases.append(export_phase(s, hw))
     return phases
+
+
+def rollout_side(s: Setup) -> Setup:
+    """``s`` as the rollout's own GPUs see it (split placement): the step's rows over ``rollout_gpus`` devices."""
+    rows = s.rows_per_gpu * s.world
+    return dataclasses.replace(s, world=s.rollout_gpus, rows_per_gpu=-(-rows // s.rollout_gpus))
+
+
+def split_rollout_phase(s: Setup, hw: Hardware) -> Phase:
+    """The rollout on one of its own GPUs: the vLLM engine alone (its pool, no actor state), or HF generate on the
+    rollout group's own FSDP shards of the model (fp32, no optimizer) gathered whole for each call."""
+    side = rollout_side(s)
+    a = s.cfg.actor_rollout_ref
+    if a.rollout.name == "vllm":
+        return vllm_rollout_phase(side, hw, own_gpus=True)
+    phase = rollout_phase(side, hw, a.rollout.micro_batch_size_per_gpu)
+    phase.name, phase.on_rollout_gpus = "rollout (HF generate, own GPUs)", True
+    phase.memory.update(weights=float(s.actor.num_params() * mm.FP32 / side.world), optimizer=0.0,
+                        **{"cuda contexts": float(CONTEXT_BYTES)})
+    return phase
+
+
+def export_phase(s: Setup, hw: Hardware) -> Phase:
+    """After each update, on the trainer's GPUs: the actor's buckets gathered in the compute dtype and copied to host
+    memory on rank 0; the time adds the install (host to the rollout's GPUs)."""
+    phase = Phase("weight export (to the rollout's GPUs)", resident_bytes(s, "sync"))
+    phase.memory["gathered units"] = float(sync_transient_bytes(s))
+    full = s.actor.num_params() * s.compute_bytes
+    phase.seconds = 2 * full / (hw.host_gbps * 1e9)  # to host on rank 0, then host to each rollout GPU
+    phase.notes.append(f"split placement: rank 0 holds the full weights in host memory ({full / GB:.1f} GB) while "
+                       f"the rollout's {s.rollout_gpus} GPUs install them")
+    return phase

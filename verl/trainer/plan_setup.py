@@ -34,6 +34,7 @@ class Phase:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     moments: list[mm.PassPeak] = field(default_factory=list)  # a pass's candidate peaks; ``memory`` has the largest
+    on_rollout_gpus: bool = False  # a phase of the rollout's own GPUs (split placement), not the trainer's
 
     @property
     def total(self) -> float:
@@ -72,6 +73,12 @@ class Setup:
     decode_steps: int
     actor_lora: LoraPlan | None = None
     critic_lora: LoraPlan | None = None
+    rollout_gpus: int = 0  # the rollout's own GPUs (split placement); 0: it runs on the trainer's
+
+    @property
+    def split(self) -> bool:
+        """Whether the rollout runs on GPUs of its own (``actor_rollout_ref.rollout.n_gpus_per_node`` > 0)."""
+        return self.rollout_gpus > 0
 
     @property
     def serves_adapter(self) -> bool:
@@ -84,8 +91,8 @@ class Setup:
 
     @property
     def vllm(self) -> bool:
-        """Whether the policy generates with the colocated vLLM engine."""
-        return self.cfg.actor_rollout_ref.rollout.name == "vllm"
+        """Whether the policy generates with a vLLM engine colocated with the actor (the hybrid engine)."""
+        return self.cfg.actor_rollout_ref.rollout.name == "vllm" and not self.split
 
     def micro(self, rows: int, dynamic: bool, max_token_len: int, packed: bool = True) -> MicroBatch:
         """A pass's largest micro-batch: ``rows`` full-length rows, or (``dynamic``) a packed row of
@@ -115,7 +122,8 @@ def make_setup(cfg: PPOTrainerConfig, actor: mm.ModelShape, critic: mm.ModelShap
                  response_len=data.max_response_length, prompt_len=data.max_prompt_length,
                  decode_steps=min(decode_steps, data.max_response_length),
                  actor_lora=lora_plan(cfg.actor_rollout_ref.model, actor, "actor_rollout_ref.model"),
-                 critic_lora=lora_plan(cfg.critic.model, critic, "critic.model") if critic is not None else None)
+                 critic_lora=lora_plan(cfg.critic.model, critic, "critic.model") if critic is not None else None,
+                 rollout_gpus=rollout.n_gpus_per_node)
 
 
 def sharded_states(s: Setup) -> dict[str, mm.ShardedState]:

@@ -169,6 +169,9 @@ def _substitute(settings: dict[str, Setting], base: _Base) -> None:
         settings[key] = named(settings[key])
 
 
+ROLLOUT_GPUS = "actor_rollout_ref.rollout.n_gpus_per_node"  # the rollout's own GPUs (split placement), after the trainer's
+
+
 def _derive_launch(settings: dict[str, Setting]) -> None:
     """launch.* nulls that follow other keys, and launch.seed spread over the trainer's seeds."""
 
@@ -185,8 +188,10 @@ def _derive_launch(settings: dict[str, Setting]) -> None:
                                                    f"trainer.total_training_steps")
     gpus = settings.get("launch.policy_gpus")
     if gpus is not None and gpus.value == "null":
-        derived = ",".join(str(i) for i in range(number("trainer.n_gpus_per_node")))
-        settings["launch.policy_gpus"] = Setting(derived, f"{gpus.origin}: 0 .. trainer.n_gpus_per_node - 1")
+        count = number("trainer.n_gpus_per_node") + (number(ROLLOUT_GPUS) if ROLLOUT_GPUS in settings else 0)
+        derived = ",".join(str(i) for i in range(count))
+        settings["launch.policy_gpus"] = Setting(derived, f"{gpus.origin}: 0 .. trainer.n_gpus_per_node"
+                                                 + (f" + {ROLLOUT_GPUS}" if ROLLOUT_GPUS in settings else "") + " - 1")
     seed = settings.get("launch.seed")
     if seed is not None and seed.value != "null":
         for key in SEED_KEYS:

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf, open_dict
-from transformers import AutoTokenizer
+from omegaconf import DictConfig, open_dict
 
 from verl.protocol import DataProto
 from verl.single_controller.base import Dispatch, Worker, register
@@ -35,40 +34,12 @@ from verl.workers.fsdp_checkpoint import FSDPCheckpointManager
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.logprob_mismatch import logprob_mismatch_metrics
 from verl.workers.rollout.standalone_weights import export_full_weights
+from verl.workers.worker_inputs import load_worker_tokenizer, resolved_copy, rows_per_rank, with_meta_defaults
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 ROLLOUT_NAMES = ("hf", "vllm")
-
-
-def _resolved_copy(config: DictConfig, where: str) -> DictConfig:
-    """A detached, fully resolved copy of ``config`` (interpolations into the parent config resolved now)."""
-    if not isinstance(config, DictConfig):
-        raise TypeError(f"{where} must be an OmegaConf DictConfig, got {type(config).__name__}")
-    return OmegaConf.create(OmegaConf.to_container(config, resolve=True))
-
-
-def _rows_per_rank(prompts: int, n: int, world_size: int, where: str) -> int:
-    """``prompts * n`` rows split over ``world_size`` ranks; raise unless it divides evenly."""
-    rows = int(prompts) * int(n)
-    if rows < 1 or rows % world_size != 0:
-        raise ValueError(f"{where}={prompts} prompts x rollout.n={n} = {rows} rows must be >= 1 and divisible by "
-                         f"the DP world size {world_size}")
-    return rows // world_size
-
-
-def _with_meta_defaults(data: DataProto, defaults: dict[str, Any]) -> DataProto:
-    """A shallow copy of ``data`` whose meta_info falls back to ``defaults`` (given meta_info wins)."""
-    meta = {**{k: v for k, v in defaults.items() if v is not None}, **data.meta_info}
-    return DataProto(batch=data.batch, non_tensor_batch=data.non_tensor_batch, meta_info=meta)
-
-
-def _load_tokenizer(model_cfg: DictConfig, model_path: str) -> Any:
-    """The left-padding tokenizer of ``model.tokenizer_path`` (default ``model_path``: ``model.path`` or its
-    shared-memory copy)."""
-    path = model_cfg.get("tokenizer_path", None) or model_path
-    return AutoTokenizer.from_pretrained(path, padding_side="left")
 
 
 class ActorRolloutRefWorker(Worker):
@@ -83,24 +54,27 @@ class ActorRolloutRefWorker(Worker):
     disabled (no second copy of the base), and a vLLM engine gets the base once and the adapter after every
     update (or the merged weights, ``model.lora.merge``).
 
-    ``config`` is ``cfg.actor_rollout_ref``; ``role`` is one of ``actor``, ``rollout``, ``ref``,
-    ``actor_rollout``, ``actor_rollout_ref``.
+    ``config`` is ``cfg.actor_rollout_ref``; ``role`` is one of ``actor``, ``rollout``, ``ref``, ``actor_ref``
+    (the actor of a rollout on devices of its own: :mod:`verl.workers.rollout_worker`), ``actor_rollout``,
+    ``actor_rollout_ref``.
     """
+
+    hybrid_rollout = True  # a vLLM rollout here shares the actor's process (the rollout role alone needs the actor)
 
     def __init__(self, config: DictConfig, role: str):
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"ActorRolloutRefWorker role={role!r}; expected one of {list(ROLES)}")
-        self.config = _resolved_copy(config, "ActorRolloutRefWorker config (actor_rollout_ref)")
+        self.config = resolved_copy(config, "ActorRolloutRefWorker config (actor_rollout_ref)")
         self.role = role
-        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_actor = role in ("actor", "actor_ref", "actor_rollout", "actor_rollout_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
-        self._is_ref = role in ("ref", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_ref", "actor_rollout_ref")
         check_strategy(self.config.actor.get("strategy", "fsdp2"), "actor_rollout_ref.actor.strategy")
         self.rollout_name = self.config.rollout.get("name", "hf")
         if self._is_rollout and self.rollout_name not in ROLLOUT_NAMES:
             raise ValueError(f"actor_rollout_ref.rollout.name={self.rollout_name!r}; expected one of {list(ROLLOUT_NAMES)}")
-        if self._is_rollout and self.rollout_name == "vllm" and not self._is_actor:
+        if self._is_rollout and self.rollout_name == "vllm" and not self._is_actor and self.hybrid_rollout:
             raise ValueError("actor_rollout_ref.rollout.name=vllm is a hybrid engine: it needs the actor in the same "
                              f"worker (role actor_rollout or actor_rollout_ref, got {role!r})")
         self.tokenizer: Any = None
@@ -129,11 +103,11 @@ class ActorRolloutRefWorker(Worker):
         mesh = create_device_mesh(get_device_name())
         cfg = self.config
         model_path = model_dir(cfg.model.path, bool(cfg.model.get("use_shm", False)))
-        self.tokenizer = _load_tokenizer(cfg.model, model_path)
+        self.tokenizer = load_worker_tokenizer(cfg.model, model_path)
         actor_cfg = copy.deepcopy(cfg.actor)
         with open_dict(actor_cfg):
             if self._is_actor:  # a rollout of its own (split placement) trains nothing
-                actor_cfg.ppo_mini_batch_size = _rows_per_rank(
+                actor_cfg.ppo_mini_batch_size = rows_per_rank(
                     cfg.actor.ppo_mini_batch_size, cfg.rollout.get("n", 1), self.world_size,
                     "actor_rollout_ref.actor.ppo_mini_batch_size",
                 )  # fmt: skip
@@ -176,15 +150,21 @@ class ActorRolloutRefWorker(Worker):
         cfg = self.config
         if self.rollout_name == "hf":
             return HFRollout(module, cfg.rollout)
-        from verl.workers.rollout.vllm_rollout import vLLMRollout
-
-        dtype = cfg.rollout.get("dtype", "auto")
-        if dtype == "auto":  # the actor's compute dtype, so rollout and training see the same numbers
-            dtype = str(compute_dtype(cfg.actor, get_device_name())).removeprefix("torch.")
-        rollout = vLLMRollout(model_path, cfg.rollout, dtype, get_device_name(),
-                              tokenizer_path=cfg.model.get("tokenizer_path", None), lora=self.lora)
+        rollout = self._build_vllm_engine(model_path)
         self._sync_rollout_weights(rollout)
         return rollout
+
+    def _build_vllm_engine(self, model_path: str) -> Any:
+        """A vLLM engine for ``model_path`` in this process, in ``rollout.dtype`` (auto: the actor's compute dtype,
+        so rollout and training see the same numbers), holding dummy weights until the first sync."""
+        from verl.workers.rollout.vllm_rollout import vLLMRollout
+
+        cfg = self.config
+        dtype = cfg.rollout.get("dtype", "auto")
+        if dtype == "auto":
+            dtype = str(compute_dtype(cfg.actor, get_device_name())).removeprefix("torch.")
+        return vLLMRollout(model_path, cfg.rollout, dtype, get_device_name(),
+                           tokenizer_path=cfg.model.get("tokenizer_path", None), lora=self.lora)
 
     def _sync_rollout_weights(self, rollout: Any = None) -> dict[str, float]:
         """Stream the actor's current weights into the vLLM engine (in memory); returns the sync metrics.
@@ -221,7 +201,7 @@ class ActorRolloutRefWorker(Worker):
         """``prompts`` with the tokenizer's EOS/pad as defaults; the engine told its policy version."""
         self.rollout.policy_version = self._policy_version()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        return _with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
+        return with_meta_defaults(prompts, {"eos_token_id": self.tokenizer.eos_token_id, "pad_token_id": pad})
 
     def _log_prob_defaults(self, section: DictConfig) -> dict[str, Any]:
         """meta_info defaults of a log-prob pass configured by ``section`` (rollout or ref): rows (or, with
@@ -282,7 +262,7 @@ class ActorRolloutRefWorker(Worker):
         self._require(self._is_actor, "compute_log_prob", "actor")
         self._release_rollout()
         start = time.perf_counter()
-        data = _with_meta_defaults(data, self._log_prob_defaults(self.config.rollout))
+        data = with_meta_defaults(data, self._log_prob_defaults(self.config.rollout))
         with self.actor_offload.on_device():
             log_probs, entropys = self.actor.compute_log_prob(data, calculate_entropy=True)
         metrics = {"timing_s/worker_compute_log_prob": time.perf_counter() - start}
@@ -297,7 +277,7 @@ class ActorRolloutRefWorker(Worker):
         disabled)."""
         self._require(self._is_ref, "compute_ref_log_prob", "ref")
         self._release_rollout()
-        data = _with_meta_defaults(data, self._log_prob_defaults(self.config.ref))
+        data = with_meta_defaults(data, self._log_prob_defaults(self.config.ref))
         if self.lora is not None:
             with self.actor_offload.on_device(), adapters_disabled(self._module):
                 log_probs, _ = self.actor.compute_log_prob(data, calculate_entropy=False)
@@ -316,7 +296,7 @@ class ActorRolloutRefWorker(Worker):
         self._require(self._is_actor, "update_actor", "actor")
         self._release_rollout()
         start = time.perf_counter()
-        data = _with_meta_defaults(data, {"temperature": self.config.rollout.get("temperature", 1.0)})
+        data = with_meta_defaults(data, {"temperature": self.config.rollout.get("temperature", 1.0)})
         keys = data.batch.keys()
         mismatch = {}
         if "rollout_log_probs" in keys and "old_log_probs" in keys:  # before the update: old = the rollout's policy
@@ -364,7 +344,7 @@ class CriticWorker(Worker):
 
     def __init__(self, config: DictConfig):
         super().__init__()
-        self.config = _resolved_copy(config, "CriticWorker config (critic)")
+        self.config = resolved_copy(config, "CriticWorker config (critic)")
         check_strategy(self.config.get("strategy", "fsdp2"), "critic.strategy")
         self.tokenizer: Any = None
         self.critic: DataParallelPPOCritic | None = None
@@ -385,10 +365,10 @@ class CriticWorker(Worker):
         cfg = self.config
         mesh = create_device_mesh(get_device_name())
         model_path = model_dir(cfg.model.path, bool(cfg.model.get("use_shm", False)))
-        self.tokenizer = _load_tokenizer(cfg.model, model_path)
+        self.tokenizer = load_worker_tokenizer(cfg.model, model_path)
         critic_cfg = copy.deepcopy(cfg)
         with open_dict(critic_cfg):
-            critic_cfg.ppo_mini_batch_size = _rows_per_rank(cfg.ppo_mini_batch_size, cfg.get("rollout_n", 1),
+            critic_cfg.ppo_mini_batch_size = rows_per_rank(cfg.ppo_mini_batch_size, cfg.get("rollout_n", 1),
                                                             self.world_size, "critic.ppo_mini_batch_size")
             critic_cfg.use_remove_padding = bool(cfg.model.get("use_remove_padding", False))
         seed = model_seed(cfg)
@@ -417,7 +397,7 @@ class CriticWorker(Worker):
         defaults = {"micro_batch_size": micro, "use_dynamic_bsz": bool(self.config.get("use_dynamic_bsz", False)),
                     "max_token_len": self.config.get("forward_max_token_len_per_gpu", None)}
         with self.critic_offload.on_device():
-            values = self.critic.compute_values(_with_meta_defaults(data, defaults))
+            values = self.critic.compute_values(with_meta_defaults(data, defaults))
         empty_cache()
         return DataProto.from_dict(tensors={"values": values})
 

@@ -2,20 +2,27 @@
 the rollout role of :class:`~verl.workers.fsdp_workers.ActorRolloutRefWorker` on a worker group of its own, whose
 weights are the actor's as of the last :meth:`StandaloneRolloutWorker.load_rollout_weights`.
 
-The group is one HF-generate replica sharded (FSDP) over its ranks; it generates while the actor's group trains.
-The trainer installs the actor's weights after each update (:mod:`verl.trainer.ppo.trainer_placement`); the
-install is one call on the group, so it runs between two generation calls: a turn being generated finishes on the
-old weights, and every generation reports the version it was sampled with.
+``rollout.name=hf``: one HF-generate replica sharded (FSDP) over the group's ranks, starting from the model's own
+weights. ``rollout.name=vllm``: a vLLM engine per tensor-parallel group (each a replica), no training copy of the
+model beside it, never put to sleep (nothing else uses its devices), holding dummy weights until the first
+install. The trainer installs the actor's weights at the start and after each update
+(:mod:`verl.trainer.ppo.trainer_placement`); the install is one call on the group, so it runs between two
+generation calls: a turn being generated finishes on the old weights, and every generation reports the version it
+was sampled with.
 """
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from verl.single_controller.base import Dispatch, register
+from verl.utils.shm_model import model_dir
+from verl.workers.fsdp_models import model_seed
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
 from verl.workers.rollout.standalone_weights import install_full_weights
+from verl.workers.worker_inputs import load_worker_tokenizer
 
 __all__ = ["StandaloneRolloutWorker"]
 
@@ -23,19 +30,46 @@ __all__ = ["StandaloneRolloutWorker"]
 class StandaloneRolloutWorker(ActorRolloutRefWorker):
     """The rollout role alone; ``config`` is ``cfg.actor_rollout_ref``. Its policy version is the one installed."""
 
+    hybrid_rollout = False
+
     def __init__(self, config: DictConfig) -> None:
         super().__init__(config, role="rollout")
-        self.installed_version = 0  # the model's own weights until the first install
+        self.installed_version = 0  # the model's own weights (HF) until the first install
 
     def _policy_version(self) -> int:
         return self.installed_version
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """HF: the sharded model and its generate (the rollout role's). vLLM: the process group and the engine."""
+        if self.rollout_name == "hf":
+            super().init_model()
+            return
+        cfg = self.config
+        self.init_distributed(timeout_s=float(cfg.get("nccl_timeout", 600)))
+        model_path = model_dir(cfg.model.path, bool(cfg.model.get("use_shm", False)))
+        self.tokenizer = load_worker_tokenizer(cfg.model, model_path)
+        self.rollout = self._build_vllm_engine(model_path)
+        torch.manual_seed(model_seed(cfg.actor) + self.rank)
+
+    def _refresh_rollout_weights(self) -> None:
+        """Nothing to refresh (the engine never sleeps here); generating before the first install is an error."""
+        if self.rollout_name == "vllm" and not self.rollout.base_loaded:
+            raise RuntimeError("the standalone vLLM rollout holds dummy weights until the trainer installs the actor's "
+                               "(StandaloneRollout.sync); generate after it")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_rollout_weights(self, weights: dict[str, Any], version: int) -> int:
         """Install the actor's full weights (:meth:`ActorRolloutRefWorker.export_rollout_weights`; Ray resolves
-        the reference) as policy ``version``; returns how many tensors were copied."""
+        the reference) as policy ``version``; returns how many tensors were installed."""
         self._require(self._is_rollout, "load_rollout_weights", "rollout")
-        with self.actor_offload.on_device():
-            copied = install_full_weights(self._module, weights)
+        if self.rollout_name == "vllm":
+            from verl.workers.rollout.vllm_rollout import WeightSyncStats
+
+            self.rollout.update_weights(iter(weights.items()), WeightSyncStats())
+            copied = len(weights)
+        else:
+            with self.actor_offload.on_device():
+                copied = install_full_weights(self._module, weights)
         self.installed_version = int(version)
         return copied

@@ -5,7 +5,7 @@ the importance weights of the decoupled-PPO correction equal a float64 recomputa
 queue ahead and every trained token stays within the bound, also with two of them in flight at once. And with nothing
 to overlap (a checkpoint every step) the one-step-off and staleness-2 paths (one rollout at a time or two) train
 exactly the synchronous trainer's batches, also with the rollout on processes of its own (split placement), where
-one-step-off records the versions and behaviour log-probs of the weights each sync installed. Rollouts keep going across a validation, which sees the dialogues a quiet
+one-step-off records the versions and behaviour log-probs of the weights each sync installed (HF or vLLM). Rollouts keep going across a validation, which sees the dialogues a quiet
 engine gives."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.sead_training_run import fit_trainer, make_trainer, training_config
+from tests.helpers.sead_training_run import VLLM_ROLLOUT, fit_trainer, make_trainer, training_config
 from verl.utils.agent_turns import AGENT_TURN_IDS
 from verl.workers.rollout.engine import ROLLOUT_POLICY_VERSIONS
 
@@ -84,8 +84,10 @@ def _log_probs(path: str, batch, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.slow  # 16-27 s measured (a shared 2-core box)
 @pytest.mark.processes
-@pytest.mark.parametrize("placement", [(), pytest.param(SPLIT, marks=pytest.mark.extended)],
-                         ids=["colocated", "split"])
+@pytest.mark.parametrize("placement", [(), pytest.param(SPLIT, marks=pytest.mark.extended),
+                                       pytest.param(SPLIT + tuple(VLLM_ROLLOUT),
+                                                    marks=[pytest.mark.extended, pytest.mark.vllm])],
+                         ids=["colocated", "split", "split-vllm"])
 def test_one_step_off_records_each_tokens_version_and_behaviour_log_prob(tiny_model_path, tmp_path, slow_sims,
                                                                          ray_cluster, placement):
     config = training_config(tiny_model_path, tmp_path, slow_sims, 2, ONE_STEP_OFF + placement)

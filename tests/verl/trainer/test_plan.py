@@ -190,3 +190,25 @@ def test_rollout_correction_costs_the_engine_a_log_softmax_and_bypass_drops_the_
     assert "old log-probs" in phases
     _, _, bypass = preset_phases(model_14b, ["algorithm.rollout_correction.bypass_mode=true"])
     assert "old log-probs" not in bypass and list(bypass) == [name for name in phases if name != "old log-probs"]
+
+
+def test_split_placement_plans_the_rollouts_gpus_and_the_export(model_14b):
+    """The GPU preset with the trainer on 4 GPUs and vLLM (TP 2) on 2 of its own: the engine's pool alone on the
+    rollout's GPUs, no engine beside the training phases, the export after the update, and both step times."""
+    split = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+             "actor_rollout_ref.rollout.gpu_memory_utilization=0.9"]
+    setup, hw, phases = preset_phases(model_14b, split)
+    rollout = phases["rollout"]
+    assert rollout.name == "rollout (vLLM, own GPUs)" and rollout.on_rollout_gpus
+    assert rollout.memory == {"vllm": pytest.approx(0.9 * 80e9), "cuda contexts": plan_setup.CONTEXT_BYTES}
+    engine = plan_phases.vllm_engine(plan_phases.rollout_side(setup), hw)
+    assert engine.dialogues == 480  # the step's 480 dialogues on one engine of TP 2
+    update = phases["update actor"]
+    assert "vllm" not in update.memory and update.memory["weights"] == pytest.approx(4 * P_14B / 4, rel=1e-6)
+    export = phases["weight export"]
+    assert not export.on_rollout_gpus and export.seconds == pytest.approx(2 * 2 * P_14B / (hw.host_gbps * 1e9))
+    assert "weight sync" not in phases
+    training = sum(p.seconds for p in phases.values() if not p.on_rollout_gpus) / 60
+    text = plan.step_time_text(list(phases.values()))
+    assert f"about {rollout.seconds / 60 + training:.1f} min per step synchronously" in text
+    assert f"about {max(rollout.seconds / 60, training):.1f} with the two overlapped" in text

@@ -21,8 +21,8 @@ def _config(*overrides: str):
     (["actor_rollout_ref.rollout.n_gpus_per_node=nan"], "n_gpus_per_node"),
     (["actor_rollout_ref.rollout.n_gpus_per_node=1.5"], "n_gpus_per_node"),
     (["actor_rollout_ref.rollout.n_gpus_per_node=inf"], "n_gpus_per_node"),
-    (["actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=vllm"],
-     "vLLM engine on devices of its own is not built"),
+    (["actor_rollout_ref.rollout.n_gpus_per_node=3", "actor_rollout_ref.rollout.name=vllm",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "make it a multiple of 2"),
     (["actor_rollout_ref.rollout.n_gpus_per_node=2", "actor_rollout_ref.model.lora_rank=8"],
      "only the adapter trains"),
 ])
@@ -31,9 +31,22 @@ def test_split_placement_refuses_what_it_cannot_run(overrides, message):
         _config(*overrides)
 
 
-def test_split_placement_accepts_the_hf_rollout_of_a_full_actor():
+def test_split_placement_accepts_the_hf_rollout_and_vllm_engines_of_a_full_actor():
     assert _config("actor_rollout_ref.rollout.n_gpus_per_node=2").actor_rollout_ref.rollout.n_gpus_per_node == 2
     assert _config().actor_rollout_ref.rollout.n_gpus_per_node == 0
+    # vLLM engines of TP 4 on 4 devices of their own, beside a trainer of 2 (which TP 4 does not divide)
+    vllm = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "critic.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.n_gpus_per_node=4")
+    with pytest.raises(ConfigError, match="divide the DP world size"):
+        _config(*vllm[:-1])
+    assert _config(*vllm).actor_rollout_ref.rollout.n_gpus_per_node == 4
+    # one-step-off with vLLM: refused colocated (the engine sleeps while the actor trains), accepted on its own devices
+    off = ("actor_rollout_ref.rollout.name=vllm", "async_training.staleness_threshold=1",
+           "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token")
+    with pytest.raises(ConfigError, match="give it devices of its own"):
+        _config(*off)
+    assert _config(*off, "actor_rollout_ref.rollout.n_gpus_per_node=1").async_training.staleness_threshold == 1
 
 
 @pytest.mark.slow  # each case starts 2 actor and 2-3 rollout processes

@@ -154,7 +154,8 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------------------------------------ setup
     def init_workers(self) -> None:
         """Start the actor/rollout(/ref) group and, for GAE, the critic group; build the rollout-loop plug-in."""
-        role = "actor_rollout_ref" if self.use_reference else "actor_rollout"
+        split = self.typed.actor_rollout_ref.rollout.n_gpus_per_node > 0  # the rollout's own group generates
+        role = ("actor" if split else "actor_rollout") + ("_ref" if self.use_reference else "")
         actor_cls = RayClassWithInitArgs(self.role_worker_mapping[Role.ActorRollout],
                                          config=self.config.actor_rollout_ref, role=role)
         self.actor_rollout_wg = RayWorkerGroup(self.resource_pool, actor_cls, name_prefix="actor_rollout")
@@ -164,14 +165,13 @@ class RayPPOTrainer:
             self.critic_wg.init_model()
         self.actor_rollout_wg.init_model()
         self.standalone = standalone_rollout(self.typed, self.config.actor_rollout_ref, self.resource_pool.use_gpu)
-        loop_cfg, engine = self.typed.rollout_loop.config, WorkerGroupEngine(self.actor_rollout_wg)
-        engine = self.standalone.engine if self.standalone is not None else engine
+        engine = self.standalone.engine if self.standalone is not None else WorkerGroupEngine(self.actor_rollout_wg)
         if staleness_of(self.typed) > 0:
             engine = self.turn_signal = TurnSignal(engine)
-        self.rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine, config=loop_cfg,
-                                          is_validation=False)
-        self.val_rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine, config=loop_cfg,
-                                              is_validation=True)
+        self.rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine,
+                                          config=self.typed.rollout_loop.config, is_validation=False)
+        self.val_rollout_loop = self.loop_cls(tokenizer=self.tokenizer, engine=engine,
+                                              config=self.typed.rollout_loop.config, is_validation=True)
         self.rollouts = StepRollouts(self.typed, self.rollout_loop, self.val_rollout_loop, self.reward_fn,
                                      self._next_prompt_batch)
 
