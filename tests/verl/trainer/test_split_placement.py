@@ -49,9 +49,9 @@ def test_split_placement_accepts_the_hf_rollout_and_vllm_engines_of_a_full_actor
     assert _config(*off, "actor_rollout_ref.rollout.n_gpus_per_node=1").async_training.staleness_threshold == 1
 
 
-@pytest.mark.slow  # each case starts 2 actor and 2-3 rollout processes
+@pytest.mark.slow  # 25-35 s each measured: 2 actor and 2-3 rollout processes
 @pytest.mark.processes
-@pytest.mark.parametrize("strategy, devices", [("fsdp2", 3), ("fsdp", 2)])
+@pytest.mark.parametrize("strategy, devices", [("fsdp2", 3), pytest.param("fsdp", 2, marks=pytest.mark.extended)])
 def test_a_synced_rollout_group_generates_with_the_actors_updated_weights(tiny_model_path, tmp_path, ray_cluster,
                                                                           strategy, devices):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,3 +110,26 @@ def test_a_synced_rollout_group_generates_with_the_actors_updated_weights(tiny_m
             standalone.shutdown()
         actor.shutdown()
         pool.remove()
+
+
+def test_full_weights_exported_from_one_model_install_into_another_and_wrong_ones_are_refused(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from verl.workers.rollout.standalone_weights import export_full_weights, install_full_weights
+
+    source = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        for param in source.parameters():
+            param.add_(0.5)
+    full, stats = export_full_weights(source, torch.float32, bucket_bytes=2**20)
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    assert install_full_weights(target, full) == len(list(target.parameters())) == stats.tensors
+    for (name, a), (_, b) in zip(source.named_parameters(), target.named_parameters()):
+        assert torch.equal(a, b), name
+    renamed = {("x" if k == "model.norm.weight" else k): v for k, v in full.items()}
+    with pytest.raises(ValueError, match=r"not this model's: missing \['model.norm.weight'\], unknown \['x'\]"):
+        install_full_weights(target, renamed)
+    bad = dict(full)
+    bad["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="model.norm.weight has shape"):
+        install_full_weights(target, bad)
