@@ -13,7 +13,8 @@ first run; run this with .venv-vllm's python; the latency is then the server's o
 mode (each dialogue at its own pace) and the same decoupled-PPO correction in every mode (`rollout_is=token` on the
 recorded behaviour log-probs). The modes are bench.off_policy's: `sync`
 (staleness 0), `one_step_off`, `staleness_2` and `staleness_2_in_flight_2` (two rollouts queued ahead and running
-at once), and the last two with the rollout on processes of its own (`*_split`). Rollouts keep going across a validation (nothing is in flight across a checkpoint: docs/off_policy.md).
+at once), and the last two with the rollout on processes of its own (`*_split`). Rollouts keep going across a
+validation (nothing is in flight across a checkpoint: docs/off_policy.md).
 
 Per run: the greedy validation CR curve; the training time (the sum of the step times) and the wall time (the same
 plus every validation's rollout, from the one before training: rollouts in flight run beside the validations, which

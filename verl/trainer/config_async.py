@@ -3,9 +3,9 @@
 ``staleness_threshold`` must be a whole number of policy versions >= 0 (NaN, inf, negatives and fractions are
 refused naming the key); 0 is the synchronous trainer and needs nothing else. 1 (one-step-off) and k >= 2 (bounded
 staleness, which also needs ``partial_rollout=true``; ``partial_rollout`` needs k >= 2) need what makes a stale token
-trainable and what lets generation run beside training (the HF rollout, or any on devices of its own); each missing piece is a ConfigError naming the key to set
-(docs/off_policy.md, "Limits"). ``rollouts_in_flight`` is a whole number from 1 to k (more than 1 needs k >= 2 and
-no ReMax).
+trainable and what lets generation run beside training (the HF rollout, or any rollout on devices of its own);
+each missing piece is a ConfigError naming the key to set (docs/off_policy.md, "Limits"). ``rollouts_in_flight``
+is a whole number from 1 to k (more than 1 needs k >= 2 and no ReMax).
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, Optional, TypeVar, Union
 
 from verl.trainer.config_async import check_async_training
-from verl.trainer.config_placement import check_placement
 from verl.trainer.config_dependencies import check_dependencies
+from verl.trainer.config_placement import check_placement
 from verl.trainer.config_ranges import check_ranges
 from verl.trainer.config_schema import GROUP_ESTIMATORS, KL_ESTIMATORS, LOGGERS, ConfigError, PPOTrainerConfig
 

@@ -51,7 +51,8 @@ def resolve_device(typed: PPOTrainerConfig) -> str:
 
 def ray_cpus(typed: PPOTrainerConfig) -> int:
     """Logical CPUs for ray.init: ``trainer.ray_num_cpus``, else max(8, workers + 4) (the rollout's own count)."""
-    return typed.trainer.ray_num_cpus or max(8, typed.world_size + typed.actor_rollout_ref.rollout.n_gpus_per_node + 4)
+    return typed.trainer.ray_num_cpus or max(8, typed.world_size + typed.actor_rollout_ref.rollout.n_gpus_per_node
+                                              + 4)
 
 
 def run_ppo(config: DictConfig) -> dict[str, Any]:

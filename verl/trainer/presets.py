@@ -169,7 +169,7 @@ def _substitute(settings: dict[str, Setting], base: _Base) -> None:
         settings[key] = named(settings[key])
 
 
-ROLLOUT_GPUS = "actor_rollout_ref.rollout.n_gpus_per_node"  # the rollout's own GPUs (split placement), after the trainer's
+ROLLOUT_GPUS = "actor_rollout_ref.rollout.n_gpus_per_node"  # the rollout's own GPUs (split placement)
 
 
 def _derive_launch(settings: dict[str, Setting]) -> None:

@@ -5,8 +5,8 @@ the importance weights of the decoupled-PPO correction equal a float64 recomputa
 queue ahead and every trained token stays within the bound, also with two of them in flight at once. And with nothing
 to overlap (a checkpoint every step) the one-step-off and staleness-2 paths (one rollout at a time or two) train
 exactly the synchronous trainer's batches, also with the rollout on processes of its own (split placement), where
-one-step-off records the versions and behaviour log-probs of the weights each sync installed (HF or vLLM). Rollouts keep going across a validation, which sees the dialogues a quiet
-engine gives."""
+one-step-off records the versions and behaviour log-probs of the weights each sync installed (HF or vLLM).
+Rollouts keep going across a validation, which sees the dialogues a quiet engine gives."""
 from __future__ import annotations
 
 import json

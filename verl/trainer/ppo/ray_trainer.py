@@ -13,8 +13,8 @@ validation every ``test_freq`` and a checkpoint every ``save_freq`` steps (see :
 ``async_training.staleness_threshold=1`` the next step's rollout runs while a step trains
 (:mod:`verl.trainer.ppo.trainer_off_policy`), with k >= 2 up to k steps' rollouts run ahead, ``rollouts_in_flight``
 of them at once (:mod:`verl.trainer.ppo.trainer_rollout_stream`), on the actor's workers or on devices of their own
-(:mod:`verl.trainer.ppo.trainer_placement`; docs/off_policy.md). The trainer is composed of small parts: :class:`~verl.trainer.ppo.trainer_rollout.StepRollouts` (generation and
-scoring) and :class:`~verl.trainer.ppo.trainer_checkpoint.TrainerCheckpoints` (save and resume).
+(:mod:`verl.trainer.ppo.trainer_placement`; docs/off_policy.md). Its parts: :class:`~.trainer_rollout.StepRollouts`
+(generation and scoring) and :class:`~.trainer_checkpoint.TrainerCheckpoints` (save and resume).
 """
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
 from verl.trainer.ppo.trainer_advantage import advantage_step, compute_advantage
 from verl.trainer.ppo.trainer_checkpoint import (SCENARIO_KEY, CheckpointedParts, TrainerCheckpoints, nothing_to_train,
                                                  run_inputs)
-from verl.trainer.ppo.trainer_placement import StandaloneRollout, standalone_rollout
 from verl.trainer.ppo.trainer_off_policy import (RolloutAhead, TurnSignal, staleness_metrics, take_and_refill,
                                                  trainer_policy_version)
+from verl.trainer.ppo.trainer_placement import StandaloneRollout, standalone_rollout
 from verl.trainer.ppo.trainer_rollout_corr import actor_policy_loss, check_rollout_log_probs
 from verl.trainer.ppo.trainer_rollout import (GEN_INPUT_KEYS, StepRollouts, add_uids, compute_response_mask,
                                               merge_rollout_metrics, pop_metrics)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any
 
 from omegaconf import DictConfig
 
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.trainer.config_schema import PPOTrainerConfig
 from verl.workers.rollout.replicas import WorkerGroupEngine
 
 logger = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ class StandaloneRollout:
     def __init__(self, config: DictConfig, devices: int, use_gpu: bool) -> None:
         from verl.workers.rollout_worker import StandaloneRolloutWorker
 
-        self.pool = RayResourcePool([devices], use_gpu=use_gpu, name_prefix="rollout")
+        self.pool = RayResourcePool([devices], use_gpu=use_gpu, name_prefix=f"rollout_{uuid.uuid4().hex[:6]}")
         try:
             self.worker_group = RayWorkerGroup(self.pool, RayClassWithInitArgs(StandaloneRolloutWorker, config=config),
                                                name_prefix="rollout")
@@ -60,7 +62,7 @@ class StandaloneRollout:
         self.pool.remove()
 
 
-def standalone_rollout(typed: Any, config: DictConfig, use_gpu: bool) -> StandaloneRollout | None:
+def standalone_rollout(typed: PPOTrainerConfig, config: DictConfig, use_gpu: bool) -> StandaloneRollout | None:
     """The rollout on devices of its own when the checked config ``typed`` asks for them (``config``:
     ``actor_rollout_ref``); None when it runs on the actor's workers."""
     devices = typed.actor_rollout_ref.rollout.n_gpus_per_node
