@@ -117,7 +117,7 @@ def vllm_engine(s: Setup, hw: Hardware, gpu_memory_utilization: float | None = N
 def vllm_rollout_phase(s: Setup, hw: Hardware, own_gpus: bool = False) -> Phase:
     """The vLLM engine generating: colocated, the actor's resident state (offloaded states excepted) beside the
     engine's pool of ``gpu_memory_utilization`` x the GPU; on GPUs of its own (``own_gpus``, ``s`` the rollout's
-    side: :func:`verl.trainer.plan_split.rollout_side`), the pool and a CUDA context. The notes give the pool's KV
+    side: :func:`rollout_side`), the pool and a CUDA context. The notes give the pool's KV
     cache in tokens."""
     engine = vllm_engine(s, hw)
     rollout = s.cfg.actor_rollout_ref.rollout
