@@ -1,8 +1,7 @@
 """Checks of where the policy's rollout runs (``actor_rollout_ref.rollout.n_gpus_per_node``), run at load time by
 ``validate_config``: 0 is the rollout on the actor's workers; N > 0 puts it on N devices of its own (split
 placement, :mod:`verl.trainer.ppo.trainer_placement`): the HF rollout, or vLLM engines of
-``tensor_model_parallel_size`` ranks each, for a fully fine-tuned actor; anything else is a ConfigError naming the
-key to set.
+``tensor_model_parallel_size`` ranks each; anything else is a ConfigError naming the key to set.
 """
 from __future__ import annotations
 
@@ -27,7 +26,3 @@ def check_placement(cfg: PPOTrainerConfig) -> None:
     if rollout.name == "vllm" and devices % tp != 0:
         raise ConfigError(f"{KEY}={devices} holds the vLLM engines of actor_rollout_ref.rollout."
                           f"tensor_model_parallel_size={tp} ranks each: make it a multiple of {tp}")
-    if cfg.actor_rollout_ref.model.lora_rank > 0:
-        raise ConfigError(f"{KEY}={devices} gives the rollout the actor's full weights after each update; with "
-                          f"actor_rollout_ref.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank} only the "
-                          f"adapter trains, whose sync to a rollout of its own is not built: set {KEY}=0")

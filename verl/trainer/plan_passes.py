@@ -44,9 +44,9 @@ def update_pass_moments(s: Setup, model: str, mb: MicroBatch, compute_bytes: int
 
 def sync_transient_bytes(s: Setup) -> int:
     """What the actor's side of the weight sync holds at its peak: its buckets gathered in the rollout dtype and
-    copied out (the adapter's factors alone, held whole, when the engine serves the adapter)."""
+    copied out (the adapter's factors alone, held whole, when the rollout receives the adapter alone)."""
     bucket = int(s.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20)
-    if s.serves_adapter:
+    if s.syncs_adapter:
         rows = parameter_rows(s.actor, s.actor_lora.settings.rank, s.actor_lora.modules)
         return sync_peak_bytes(rows, s.world, s.compute_bytes, bucket, hold_all=True)
     return sync_peak_bytes(parameter_rows(s.actor), s.world, s.compute_bytes, bucket, hold_all=False)

@@ -266,12 +266,15 @@ def split_rollout_phase(s: Setup, hw: Hardware) -> Phase:
 
 
 def export_phase(s: Setup, hw: Hardware) -> Phase:
-    """After each update, on the trainer's GPUs: the actor's buckets gathered in the compute dtype and copied to host
-    memory on rank 0; the time adds the install (host to the rollout's GPUs)."""
+    """After each update, on the trainer's GPUs: the actor's buckets (a LoRA actor's adapter alone) gathered in the
+    compute dtype and copied to host memory on rank 0; the time adds the install (host to the rollout's GPUs)."""
     phase = Phase("weight export (to the rollout's GPUs)", resident_bytes(s, "sync"))
     phase.memory["gathered units"] = float(sync_transient_bytes(s))
-    full = s.actor.num_params() * s.compute_bytes
-    phase.seconds = 2 * full / (hw.host_gbps * 1e9)  # to host on rank 0, then host to each rollout GPU
-    phase.notes.append(f"split placement: rank 0 holds the full weights in host memory ({full / GB:.1f} GB) while "
-                       f"the rollout's {s.rollout_gpus} GPUs install them")
+    params = s.actor_lora.params if s.syncs_adapter else s.actor.num_params()
+    sent = params * s.compute_bytes
+    phase.seconds = 2 * sent / (hw.host_gbps * 1e9)  # to host on rank 0, then host to each rollout GPU
+    what = "the adapter" if s.syncs_adapter else "the full weights"
+    phase.notes.append(f"split placement: rank 0 holds {what} in host memory ({sent / GB:.2f} GB) while the "
+                       f"rollout's {s.rollout_gpus} GPUs install them" + (" (the frozen base once, at the start)"
+                                                                          if s.syncs_adapter else ""))
     return phase

@@ -81,9 +81,16 @@ class Setup:
         return self.rollout_gpus > 0
 
     @property
+    def syncs_adapter(self) -> bool:
+        """Whether the rollout keeps the actor's frozen base and receives its LoRA adapter alone after each update
+        (a vLLM engine, or a rollout on GPUs of its own; not with merged weights)."""
+        lora, rollout = self.actor_lora, self.cfg.actor_rollout_ref.rollout
+        return lora is not None and not lora.settings.merge and (rollout.name == "vllm" or self.split)
+
+    @property
     def serves_adapter(self) -> bool:
-        """Whether the vLLM engine keeps the base and receives the actor's LoRA adapter (not merged weights)."""
-        return self.vllm and self.actor_lora is not None and not self.actor_lora.settings.merge
+        """Whether a vLLM engine (colocated or on GPUs of its own) serves the actor's LoRA adapter on its base."""
+        return self.syncs_adapter and self.cfg.actor_rollout_ref.rollout.name == "vllm"
 
     def lora(self, model: str) -> LoraPlan | None:
         """The adapter of ``model`` (actor or critic), if it trains one."""

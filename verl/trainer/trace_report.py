@@ -116,7 +116,7 @@ def _planned_collectives(s: Setup, phase: str) -> dict[tuple[str, str], tuple[in
     """What the memory model predicts a traced phase issues."""
     rollout = s.cfg.actor_rollout_ref.rollout
     if phase == "weight sync":
-        lora = s.actor_lora if s.serves_adapter else None
+        lora = s.actor_lora if s.syncs_adapter else None
         rows = parameter_rows(s.actor, lora.settings.rank, lora.modules) if lora else parameter_rows(s.actor)
         buckets = sync_buckets(rows, s.world, s.compute_bytes, int(rollout.update_weights_bucket_megabytes * 2**20))
         total = sum(map(sum, buckets)) * s.compute_bytes

@@ -33,7 +33,7 @@ from verl.workers.fsdp_models import (build_actor_module, build_critic_module, b
 from verl.workers.fsdp_checkpoint import FSDPCheckpointManager
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.logprob_mismatch import logprob_mismatch_metrics
-from verl.workers.rollout.standalone_weights import export_full_weights
+from verl.workers.rollout.standalone_weights import export_rollout_weights
 from verl.workers.worker_inputs import load_worker_tokenizer, resolved_copy, rows_per_rank, with_meta_defaults
 
 logger = logging.getLogger(__name__)
@@ -245,16 +245,20 @@ class ActorRolloutRefWorker(Worker):
         return self.rollout.generate_replica_sequences(self._generation_input(prompts))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def export_rollout_weights(self) -> tuple[Any, int, dict[str, float]] | None:
-        """For a rollout on devices of its own: (an object-store reference to the full HF-named weights in the
-        compute dtype, their policy version, the gather's metrics) on rank 0; None on the others, which take part."""
+    def export_rollout_weights(self, send_base: bool = True) -> tuple[Any, int, dict[str, float]] | None:
+        """For a rollout on devices of its own: (an object-store reference to the weights it needs, a
+        :class:`~verl.workers.rollout.standalone_weights.RolloutWeights` in the compute dtype, their policy version,
+        the gather's metrics) on rank 0; None on the others, which take part. A LoRA actor sends its adapter, and
+        its frozen base only with ``send_base`` (the rollout lacks it); with ``model.lora.merge`` merged weights."""
         self._require(self._is_actor or self._is_rollout, "export_rollout_weights", "actor or rollout")
         import ray
 
         bucket = int(self.config.rollout.get("update_weights_bucket_megabytes", 512) * 2**20)
+        dtype = compute_dtype(self.config.actor, get_device_name())
         with self.actor_offload.on_device():
-            full, stats = export_full_weights(self._module, compute_dtype(self.config.actor, get_device_name()), bucket)
-        return None if full is None else (ray.put(full), self._policy_version(), stats.metrics())
+            weights, stats = export_rollout_weights(self._module, dtype, bucket, self.lora, send_base,
+                                                    self.config.model.path)
+        return None if weights is None else (ray.put(weights), self._policy_version(), stats.metrics())
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:

@@ -5,23 +5,24 @@ weights are the actor's as of the last :meth:`StandaloneRolloutWorker.load_rollo
 ``rollout.name=hf``: one HF-generate replica sharded (FSDP) over the group's ranks, starting from the model's own
 weights. ``rollout.name=vllm``: a vLLM engine per tensor-parallel group (each a replica), no training copy of the
 model beside it, never put to sleep (nothing else uses its devices), holding dummy weights until the first
-install. The trainer installs the actor's weights at the start and after each update
+install. A LoRA actor's rollout carries the same adapter (a PEFT model, or an engine serving it) and receives the
+frozen base once, then the adapter alone; with ``model.lora.merge`` it is a plain model given merged weights.
+The trainer installs the actor's weights at the start and after each update
 (:mod:`verl.trainer.ppo.trainer_placement`); the install is one call on the group, so it runs between two
 generation calls: a turn being generated finishes on the old weights, and every generation reports the version it
 was sampled with.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from omegaconf import DictConfig
 
 from verl.single_controller.base import Dispatch, register
+from verl.utils.lora import LoraSettings
 from verl.utils.shm_model import model_dir
 from verl.workers.fsdp_models import model_seed
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
-from verl.workers.rollout.standalone_weights import install_full_weights
+from verl.workers.rollout.standalone_weights import RolloutWeights, install_rollout_weights
 from verl.workers.worker_inputs import load_worker_tokenizer
 
 __all__ = ["StandaloneRolloutWorker"]
@@ -34,6 +35,8 @@ class StandaloneRolloutWorker(ActorRolloutRefWorker):
 
     def __init__(self, config: DictConfig) -> None:
         super().__init__(config, role="rollout")
+        lora = LoraSettings.from_model_config(self.config.model, "actor_rollout_ref.model")
+        self.lora = None if lora is None or lora.merge else lora  # merged: a plain model given merged weights
         self.installed_version = 0  # the model's own weights (HF) until the first install
 
     def _policy_version(self) -> int:
@@ -59,17 +62,32 @@ class StandaloneRolloutWorker(ActorRolloutRefWorker):
                                "(StandaloneRollout.sync); generate after it")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_rollout_weights(self, weights: dict[str, Any], version: int) -> int:
-        """Install the actor's full weights (:meth:`ActorRolloutRefWorker.export_rollout_weights`; Ray resolves
-        the reference) as policy ``version``; returns how many tensors were installed."""
+    def load_rollout_weights(self, weights: RolloutWeights, version: int) -> int:
+        """Install what the actor exported (:meth:`ActorRolloutRefWorker.export_rollout_weights`; Ray resolves the
+        reference) as policy ``version``: full weights, or a LoRA actor's adapter (and its base while this rollout
+        lacks it); returns how many tensors were installed."""
         self._require(self._is_rollout, "load_rollout_weights", "rollout")
         if self.rollout_name == "vllm":
-            from verl.workers.rollout.vllm_rollout import WeightSyncStats
-
-            self.rollout.update_weights(iter(weights.items()), WeightSyncStats())
-            copied = len(weights)
+            copied = self._install_in_engine(weights)
         else:
             with self.actor_offload.on_device():
-                copied = install_full_weights(self._module, weights)
+                copied = install_rollout_weights(self._module, weights)
         self.installed_version = int(version)
+        return copied
+
+    def _install_in_engine(self, weights: RolloutWeights) -> int:
+        """Load ``weights`` into the vLLM engine: the model's weights (or base) when sent, then the adapter."""
+        from verl.workers.rollout.vllm_rollout import WeightSyncStats
+
+        if (weights.adapter is not None) != self.rollout.serves_adapter:
+            raise ValueError("the actor's weights do not fit this engine: "
+                             + ("an adapter for an engine that serves none" if weights.adapter is not None
+                                else "no adapter for an engine that serves the actor's"))
+        copied = 0
+        if weights.model is not None:
+            self.rollout.update_weights(iter(weights.model.items()), WeightSyncStats())
+            copied += len(weights.model)
+        if weights.adapter is not None:
+            self.rollout.update_adapter(iter(weights.adapter.items()), weights.adapter_config, WeightSyncStats())
+            copied += len(weights.adapter)
         return copied

@@ -29,6 +29,7 @@ STALENESS_2 = tuple(o.replace("staleness_threshold=1", "staleness_threshold=2") 
     "async_training.partial_rollout=true",)
 IN_FLIGHT_2 = STALENESS_2 + ("async_training.rollouts_in_flight=2",)
 SPLIT = ("actor_rollout_ref.rollout.n_gpus_per_node=2",)  # the rollout on 2 CPU processes of its own
+LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16")
 SYNCHRONOUS = tuple(o.replace("staleness_threshold=1", "staleness_threshold=0") for o in ONE_STEP_OFF)
 THRESHOLD = 2.0
 
@@ -194,6 +195,23 @@ def test_with_nothing_to_overlap_off_policy_trains_the_synchronous_batches(tiny_
     for key in sorted(off.batch.keys()):
         assert torch.equal(off.batch[key], sync.batch[key]), key
     assert list(off.non_tensor_batch["uid"]) == list(sync.non_tensor_batch["uid"])
+
+
+@pytest.mark.extended  # 56 s measured: two trainer runs (make test-extended, CI)
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_lora_actor_with_a_rollout_of_its_own_trains_the_colocated_batches(tiny_model_path, tmp_path, ray_cluster):
+    """Split placement syncs the adapter alone after each update; with nothing to overlap, one-step-off on a
+    rollout of its own trains exactly the colocated synchronous LoRA batches (the behaviour log-probs included)."""
+    colocated = _trained_batch(tiny_model_path, tmp_path / "colocated", SYNCHRONOUS + LORA)
+    split = _trained_batch(tiny_model_path, tmp_path / "split", ONE_STEP_OFF + SPLIT + LORA)
+    assert set(split.batch.keys()) == set(colocated.batch.keys())
+    for key in sorted(split.batch.keys()):
+        assert torch.equal(split.batch[key], colocated.batch[key]), key
+    metrics = [json.loads(line) for line in (tmp_path / "split" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    layers = json.loads((Path(tiny_model_path) / "config.json").read_text())["num_hidden_layers"]
+    adapter_tensors = 2 * 7 * layers  # A and B of the 7 linear layers of each decoder layer
+    assert [m["rollout/weight_sync_tensors"] for m in metrics] == [adapter_tensors] * len(metrics)
 
 
 @pytest.mark.slow

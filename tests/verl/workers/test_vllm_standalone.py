@@ -1,5 +1,6 @@
 """Split placement with vLLM: a rollout group of its own (one vLLM engine, no training copy of the model) given an
-FSDP actor's weights by StandaloneRollout.sync. Before the first sync it refuses to generate (its weights are
+FSDP actor's weights by StandaloneRollout.sync (a LoRA actor's: its base once, then its adapter alone, which the
+engine serves). Before the first sync it refuses to generate (its weights are
 dummies); after each sync the log-probs it reports for its samples equal the actor's recomputed ones (float32
 both sides, other kernels) and it reports the installed version; an engine left on the previous weights would be
 far off. Needs the vLLM environment (``make vllm-env``)."""
@@ -33,7 +34,8 @@ def _log_probs_under(model, batch) -> torch.Tensor:
     return torch.log_softmax(logits[:, -width - 1: -1], -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
 
 
-def test_a_standalone_vllm_rollout_generates_with_each_synced_version(tiny_model_path):
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.extended)])  # ~60 s each measured
+def test_a_standalone_vllm_rollout_generates_with_each_synced_version(tiny_model_path, lora):
     import ray
 
     from verl.single_controller.base.worker_group import WorkerGroupError
@@ -46,6 +48,9 @@ def test_a_standalone_vllm_rollout_generates_with_each_synced_version(tiny_model
     config = actor_rollout_ref_config(tiny_model_path, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=4,
                                       use_kl_loss=False, entropy_coeff=0.0, optim={"lr": 5e-2})
     config.rollout = OmegaConf.merge(config.rollout, ENGINE)
+    if lora:  # the engine serves the adapter: the base arrives with the first sync, the adapter alone after
+        config.model = OmegaConf.merge(config.model, {"lora_rank": 8, "lora_alpha": 16})
+        config.rollout = OmegaConf.merge(config.rollout, {"max_model_len": 64, "max_num_batched_tokens": 256})
     remove_stale_segments()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     pool = RayResourcePool([2], use_gpu=False)
@@ -58,10 +63,14 @@ def test_a_standalone_vllm_rollout_generates_with_each_synced_version(tiny_model
         with pytest.raises(WorkerGroupError, match="dummy weights"):
             standalone.engine.generate_sequences(prompts)
         initial = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        model_tensors = len(list(initial.parameters()))
+        adapter_tensors = 2 * 7 * initial.config.num_hidden_layers if lora else 0
         gen = torch.Generator().manual_seed(0)
         for version in range(3):
             metrics = standalone.sync(actor)
             assert metrics["rollout/standalone_policy_version"] == version
+            sent = adapter_tensors + (model_tensors if version == 0 or not lora else 0)
+            assert metrics["rollout/weight_sync_tensors"] == sent
             out = standalone.engine.generate_sequences(prompts)
             assert out.meta_info[POLICY_VERSION] == version
             mask = out.batch["response_mask"].bool()

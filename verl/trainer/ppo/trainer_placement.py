@@ -4,7 +4,8 @@ veRL's and AReaL's layout for generating while the actor trains.
 :class:`StandaloneRollout` starts a :class:`~verl.workers.rollout_worker.StandaloneRolloutWorker` group on a
 resource pool of its own and hands the rollout loops its engine. :meth:`StandaloneRollout.sync` gives it the
 actor's weights: the actor's ranks gather them (rank 0 keeps the full tensors and puts them once in Ray's object
-store, where every rollout rank reads them) and the rollout group installs them with their version. The trainer
+store, where every rollout rank reads them) and the rollout group installs them with their version; a LoRA actor
+sends its frozen base once and then only its adapter (unless ``model.lora.merge``: merged weights). The trainer
 syncs after each actor update and once at the start (the loaded checkpoint's weights); a rollout running meanwhile
 (one-step-off, bounded staleness) gets them between two of its generation calls. docs/off_policy.md, "Split
 placement".
@@ -43,13 +44,15 @@ class StandaloneRollout:
             self.pool.remove()
             raise
         self.engine = WorkerGroupEngine(self.worker_group)
+        self.base_installed = False  # a LoRA actor's frozen base: sent once, then its adapter alone
 
     def sync(self, actor_worker_group: Any) -> dict[str, float]:
         """Install the actor's current weights in the rollout group; the sync's metrics (``timing_s/weight_sync``,
         its whole wall time; ``rollout/weight_sync_*``, what the gather moved; the installed version)."""
         start = time.perf_counter()
-        weights, version, metrics = actor_worker_group.export_rollout_weights()[0]
+        weights, version, metrics = actor_worker_group.export_rollout_weights(send_base=not self.base_installed)[0]
         self.worker_group.load_rollout_weights(weights, version)
+        self.base_installed = True
         metrics.update({"timing_s/weight_sync": time.perf_counter() - start,
                         "rollout/standalone_policy_version": float(version)})
         logger.info("installed version %d in the standalone rollout in %.3f s", version,
