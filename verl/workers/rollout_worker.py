@@ -10,14 +10,19 @@ frozen base once, then the adapter alone; with ``model.lora.merge`` it is a plai
 The trainer installs the actor's weights at the start and after each update
 (:mod:`verl.trainer.ppo.trainer_placement`); the install is one call on the group, so it runs between two
 generation calls: a turn being generated finishes on the old weights, and every generation reports the version it
-was sampled with.
+was sampled with. A checkpoint keeps each rank's RNG states (:meth:`StandaloneRolloutWorker.save_rollout_state`),
+so a resumed run samples what the uninterrupted one would have.
 """
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 from omegaconf import DictConfig
 
 from verl.single_controller.base import Dispatch, register
+from verl.utils.checkpoint import check_rng_state, get_rng_state, set_rng_state
 from verl.utils.lora import LoraSettings
 from verl.utils.shm_model import model_dir
 from verl.workers.fsdp_models import model_seed
@@ -25,7 +30,12 @@ from verl.workers.fsdp_workers import ActorRolloutRefWorker
 from verl.workers.rollout.standalone_weights import RolloutWeights, install_rollout_weights
 from verl.workers.worker_inputs import load_worker_tokenizer
 
-__all__ = ["StandaloneRolloutWorker"]
+__all__ = ["StandaloneRolloutWorker", "rng_file"]
+
+
+def rng_file(rank: int) -> str:
+    """The name of rollout rank ``rank``'s RNG states in a checkpoint's ``rollout/``."""
+    return f"rng_rank_{rank}.json"
 
 
 class StandaloneRolloutWorker(ActorRolloutRefWorker):
@@ -91,3 +101,22 @@ class StandaloneRolloutWorker(ActorRolloutRefWorker):
             self.rollout.update_adapter(iter(weights.adapter.items()), weights.adapter_config, WeightSyncStats())
             copied += len(weights.adapter)
         return copied
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_rollout_state(self, local_path: str) -> None:
+        """Write this rank's RNG states (they draw the rollout's samples) into ``local_path``."""
+        os.makedirs(local_path, exist_ok=True)
+        with open(os.path.join(local_path, rng_file(self.rank)), "w", encoding="utf-8") as f:
+            json.dump(get_rng_state(), f)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_rollout_state(self, local_path: str) -> None:
+        """Restore what :meth:`save_rollout_state` wrote; ValueError naming the file when it is not RNG states."""
+        path = os.path.join(local_path, rng_file(self.rank))
+        with open(path, encoding="utf-8") as f:
+            try:
+                state = json.load(f)
+                check_rng_state(state)
+            except ValueError as exc:
+                raise ValueError(f"{path}: not the rollout rank's RNG states ({exc})") from None
+        set_rng_state(state)

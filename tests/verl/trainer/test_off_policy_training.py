@@ -217,8 +217,8 @@ def test_a_lora_actor_with_a_rollout_of_its_own_trains_the_colocated_batches(tin
 @pytest.mark.slow
 @pytest.mark.processes
 @pytest.mark.extended  # 48-69 s each measured: make test-extended (CI), out of make test's 20 minutes
-@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2, IN_FLIGHT_2],
-                         ids=["one-step-off", "staleness-2", "two-in-flight"])
+@pytest.mark.parametrize("mode", [ONE_STEP_OFF, STALENESS_2, IN_FLIGHT_2, ONE_STEP_OFF + SPLIT],
+                         ids=["one-step-off", "staleness-2", "two-in-flight", "split-one-step-off"])
 def test_a_resume_at_a_checkpoint_trains_the_uninterrupted_runs_next_batch(tiny_model_path, tmp_path, ray_cluster,
                                                                            mode):
     # steps 1 -> 2 overlap; step 2 ends with a checkpoint, so step 3's rollout starts after it in both runs, from

@@ -196,7 +196,7 @@ class RayPPOTrainer:
 
     def _checkpointed(self) -> CheckpointedParts:
         return CheckpointedParts(self.actor_rollout_wg, self.critic_wg, self.train_loader, self.kl_ctrl,
-                                 self.rollout_loop)
+                                 self.rollout_loop, None if self.standalone is None else self.standalone.worker_group)
 
     def check_resume_model(self) -> None:
         """Fail before any worker starts when the checkpoint to resume was trained from another model."""

@@ -1,8 +1,9 @@
 """Checkpoint save / resume of a training run (:class:`TrainerCheckpoints`, used by the PPO trainer).
 
 ``global_step_N`` holds ``actor/`` and ``critic/`` (written by the worker groups: HF export plus optimizer,
-scheduler and RNG state per rank), ``trainer_state.json`` (step, dataloader position, KL coefficient, driver
-RNG, rollout-loop state, and the resolved ``actor_rollout_ref.model.path`` the run started from),
+scheduler and RNG state per rank), ``rollout/`` (a rollout of its own: its ranks' RNG states),
+``trainer_state.json`` (step, dataloader position, KL coefficient, driver RNG, rollout-loop state, and the resolved
+``actor_rollout_ref.model.path`` the run started from),
 ``trainer_config.json`` (the run's resolved config, secrets left out: :mod:`verl.utils.run_config`), plus
 ``rollout_loop/`` where the rollout-loop plug-in keeps files of its own (its ``save_checkpoint(dir)`` /
 ``load_checkpoint(dir)`` hooks). It is written into ``global_step_N.partial``, fsynced and committed by a rename
@@ -52,6 +53,7 @@ from verl.utils.run_config import save_run_config
 logger = logging.getLogger(__name__)
 
 LOOP_DIR = "rollout_loop"  # the rollout-loop plug-in's own files inside global_step_N/
+ROLLOUT_DIR = "rollout"  # the RNG states of a rollout on devices of its own (split placement)
 LOADER_SETTINGS = ("seed", "batch_size", "num_samples", "shuffle")  # a resumed prompt loader must match these
 REQUIRED_STATE = {"global_step": int, "dataloader": dict, "kl_ctrl_value": (int, float), "rng": dict}
 DATALOADER_POSITION = ("epoch", "batch_index")  # what the prompt loader resumes from
@@ -111,13 +113,15 @@ def check_trainer_state(path: Path, state: dict[str, Any], loader: Optional[Mapp
 @dataclass
 class CheckpointedParts:
     """What a checkpoint saves and restores besides the trainer's step: the worker groups (critic None without
-    GAE), the prompt loader, the KL controller and the rollout loop."""
+    GAE; ``rollout_wg`` the rollout's own group with split placement, else None), the prompt loader, the KL
+    controller and the rollout loop."""
 
     actor_rollout_wg: Any
     critic_wg: Any
     train_loader: Any
     kl_ctrl: Any
     rollout_loop: RolloutLoop
+    rollout_wg: Any = None
 
 
 class TrainerCheckpoints:
@@ -148,6 +152,8 @@ class TrainerCheckpoints:
         parts.actor_rollout_wg.save_checkpoint(str(partial / "actor"), global_step=step, save_hf_model=hf_model)
         if parts.critic_wg is not None:
             parts.critic_wg.save_checkpoint(str(partial / "critic"), global_step=step, save_hf_model=hf_model)
+        if parts.rollout_wg is not None:
+            parts.rollout_wg.save_rollout_state(str(partial / ROLLOUT_DIR))
         loop_state = parts.rollout_loop.state_dict()
         parts.rollout_loop.save_checkpoint(str(partial / LOOP_DIR))
         save_trainer_state(partial, {
@@ -227,6 +233,8 @@ class TrainerCheckpoints:
             if not (path / "critic").is_dir():
                 raise FileNotFoundError(f"{path} has no critic/ state, but algorithm.adv_estimator=gae needs one")
             parts.critic_wg.load_checkpoint(str(path / "critic"))
+        if parts.rollout_wg is not None:
+            restore_rollout_rng(path, parts.rollout_wg)
         parts.train_loader.load_state_dict(state["dataloader"])
         parts.kl_ctrl.value = float(state["kl_ctrl_value"])
         set_rng_state(state["rng"])
@@ -237,6 +245,18 @@ class TrainerCheckpoints:
         logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, step, parts.train_loader.epoch,
                     parts.train_loader.batch_index)
         return path, step
+
+
+def restore_rollout_rng(path: Path, rollout_wg: Any) -> None:
+    """Give a rollout of its own its RNG states from ``path``; with none saved for its ranks (a checkpoint of a
+    colocated run, or another count of rollout devices) it keeps fresh streams and says so."""
+    saved = sorted((path / ROLLOUT_DIR).glob("rng_rank_*.json"))
+    if len(saved) == rollout_wg.world_size:
+        rollout_wg.load_rollout_state(str(path / ROLLOUT_DIR))
+        return
+    logger.warning("%s holds the RNG states of %d rollout ranks, this run's rollout has %d: it samples from fresh "
+                   "RNG streams, so its samples differ from an uninterrupted run's", path, len(saved),
+                   rollout_wg.world_size)
 
 
 def nothing_to_train(step: int, total: int) -> str:
