@@ -241,7 +241,7 @@ def build_phases(s: Setup, hw: Hardware) -> list[Phase]:
     if s.vllm:
         phases.append(weight_sync_phase(s, hw))
     if s.split:
-        phases.append(export_phase(s, hw))
+        phases += [export_phase(s, hw), install_phase(s, hw)]
     return phases
 
 
@@ -267,14 +267,26 @@ def split_rollout_phase(s: Setup, hw: Hardware) -> Phase:
 
 def export_phase(s: Setup, hw: Hardware) -> Phase:
     """After each update, on the trainer's GPUs: the actor's buckets (a LoRA actor's adapter alone) gathered in the
-    compute dtype and copied to host memory on rank 0; the time adds the install (host to the rollout's GPUs)."""
+    compute dtype and copied to host memory on rank 0."""
     phase = Phase("weight export (to the rollout's GPUs)", resident_bytes(s, "sync"))
     phase.memory["gathered units"] = float(sync_transient_bytes(s))
-    params = s.actor_lora.params if s.syncs_adapter else s.actor.num_params()
-    sent = params * s.compute_bytes
-    phase.seconds = 2 * sent / (hw.host_gbps * 1e9)  # to host on rank 0, then host to each rollout GPU
+    sent = _sync_bytes(s)
+    phase.seconds = sent / (hw.host_gbps * 1e9)
     what = "the adapter" if s.syncs_adapter else "the full weights"
     phase.notes.append(f"split placement: rank 0 holds {what} in host memory ({sent / GB:.2f} GB) while the "
                        f"rollout's {s.rollout_gpus} GPUs install them" + (" (the frozen base once, at the start)"
                                                                           if s.syncs_adapter else ""))
     return phase
+
+
+def install_phase(s: Setup, hw: Hardware) -> Phase:
+    """The rollout's GPUs copying the exported weights in from host memory, between two generation calls (the
+    trainer goes on meanwhile)."""
+    phase = Phase("weight install (rollout's GPUs)", dict(split_rollout_phase(s, hw).memory), on_rollout_gpus=True)
+    phase.seconds = _sync_bytes(s) / (hw.host_gbps * 1e9)
+    return phase
+
+
+def _sync_bytes(s: Setup) -> float:
+    """What one sync after an update moves: the adapter, or every weight, in the compute dtype."""
+    return (s.actor_lora.params if s.syncs_adapter else s.actor.num_params()) * s.compute_bytes

@@ -16,7 +16,9 @@ so a resumed run samples what the uninterrupted one would have.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 
 import torch
 from omegaconf import DictConfig
@@ -29,6 +31,8 @@ from verl.workers.fsdp_models import model_seed
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
 from verl.workers.rollout.standalone_weights import RolloutWeights, install_rollout_weights
 from verl.workers.worker_inputs import load_worker_tokenizer
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["StandaloneRolloutWorker", "rng_file"]
 
@@ -72,18 +76,21 @@ class StandaloneRolloutWorker(ActorRolloutRefWorker):
                                "(StandaloneRollout.sync); generate after it")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_rollout_weights(self, weights: RolloutWeights, version: int) -> int:
+    def load_rollout_weights(self, weights: RolloutWeights, version: int) -> float:
         """Install what the actor exported (:meth:`ActorRolloutRefWorker.export_rollout_weights`; Ray resolves the
         reference) as policy ``version``: full weights, or a LoRA actor's adapter (and its base while this rollout
-        lacks it); returns how many tensors were installed."""
+        lacks it); returns the seconds the install took."""
         self._require(self._is_rollout, "load_rollout_weights", "rollout")
+        start = time.perf_counter()
         if self.rollout_name == "vllm":
             copied = self._install_in_engine(weights)
         else:
             with self.actor_offload.on_device():
                 copied = install_rollout_weights(self._module, weights)
         self.installed_version = int(version)
-        return copied
+        seconds = time.perf_counter() - start
+        logger.info("rank %d: installed %d tensors of version %d in %.3f s", self.rank, copied, version, seconds)
+        return seconds
 
     def _install_in_engine(self, weights: RolloutWeights) -> int:
         """Load ``weights`` into the vLLM engine: the model's weights (or base) when sent, then the adapter."""

@@ -206,7 +206,10 @@ def test_split_placement_plans_the_rollouts_gpus_and_the_export(model_14b):
     update = phases["update actor"]
     assert "vllm" not in update.memory and update.memory["weights"] == pytest.approx(4 * P_14B / 4, rel=1e-6)
     export = phases["weight export"]
-    assert not export.on_rollout_gpus and export.seconds == pytest.approx(2 * 2 * P_14B / (hw.host_gbps * 1e9))
+    # bf16 weights to host memory on rank 0 (the trainer's), then from there into the rollout's GPUs (its own)
+    assert not export.on_rollout_gpus and export.seconds == pytest.approx(2 * P_14B / (hw.host_gbps * 1e9))
+    install = phases["weight install"]
+    assert install.on_rollout_gpus and install.seconds == export.seconds and install.memory == rollout.memory
     assert "weight sync" not in phases
     training = sum(p.seconds for p in phases.values() if not p.on_rollout_gpus) / 60
     text = plan.step_time_text(list(phases.values()))

@@ -45,14 +45,14 @@ def test_split_placement_with_lora_exports_the_adapter_alone_to_an_engine_with_i
     setup, hw, phases = preset_phases(model_14b, split)
     export = phases["weight export"]
     # rank 0 copies the bf16 adapter to host memory, each rollout GPU reads it back
-    assert export.seconds == pytest.approx(2 * 2 * ADAPTER_14B / (hw.host_gbps * 1e9))
+    assert export.seconds == pytest.approx(2 * ADAPTER_14B / (hw.host_gbps * 1e9)) == phases["weight install"].seconds
     assert "the adapter" in export.notes[0]
     _, _, colocated = preset_phases(model_14b, [*LORA_32, "trainer.n_gpus_per_node=4"])  # the same gather
     assert export.memory["gathered units"] == colocated["weight sync"].memory["gathered units"]
     engine = plan_phases.vllm_engine(plan_phases.rollout_side(setup), hw)  # on its own GPUs, with its adapter slot
     assert engine.weights == pytest.approx(2 * P_14B / 2 + 2 * ADAPTER_14B / 2)
     _, _, merged = preset_phases(model_14b, [*split, "actor_rollout_ref.model.lora.merge=true"])
-    assert merged["weight export"].seconds == pytest.approx(2 * 2 * P_14B / (hw.host_gbps * 1e9))
+    assert merged["weight export"].seconds == pytest.approx(2 * P_14B / (hw.host_gbps * 1e9))
 
 
 def test_target_and_excluded_modules_and_merged_sync(model_14b):

@@ -291,6 +291,11 @@ class RayWorkerGroup(WorkerGroup):
         """
         return self._launch(method_name, [(args, kwargs)] * self.world_size)
 
+    def wait_all(self, method_name: str, handles: Sequence[ray.ObjectRef]) -> list[Any]:
+        """The results of `handles` (from `execute_all_async(method_name, ...)`) in rank order; the first rank to
+        fail raises `WorkerGroupError` naming it."""
+        return self._wait(method_name, handles)
+
     def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method_name(*args, **kwargs)` on every rank (same arguments); return the results in rank order."""
         return self._wait(method_name, self.execute_all_async(method_name, *args, **kwargs))

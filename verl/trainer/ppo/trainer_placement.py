@@ -7,8 +7,8 @@ actor's weights: the actor's ranks gather them (rank 0 keeps the full tensors an
 store, where every rollout rank reads them) and the rollout group installs them with their version; a LoRA actor
 sends its frozen base once and then only its adapter (unless ``model.lora.merge``: merged weights). The trainer
 syncs after each actor update and once at the start (the loaded checkpoint's weights); a rollout running meanwhile
-(one-step-off, bounded staleness) gets them between two of its generation calls. docs/off_policy.md, "Split
-placement".
+(one-step-off, bounded staleness) gets them between two of its generation calls, while the trainer goes on (it
+waits for an install only at the next sync). docs/off_policy.md, "Split placement".
 """
 from __future__ import annotations
 
@@ -45,19 +45,39 @@ class StandaloneRollout:
             raise
         self.engine = WorkerGroupEngine(self.worker_group)
         self.base_installed = False  # a LoRA actor's frozen base: sent once, then its adapter alone
+        self._installing: list[Any] | None = None  # the install in progress (its object refs)
 
     def sync(self, actor_worker_group: Any) -> dict[str, float]:
-        """Install the actor's current weights in the rollout group; the sync's metrics (``timing_s/weight_sync``,
-        its whole wall time; ``rollout/weight_sync_*``, what the gather moved; the installed version)."""
+        """Export the actor's current weights and start their install in the rollout group, which runs it between
+        two of its generation calls: every generation call sent after this one returns runs on them. The first sync
+        waits for its install (before it the engine may hold dummy weights; a payload that does not fit fails
+        here); a later one waits only for the previous install, not for the generation call in progress.
+
+        Metrics: ``timing_s/weight_sync`` (what the trainer waited: the previous install, the export, the
+        submission), ``rollout/weight_install_s`` (the last finished install on the slowest rollout rank),
+        ``rollout/weight_sync_*`` (what the gather moved), ``rollout/standalone_policy_version`` (the version
+        sent)."""
         start = time.perf_counter()
-        weights, version, metrics = actor_worker_group.export_rollout_weights(send_base=not self.base_installed)[0]
-        self.worker_group.load_rollout_weights(weights, version)
-        self.base_installed = True
+        metrics = self.wait_installed()
+        weights, version, exported = actor_worker_group.export_rollout_weights(send_base=not self.base_installed)[0]
+        self._installing = self.worker_group.execute_all_async("load_rollout_weights", weights, version)
+        if not self.base_installed:
+            metrics = self.wait_installed()
+            self.base_installed = True
+        metrics.update(exported)
         metrics.update({"timing_s/weight_sync": time.perf_counter() - start,
                         "rollout/standalone_policy_version": float(version)})
-        logger.info("installed version %d in the standalone rollout in %.3f s", version,
+        logger.info("sent version %d to the standalone rollout; the trainer waited %.3f s", version,
                     metrics["timing_s/weight_sync"])
         return metrics
+
+    def wait_installed(self) -> dict[str, float]:
+        """Wait for the install in progress, if any; its time on the slowest rollout rank
+        (``rollout/weight_install_s``)."""
+        if self._installing is None:
+            return {}
+        handles, self._installing = self._installing, None
+        return {"rollout/weight_install_s": max(self.worker_group.wait_all("load_rollout_weights", handles))}
 
     def shutdown(self) -> None:
         """Stop the rollout group and give its devices back (idempotent)."""
