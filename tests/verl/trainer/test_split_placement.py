@@ -53,17 +53,34 @@ def test_split_placement_accepts_the_hf_rollout_and_vllm_engines_of_a_full_or_lo
     assert _config(*off, "actor_rollout_ref.rollout.n_gpus_per_node=1").async_training.staleness_threshold == 1
 
 
+def _assert_generates_as(standalone, reference, prompts, model_path: str, rollout_config) -> None:
+    """The standalone rollout's greedy generation of ``prompts`` is, as version 1, what HF generate with the model
+    ``reference`` gives (the tokenizer's EOS and pad for both)."""
+    from transformers import AutoTokenizer
+
+    from verl.workers.rollout.engine import POLICY_VERSION
+    from verl.workers.rollout.hf_rollout import HFRollout
+
+    after = standalone.engine.generate_sequences(prompts)
+    assert after.meta_info[POLICY_VERSION] == 1
+    assert after.batch["responses"].shape == (len(prompts), RESPONSE_LEN)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts.meta_info.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    expected = HFRollout(reference, rollout_config).generate_sequences(prompts)
+    for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(after.batch[key], expected.batch[key]), key
+
+
 @pytest.mark.slow  # 25-35 s each measured: 2 actor and 2-3 rollout processes
 @pytest.mark.processes
 @pytest.mark.parametrize("strategy, devices", [("fsdp2", 3), pytest.param("fsdp", 2, marks=pytest.mark.extended)])
 def test_a_synced_rollout_group_generates_with_the_actors_updated_weights(tiny_model_path, tmp_path, ray_cluster,
                                                                           strategy, devices):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.trainer.ppo.trainer_placement import StandaloneRollout
     from verl.workers.fsdp_workers import ActorRolloutRefWorker
-    from verl.workers.rollout.hf_rollout import HFRollout
     from verl.workers.rollout.engine import POLICY_VERSION
 
     config = actor_rollout_ref_config(tiny_model_path, strategy=strategy, ppo_mini_batch_size=4,
@@ -101,14 +118,7 @@ def test_a_synced_rollout_group_generates_with_the_actors_updated_weights(tiny_m
         assert not torch.equal(installed["model.embed_tokens.weight"], original.model.embed_tokens.weight)
 
         # and it generates what a plain HF model with those weights generates, as version 1
-        after = standalone.engine.generate_sequences(prompts)
-        assert after.meta_info[POLICY_VERSION] == 1
-        tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-        prompts.meta_info.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        reference = HFRollout(updated, config.rollout).generate_sequences(prompts)
-        assert after.batch["responses"].shape == (rows, RESPONSE_LEN)
-        for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
-            assert torch.equal(after.batch[key], reference.batch[key]), key
+        _assert_generates_as(standalone, updated, prompts, tiny_model_path, config.rollout)
     finally:
         if standalone is not None:
             standalone.shutdown()
@@ -207,13 +217,11 @@ def test_a_lora_actors_rollout_group_gets_the_adapter_alone_and_generates_as_bas
     import ray
     from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.trainer.ppo.trainer_placement import StandaloneRollout
     from verl.workers.fsdp_workers import ActorRolloutRefWorker
-    from verl.workers.rollout.engine import POLICY_VERSION
-    from verl.workers.rollout.hf_rollout import HFRollout
 
     config = actor_rollout_ref_config(tiny_model_path, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2)
     config.actor.optim.lr = 5e-2
@@ -250,14 +258,8 @@ def test_a_lora_actors_rollout_group_gets_the_adapter_alone_and_generates_as_bas
         # and it generates what PEFT's base + the saved adapter generates, as version 1
         prompts = make_prompts(4, vocab_size=1024, seed=3)
         prompts.meta_info["do_sample"] = False
-        after = standalone.engine.generate_sequences(prompts)
-        assert after.meta_info[POLICY_VERSION] == 1
         reference = PeftModel.from_pretrained(base, tmp_path / "v1").eval()
-        tok = AutoTokenizer.from_pretrained(tiny_model_path)
-        prompts.meta_info.update(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        expected = HFRollout(reference, config.rollout).generate_sequences(prompts)
-        for key in ("responses", "response_mask", "input_ids"):
-            assert torch.equal(after.batch[key], expected.batch[key]), key
+        _assert_generates_as(standalone, reference, prompts, tiny_model_path, config.rollout)
     finally:
         if standalone is not None:
             standalone.shutdown()
