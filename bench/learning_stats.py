@@ -6,12 +6,18 @@ profile that failed before and completed after ("gained") or the reverse ("lost"
 that training did not make completion more likely (a gained and a lost profile equally likely), `gained` is
 Binomial(gained + lost, 1/2); the one-sided exact sign test (McNemar's exact test) gives the probability of at
 least the observed `gained`.
+
+The sign test treats the profiles as the only noise. Two runs of the same settings differ as well when their
+training is not bitwise reproducible (async rollouts batch the agent's turns as the users' answers arrive), so
+settings are compared by whole runs too: `stratified_permutation_test` on a figure per run, several runs per setting.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from collections.abc import Iterable, Mapping
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
@@ -83,3 +89,37 @@ def _paired(before: dict[str, bool], after: dict[str, bool], what: str) -> dict[
     lost = sum(before[k] and not after[k] for k in before)
     return {"n": len(before), "completed_before": sum(before.values()), "completed_after": sum(after.values()),
             "gained": gained, "lost": lost, "p_one_sided": sign_test_one_sided(gained, lost)}
+
+
+def stratified_permutation_test(strata: Sequence[tuple[Sequence[float], Sequence[float]]],
+                                max_arrangements: int = 1_000_000) -> dict[str, Any]:
+    """Do whole runs of two settings differ by more than runs of one setting do? An exact permutation test.
+
+    `strata` holds, per stratum (e.g. a seed), the figure of each run of setting A and of setting B (e.g. the last
+    validation CR). The statistic is the sum over strata of mean(B) - mean(A); under the null hypothesis that the
+    setting does not matter, every split of a stratum's runs into |A| and |B| is equally likely, independently per
+    stratum. Returns {"difference": the statistic divided by the number of strata (the mean within-stratum
+    difference), "p_two_sided": the share of arrangements whose |statistic| is at least the observed one,
+    "arrangements": how many there are}. ValueError on an empty side or more than `max_arrangements`.
+    """
+    if not strata or any(not a or not b for a, b in strata):
+        raise ValueError("stratified_permutation_test: every stratum needs at least one run of each setting")
+    per_stratum = []
+    observed = 0.0
+    for a, b in strata:
+        runs = [float(x) for x in (*a, *b)]
+        if not all(math.isfinite(x) for x in runs):
+            raise ValueError(f"stratified_permutation_test: non-finite figure in {runs}")
+        observed += statistics.fmean(b) - statistics.fmean(a)
+        total = sum(runs)
+        # every choice of which runs are B's gives mean(B) - mean(A) from the sum of the chosen runs
+        per_stratum.append([s / len(b) - (total - s) / len(a)
+                            for s in map(sum, itertools.combinations(runs, len(b)))])
+    arrangements = math.prod(len(d) for d in per_stratum)
+    if arrangements > max_arrangements:
+        raise ValueError(f"stratified_permutation_test: {arrangements} arrangements is over {max_arrangements}")
+    sums = [0.0]
+    for differences in per_stratum:
+        sums = [s + d for s in sums for d in differences]
+    extreme = sum(abs(s) >= abs(observed) - 1e-9 for s in sums)
+    return {"difference": observed / len(strata), "p_two_sided": extreme / arrangements, "arrangements": arrangements}

