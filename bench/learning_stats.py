@@ -104,6 +104,9 @@ def stratified_permutation_test(strata: Sequence[tuple[Sequence[float], Sequence
     """
     if not strata or any(not a or not b for a, b in strata):
         raise ValueError("stratified_permutation_test: every stratum needs at least one run of each setting")
+    arrangements = math.prod(math.comb(len(a) + len(b), len(b)) for a, b in strata)
+    if arrangements > max_arrangements:  # refused before anything is enumerated
+        raise ValueError(f"stratified_permutation_test: {arrangements} arrangements is over {max_arrangements}")
     per_stratum = []
     observed = 0.0
     for a, b in strata:
@@ -115,9 +118,6 @@ def stratified_permutation_test(strata: Sequence[tuple[Sequence[float], Sequence
         # every choice of which runs are B's gives mean(B) - mean(A) from the sum of the chosen runs
         per_stratum.append([s / len(b) - (total - s) / len(a)
                             for s in map(sum, itertools.combinations(runs, len(b)))])
-    arrangements = math.prod(len(d) for d in per_stratum)
-    if arrangements > max_arrangements:
-        raise ValueError(f"stratified_permutation_test: {arrangements} arrangements is over {max_arrangements}")
     sums = [0.0]
     for differences in per_stratum:
         sums = [s + d for s in sums for d in differences]

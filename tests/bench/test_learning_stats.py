@@ -92,6 +92,7 @@ def test_permutation_test_equals_brute_force_over_every_ordering_on_random_strat
 def test_permutation_test_refuses_what_it_cannot_test():
     for strata, match in [([], "at least one run"), ([([0.5], [])], "at least one run"),
                           ([([0.5, float("nan")], [0.6])], "non-finite"),
-                          ([([0.1] * 8, [0.2] * 8)] * 2, "arrangements is over")]:
+                          ([([0.1] * 8, [0.2] * 8)] * 2, "arrangements is over"),
+                          ([([0.1] * 20, [0.2] * 20)], "137846528820 arrangements")]:  # C(40, 20): never enumerated
         with pytest.raises(ValueError, match=match):
             stratified_permutation_test(strata)
