@@ -157,9 +157,9 @@ def print_table(runs: dict[str, dict[str, dict[str, Any]]]) -> None:
     modes = list(dict.fromkeys(r["mode"] for named in runs.values() for r in named.values()))
     for mode in modes[1:]:
         for key, what in (("train_s", "training time"), ("wall_s", "wall time with the validations")):
-            ratios = [named[run_name("sync", r["repeat"])][key] / r[key] for named in runs.values()
-                      for r in named.values() if r["mode"] == mode and r[key]
-                      and named[run_name("sync", r["repeat"])][key]]
+            pairs = [(named[run_name("sync", r["repeat"])][key], r[key]) for named in runs.values()
+                     for r in named.values() if r["mode"] == mode]
+            ratios = [sync / own for sync, own in pairs if sync and own]
             if ratios:
                 print(f"{mode}: sync's {what} / its own, per run {', '.join(f'{x:.2f}' for x in ratios)} "
                       f"(median {statistics.median(ratios):.2f})")
@@ -170,8 +170,8 @@ def last_cr(figures: dict[str, Any]) -> float:
     return figures["val_curve"][max(figures["val_curve"])]
 
 
-def between_runs(runs: dict[str, dict[str, dict[str, Any]]], rollouts: dict[tuple[str, str], Path],
-                 modes: list[str], repeats: int) -> dict[str, Any]:
+def between_runs(args: argparse.Namespace, runs: dict[str, dict[str, dict[str, Any]]], modes: list[str]
+                 ) -> dict[str, Any]:
     """The noise between runs (`--repeats` >= 2): per mode, each repeat's last validation paired by profile with
     the mode's first run of the same seed, and its last validation CR against sync's over all runs."""
     result: dict[str, Any] = {}
@@ -179,10 +179,10 @@ def between_runs(runs: dict[str, dict[str, dict[str, Any]]], rollouts: dict[tupl
         finals: dict[str, list[float]] = {}
         repeat_vs_first: dict[str, list[dict[str, Any]]] = {}
         for seed, named in runs.items():
-            finals[seed] = [last_cr(named[run_name(mode, k)]) for k in range(repeats)]
-            first, last = read_jsonl(rollouts[seed, mode]), max(named["sync"]["val_curve"])
-            repeat_vs_first[seed] = [paired_runs(first, read_jsonl(rollouts[seed, run_name(mode, k)]), last)
-                                     for k in range(1, repeats)]
+            finals[seed] = [last_cr(named[run_name(mode, k)]) for k in range(args.repeats)]
+            logs = [read_jsonl(run_dir(args, int(seed), mode, k) / "rollouts.jsonl") for k in range(args.repeats)]
+            last = max(named["sync"]["val_curve"])
+            repeat_vs_first[seed] = [paired_runs(logs[0], log, last) for log in logs[1:]]
         result[mode] = {"last_cr": finals, "repeat_vs_first": repeat_vs_first}
         if mode != "sync":
             result[mode]["vs_sync"] = stratified_permutation_test(
@@ -247,7 +247,6 @@ def main(argv: list[str] | None = None) -> None:
     load_at_start = os.getloadavg()[0]
     prompt = load_scenario(DEFAULT_SCENARIO_PATH).agent_compact_prompt
     runs: dict[str, dict[str, dict[str, Any]]] = {}
-    rollouts: dict[tuple[str, str], Path] = {}
     for seed in seeds:
         plan = [(mode, repeat) for repeat in range(args.repeats) for mode in modes]  # modes alternate
         if args.report_only:
@@ -258,14 +257,13 @@ def main(argv: list[str] | None = None) -> None:
         named = runs[str(seed)] = {}
         for (mode, k), work in works.items():
             named[run_name(mode, k)] = {"mode": mode, "repeat": k, **run_figures(mode, work, args.target_gain)}
-            rollouts[str(seed), run_name(mode, k)] = work / "rollouts.jsonl"
         last = max(named["sync"]["val_curve"])
         for (mode, k), work in works.items():
             if mode != "sync":
                 named[run_name(mode, k)]["vs_sync"] = paired_runs(
                     read_jsonl(works["sync", k] / "rollouts.jsonl"), read_jsonl(work / "rollouts.jsonl"), last)
     print_table(runs)
-    noise = between_runs(runs, rollouts, modes, args.repeats) if args.repeats > 1 else None
+    noise = between_runs(args, runs, modes) if args.repeats > 1 else None
     if noise:
         print_between_runs(noise)
     args.out.parent.mkdir(parents=True, exist_ok=True)
